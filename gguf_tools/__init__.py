@@ -1,0 +1,1 @@
+"""Read GGUF MoE models, index their experts' byte ranges, and write synthetic MoE models."""

@@ -1,0 +1,73 @@
+"""The ``moe-offload`` console command: one entry point, subcommands registered by modules.
+
+Each module in ``COMMAND_MODULES`` exposes ``register(subparsers)`` which adds its subparser(s)
+and sets ``func`` (a callable taking the parsed ``argparse.Namespace`` and returning an exit
+code) with ``parser.set_defaults(func=...)``. A ``UserError`` raised anywhere becomes one line
+on stderr and a non-zero exit; never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from runtime.errors import UserError
+
+COMMAND_MODULES = [
+    "runtime.commands.inspect",
+    "runtime.commands.synth",
+    "runtime.commands.config",
+    "runtime.commands.trace",
+    "runtime.commands.replay",
+    "runtime.commands.generate",
+    "runtime.commands.serve",
+    "runtime.commands.native",
+    "runtime.commands.bench",
+    "runtime.commands.calibrate",
+    "runtime.commands.demo",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like argparse but without usage spam
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="moe-offload",
+        description="Run mixture-of-experts GGUF models with managed expert residency.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # during development a command may not exist yet
+            if exc.name == name:
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        sys.stderr.write(f"moe-offload: error: {err}\n")
+        return err.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("moe-offload: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per CLI subcommand (or group); each exposes ``register(subparsers)``."""
