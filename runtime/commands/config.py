@@ -1,0 +1,74 @@
+"""``moe-offload config check FILE [-m MODEL.gguf]``: validate a residency config.
+
+Prints each device's resolved capacity in bytes (and in experts, with a model) and the
+policies per phase; exit 0. Any problem is one line naming the file and the key, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+
+from runtime.residency.capacity import probe_device_memory, resolve_budget
+from runtime.residency.config_cli import add_config_arguments, config_from_args
+from runtime.residency.types import Phase
+from runtime.units import format_size
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("config", help="residency configuration tools",
+                                   description="Residency configuration tools.")
+    sub = parser.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    check = sub.add_parser(
+        "check", help="validate a residency config TOML and print resolved capacities",
+        description="Validate a residency config TOML; print each device's resolved expert "
+                    "budget in bytes (and in experts with -m). Flags override the file.")
+    check.add_argument("file", metavar="FILE", help="residency config TOML")
+    check.add_argument("-m", "--model", metavar="MODEL.gguf", default=None,
+                       help="a GGUF model: check budgets against its expert sizes")
+    add_config_arguments(check, config_file_flag=False)
+    check.set_defaults(func=run_check)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def run_check(args: argparse.Namespace) -> int:
+    config = config_from_args(args, path=args.file)
+    facts = None
+    if args.model is not None:
+        from gguf_tools.facts import read_model_facts
+        facts = read_model_facts(args.model)
+    moe_bytes = [b for b in facts.expert_bytes if b > 0] if facts else []
+    largest = max(moe_bytes) if moe_bytes else None
+    mean = sum(moe_bytes) / len(moe_bytes) if moe_bytes else None
+    lines = [f"{args.file}: ok"]
+    if facts is not None:
+        lines.append(f"  model {facts.path}: {len(moe_bytes)} MoE layers x {facts.n_expert} "
+                     f"experts, largest expert {largest} bytes, all experts "
+                     f"{facts.total_expert_bytes} bytes")
+    if not config.devices:
+        lines.append("  devices: none configured (each device gets 'auto' when used)")
+    for budget in config.devices:
+        mem = probe_device_memory(budget.device)
+        free, total = mem if mem is not None else (None, None)
+        capacity = resolve_budget(budget, free_bytes=free, total_bytes=total,
+                                  largest_expert=largest, source=config.source)
+        line = f"  devices.{budget.device} = {budget.text!r}: {capacity} bytes ({format_size(capacity)})"
+        if mean:
+            line += f", ~{int(capacity // mean)} experts"
+            if facts is not None:
+                share = capacity / max(1, facts.total_expert_bytes)
+                line += f" ({min(share, 1.0):.1%} of the model's expert bytes)"
+        if mem is None:
+            line += "; device memory unknown here (not checked against it)"
+        lines.append(line)
+    lines.append(f"  policy.phase_specific = {str(config.phase_specific).lower()}")
+    for phase in (Phase.PREFILL, Phase.DECODE):
+        pp = config.policies_for(phase)
+        parts = []
+        for role in ("admission", "prefetch", "eviction"):
+            spec = getattr(pp, role)
+            params = ", ".join(f"{k}={v:g}" for k, v in spec.params)
+            parts.append(f"{role}={spec.name}" + (f"({params})" if params else ""))
+        lines.append(f"  {phase.label}: " + " ".join(parts))
+    c = config.cost
+    lines.append("  cost: " + " ".join(f"{k}={getattr(c, k):g}" for k in c.__dataclass_fields__))
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,186 @@
+"""``moe-offload complete`` and ``moe-offload chat``: llama.cpp-style text generation.
+
+    moe-offload complete -m MODEL -p PROMPT [-n N] [--temp T] ...   # text on stdout only
+    moe-offload chat -m MODEL [--system TEXT]                       # multi-turn; /exit ends
+
+stdout carries only generated text; the loading bar, errors and the closing timings line
+(prompt t/s, generation t/s, expert hit rate) go to stderr. In chat, Ctrl-C stops the reply
+being written (the program goes on); Ctrl-C or Ctrl-D at the prompt ends it. Piped stdin
+works: each line is one user turn.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from runtime.errors import UserError
+
+_FMT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
+
+    comp = subparsers.add_parser(
+        "complete", help="complete a prompt (text to stdout)", formatter_class=_FMT,
+        description="Continue PROMPT with the model, streaming only the generated text to "
+                    "stdout; timings and expert hit rate go to stderr.")
+    src = comp.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
+    add_engine_args(comp)
+    add_sampling_args(comp)
+    comp.set_defaults(func=run_complete)
+
+    chat = subparsers.add_parser(
+        "chat", help="chat with a model in the terminal", formatter_class=_FMT,
+        description="Multi-turn chat using the model's chat template. Type /exit to quit, "
+                    "/reset to forget the conversation; Ctrl-C stops the current reply.")
+    chat.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat, predict_default=512)
+    chat.set_defaults(func=run_chat)
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        return Path(args.file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{args.file}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{args.file}: cannot read ({exc})") from None
+
+
+@contextlib.contextmanager
+def _engine_errors(model: str):
+    """A failure inside generation (llama_decode, a routing observer) is one line, not a
+    traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except RuntimeError as exc:
+        raise UserError(f"{model}: generation failed: {exc}") from exc
+
+
+def _write(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def run_complete(args: argparse.Namespace) -> int:
+    """Stream one completion to stdout; the timings line to stderr."""
+    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.engine import Engine  # noqa: PLC0415
+
+    prompt = _prompt_text(args)
+    params = sampling_from_args(args)
+    with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+        last = None
+        for chunk in engine.generate(prompt, params):
+            _write(chunk.text)
+            last = chunk
+    _write("\n") if sys.stdout.isatty() else None
+    if last is not None and last.timings is not None:
+        sys.stderr.write(last.timings.summary() + "\n")
+    return 0
+
+
+@contextlib.contextmanager
+def _sigint_sets(event: threading.Event):
+    """While inside: Ctrl-C sets ``event`` instead of raising KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The next user line; None at end of input (Ctrl-D, Ctrl-C, end of the pipe)."""
+    try:
+        if interactive:
+            sys.stderr.write("\n> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:
+        return None
+    return None if line == "" else line.rstrip("\n")
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """The chat loop: history, /exit, /reset, Ctrl-C stops a reply."""
+    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.engine import Engine  # noqa: PLC0415
+    from runtime.engine.types import ContextLengthError, Timings  # noqa: PLC0415
+
+    params = sampling_from_args(args)
+    interactive = sys.stdin.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    totals: list[Timings] = []
+    with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+        if interactive:
+            sys.stderr.write(f"{engine.model_name}: chat ready. /exit quits, /reset forgets, "
+                             "Ctrl-C stops a reply.\n")
+        messages = list(system)
+        while True:
+            line = _read_turn(interactive)
+            if line is None or line.strip() == "/exit":
+                break
+            if line.strip() == "/reset":
+                messages = list(system)
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            try:
+                reply, timings = _reply(engine, messages, params)
+            except ContextLengthError as exc:
+                sys.stderr.write(f"moe-offload: {exc}; conversation reset\n")
+                messages = list(system)
+                continue
+            messages.append({"role": "assistant", "content": reply})
+            if timings is not None:
+                totals.append(timings)
+    if interactive:
+        sys.stderr.write("\n")
+    if totals:
+        sys.stderr.write(_sum_timings(totals).summary() + "\n")
+    return 0
+
+
+def _reply(engine, messages: list[dict[str, str]], params):
+    """Stream one assistant reply to stdout; Ctrl-C ends it early. (reply text, timings)"""
+    cancel = threading.Event()
+    parts: list[str] = []
+    timings = None
+    with _sigint_sets(cancel):
+        for chunk in engine.generate(engine.chat_prompt(messages), params, cancel=cancel):
+            _write(chunk.text)
+            parts.append(chunk.text)
+            timings = chunk.timings or timings
+    _write("\n")
+    return "".join(parts), timings
+
+
+def _sum_timings(items):
+    from runtime.engine.types import Timings  # noqa: PLC0415
+
+    hits = [t.expert_hits for t in items if t.expert_hits is not None]
+    accesses = [t.expert_accesses for t in items if t.expert_accesses is not None]
+    return Timings(prompt_tokens=sum(t.prompt_tokens for t in items),
+                   prompt_s=sum(t.prompt_s for t in items),
+                   completion_tokens=sum(t.completion_tokens for t in items),
+                   generation_s=sum(t.generation_s for t in items),
+                   expert_hits=sum(hits) if hits else None,
+                   expert_accesses=sum(accesses) if accesses else None)

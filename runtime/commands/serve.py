@@ -1,0 +1,139 @@
+"""``moe-offload serve``: the OpenAI-compatible HTTP server (like llama.cpp's ``llama-server``).
+
+    moe-offload serve -m MODEL [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--alias NAME]
+
+The port is bound first (so a busy port is a one-line error), then the server answers at once
+while the model loads in the background: ``/health`` is 503 until the model is ready. A model
+that fails to load stops the server with a one-line error and a non-zero exit.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from runtime.errors import UserError
+
+log = logging.getLogger("moe_offload.server")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where there is a value to show (not None, not False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from runtime.engine.cli_args import add_engine_args
+
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve one model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
+                    "/v1/completions, /v1/models, /v1/residency, /metrics, /health.",
+        formatter_class=_HelpFormatter)
+    add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (0.0.0.0 exposes the server to the network)")
+    group.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
+    group.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                            "(default: the MOE_OFFLOAD_API_KEY environment variable, if set)")
+    group.add_argument("--alias", default=None, metavar="NAME",
+                       help="model name shown by /v1/models and in answers (default: the "
+                            "model file's name without .gguf)")
+    group.add_argument("--queue-size", type=int, default=16, metavar="N",
+                       help="requests that may wait behind the running one; more get 429")
+    parser.set_defaults(func=run)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind and listen now, so errors are reported before anything loads."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port: {port} is not a TCP port (0-65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host}: cannot resolve ({exc.strerror})") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"{host}:{port}: cannot listen ({exc.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("moe-offload: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; 0 on a clean stop, a UserError if the model cannot load."""
+    import uvicorn
+
+    from runtime.engine.cli_args import settings_from_args
+    from runtime.engine.engine import Engine
+    from runtime.server.app import ServerSettings, create_app
+
+    settings = settings_from_args(args)
+    model_path = Path(settings.model_path)
+    if not model_path.is_file():
+        raise UserError(f"{model_path}: no such model file")
+    if args.queue_size < 0:
+        raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key: must not be empty")
+    model_id = args.alias or model_path.name.removesuffix(".gguf")
+
+    _setup_logging()
+    sock = _listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown_host = f"[{host}]" if ":" in host else host
+    load_error: list[str] = []
+    server_box: list[uvicorn.Server] = []
+    ready = threading.Event()
+
+    def on_ready() -> None:
+        ready.set()
+        log.info("model %s ready; serving http://%s:%d/v1", model_id, shown_host, port)
+
+    def on_failure(message: str) -> None:
+        load_error.append(message)
+        if server_box:
+            server_box[0].should_exit = True
+
+    app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
+                                    max_waiting=args.queue_size),
+                     lambda: Engine(settings, progress=True),
+                     on_ready=on_ready, on_load_failure=on_failure)
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    server_box.append(server)
+    log.info("listening on http://%s:%d (loading %s)", shown_host, port, model_path.name)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if load_error:
+        message = load_error[0]
+        raise UserError(message if message.startswith(str(model_path)) else
+                        f"{model_path}: {message}")
+    return 0

@@ -1,0 +1,43 @@
+"""A reusable single-sequence ``llama_batch`` with numpy views over its arrays."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class TokenBatch:
+    """``llama_batch_init(capacity, 0, 1)`` filled in place: tokens, positions, outputs."""
+
+    def __init__(self, capacity: int):
+        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+        self._ll = bindings()
+        self.capacity = int(capacity)
+        self.batch = self._ll.llama_batch_init(self.capacity, 0, 1)
+        b = self.batch
+        self._token = np.ctypeslib.as_array(b.token, shape=(self.capacity,))     # int32
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.capacity,))         # int32
+        self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.capacity,))  # int32
+        self._output = np.ctypeslib.as_array(b.logits, shape=(self.capacity,))   # int8
+        for i in range(self.capacity):
+            b.seq_id[i][0] = 0                 # one sequence, id 0, for every slot
+        self._n_seq[:] = 1
+
+    def fill(self, tokens: Sequence[int], first_pos: int, *, all_outputs: bool) -> int:
+        """Load ``tokens`` at positions ``first_pos..``; returns how many logits rows are
+        requested (the last token's only, unless ``all_outputs``)."""
+        n = len(tokens)
+        if not 0 < n <= self.capacity:
+            raise ValueError(f"batch of {n} tokens (capacity {self.capacity})")
+        self._token[:n] = tokens
+        self._pos[:n] = np.arange(first_pos, first_pos + n, dtype=np.int32)
+        self._output[:n] = 1 if all_outputs else 0
+        self._output[n - 1] = 1
+        self.batch.n_tokens = n
+        return n if all_outputs else 1
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self._ll.llama_batch_free(self.batch)
+            self.batch = None

@@ -1,0 +1,73 @@
+"""Chat prompts from the model's own template (GGUF ``tokenizer.chat_template``).
+
+Rendered with jinja2 in a sandbox, with the variables and helpers Hugging Face templates use
+(``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``raise_exception``,
+``strftime_now``, ``tojson``) — the same way llama-cpp-python's ``Jinja2ChatFormatter`` does.
+A model without a template gets ChatML, llama.cpp's own fallback.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.errors import UserError
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _raise(message: str) -> None:
+    raise UserError(f"chat template: {message}")
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class ChatTemplate:
+    """A compiled chat template; ``render(messages)`` gives the prompt text."""
+
+    def __init__(self, source: str | None, *, bos_token: str, eos_token: str):
+        self.source = source or CHATML
+        self.builtin = source is None
+        self.bos_token, self.eos_token = bos_token, eos_token
+        env = ImmutableSandboxedEnvironment(loader=jinja2.BaseLoader(), trim_blocks=True,
+                                            lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(self.source)
+        except jinja2.TemplateError as exc:
+            raise UserError(f"chat template: cannot parse ({exc})") from None
+
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The prompt for ``messages`` (each ``{"role": ..., "content": ...}``)."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES \
+                    or not isinstance(m.get("content"), str):
+                raise UserError(f"messages[{i}]: needs a role in {ROLES} and string content")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token,
+                raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f))
+        except jinja2.TemplateError as exc:
+            raise UserError(f"chat template: {exc}") from None
+
+
+def model_template_source(model: int) -> str | None:
+    """``tokenizer.chat_template`` of a loaded model, or None."""
+    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+    raw = bindings().llama_model_chat_template(model, None)
+    return raw.decode("utf-8") if raw else None

@@ -1,0 +1,89 @@
+"""The llama.cpp-style flags every model-running command shares (complete, chat, serve, trace
+record), and their translation into ``EngineSettings`` / ``SamplingParams``.
+
+    parser = subparsers.add_parser(..., formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(parser)                 # -m -c -t -ngl -b -ub -s -v --config --no-residency
+    add_sampling_args(parser)               # -n --temp --top-p --top-k --min-p ...
+    settings = settings_from_args(args)
+    params = sampling_from_args(args)
+"""
+from __future__ import annotations
+
+import argparse
+
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.types import EngineSettings
+from runtime.errors import UserError
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = True,
+                    residency: bool = True) -> None:
+    """Model, context, threads, placement and (unless ``residency=False``) residency flags,
+    with llama.cpp's names."""
+    from runtime.residency.config_cli import add_config_arguments  # noqa: PLC0415
+
+    g = parser.add_argument_group("model and runtime")
+    g.add_argument("-m", "--model", required=model_required, metavar="FILE",
+                   help="GGUF model file")
+    g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
+                   help="context size in tokens (0 = the model's training context)")
+    g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: half the cores for generation, all for prompts)")
+    g.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int,
+                   default=0, metavar="N",
+                   help="layers whose dense weights go to the GPU (-1 = all); experts are "
+                        "placed by the residency manager")
+    g.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="logical batch: max prompt tokens per decode call")
+    g.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="physical batch: max tokens per graph evaluation")
+    g.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="off",
+                   help="flash attention (off matches plain llama-cpp-python exactly)")
+    g.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed (-1 = random)")
+    if residency:
+        g.add_argument("--no-residency", action="store_true",
+                       help="plain llama.cpp placement: no residency manager, no routing hook")
+    g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
+    if residency:
+        add_config_arguments(parser)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int = 128) -> None:
+    """Generation length and sampler flags (llama.cpp's names and defaults)."""
+    d = SamplingParams()
+    g = parser.add_argument_group("sampling")
+    g.add_argument("-n", "--predict", "--n-predict", dest="predict", type=int,
+                   default=predict_default, metavar="N",
+                   help="tokens to generate (-1 = until the context is full)")
+    g.add_argument("--temp", type=float, default=d.temperature,
+                   help="temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling (1.0 = off)")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="top-k sampling (0 = off)")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="min-p sampling (0.0 = off)")
+    g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty,
+                   help="penalise the last 64 tokens' repeats (1.0 = off)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+
+
+def settings_from_args(args: argparse.Namespace) -> EngineSettings:
+    """``EngineSettings`` from parsed ``add_engine_args`` flags (UserError on bad values)."""
+    from runtime.residency.config_cli import config_from_args  # noqa: PLC0415
+
+    manage = hasattr(args, "no_residency") and not args.no_residency
+    config = config_from_args(args) if manage else None
+    return EngineSettings(
+        model_path=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
+        n_gpu_layers=args.gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+        seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
+        verbose=args.verbose, config=config, flash_attn=args.flash_attn)
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """``SamplingParams`` from parsed ``add_sampling_args`` (+ ``-s``) flags."""
+    if args.predict == 0 or args.predict < -1:
+        raise UserError(f"--predict: {args.predict} must be positive, or -1 for no limit")
+    return SamplingParams(max_tokens=args.predict, temperature=args.temp, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty,
+                          seed=getattr(args, "seed", -1), stop=list(args.stop))

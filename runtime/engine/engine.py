@@ -1,0 +1,373 @@
+"""Engine: one GGUF model on llama.cpp, generating token by token, with its routing feeding
+the residency manager live.
+
+    engine = Engine(EngineSettings(model_path="model.gguf"))
+    for chunk in engine.generate("Once upon a time", SamplingParams(max_tokens=32)):
+        print(chunk.text, end="")
+    engine.close()
+
+Load order: model facts and residency config (cheap checks first), then the manager and the
+placement it implies (``tensor_buft_overrides``), then the model, the context (with the routing
+hook as ``cb_eval`` when residency is managed or routes are recorded), then the optional tiers
+(``runtime.ramtier``, ``runtime.native.device_cache``) attach, then the manager's live feed.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+from gguf_tools.facts import read_model_facts
+from runtime.engine import llama_lib
+from runtime.engine.batch import TokenBatch
+from runtime.engine.chat import ChatTemplate, model_template_source
+from runtime.engine.loading import load_with_progress, make_context_params
+from runtime.engine.placement import Placement, plan_placement
+from runtime.engine.residency_observer import ResidencyObserver
+from runtime.engine.routing_hook import RouteAssembler, RouteObserver, RoutingHook
+from runtime.engine.sampling import Sampler, SamplingParams, TextStream
+from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
+                                  GenerationChunk, Timings, Usage)
+from runtime.errors import UserError
+from runtime.residency.types import Phase
+
+__all__ = ["Engine", "EngineSettings", "SamplingParams", "GenerationChunk"]
+
+_DEVICE_ORDER = ("cuda", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
+
+
+def _optional_attach(module_name: str, engine: Engine):
+    """``module.attach(engine)`` if the module exists (None otherwise)."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return None
+        raise
+    if getattr(module, "__file__", None) is None:   # a bare namespace folder: not built yet
+        return None
+    return module.attach(engine)
+
+
+class Engine:
+    """A loaded model and its context; one generation at a time (see contracts.md)."""
+
+    def __init__(self, settings: EngineSettings, *, progress: bool = True):
+        self.settings = settings
+        self.model_ptr = self.ctx_ptr = 0
+        self._batch = None
+        self._attached: list[object] = []
+        path = settings.model_path
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: no such model file")
+        self.facts = read_model_facts(path)
+        self.model_name = os.path.basename(path)
+        self.config = self._residency_config()
+        llama_lib.select_library_dir(settings.lib_dir)
+        self._ll = llama_lib.bindings()
+        llama_lib.set_logging(settings.verbose)
+        has_gpu = any(d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU
+                      for d in llama_lib.devices())
+        self.manager = self._make_manager(has_gpu)
+        self.placement = self._placement(has_gpu)
+        self._overrides = llama_lib.BuftOverrides(
+            [(pattern, self._buffer_type(target)) for pattern, target in self.placement.rules])
+        self.model_ptr = load_with_progress(settings, self._overrides, progress=progress)
+        self.hook = None
+        if settings.manage_residency or settings.capture_all_tokens:
+            assembler = RouteAssembler(self.facts.moe_layers, self.facts.n_expert_used,
+                                       self.facts.n_layer)
+            assembler.strict = settings.capture_all_tokens
+            self.hook = RoutingHook(assembler)
+        params = make_context_params(settings, self.hook)
+        self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
+        self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
+        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
+        self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
+        self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
+        self._batch = TokenBatch(self.n_batch)
+        self._kv: list[int] = []            # tokens in the KV cache, sequence 0, in order
+        self._busy = threading.Lock()
+        self._turn = 0
+        self._template: ChatTemplate | None = None
+        self._attach_tiers()
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _residency_config(self):
+        if not self.settings.manage_residency:
+            return None
+        if self.settings.config is not None:
+            return self.settings.config
+        from runtime.residency.config import load_config  # noqa: PLC0415
+
+        return load_config(self.settings.config_path)
+
+    def _make_manager(self, has_gpu: bool):
+        if self.config is None:
+            self.residency_devices: tuple[str, ...] = ()
+            return None
+        from runtime.residency.capacity import probe_device_memory, register_gpu_memory_probe
+        from runtime.residency.manager import ExpertResidencyManager  # noqa: PLC0415
+
+        if has_gpu:
+            register_gpu_memory_probe(_gpu_memory)
+        names = [b.device for b in self.config.devices] or ["cuda:0" if has_gpu else "cpu"]
+        names.sort(key=lambda d: _DEVICE_ORDER.index(d.split(":")[0]))
+        self.residency_devices = tuple(names)
+        manager = ExpertResidencyManager(self.config)
+        manager.bind_model(self.facts.expert_bytes, self.facts.n_expert)
+        for device in names:
+            memory = probe_device_memory(device)
+            free, total = memory if memory is not None else (None, None)
+            manager.resolve_device(device, free_bytes=free, total_bytes=total)
+        return manager
+
+    def _placement(self, has_gpu: bool) -> Placement:
+        gpu_budget = None
+        configured = {b.device for b in self.config.devices} if self.config else set()
+        if has_gpu and "cuda:0" in configured and self.manager is not None:
+            gpu_budget = self.manager.capacity("cuda:0")
+        native = importlib.util.find_spec("runtime.native") is not None and any(
+            d.startswith("cuda:") or d == "cpu-slots" for d in configured)
+        return plan_placement(manage_residency=self.settings.manage_residency,
+                              expert_bytes=self.facts.expert_bytes, n_expert=self.facts.n_expert,
+                              moe_layers=self.facts.moe_layers, gpu_budget_bytes=gpu_budget,
+                              native_cache=native)
+
+    @staticmethod
+    def _buffer_type(target: str) -> int:
+        if target == "cpu":
+            return llama_lib.cpu_buffer_type()
+        gpus = [d for d in llama_lib.devices() if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+        return llama_lib.device_buffer_type(gpus[0])
+
+    def _attach_tiers(self) -> None:
+        """Let the RAM tier / native device cache attach; feed the other devices ourselves."""
+        if self.manager is None:
+            return
+        configured = {b.device for b in self.config.devices}
+        claimed: set[str] = set()
+        if "cpu" in configured:
+            tier = _optional_attach("runtime.ramtier", self)
+            if tier is not None:
+                self._attached.append(tier)
+                claimed.add("cpu")
+        cache_devices = {d for d in configured if d.startswith("cuda:") or d == "cpu-slots"}
+        if cache_devices:
+            cache = _optional_attach("runtime.native.device_cache", self)
+            if cache is not None:
+                self._attached.append(cache)
+                claimed |= cache_devices
+        fed = [d for d in self.residency_devices if d not in claimed]
+        if fed:
+            self.add_route_observer(ResidencyObserver(self.manager, fed))
+
+    # -- public API -------------------------------------------------------------------------
+
+    def add_route_observer(self, observer: RouteObserver) -> None:
+        """Receive every route event (requires the hook: residency on, or recording)."""
+        if self.hook is None:
+            raise RuntimeError("routing hook is off (manage_residency=False): no route events")
+        self.hook.assembler.observers.append(observer)
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are parsed as such.
+        A BOS the text already starts with is not doubled."""
+        raw = text.encode("utf-8")
+        cap = len(raw) + 8
+        buf = (self._ll.llama_token * cap)()
+        n = self._ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, True)
+        if n < 0:
+            cap = -n
+            buf = (self._ll.llama_token * cap)()
+            n = self._ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, True)
+        tokens = list(buf[:n])
+        bos = self._ll.llama_vocab_bos(self._vocab)
+        if add_special and len(tokens) >= 2 and tokens[0] == tokens[1] == bos:
+            tokens.pop(0)
+        return tokens
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes one token renders as (control tokens: b"" unless ``special``)."""
+        buf = ctypes_buffer(64)
+        n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes_buffer(-n)
+            n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return bytes(buf[:n])
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore")
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The prompt for ``messages`` by the model's chat template (ChatML if it has none)."""
+        if self._template is None:
+            text = lambda tok: self.token_bytes(tok, special=True).decode("utf-8", "ignore")  # noqa: E731
+            bos, eos = (self._ll.llama_vocab_bos(self._vocab), self._ll.llama_vocab_eos(self._vocab))
+            self._template = ChatTemplate(model_template_source(self.model_ptr),
+                                          bos_token=text(bos) if bos >= 0 else "",
+                                          eos_token=text(eos) if eos >= 0 else "")
+        return self._template.render(messages)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, *,
+                 cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
+        """Stream the completion of ``prompt``. Raises ContextLengthError at once when the
+        prompt does not fit; the iterator raises EngineBusyError if another one is running."""
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not tokens:
+            bos = self._ll.llama_vocab_bos(self._vocab)
+            if bos < 0:
+                raise UserError("prompt: empty, and the model has no BOS token")
+            tokens = [bos]
+        if len(tokens) >= self.n_ctx:
+            raise ContextLengthError(len(tokens), self.n_ctx)
+        return self._run(tokens, params, cancel)
+
+    def reset(self) -> None:
+        """Forget the KV cache: the next prompt is evaluated from its first token."""
+        with self._busy:
+            self._forget_from(0)
+
+    def close(self) -> None:
+        """Free the context and model (idempotent)."""
+        for part in reversed(self._attached):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+        self._attached.clear()
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        if self.ctx_ptr:
+            self._ll.llama_free(self.ctx_ptr)
+            self.ctx_ptr = 0
+        if self.model_ptr:
+            self._ll.llama_model_free(self.model_ptr)
+            self.model_ptr = 0
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- generation -------------------------------------------------------------------------
+
+    def _run(self, tokens: list[int], params: SamplingParams,
+             cancel: threading.Event | None) -> Iterator[GenerationChunk]:
+        if not self._busy.acquire(blocking=False):
+            raise EngineBusyError("the engine is already generating")
+        sampler = None
+        try:
+            if self.hook is not None:
+                self.hook.assembler.turn = self._turn
+            self._turn += 1
+            before = self._counters()
+            t0 = time.perf_counter()
+            evaluated = self._prefill(tokens, cancel)
+            t1 = time.perf_counter()
+            room = self.n_ctx - len(tokens)
+            max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
+            sampler = Sampler(params, self.n_vocab)
+            stream = TextStream(params.stop)
+            generated, finish = 0, "length"
+            while generated < max_new:
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+                token = sampler.sample(self.ctx_ptr, -1)
+                if self._ll.llama_vocab_is_eog(self._vocab, token):
+                    finish = "stop"
+                    break
+                generated += 1
+                text = stream.feed(self.token_bytes(token))
+                yield GenerationChunk(text=text, token=token)
+                if stream.stopped:
+                    finish = "stop"
+                    break
+                if generated < max_new:
+                    self._decode([token], len(self._kv), Phase.DECODE)
+            if evaluated is None:
+                finish = "cancelled"
+            t2 = time.perf_counter()
+            hits, accesses = self._counters_since(before)
+            timings = Timings(prompt_tokens=evaluated or 0, prompt_s=t1 - t0,
+                              completion_tokens=generated, generation_s=t2 - t1,
+                              expert_hits=hits, expert_accesses=accesses)
+            yield GenerationChunk(text=stream.finish(), token=None, finish_reason=finish,
+                                  usage=Usage(len(tokens), generated), timings=timings)
+        finally:
+            if sampler is not None:
+                sampler.close()
+            self._busy.release()
+
+    def _prefill(self, tokens: list[int], cancel: threading.Event | None) -> int | None:
+        """Bring the KV cache to ``tokens`` (reusing the longest common prefix); returns the
+        number of tokens evaluated, or None when cancelled."""
+        keep = 0
+        for a, b in zip(self._kv, tokens):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(tokens) - 1)      # the last prompt token is always evaluated
+        self._forget_from(keep)
+        for start in range(keep, len(tokens), self.n_batch):
+            if cancel is not None and cancel.is_set():
+                return None
+            self._decode(tokens[start:start + self.n_batch], start, Phase.PREFILL)
+        return len(tokens) - keep
+
+    def _decode(self, tokens: list[int], first_pos: int, phase: Phase) -> None:
+        all_outputs = self.settings.capture_all_tokens and phase == Phase.PREFILL
+        n_outputs = self._batch.fill(tokens, first_pos, all_outputs=all_outputs)
+        if self.hook is not None:
+            self.hook.begin_batch(phase, first_pos, len(tokens), n_outputs)
+        rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
+        try:
+            if rc != 0:
+                if self.hook is not None:
+                    self.hook.assembler.abort_batch()
+                raise RuntimeError(f"llama_decode failed (status {rc}) at position {first_pos}")
+            if self.hook is not None:
+                self.hook.end_batch()
+        except BaseException:
+            self._forget_from(first_pos)
+            raise
+        self._kv.extend(tokens)
+
+    def _forget_from(self, pos: int) -> None:
+        if pos < len(self._kv) or pos == 0:
+            memory = self._ll.llama_get_memory(self.ctx_ptr)
+            self._ll.llama_memory_seq_rm(memory, 0, pos, -1)
+            del self._kv[pos:]
+
+    def _counters(self) -> tuple[int, int] | None:
+        """(hits, accesses) on the fastest managed device, or None when unmanaged."""
+        if self.manager is None or not self.residency_devices:
+            return None
+        total = self.manager.snapshot().device(self.residency_devices[0]).total
+        return total.hits, total.accesses
+
+    def _counters_since(self, before: tuple[int, int] | None) -> tuple[int | None, int | None]:
+        after = self._counters()
+        if before is None or after is None:
+            return None, None
+        return after[0] - before[0], after[1] - before[1]
+
+
+def ctypes_buffer(size: int):
+    import ctypes  # noqa: PLC0415
+
+    return (ctypes.c_char * size)()
+
+
+def _gpu_memory(index: int) -> tuple[int, int] | None:
+    """The registered GPU probe: (free, total) bytes of the index-th GPU, from ggml."""
+    gpus = [d for d in llama_lib.devices() if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+    if index >= len(gpus):
+        return None
+    return gpus[index].free_bytes, gpus[index].total_bytes

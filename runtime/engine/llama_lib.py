@@ -1,0 +1,344 @@
+"""Low-level access to llama.cpp through llama-cpp-python 0.3.36's ctypes bindings.
+
+What the high-level ``llama_cpp.Llama`` cannot do and the engine needs: pick the ``libllama``
+directory before the bindings load (``LLAMA_CPP_LIB_PATH``), build ``tensor_buft_overrides``
+(a NULL-terminated ``{const char *pattern; ggml_backend_buffer_type_t buft}`` array), set
+``cb_eval``, read ggml tensors inside that callback, and silence or show llama.cpp's log.
+
+ggml is opened BY SONAME (``libggml-base.so.0``, ``libggml.so.0``): libllama already loaded
+those through its RUNPATH, and glibc hands back the same copy for the same soname. Opening
+``.../lib/libggml-base.so`` by path would map a second copy (the wheel ships ``.so`` and
+``.so.0`` as separate files) with its own CPU buffer-type pointer and statics.
+
+Usage::
+
+    select_library_dir(None)          # or a patched build's directory, before anything else
+    llama = bindings()                # imports llama_cpp (once)
+    set_logging(verbose=False)
+    model = load_model(path, n_gpu_layers=0, overrides=[(EXPERT_PATTERN, cpu_buffer_type())])
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
+
+# Routed-expert weight tensors (llama.cpp's own --cpu-moe pattern, plus merged gate_up).
+EXPERT_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+_GGML_MAX_DIMS = 4
+_GGML_MAX_SRC = 10
+_GGML_MAX_OP_PARAMS = 64
+_GGML_MAX_NAME = 64
+
+# ggml_type -> numpy dtype, for the tensor types router outputs use.
+_NUMPY_TYPES = {i: np.dtype(t) for i, t in ((0, np.float32), (1, np.float16), (24, np.int8),
+                                            (25, np.int16), (26, np.int32), (27, np.int64),
+                                            (28, np.float64))}
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_ACCEL = 2
+GGML_BACKEND_DEVICE_TYPE_IGPU = 3
+
+
+class GgmlTensor(ctypes.Structure):
+    """``struct ggml_tensor`` of ggml 0.25.3 (ggml.h). Checked against ``ggml_get_name``."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),    # elements per dim, ne[0] contiguous
+        ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),   # stride per dim, bytes
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (_GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * _GGML_MAX_SRC),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * _GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+NAME_OFFSET = GgmlTensor.name.offset  # bytes from a tensor pointer to its name
+
+
+class BuftOverride(ctypes.Structure):
+    """``struct llama_model_tensor_buft_override`` (llama.h)."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class BackendDevice:
+    """One ggml backend device as the registry reports it."""
+
+    index: int
+    name: str            # e.g. "CPU", "CUDA0"
+    kind: int            # GGML_BACKEND_DEVICE_TYPE_*
+    free_bytes: int
+    total_bytes: int
+    handle: int          # ggml_backend_dev_t
+
+
+# -- library selection ---------------------------------------------------------------------
+
+def select_library_dir(path: str | os.PathLike[str] | None) -> None:
+    """Choose the directory ``libllama.so`` loads from (None: the wheel's own).
+
+    Must run before ``llama_cpp`` is first imported in this process; afterwards only the
+    directory already loaded is accepted (RuntimeError otherwise: one process, one library).
+    """
+    wanted = None if path is None else os.path.abspath(os.fspath(path))
+    if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
+        loaded = os.environ.get(LIB_PATH_ENV)
+        loaded = None if loaded is None else os.path.abspath(loaded)
+        if wanted is not None and wanted != loaded:
+            raise RuntimeError(f"llama_cpp is already loaded from {loaded or 'the wheel'}; "
+                               f"cannot switch to {wanted} in this process")
+        return
+    if wanted is None:
+        return
+    if not os.path.isfile(os.path.join(wanted, "libllama.so")):
+        raise FileNotFoundError(f"{wanted}: no libllama.so in this directory")
+    os.environ[LIB_PATH_ENV] = wanted
+
+
+_bindings: ModuleType | None = None
+
+
+def bindings() -> ModuleType:
+    """The ``llama_cpp.llama_cpp`` ctypes module (imported once; backend initialised)."""
+    global _bindings
+    if _bindings is None:
+        import llama_cpp.llama_cpp as ll  # noqa: PLC0415 - must follow select_library_dir
+        ll.llama_backend_init()
+        _bindings = ll
+    return _bindings
+
+
+class _Ggml:
+    """ggml functions the engine calls, from the libraries libllama already loaded."""
+
+    def __init__(self) -> None:
+        bindings()  # loads libllama, which pulls libggml*.so.0 by soname
+        base = ctypes.CDLL("libggml-base.so.0")
+        reg = ctypes.CDLL("libggml.so.0")
+        self.base, self.reg = base, reg
+        base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                                 ctypes.c_size_t, ctypes.c_size_t]
+        base.ggml_backend_tensor_get.restype = None
+        base.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        base.ggml_nbytes.restype = ctypes.c_size_t
+        base.ggml_get_name.argtypes = [ctypes.c_void_p]
+        base.ggml_get_name.restype = ctypes.c_void_p
+        base.ggml_backend_cpu_buffer_type.argtypes = []
+        base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+        base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+        base.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_dev_name.restype = ctypes.c_char_p
+        base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_dev_type.restype = ctypes.c_int
+        base.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_size_t),
+                                                 ctypes.POINTER(ctypes.c_size_t)]
+        base.ggml_backend_dev_memory.restype = None
+        base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_buft_name.restype = ctypes.c_char_p
+        reg.ggml_backend_dev_count.argtypes = []
+        reg.ggml_backend_dev_count.restype = ctypes.c_size_t
+        reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+        reg.ggml_backend_dev_get.restype = ctypes.c_void_p
+
+
+_ggml: _Ggml | None = None
+
+
+def ggml() -> _Ggml:
+    """The ggml handles (opened by soname after libllama is loaded)."""
+    global _ggml
+    if _ggml is None:
+        _ggml = _Ggml()
+    return _ggml
+
+
+# -- devices and buffer types --------------------------------------------------------------
+
+def devices() -> list[BackendDevice]:
+    """Every device the ggml registry knows (CPU always; GPUs when the build has them)."""
+    g = ggml()
+    out = []
+    for i in range(g.reg.ggml_backend_dev_count()):
+        dev = g.reg.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        g.base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(BackendDevice(index=i, name=g.base.ggml_backend_dev_name(dev).decode(),
+                                 kind=int(g.base.ggml_backend_dev_type(dev)),
+                                 free_bytes=int(free.value), total_bytes=int(total.value),
+                                 handle=int(dev)))
+    return out
+
+
+def cpu_buffer_type() -> int:
+    """The plain CPU buffer type (the one llama.cpp treats as "override to CPU")."""
+    return int(ggml().base.ggml_backend_cpu_buffer_type())
+
+
+def device_buffer_type(device: BackendDevice) -> int:
+    """A device's default buffer type."""
+    return int(ggml().base.ggml_backend_dev_buffer_type(device.handle))
+
+
+def buffer_type_name(buft: int) -> str:
+    return ggml().base.ggml_backend_buft_name(buft).decode()
+
+
+class BuftOverrides:
+    """The NULL-terminated override array; keep this object alive as long as the model."""
+
+    def __init__(self, rules: Sequence[tuple[str, int]]):
+        self.rules = tuple((str(p), int(b)) for p, b in rules)
+        self._patterns = [p.encode() for p, _ in self.rules]  # owned bytes for c_char_p
+        self.array = (BuftOverride * (len(self.rules) + 1))()
+        for i, (pattern, (_, buft)) in enumerate(zip(self._patterns, self.rules)):
+            self.array[i].pattern = pattern
+            self.array[i].buft = buft
+        self.array[len(self.rules)].pattern = None   # terminator {NULL, NULL}
+        self.array[len(self.rules)].buft = None
+
+    @property
+    def pointer(self) -> ctypes.c_void_p:
+        return ctypes.cast(self.array, ctypes.c_void_p) if self.rules else ctypes.c_void_p(0)
+
+
+# -- logging -------------------------------------------------------------------------------
+
+class LogControl:
+    """llama.cpp/ggml log sink: everything to stderr when verbose, else kept in a short ring
+    (so a failed load can say why)."""
+
+    def __init__(self) -> None:
+        self.verbose = False
+        self.recent: deque[str] = deque(maxlen=20)
+        self._callback = bindings().llama_log_callback(self._on_log)
+        bindings().llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    def _on_log(self, level: int, text: bytes, _user: int) -> None:
+        message = text.decode("utf-8", errors="replace")
+        if self.verbose:
+            sys.stderr.write(message)
+        elif level in (2, 3):  # GGML_LOG_LEVEL_WARN, _ERROR
+            self.recent.append(message.strip())
+
+    def last_error(self) -> str:
+        """The last warning/error line llama.cpp logged, or ''."""
+        return self.recent[-1] if self.recent else ""
+
+
+_log: LogControl | None = None
+
+
+def set_logging(verbose: bool) -> LogControl:
+    """Route llama.cpp's log: shown on stderr when ``verbose``, otherwise silent."""
+    global _log
+    if _log is None:
+        _log = LogControl()
+    _log.verbose = verbose
+    return _log
+
+
+# -- loading -------------------------------------------------------------------------------
+
+def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None = None,
+               progress: Callable[[float], None] | None = None,
+               use_mmap: bool = True) -> int:
+    """``llama_model_load_from_file`` with default params plus ours; returns the model
+    pointer or raises RuntimeError with llama.cpp's last logged complaint."""
+    ll = bindings()
+    params = ll.llama_model_default_params()
+    params.n_gpu_layers = int(n_gpu_layers)
+    if overrides is not None and overrides.rules:
+        params.tensor_buft_overrides = overrides.pointer
+    callback = None
+    if progress is not None:
+        def on_progress(fraction: float, _user: int) -> bool:
+            try:
+                progress(float(fraction))
+            except Exception:  # a progress bar must never abort a load
+                pass
+            return True
+        callback = ll.llama_progress_callback(on_progress)
+        params.progress_callback = callback
+    if not use_mmap:
+        params.load_mode = 0  # LLAMA_LOAD_MODE_NONE: read into buffers
+    model = ll.llama_model_load_from_file(path.encode(), params)
+    del callback  # only used during the call
+    if not model:
+        why = _log.last_error() if _log is not None else ""
+        raise RuntimeError(why or "llama.cpp could not load the model")
+    return int(model)
+
+
+def new_context(model: int, params) -> int:
+    """``llama_init_from_model``; raises RuntimeError on failure."""
+    ll = bindings()
+    ctx = ll.llama_init_from_model(model, params)
+    if not ctx:
+        why = _log.last_error() if _log is not None else ""
+        raise RuntimeError(why or "llama.cpp could not create a context")
+    return int(ctx)
+
+
+# -- reading tensors inside cb_eval --------------------------------------------------------
+
+def tensor_name(ptr: int) -> bytes:
+    """The node's name (``ggml_tensor.name``), read straight from the struct."""
+    return ctypes.string_at(ptr + NAME_OFFSET)
+
+
+def check_tensor_layout(ptr: int) -> None:
+    """Assert our struct mirror puts ``name`` where ggml does (checked once per context)."""
+    got = ggml().base.ggml_get_name(ptr)
+    if got != ptr + NAME_OFFSET:
+        raise RuntimeError(f"ggml_tensor layout mismatch: name at +{got - ptr}, "
+                           f"expected +{NAME_OFFSET}")
+    t = GgmlTensor.from_address(ptr)
+    dtype = _NUMPY_TYPES.get(t.type)
+    if dtype is not None and 0 not in tuple(t.ne):
+        span = dtype.itemsize + sum((n - 1) * b for n, b in zip(t.ne, t.nb))
+        if span != ggml().base.ggml_nbytes(ptr):
+            raise RuntimeError(f"ggml_tensor layout mismatch: byte span {span} != "
+                               f"ggml_nbytes {ggml().base.ggml_nbytes(ptr)}")
+
+
+def read_tensor(ptr: int) -> np.ndarray:
+    """Copy a (possibly strided, possibly device-resident) tensor into a numpy array of
+    shape (ne3, ne2, ne1, ne0). Uses ``ggml_backend_tensor_get`` over the tensor's byte span
+    (``ggml_nbytes`` for the non-block types read here), then applies the strides ``nb`` on
+    the host copy."""
+    t = GgmlTensor.from_address(ptr)
+    dtype = _NUMPY_TYPES.get(t.type)
+    if dtype is None:
+        raise TypeError(f"tensor {t.name.decode()!r}: unsupported ggml type {t.type}")
+    ne, nb = tuple(t.ne), tuple(t.nb)          # ggml order: ne[0] is contiguous
+    itemsize = dtype.itemsize
+    if 0 in ne:
+        return np.empty((ne[3], ne[2], ne[1], ne[0]), dtype=dtype)
+    nbytes = itemsize + sum((n - 1) * b for n, b in zip(ne, nb))   # == ggml_nbytes here
+    flat = np.empty(-(-nbytes // itemsize), dtype=dtype)          # host copy, whole items
+    ggml().base.ggml_backend_tensor_get(ptr, flat.ctypes.data, 0, nbytes)
+    view = np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=dtype, buffer=flat,
+                      strides=(nb[3], nb[2], nb[1], nb[0]))
+    return view.copy()

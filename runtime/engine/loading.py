@@ -1,0 +1,57 @@
+"""Model loading with a progress bar, and the context parameters the engine runs with."""
+from __future__ import annotations
+
+import os
+import sys
+
+from runtime.engine import llama_lib
+from runtime.engine.types import FLASH_ATTN, EngineSettings
+from runtime.errors import UserError
+
+
+def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverrides, *,
+                       progress: bool = True) -> int:
+    """Load the model (a tqdm bar on stderr while llama.cpp reports progress); returns the
+    ``llama_model *``. A file llama.cpp refuses is a UserError naming it."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    bar = tqdm(total=100, desc=f"loading {os.path.basename(settings.model_path)}", unit="%",
+               file=sys.stderr, leave=False, disable=not progress or None,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+
+    def on_progress(fraction: float) -> None:
+        bar.update(max(0, int(fraction * 100) - bar.n))
+
+    try:
+        return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
+                                    overrides=overrides, progress=on_progress)
+    except RuntimeError as exc:
+        raise UserError(f"{settings.model_path}: llama.cpp cannot load it ({exc})") from None
+    finally:
+        bar.close()
+
+
+def thread_counts(settings: EngineSettings) -> tuple[int, int]:
+    """(decode threads, prefill threads): llama-cpp-python's defaults unless given."""
+    cores = os.cpu_count() or 1
+    n_threads = settings.n_threads or max(cores // 2, 1)
+    n_threads_batch = settings.n_threads_batch or settings.n_threads or cores
+    return n_threads, n_threads_batch
+
+
+def make_context_params(settings: EngineSettings, hook) -> object:
+    """``llama_context_params`` from llama.cpp's defaults plus the settings; ``hook`` (a
+    RoutingHook or None) becomes ``cb_eval``. Batch sizes are clamped as llama-cpp-python
+    does (n_batch <= n_ctx, n_ubatch <= n_batch)."""
+    ll = llama_lib.bindings()
+    params = ll.llama_context_default_params()
+    params.n_ctx = settings.n_ctx
+    n_batch = min(settings.n_ctx, settings.n_batch) if settings.n_ctx > 0 else settings.n_batch
+    params.n_batch = n_batch
+    params.n_ubatch = min(n_batch, settings.n_ubatch)
+    params.n_threads, params.n_threads_batch = thread_counts(settings)
+    params.flash_attn_type = FLASH_ATTN[settings.flash_attn]
+    if hook is not None:
+        params.cb_eval = hook.callback
+        params.cb_eval_user_data = None
+    return params

@@ -1,0 +1,111 @@
+"""``moe-offload trace record``: run a model and write every routing decision to a trace.
+
+    moe-offload trace record -m MODEL.gguf (-p PROMPT | -f FILE) [-n N] [--chat] [--temp T] -o OUT
+
+Every prompt token of every MoE layer is captured (logits are requested for every prompt
+token, so even the last layer routes them all) and every generated token is tagged decode.
+With ``--chat`` the prompt goes through the model's chat template; with ``--chat -f FILE``
+each non-empty line of FILE is one user turn, answered before the next (trace column
+``turn``). OUT ending in ``.csv`` is route_trace v1 CSV, anything else the binary format.
+The file appears only when the recording finished (an error leaves nothing behind).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from runtime.engine.routing_hook import RouteEvent
+from runtime.errors import UserError
+from runtime.residency.types import Phase
+
+
+class TraceRecorder:
+    """A RouteObserver that appends each batch's events to a ``TraceWriter``."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self._pending: list[RouteEvent] = []
+        self.tokens = {Phase.PREFILL: 0, Phase.DECODE: 0}
+
+    def on_route(self, event: RouteEvent) -> None:
+        self._pending.append(event)     # written after the decode call, off the graph's path
+
+    def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
+        pending, self._pending = self._pending, []
+        for e in pending:
+            self.writer.append_batch(turn=e.turn, phase=int(e.phase), layer=e.layer,
+                                     first_step=e.first_step, experts=e.experts,
+                                     weights=e.weights)
+        self.tokens[Phase(phase)] = self.tokens.get(Phase(phase), 0) + n_tokens
+
+
+def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
+    """Add ``record`` under ``moe-offload trace``."""
+    from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
+
+    p = trace_subparsers.add_parser(
+        "record", help="run a model and record its routing to a trace",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run MODEL on a prompt and write every routed (token, layer, slot) with "
+                    "its phase, step and turn to OUT (.csv: route_trace v1 CSV, else binary).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", metavar="FILE",
+                     help="prompt file (with --chat: one user turn per non-empty line)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="trace file to write")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap the prompt(s) in the model's chat template")
+    add_engine_args(p, residency=False)
+    add_sampling_args(p, predict_default=64)
+    p.set_defaults(func=run_record)
+
+
+def _turns(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{args.file}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{args.file}: cannot read ({exc})") from None
+    turns = [line.strip() for line in text.splitlines() if line.strip()] if args.chat else [text]
+    if not turns or not any(turns):
+        raise UserError(f"{args.file}: empty prompt file")
+    return turns
+
+
+def run_record(args: argparse.Namespace) -> int:
+    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.engine import Engine  # noqa: PLC0415
+    from runtime.traces.model_header import header_from_model  # noqa: PLC0415
+    from runtime.traces.writer import TraceWriter  # noqa: PLC0415
+
+    turns = _turns(args)
+    params = sampling_from_args(args)
+    settings = settings_from_args(args)
+    settings.manage_residency = False
+    settings.capture_all_tokens = True
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise UserError(f"{out}: directory {out.parent} does not exist")
+    header = header_from_model(settings.model_path)
+    with Engine(settings, progress=True) as engine:
+        with TraceWriter(out, header) as writer:
+            recorder = TraceRecorder(writer)
+            engine.add_route_observer(recorder)
+            messages: list[dict[str, str]] = []
+            for text in turns:
+                if args.chat:
+                    messages.append({"role": "user", "content": text})
+                    prompt = engine.chat_prompt(messages)
+                else:
+                    prompt = text
+                reply = "".join(chunk.text for chunk in engine.generate(prompt, params))
+                messages.append({"role": "assistant", "content": reply})
+            rows = writer.rows_written
+    sys.stderr.write(f"recorded {rows} routing rows ({recorder.tokens[Phase.PREFILL]} prompt + "
+                     f"{recorder.tokens[Phase.DECODE]} generated tokens, {len(turns)} turn(s)) "
+                     f"to {out}\n")
+    return 0

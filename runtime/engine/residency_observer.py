@@ -1,0 +1,40 @@
+"""The live feed from routing to the residency manager.
+
+One ``access_layer`` per route event and device: the manager records the accesses per phase,
+decides admissions and evictions, and leases the layer's experts. A layer's lease is released
+when the next layer routes (the graph runs layers in order, so its matmuls are done) or when
+the batch ends. This observer only does bookkeeping; a tier that moves bytes (the RAM tier,
+the native device cache) attaches its own observer for its device instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.engine.routing_hook import RouteEvent
+from runtime.residency.types import LayerAccess, Phase
+
+
+class ResidencyObserver:
+    """Feeds ``manager`` with every route event, for each of ``devices``."""
+
+    def __init__(self, manager, devices: Sequence[str]):
+        self.manager = manager
+        self.devices = tuple(devices)
+        self._held: list[LayerAccess] = []
+        self.events = 0
+
+    def on_route(self, event: RouteEvent) -> None:
+        self._release()
+        experts = event.experts.reshape(-1)   # (n_tokens * k,) routing order
+        for device in self.devices:
+            self._held.append(self.manager.access_layer(device, event.layer, experts,
+                                                        event.phase, step=event.first_step))
+        self.events += 1
+
+    def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held, []
+        for access in held:
+            self.manager.release(access)

@@ -1,0 +1,136 @@
+"""Sampling: llama.cpp's sampler chain (``llama_sampler_*``) plus stop-string handling.
+
+The chain mirrors llama-cpp-python's ``Llama._init_sampler`` so a seeded run matches it:
+penalties (last 64 tokens) → greedy when ``temperature <= 0``, otherwise top-k → top-p →
+min-p → temperature → dist(seed). Stop strings work on decoded text: text that might be the
+start of a stop string is held back until it is known not to be.
+"""
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+
+from runtime.errors import UserError
+
+PENALTY_LAST_N = 64          # tokens the repeat penalty looks back over (llama-cpp-python's)
+DEFAULT_SEED = 0xFFFFFFFF    # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. ``seed=-1``: random; ``max_tokens<=0``: up to the context end."""
+
+    max_tokens: int = 128
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = -1
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        problems = []
+        if not self.temperature >= 0:
+            problems.append(f"temperature={self.temperature} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p={self.min_p} must be in [0, 1]")
+        if not self.repeat_penalty > 0:
+            problems.append(f"repeat_penalty={self.repeat_penalty} must be > 0")
+        if problems:
+            raise UserError("sampling: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    @property
+    def chain_seed(self) -> int:
+        return DEFAULT_SEED if self.seed < 0 else self.seed & 0xFFFFFFFF
+
+
+class Sampler:
+    """A ``llama_sampler`` chain built from ``SamplingParams``; ``close()`` frees it."""
+
+    def __init__(self, params: SamplingParams, n_vocab: int):
+        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+        ll = self._ll = bindings()
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
+        add(ll.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty,
+                                            0.0, 0.0))
+        if params.greedy:
+            add(ll.llama_sampler_init_greedy())
+        else:
+            add(ll.llama_sampler_init_top_k(params.top_k))
+            add(ll.llama_sampler_init_top_p(params.top_p, 1))
+            add(ll.llama_sampler_init_min_p(params.min_p, 1))
+            add(ll.llama_sampler_init_temp(params.temperature))
+            add(ll.llama_sampler_init_dist(params.chain_seed))
+        self._chain = chain
+
+    def sample(self, ctx: int, idx: int = -1) -> int:
+        """Pick a token from the logits of output ``idx`` (-1: the last) and accept it."""
+        return int(self._ll.llama_sampler_sample(self._chain, ctx, idx))
+
+    def close(self) -> None:
+        if self._chain:
+            self._ll.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class TextStream:
+    """Token bytes in, safe-to-show text out: completes UTF-8 sequences across tokens and
+    holds back a tail that could begin a stop string."""
+
+    def __init__(self, stop: list[str]):
+        self.stop = list(stop)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        self._held = ""          # decoded, not yet shown
+        self.stopped = False
+
+    def feed(self, piece: bytes) -> str:
+        """Add one token's bytes; return the text that can be shown now."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(piece)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of generation: return whatever is still held (never a stop string)."""
+        if self.stopped:
+            return ""
+        self._held += self._utf8.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        text = self._held
+        hits = [(text.find(s), s) for s in self.stop if s in text]
+        if hits:
+            cut = min(pos for pos, _ in hits)
+            self.stopped, self._held = True, ""
+            return text[:cut]
+        keep = 0 if final else self._partial_stop_len(text)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

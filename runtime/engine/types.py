@@ -1,0 +1,120 @@
+"""The records that cross the engine's boundary: settings in, chunks and timings out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.errors import UserError
+
+
+# llama_flash_attn_type: AUTO = -1, DISABLED = 0, ENABLED = 1
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+@dataclass
+class EngineSettings:
+    """How to load and run one model. Defaults follow llama.cpp's tools where they differ
+    from llama-cpp-python's ``Llama``."""
+
+    model_path: str
+    n_ctx: int = 4096                  # tokens; 0 = the model's training context
+    n_threads: int | None = None       # decode threads; None = cpu_count // 2 (as Llama)
+    n_gpu_layers: int = 0              # layers whose dense weights go to the GPU; -1 = all
+    n_batch: int = 2048                # max tokens per llama_decode call
+    n_ubatch: int = 512                # max tokens per graph evaluation
+    seed: int = -1                     # default sampling seed; -1 = random
+    config_path: str | None = None     # residency TOML; None = defaults
+    manage_residency: bool = True      # False: plain llama.cpp placement, no hook
+    verbose: bool = False              # show llama.cpp's own log on stderr
+    n_threads_batch: int | None = None  # prefill threads; None = n_threads, or cpu_count
+    capture_all_tokens: bool = False   # route every prompt token of every layer (recording);
+                                       # requests logits for every prompt token
+    lib_dir: str | None = None         # directory of a (patched) libllama.so; None = the wheel's
+    config: Any = None                 # a built ResidencyConfig; wins over config_path
+    flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
+                                       # (same logits as plain Llama(), hence the parity)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n_ctx < 0:
+            problems.append(f"ctx-size {self.n_ctx} must be >= 0")
+        if self.n_batch < 1 or self.n_ubatch < 1:
+            problems.append("batch-size and ubatch-size must be >= 1")
+        for name in ("n_threads", "n_threads_batch"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name.replace('n_', '', 1)}={value} must be >= 1")
+        if self.flash_attn not in FLASH_ATTN:
+            problems.append(f"flash-attn {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}")
+        if problems:
+            raise UserError(f"{self.model_path}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One generation's speed, and the residency manager's view of it."""
+
+    prompt_tokens: int          # tokens actually evaluated (a reused KV prefix is not)
+    prompt_s: float             # seconds in prefill decode calls
+    completion_tokens: int
+    generation_s: float         # seconds from the end of prefill to the last token
+    expert_hits: int | None = None     # accesses served by the fast tier (None: unmanaged)
+    expert_accesses: int | None = None
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.completion_tokens / self.generation_s if self.generation_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        if not self.expert_accesses:
+            return None
+        return (self.expert_hits or 0) / self.expert_accesses
+
+    def summary(self) -> str:
+        """The closing line the CLI prints on stderr."""
+        hit = "n/a (residency off)" if self.expert_accesses is None else (
+            "n/a" if self.hit_rate is None else f"{100 * self.hit_rate:.1f}%")
+        return (f"prompt: {self.prompt_tokens} tok, {self.prompt_tps:.1f} t/s | "
+                f"generation: {self.completion_tokens} tok, {self.generation_tps:.1f} t/s | "
+                f"expert hit rate: {hit}")
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One generated token's text (may be "" while UTF-8 or a possible stop string is held
+    back). The last chunk has ``token=None``, ``finish_reason``, ``usage`` and ``timings``.
+    finish_reason: "stop" (end-of-generation token or stop string), "length", or
+    "cancelled" (the caller's cancel event was set)."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class ContextLengthError(UserError):
+    """The prompt does not fit the context (the server maps it to context_length_exceeded)."""
+
+    def __init__(self, prompt_tokens: int, n_ctx: int):
+        super().__init__(f"prompt has {prompt_tokens} tokens; the context holds {n_ctx}")
+        self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
+
+
+class EngineBusyError(RuntimeError):
+    """``generate`` was called while another generation is running on this engine."""

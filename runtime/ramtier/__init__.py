@@ -1,0 +1,109 @@
+"""Host-RAM expert tier: models larger than RAM, paged from the GGUF file under a byte budget.
+
+llama.cpp memory-maps the model and leaves paging to the kernel (faults served one at a time,
+readahead guesses, LRU eviction that knows nothing of routing). With a ``cpu`` budget in the
+residency config, ``attach(engine)`` makes the residency manager decide which experts stay in
+RAM: between each layer's router and its expert matmul the layer's missing experts are read in
+parallel (exact byte ranges, ``threads`` in flight), evicted experts' pages leave llama.cpp's
+mapping and the page cache, and ``mincore`` reports what really is resident.
+
+Only expert tensors in llama.cpp's mmap-backed CPU buffer are governed (the engine places every
+expert there when residency is managed); dense weights stay as llama.cpp keeps them.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from dataclasses import dataclass
+
+from runtime.ramtier.layout import ExpertLayout
+from runtime.ramtier.mapping import FileMapping
+from runtime.ramtier.pager import Pager
+from runtime.ramtier.tier import DEVICE, RamTier, ResidencyTruth, TierStats
+from runtime.ramtier.transport_mux import claim_device
+
+__all__ = ["attach", "attach_to", "RamTier", "RamTierOptions", "ResidencyTruth", "TierStats"]
+
+log = logging.getLogger("moe_offload.ramtier")
+
+
+@dataclass(frozen=True)
+class RamTierOptions:
+    """Knobs of the tier (environment: ``MOE_OFFLOAD_RAMTIER_THREADS``, ``..._MLOCK=1``)."""
+
+    threads: int = 8          # reads in flight (>= 4 is what makes storage fast)
+    mlock: bool = False       # lock resident experts (within the budget) against reclaim
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"ram tier threads must be >= 1, got {self.threads}")
+
+    @classmethod
+    def from_env(cls) -> RamTierOptions:
+        threads = os.environ.get("MOE_OFFLOAD_RAMTIER_THREADS", "")
+        mlock = os.environ.get("MOE_OFFLOAD_RAMTIER_MLOCK", "")
+        return cls(threads=int(threads) if threads.strip() else cls.threads,
+                   mlock=mlock.strip().lower() in ("1", "true", "yes", "on"))
+
+
+def layer_working_set(facts) -> tuple[int, int]:
+    """(bytes, layer): the largest decode working set of one layer (top-k experts)."""
+    layer = max(facts.moe_layers, key=lambda i: facts.expert_bytes[i])
+    return facts.n_expert_used * facts.expert_bytes[layer], layer
+
+
+def attach(engine, options: RamTierOptions | None = None) -> RamTier | None:
+    """Serve the engine manager's ``cpu`` device from llama.cpp's mapping of the model.
+
+    Called by ``Engine`` after load when the config has a ``cpu`` budget. Returns None (and
+    logs why) when the tier cannot govern this model: llama.cpp did not memory-map it.
+    """
+    tier = attach_to(engine.manager, engine.settings.model_path, options)
+    if tier is not None:
+        engine.add_route_observer(tier)
+    return tier
+
+
+def attach_to(manager, model_path: str, options: RamTierOptions | None = None
+              ) -> RamTier | None:
+    """The tier for ``manager``'s ``cpu`` device over this process's mapping of the model
+    (without an engine: tests and tools feed ``on_route`` themselves)."""
+    from gguf_tools.expert_index import ExpertIndex
+
+    options = options or RamTierOptions.from_env()
+    index = ExpertIndex.open(model_path)
+    facts = index.facts
+    layout = ExpertLayout.from_index(index)
+    del index
+    gc.collect()        # gguf-py's np.memmap of the file must be gone before we look
+    mapping = FileMapping.find(model_path)
+    name = os.path.basename(model_path)
+    if not mapping or not any(mapping.covers(o, n) for k in layout.keys[:1]
+                              for o, n in layout.ranges(k)):
+        _notice(f"{name}: llama.cpp has no memory mapping of the model's experts (loaded "
+                "without mmap, or a filesystem without mmap support); the cpu budget is not "
+                "enforced and experts stay where llama.cpp put them")
+        return None
+    budget = manager.capacity(DEVICE)
+    if budget is None:
+        _notice(f"{name}: the cpu budget is unresolved ({manager.unresolved_reason(DEVICE)}); "
+                "every expert is read on demand and dropped after use")
+        budget = 0
+    working_set, layer = layer_working_set(facts)
+    if 0 < budget < working_set:
+        _notice(f"{name}: cpu budget {budget / 2**20:.1f} MiB is below one layer's working set "
+                f"({facts.n_expert_used} experts x {facts.expert_bytes[layer] / 2**20:.1f} MiB "
+                f"= {working_set / 2**20:.1f} MiB in layer {layer}); using "
+                f"{working_set / 2**20:.1f} MiB")
+        manager.reconfigure(DEVICE, working_set)
+        budget = working_set
+    pager = Pager(mapping, threads=options.threads)
+    tier = RamTier(manager, layout, pager, budget_bytes=budget, mlock=options.mlock)
+    claim_device(manager, DEVICE, tier)
+    tier.drop_unheld()       # llama.cpp populated every page at load; keep only what is held
+    return tier
+
+
+def _notice(message: str) -> None:
+    log.warning("%s", message)

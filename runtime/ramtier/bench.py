@@ -1,0 +1,218 @@
+"""The offload benchmark: plain mmap vs static placement vs the residency manager's policies.
+
+Each configuration runs in its own process (``bench_worker``), optionally under a cgroup v1
+memory limit, after the model file's pages were dropped from the page cache. Rows are printed
+as a markdown table in llama-bench's manner, or as JSON; the cold-start line compares the time
+to generate after a page-cache drop, plain mmap faults against our parallel read-ahead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.errors import UserError
+from runtime.ramtier.bench_run import BenchConfig, COLD_PROMPT, drop_file_cache
+
+POLICIES = ("lru", "lfu", "lfu-decay", "phase-weighted")
+HEADER = ("config", "backend", "expert budget", "test", "t/s ± sd", "hit %",
+          "demand-miss MiB/tok")
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    config: str
+    backend: str
+    budget: str
+    test: str
+    tps: float
+    tps_sd: float
+    hit_pct: float | None
+    demand_miss_mib_per_tok: float | None
+    read_mib_per_tok: float
+    seconds: float                       # mean seconds of one repetition
+    samples_tps: tuple[float, ...] = field(default=())
+
+    def cells(self) -> tuple[str, ...]:
+        return (self.config, self.backend, self.budget, self.test,
+                f"{self.tps:.2f} ± {self.tps_sd:.2f}",
+                "-" if self.hit_pct is None else f"{self.hit_pct:.1f}",
+                "-" if self.demand_miss_mib_per_tok is None
+                else f"{self.demand_miss_mib_per_tok:.2f}")
+
+
+@dataclass
+class BenchResult:
+    rows: list[BenchRow]
+    cold_ratios: dict[str, float]        # managed config -> mmap cold seconds / its seconds
+    notes: list[str]
+    details: dict[str, dict]             # config -> worker output (tier stats, truth, ...)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def default_configs(total_expert_bytes: int, budget_bytes: int,
+                    policies: tuple[str, ...] = POLICIES) -> list[BenchConfig]:
+    """mmap (kernel paging); read-ahead (managed, room for every expert: reads only); and
+    each eviction policy at ``budget_bytes``."""
+    configs = [BenchConfig("mmap", "mmap", "kernel (all)"),
+               BenchConfig("read-ahead", "managed", f"{mib(total_expert_bytes)} (all)",
+                           config={"devices": {"cpu": total_expert_bytes + (1 << 20)},
+                                   "policy": {"phase_specific": False}})]
+    for name in policies:
+        configs.append(BenchConfig(
+            name, "managed", mib(budget_bytes),
+            config={"devices": {"cpu": int(budget_bytes)},
+                    "policy": {"phase_specific": False, "decode": {"eviction": name}}}))
+    return configs
+
+
+def static_configs(n_layers: list[int]) -> list[BenchConfig]:
+    """``--n-cpu-moe N`` placements (GPU machines): experts of the first N layers on the CPU."""
+    return [BenchConfig(f"n-cpu-moe={n}", "static", f"static: {n} layers on CPU", n_cpu_moe=n)
+            for n in n_layers]
+
+
+def file_configs(paths: list[str]) -> list[BenchConfig]:
+    """One managed config per residency TOML (checked here, so a bad file fails early)."""
+    from runtime.residency.config import load_config
+
+    out = []
+    for path in paths:
+        config = load_config(path)
+        budget = config.budget("cpu")
+        label = budget.text if any(b.device == "cpu" for b in config.devices) else "-"
+        out.append(BenchConfig(Path(path).stem, "managed", label, config_path=str(path)))
+    return out
+
+
+def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: int, cold: int,
+              threads: int | None = None, mem_limit: int | None = None,
+              progress: bool = True) -> BenchResult:
+    """Run every config in a fresh worker process; rows in config then test order."""
+    from tqdm import tqdm
+
+    tests = sum(1 for t in (p, n, cold) if t > 0)
+    bar = tqdm(total=len(configs) * (1 + tests * reps), desc="bench", unit="step",
+               file=sys.stderr, disable=not progress or None, leave=False)
+    rows: list[BenchRow] = []
+    notes: list[str] = []
+    details: dict[str, dict] = {}
+    try:
+        for cfg in configs:
+            drop_file_cache(model)          # every config starts from a cold page cache
+            out = _run_worker(model, cfg, p=p, n=n, reps=reps, cold=cold, threads=threads,
+                              mem_limit=mem_limit, bar=bar)
+            details[cfg.name] = out
+            for note in out.get("tier", {}).get("notices", []):
+                notes.append(f"{cfg.name}: {note}")
+            for test, s in out["tests"].items():
+                rows.append(BenchRow(cfg.name, out["backend"], cfg.budget_label, test,
+                                     s["tps"], s["tps_sd"], s["hit_pct"],
+                                     s["demand_miss_mib_per_tok"], s["read_mib_per_tok"],
+                                     s["seconds"], tuple(s["samples_tps"])))
+    finally:
+        bar.close()
+    return BenchResult(rows, cold_ratios(rows, cold), notes, details)
+
+
+def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_limit,
+                bar) -> dict:
+    from runtime.ramtier.cgroup import MemoryLimit
+
+    job = json.dumps({"model": model, "config": cfg.to_json(), "p": p, "n": n, "reps": reps,
+                      "cold": cold, "threads": threads})
+    group = MemoryLimit(mem_limit, name=f"moe-bench-{os.getpid()}") if mem_limit else None
+    cmd = [sys.executable, "-m", "runtime.ramtier.bench_worker"]
+    env = dict(os.environ, PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if group is not None:
+        group.__enter__()
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=group.join if group is not None else None)
+        errors: list[str] = []
+
+        def pump() -> None:
+            for line in proc.stderr:
+                if line.startswith("@@ "):
+                    bar.set_description(f"bench {cfg.name}: {line[3:].strip()}")
+                    bar.update(1)
+                elif line.strip():
+                    errors.append(line.rstrip())
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        stdout, _ = proc.communicate(job)
+        reader.join()
+        peak = group.peak_bytes() if group is not None else None
+    finally:
+        if group is not None:
+            group.__exit__(None, None, None)
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    result = json.loads(lines[-1]) if lines else {}
+    if proc.returncode != 0 or "tests" not in result:
+        why = result.get("error") or (errors[-1] if errors else f"exit status {proc.returncode}")
+        if proc.returncode in (-9, 137):
+            why = f"killed (out of memory under the {mib(mem_limit)} limit?)" if mem_limit else why
+        raise UserError(f"bench config {cfg.name}: {why}")
+    if peak is not None:
+        result["cgroup_peak_bytes"] = peak
+    return result
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def cold_ratios(rows: list[BenchRow], cold: int) -> dict[str, float]:
+    """mmap's cold-test seconds over each other config's (> 1: faster than kernel faults)."""
+    test = f"cold{cold}"
+    base = next((r for r in rows if r.config == "mmap" and r.test == test), None)
+    if base is None:
+        return {}
+    return {r.config: base.seconds / r.seconds for r in rows
+            if r.test == test and r.config != "mmap" and r.seconds > 0}
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    """Markdown, llama-bench style: text columns left, numbers right."""
+    cells = [HEADER] + [r.cells() for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    right = {4, 5, 6}
+
+    def line(row) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
+
+    rule = "| " + " | ".join(("-" * (w - 1) + ":") if i in right else "-" * w
+                             for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(HEADER), rule] + [line(r) for r in cells[1:]])
+
+
+def cold_line(result: BenchResult, cold: int) -> str:
+    """The cold-start comparison, one line per managed config."""
+    if not result.cold_ratios:
+        return ""
+    test = f"cold{cold}"
+    secs = {r.config: r.seconds for r in result.rows if r.test == test}
+    parts = [f"{name} {secs[name]:.2f} s = {ratio:.2f}x" for name, ratio in
+             result.cold_ratios.items()]
+    return (f"cold start (page cache dropped; {COLD_PROMPT}-token prompt + {cold} tokens): "
+            f"mmap faults {secs['mmap']:.2f} s; " + ", ".join(parts) + " faster than mmap")
+
+
+def to_json(result: BenchResult, meta: dict) -> str:
+    """The rows (same as the table) plus the cold-start ratios and run metadata."""
+    return json.dumps({"meta": meta,
+                       "rows": [r.__dict__ | {"samples_tps": list(r.samples_tps)}
+                                for r in result.rows],
+                       "cold_start_ratio_vs_mmap": result.cold_ratios,
+                       "notes": result.notes,
+                       "details": result.details}, indent=2)

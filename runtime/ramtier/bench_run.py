@@ -1,0 +1,218 @@
+"""One benchmark configuration measured in this process (the worker side of ``bench``).
+
+Tests, in llama-bench's manner: ``pp{P}`` (a P-token random prompt, prompt t/s), ``tg{N}``
+(N tokens after a one-token prompt, generation t/s), both warm (after a warm-up run); and
+``cold{C}``: the model file's pages dropped from the page cache (every mapping, then the file),
+then a 16-token prompt and C generated tokens, t/s over the whole time. Every repetition uses a
+fresh random prompt, so the engine's KV prefix reuse never applies.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+COLD_PROMPT = 16     # tokens of the cold-start prompt
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row group of the table."""
+
+    name: str                       # the table's "config" cell
+    kind: str                       # "mmap" | "managed" | "static"
+    budget_label: str               # the table's "expert budget" cell
+    config: dict | None = None      # residency TOML as a dict (managed)
+    config_path: str | None = None  # or a file (managed, --config)
+    n_cpu_moe: int | None = None    # static: experts of the first N layers on the CPU
+    env: dict = field(default_factory=dict)   # extra environment (e.g. tier options)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One repetition of one test."""
+
+    tokens: int                 # tokens the rate is over
+    seconds: float
+    accesses: int | None        # manager counters during the test (None: unmanaged)
+    hits: int | None
+    demand_miss_bytes: int | None
+    read_bytes: int             # bytes this process read from storage (/proc/self/io)
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def drop_file_cache(path: str) -> None:
+    """Drop every page of ``path``: from all of this process's mappings, then the page cache."""
+    from runtime.ramtier.mapping import FileMapping
+    from runtime.ramtier.pager import Pager
+
+    mapping = FileMapping.find(path)
+    pager = Pager(mapping, threads=1)
+    try:
+        pager.drop([(0, -(-mapping.file_bytes // 4096) * 4096)])
+    finally:
+        pager.close()
+
+
+def _read_bytes() -> int:
+    try:
+        with open("/proc/self/io", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class ConfigRunner:
+    """Builds the engine for one config and runs the tests on it."""
+
+    def __init__(self, model: str, cfg: BenchConfig, *, n_ctx: int, threads: int | None):
+        from runtime.engine.engine import Engine, EngineSettings
+        from runtime.residency.config import load_config, parse_config
+
+        self.model, self.cfg = model, cfg
+        config = None
+        if cfg.kind == "managed":
+            config = (load_config(cfg.config_path) if cfg.config_path
+                      else parse_config(cfg.config or {}, source=cfg.name))
+        settings = EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
+                                  manage_residency=cfg.kind == "managed", config=config,
+                                  n_gpu_layers=-1 if cfg.kind == "static" else 0)
+        engine_cls = Engine if cfg.kind != "static" else _static_engine(cfg.n_cpu_moe or 0)
+        self.engine = engine_cls(settings, progress=False)
+        self.tier = next((p for p in getattr(self.engine, "_attached", ())
+                          if type(p).__name__ == "RamTier"), None)
+        self.rng = np.random.default_rng(1234)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def backend(self) -> str:
+        """Where the expert matmuls run: "CPU", or the GPU's name for static placements."""
+        from runtime.engine import llama_lib
+        gpus = [d.name for d in llama_lib.devices()
+                if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+        return f"{gpus[0]}+CPU" if gpus and self.cfg.kind == "static" else "CPU"
+
+    def _prompt(self, n: int) -> list[int]:
+        return self.rng.integers(0, self.engine.n_vocab, size=n).tolist()
+
+    def _counters(self) -> tuple[int, int, int] | None:
+        manager = self.engine.manager
+        if manager is None or "cpu" not in manager.devices:
+            return None
+        total = manager.snapshot().device("cpu").total
+        return total.accesses, total.hits, total.demand_miss_bytes
+
+    def _run(self, prompt: list[int], max_tokens: int, rate_of: str) -> Sample:
+        from runtime.engine.sampling import SamplingParams
+
+        before, io0 = self._counters(), _read_bytes()
+        timings = None
+        for chunk in self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                 temperature=0.0)):
+            if chunk.timings is not None:
+                timings = chunk.timings
+        after, io1 = self._counters(), _read_bytes()
+        if rate_of == "prompt":
+            tokens, seconds = timings.prompt_tokens, timings.prompt_s
+        elif rate_of == "generation":
+            tokens, seconds = timings.completion_tokens, timings.generation_s
+        else:
+            tokens, seconds = timings.completion_tokens, timings.prompt_s + timings.generation_s
+        delta = None if before is None else [a - b for a, b in zip(after, before)]
+        return Sample(tokens, seconds, *(delta if delta else (None, None, None)), io1 - io0)
+
+    def warm_up(self) -> None:
+        self._run(self._prompt(8), 4, "generation")
+
+    def pp(self, p: int) -> Sample:
+        return self._run(self._prompt(p), 1, "prompt")
+
+    def tg(self, n: int) -> Sample:
+        return self._run(self._prompt(1), n, "generation")
+
+    def cold(self, n: int) -> Sample:
+        drop_file_cache(self.model)
+        return self._run(self._prompt(COLD_PROMPT), n, "total")
+
+
+def _static_engine(n_cpu_moe: int):
+    """An Engine whose experts of the first ``n_cpu_moe`` layers stay on the CPU and all else
+    goes to the GPU (llama.cpp's ``--n-cpu-moe N``), without residency management."""
+    from runtime.engine.engine import Engine
+    from runtime.engine.placement import Placement
+
+    class StaticEngine(Engine):
+        def _placement(self, has_gpu: bool) -> Placement:
+            if n_cpu_moe <= 0:
+                return Placement(rules=())
+            layers = "|".join(str(i) for i in range(n_cpu_moe))
+            return Placement(rules=((rf"^blk\.({layers})\.ffn_(up|down|gate|gate_up)_(ch|)exps",
+                                     "cpu"),))
+
+    return StaticEngine
+
+
+def summarize(samples: list[Sample]) -> dict:
+    """Mean/sd of t/s, hit %, demand-miss and read MiB per token over repetitions."""
+    rates = [s.tps for s in samples]
+    tokens = sum(s.tokens for s in samples) or 1
+    managed = samples[0].accesses is not None
+    accesses = sum(s.accesses or 0 for s in samples)
+    return {
+        "tps": statistics.fmean(rates),
+        "tps_sd": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        "samples_tps": rates,
+        "seconds": statistics.fmean(s.seconds for s in samples),
+        "tokens": samples[0].tokens,
+        "hit_pct": (100.0 * sum(s.hits or 0 for s in samples) / accesses)
+        if managed and accesses else None,
+        "demand_miss_mib_per_tok": (sum(s.demand_miss_bytes or 0 for s in samples) / tokens / 2**20)
+        if managed else None,
+        "read_mib_per_tok": sum(s.read_bytes for s in samples) / tokens / 2**20,
+    }
+
+
+def run_config(model: str, cfg: BenchConfig, *, p: int, n: int, reps: int, cold: int,
+               threads: int | None, step: Callable[[str], None]) -> dict:
+    """Every test of one config: ``{"backend", "tests": {name: summary}, "tier": ...}``."""
+    n_ctx = max(p, COLD_PROMPT, 8) + max(n, cold, 4) + 16
+    runner = ConfigRunner(model, cfg, n_ctx=n_ctx, threads=threads)
+    try:
+        out: dict = {"backend": runner.backend(), "tests": {}}
+        step("warm-up")
+        runner.warm_up()
+        plan = [(f"pp{p}", lambda: runner.pp(p)) if p > 0 else None,
+                (f"tg{n}", lambda: runner.tg(n)) if n > 0 else None,
+                (f"cold{cold}", lambda: runner.cold(cold)) if cold > 0 else None]
+        for name, fn in filter(None, plan):
+            samples = []
+            for rep in range(reps):
+                step(f"{name} {rep + 1}/{reps}")
+                samples.append(fn())
+            out["tests"][name] = summarize(samples)
+        if runner.tier is not None:
+            out["tier"] = {"stats": asdict(runner.tier.stats()),
+                           "truth": runner.tier.truth().to_dict(),
+                           "notices": list(runner.tier.notices)}
+        out["pid_peak_rss_bytes"] = _peak_rss()
+        return out
+    finally:
+        runner.close()
+
+
+def _peak_rss() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+

@@ -1,0 +1,279 @@
+"""The host-RAM expert tier: the residency manager's transport for device ``cpu`` and a
+routing observer that pages each layer's experts in before its expert matmul runs.
+
+Flow per layer and ubatch (``on_route``, synchronous between router and matmul):
+  1. the previous layer's lease is released and its transient experts' pages dropped (its
+     matmul has run: the graph is sequential);
+  2. ``manager.access_layer("cpu", ...)`` decides hits, admissions (tickets, handed to
+     ``submit``) and transient uses;
+  3. every expert of the layer whose pages ``mincore`` does not show resident (a miss, or a hit
+     the kernel reclaimed under memory pressure) is read in parallel; we wait for those reads
+     and for this layer's tickets, then return and the matmul runs on resident pages.
+
+The tier keeps its own record of which experts hold pages (``held``) so that dropping one
+expert never drops a page shared with a neighbour that stays, without calling back into the
+manager (which may call ``drop`` with its lock held).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.ramtier.layout import ExpertLayout
+from runtime.ramtier.pager import PageInStats, Pager
+from runtime.ramtier import vm
+from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
+
+log = logging.getLogger("moe_offload.ramtier")
+
+DEVICE = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Counters since attach (bytes, seconds)."""
+
+    routes: int
+    paged_in_bytes: int          # read on demand before a matmul: misses + reclaimed hits
+    reclaimed_hit_bytes: int     # part of the above: manager hits the kernel had dropped
+    page_in_seconds: float       # time the hook waited for reads
+    prefetched_bytes: int        # read by prefetch tickets, off the critical path
+    dropped_experts: int
+    locked_bytes: int
+    read_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyTruth:
+    """The manager's view and ``mincore``'s side by side (bytes of routed experts in RAM)."""
+
+    manager_resident_bytes: int  # experts the manager counts as resident on ``cpu``
+    mincore_resident_bytes: int  # expert bytes whose pages the page cache holds now
+    budget_bytes: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"manager_resident_bytes": self.manager_resident_bytes,
+                "mincore_resident_bytes": self.mincore_resident_bytes,
+                "budget_bytes": self.budget_bytes}
+
+
+class RamTier:
+    """Transport (device ``cpu``) + RouteObserver over llama.cpp's mapping of the model."""
+
+    inline = False      # Transport protocol: tickets commit when their reads are done
+
+    def __init__(self, manager, layout: ExpertLayout, pager: Pager, *, budget_bytes: int,
+                 mlock: bool = False):
+        self.manager = manager
+        self.layout = layout
+        self.pager = pager
+        self.budget_bytes = budget_bytes
+        self.mlock = mlock
+        self.notices: list[str] = []
+        self._warned: set[str] = set()
+        self._guard = threading.Lock()           # short: sets and counters, never across I/O
+        self._held: set[ExpertKey] = set()       # committed experts (their pages may stay)
+        self._inflight: dict[int, tuple[Ticket, Future]] = {}   # ticket id -> (ticket, done)
+        self._current: LayerAccess | None = None
+        self._current_keys: frozenset[ExpertKey] = frozenset()  # needed by the running layer
+        self._transient: tuple[ExpertKey, ...] = ()
+        self._routes = self._paged = self._reclaimed = self._prefetched = 0
+        self._dropped = self._errors = 0
+        self._wait_s = 0.0
+
+    # ---- Transport ----------------------------------------------------------------------
+    def bind(self, manager) -> None:
+        self.manager = manager
+
+    def submit(self, ticket: Ticket) -> None:
+        """Start paging ``ticket.key`` in; commit (or abort on a read error) when done."""
+        done: Future = Future()
+        with self._guard:
+            self._inflight[ticket.id] = (ticket, done)
+        read = self.pager.page_in_async(self.layout.ranges(ticket.key))
+
+        def finished(fut: Future) -> None:
+            stats: PageInStats = fut.result()
+            with self._guard:
+                self._inflight.pop(ticket.id, None)
+                if stats.error is None:
+                    self._held.add(ticket.key)
+                    if ticket.prefetch:
+                        self._prefetched += stats.bytes
+                    else:
+                        self._paged += stats.bytes
+                else:
+                    self._errors += 1
+            try:
+                if stats.error is None:
+                    self._lock_if_allowed(ticket.key)
+                    self.manager.commit(ticket)
+                else:
+                    log.warning("page-in of %s failed: %s", ticket.key, stats.error)
+                    self.manager.abort(ticket)
+            finally:
+                done.set_result(stats)
+
+        read.add_done_callback(finished)
+
+    def drop(self, device: str, key: ExpertKey) -> None:
+        """The manager evicted ``key``: drop its pages that no held expert shares."""
+        with self._guard:
+            self._held.discard(key)
+            keep = set(self._held) | set(self._current_keys) | \
+                {t.key for t, _ in self._inflight.values()}
+            self._dropped += 1
+        if key in keep:
+            return
+        self.pager.drop(self.layout.droppable(key, keep.__contains__))
+
+    # ---- RouteObserver ------------------------------------------------------------------
+    def on_route(self, event) -> None:
+        """Page in the layer's experts before its matmul; never raises into the graph."""
+        try:
+            self._finish_layer()
+            experts = np.asarray(event.experts).reshape(-1)
+            access = self.manager.access_layer(DEVICE, event.layer, experts, event.phase,
+                                               step=event.first_step)
+            keys = frozenset(ExpertKey(event.layer, int(e)) for e in np.unique(experts))
+            with self._guard:
+                self._routes += 1
+                self._current, self._current_keys = access, keys
+                self._transient = tuple(access.transient)
+            self._bring_in(keys, access)
+        except Exception as exc:  # noqa: BLE001 - the matmul still runs: pages fault in
+            self._warn_once(f"ram tier: {type(exc).__name__}: {exc} (layer "
+                            f"{getattr(event, 'layer', '?')}; pages fault in as with plain mmap)")
+
+    def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
+        """The batch's last matmul has run: release the lease and drop transients."""
+        try:
+            self._finish_layer()
+        except Exception as exc:  # noqa: BLE001
+            self._warn_once(f"ram tier: at batch end: {type(exc).__name__}: {exc}")
+
+    # ---- internals ----------------------------------------------------------------------
+    def _bring_in(self, keys: frozenset[ExpertKey], access: LayerAccess) -> None:
+        t0 = time.perf_counter()
+        with self._guard:
+            waits = [f for t, f in self._inflight.values() if t.key in keys]
+            pending = {t.key for t, _ in self._inflight.values() if t.key in keys}
+        spans: list[tuple[int, int]] = []
+        reclaimed = 0
+        for key in sorted(keys - pending):
+            missing = self._missing(key)
+            spans.extend(missing)
+            if missing and key not in access.transient and key not in access.admitted:
+                reclaimed += sum(n for _, n in missing)
+        stats = self.pager.page_in(spans) if spans else PageInStats(0, 0.0)
+        for fut in waits:
+            fut.result()
+        with self._guard:
+            self._paged += stats.bytes
+            self._reclaimed += reclaimed
+            self._wait_s += time.perf_counter() - t0
+            if stats.error:
+                self._errors += 1
+
+    def _missing(self, key: ExpertKey) -> list[tuple[int, int]]:
+        """The ranges of ``key`` not wholly in the page cache (mincore), to read now."""
+        out = []
+        for offset, length in self.layout.ranges(key):
+            pieces = self.pager.mapping.address_spans(offset, length)
+            try:
+                resident = bool(pieces) and all(vm.mincore(a, n).all() for a, n in pieces)
+            except OSError:          # a copy went away (e.g. a reader's np.memmap was freed)
+                self.pager.mapping.refresh()
+                resident = False
+            if not resident:
+                out.append((offset, length))
+        return out
+
+    def _finish_layer(self) -> None:
+        with self._guard:
+            access, transient = self._current, self._transient
+            self._current, self._current_keys, self._transient = None, frozenset(), ()
+            keep = set(self._held) | {t.key for t, _ in self._inflight.values()}
+        if access is not None:
+            self.manager.release(access)
+        for key in transient:
+            if key not in keep:
+                self.pager.drop(self.layout.droppable(key, keep.__contains__))
+
+    def _warn_once(self, message: str) -> None:
+        with self._guard:
+            self._errors += 1
+            if message in self._warned:
+                return
+            self._warned.add(message)
+        self.notices.append(message)
+        log.warning("%s", message)
+
+    def _lock_if_allowed(self, key: ExpertKey) -> None:
+        if not self.mlock:
+            return
+        nbytes = self.layout.nbytes(key)
+        limits = vm.memlock_limits()
+        if not limits.allows(self.pager.locked_bytes + nbytes):
+            self._disable_mlock(f"mlock of hot experts disabled: {limits.describe()} is below "
+                                f"the {self.budget_bytes >> 20} MiB cpu budget")
+            return
+        try:
+            for offset, length in self.layout.ranges(key):
+                self.pager.lock(offset, length)
+        except OSError as err:
+            self._disable_mlock(f"mlock of hot experts disabled: {err.strerror} "
+                                f"({limits.describe()})")
+
+    def _disable_mlock(self, message: str) -> None:
+        self.mlock = False
+        self.pager.unlock_all()
+        self.notices.append(message)
+        log.warning("%s", message)
+
+    # ---- telemetry ----------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        with self._guard:
+            return TierStats(self._routes, self._paged, self._reclaimed, self._wait_s,
+                             self._prefetched, self._dropped, self.pager.locked_bytes,
+                             self._errors)
+
+    def truth(self) -> ResidencyTruth:
+        """Manager view vs ``mincore`` (one mincore pass over the mapping: ~1 ms per GiB)."""
+        resident = self.layout.resident_bytes(self.pager.mapping.resident_pages())
+        with self._guard:
+            held = sum(self.layout.nbytes(k) for k in self._held)
+        return ResidencyTruth(held, int(resident.sum()), self.budget_bytes)
+
+    def drop_unheld(self) -> None:
+        """Drop the pages of every expert not held (at attach: llama.cpp populated them all)."""
+        with self._guard:
+            keep = set(self._held)
+        spans = []
+        for key in self.layout.keys:
+            if key not in keep:
+                spans.extend(self.layout.droppable(key, keep.__contains__))
+        self.pager.drop(_merge(spans))
+
+    def close(self) -> None:
+        with self._guard:
+            waits = [f for _, f in self._inflight.values()]
+        for fut in waits:
+            fut.result()
+        self.pager.close()
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Coalesce touching page-aligned spans (fewer syscalls)."""
+    out: list[list[int]] = []
+    for offset, length in sorted(spans):
+        if out and offset <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], offset + length - out[-1][0])
+        else:
+            out.append([offset, length])
+    return [(o, n) for o, n in out]

@@ -1,0 +1,53 @@
+"""PNG plot of a replay matrix: demand-miss bytes against capacity, one panel per trace.
+
+One line per policy; the Belady ceiling dashed; the cold-miss floor dotted.
+"""
+from __future__ import annotations
+
+import os
+
+from runtime.errors import UserError
+from runtime.replay.harness import CellResult
+
+GIB = float(1 << 30)
+
+
+def plot_matrix(cells: list[CellResult], path: str | os.PathLike) -> None:
+    """Write the plot to ``path`` (PNG, via matplotlib's Agg backend)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(dict.fromkeys(c.trace for c in cells))
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4.5), squeeze=False)
+    for ax, trace in zip(axes[0], traces):
+        mine = [c for c in cells if c.trace == trace]
+        for policy in dict.fromkeys(c.policy for c in mine):
+            if policy == "belady":
+                continue  # drawn once below, from the ceilings
+            pts = sorted((c.capacity_bytes, c.demand_miss_bytes) for c in mine
+                         if c.policy == policy)
+            ax.plot([x / GIB for x, _ in pts], [y / GIB for _, y in pts], marker="o",
+                    label=policy)
+        ceiling = sorted({c.capacity_bytes: c.belady_demand_miss_bytes for c in mine}.items())
+        ax.plot([x / GIB for x, _ in ceiling], [y / GIB for _, y in ceiling], "k--",
+                marker="x", label="belady")
+        ax.axhline(mine[0].cold_miss_bytes / GIB, color="grey", linestyle=":",
+                   label="cold-miss floor")
+        ax.set_title(os.path.basename(trace))
+        ax.set_xlabel("fast-tier capacity (GiB)")
+        ax.set_ylabel("demand-miss bytes (GiB, prefill + decode)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)

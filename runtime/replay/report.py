@@ -1,0 +1,78 @@
+"""The replay matrix as markdown: per trace, policy rows x capacity columns.
+
+The headline table gives decode demand-miss MiB per decode token and its ratio to the Belady
+ceiling of the same cell; a detail table lists every counter that went into it.
+"""
+from __future__ import annotations
+
+from runtime.replay.harness import CellResult
+from runtime.units import format_size
+
+MIB = float(1 << 20)
+
+
+def _ordered(values):
+    return list(dict.fromkeys(values))
+
+
+def _ratio(value: int, ceiling: int) -> str:
+    if ceiling == 0:
+        return "1.00x" if value == 0 else "inf"
+    return f"{value / ceiling:.2f}x"
+
+
+def matrix_markdown(cells: list[CellResult]) -> str:
+    """Markdown for every trace in ``cells`` (in first-seen order)."""
+    out = []
+    for trace in _ordered(c.trace for c in cells):
+        out.append(trace_markdown([c for c in cells if c.trace == trace]))
+    return "\n".join(out)
+
+
+def trace_markdown(cells: list[CellResult]) -> str:
+    """Headline and detail tables of one trace's cells."""
+    first = cells[0]
+    caps = _ordered((c.capacity_bytes, c.capacity_label) for c in cells)
+    policies = _ordered(c.policy for c in cells)
+    by = {(c.policy, c.capacity_bytes): c for c in cells}
+    tokens = max(first.decode_tokens, 1)
+    lines = [f"### {first.trace}", "",
+             f"Decode demand-miss MiB per token (ratio to Belady), {first.decode_tokens} decode "
+             f"tokens; cold-miss floor {first.cold_miss_bytes / MIB:,.0f} MiB (all phases).", ""]
+    head = ["policy"] + [f"{label} ({format_size(b)})" if label != str(b) else format_size(b)
+                         for b, label in caps]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = list(policies)
+    if "belady" not in rows:
+        rows.append("belady")
+    for policy in rows:
+        cols = [policy]
+        for b, _ in caps:
+            c = by.get((policy, b))
+            if c is None and policy == "belady":
+                c = next((x.belady for x in cells if x.capacity_bytes == b and x.belady), None)
+            if c is None:
+                cols.append("-")
+                continue
+            ceiling = c.belady_decode_demand_miss_bytes
+            cols.append(f"{c.decode.demand_miss_bytes / MIB / tokens:,.1f} "
+                        f"({_ratio(c.decode.demand_miss_bytes, ceiling)})")
+        lines.append("| " + " | ".join(cols) + " |")
+    lines += ["", "<details><summary>all counters</summary>", "",
+              "| policy | capacity | prefill MiB | decode MiB | decode hit rate | "
+              "prefetch issued / used / wasted MiB | transient uses | Belady MiB | "
+              "est TTFT s | est TPOT ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        pf = [c.prefill.prefetch_issued_bytes + c.decode.prefetch_issued_bytes,
+              c.prefill.prefetch_used_bytes + c.decode.prefetch_used_bytes,
+              c.prefill.prefetch_wasted_bytes + c.decode.prefetch_wasted_bytes]
+        lines.append(
+            f"| {c.policy} | {c.capacity_label} | {c.prefill.demand_miss_bytes / MIB:,.0f} | "
+            f"{c.decode.demand_miss_bytes / MIB:,.0f} | {c.decode.hit_rate:.3f} | "
+            f"{' / '.join(f'{x / MIB:,.0f}' for x in pf)} | "
+            f"{c.prefill.transient_uses + c.decode.transient_uses:,} | "
+            f"{c.belady_demand_miss_bytes / MIB:,.0f} | {c.est_ttft_s:.3f} | "
+            f"{c.est_tpot_s * 1e3:.2f} |")
+    lines += ["", "</details>", ""]
+    return "\n".join(lines)

@@ -1,0 +1,114 @@
+"""Every config key as a command-line flag of the same dotted name, merged over the file.
+
+``--devices.cuda:0 6GiB``, ``--policy.phase_specific false``, ``--policy.decode.eviction lfu``,
+``--policy.decode.eviction_params.half_life 2048``, ``--cost.link_gbps 12``. Flags win.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from typing import Mapping
+
+from runtime.errors import UserError
+from runtime.residency.config import COST_KEYS, ResidencyConfig, load_config
+from runtime.residency.policies.factory import ROLES, param_names, policy_names
+
+MAX_CUDA_FLAGS = 16
+_DEST_PREFIX = "residency_cfg__"
+
+
+def config_keys() -> dict[str, str]:
+    """Every settable dotted key -> its kind ("size", "bool", "name:<role>", "number")."""
+    keys: dict[str, str] = {}
+    for device in ("cpu", "cpu-slots", *(f"cuda:{i}" for i in range(MAX_CUDA_FLAGS))):
+        keys[f"devices.{device}"] = "size"
+    keys["policy.phase_specific"] = "bool"
+    for phase in ("prefill", "decode"):
+        for role in ROLES:
+            keys[f"policy.{phase}.{role}"] = f"name:{role}"
+            for param in param_names(role):
+                keys[f"policy.{phase}.{role}_params.{param}"] = "number"
+    for key in COST_KEYS:
+        keys[f"cost.{key}"] = "number"
+    return keys
+
+
+def _dest(key: str) -> str:
+    return _DEST_PREFIX + key.replace(".", "__").replace(":", "_").replace("-", "_")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, config_file_flag: bool = True) -> None:
+    """Add ``--config FILE`` (optional) and one flag per config key to ``parser``."""
+    group = parser.add_argument_group(
+        "residency config", "any key of the residency TOML, as a flag of the same dotted name; "
+        "flags override the file")
+    if config_file_flag:
+        group.add_argument("--config", metavar="FILE", default=None,
+                           help="residency config TOML (default: built-in defaults)")
+    for key, kind in config_keys().items():
+        if kind == "size":
+            helptext, metavar = "budget: size with units, N%% of free memory, or auto", "SIZE"
+        elif kind == "bool":
+            helptext, metavar = "true or false", "BOOL"
+        elif kind.startswith("name:"):
+            role = kind.split(":", 1)[1]
+            helptext, metavar = ", ".join(policy_names(role)), "NAME"
+        else:
+            helptext, metavar = "number", "X"
+        hide = key.startswith("devices.cuda:") and key != "devices.cuda:0"
+        group.add_argument(f"--{key}", dest=_dest(key), metavar=metavar, default=None,
+                           help=argparse.SUPPRESS if hide else helptext)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """The dotted keys given on the command line, with their string values."""
+    out = {}
+    for key in config_keys():
+        value = getattr(args, _dest(key), None)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def config_from_args(args: argparse.Namespace, *, path: str | None = None) -> ResidencyConfig:
+    """The config from ``--config`` (or ``path``) with every given flag merged over it."""
+    file = path if path is not None else getattr(args, "config", None)
+    return load_config(file, overrides=overrides_from_args(args))
+
+
+def _convert(key: str, kind: str, value: str) -> object:
+    if kind == "bool":
+        low = value.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise UserError(f"--{key}: must be true or false, got {value!r}")
+    if kind == "number":
+        try:
+            return float(value)
+        except ValueError:
+            raise UserError(f"--{key}: must be a number, got {value!r}") from None
+    return value
+
+
+def apply_overrides(data: Mapping, overrides: Mapping[str, str]) -> dict:
+    """A copy of parsed TOML ``data`` with dotted-key string ``overrides`` set (typed)."""
+    known = config_keys()
+    out = copy.deepcopy(dict(data))
+    for key, value in overrides.items():
+        kind = known.get(key)
+        if kind is None:
+            raise UserError(f"--{key}: unknown config key")
+        parts = key.split(".")
+        if parts[0] == "devices":
+            parts = ["devices", key[len("devices."):]]
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = dict(child) if isinstance(child, Mapping) else {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = _convert(key, kind, value)
+    return out

@@ -1,0 +1,1 @@
+"""Residency policies: small objects with pure methods, built by name in ``factory``."""

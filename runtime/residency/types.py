@@ -1,0 +1,75 @@
+"""The small records that cross the residency manager's boundary."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Phase(enum.IntEnum):
+    """What a batch is doing. Carried by every access and prefetch, never guessed."""
+
+    PREFILL = 0
+    DECODE = 1
+    MIXED = 2  # a batch holding both: admission as decode, no speculative prefetch
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ExpertKey:
+    """Identity of one routed expert. Phase and device are never part of it."""
+
+    layer: int
+    expert: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """One transfer: bring ``key`` (``bytes``) onto ``device``, evicting ``victims`` on commit.
+
+    Victims are reserved while the ticket is pending (no longer hit-able, still charged) and
+    come back untouched on abort.
+    """
+
+    id: int
+    device: str
+    key: ExpertKey
+    bytes: int
+    victims: tuple[ExpertKey, ...]
+    phase: Phase
+    prefetch: bool
+
+
+class LayerAccess(NamedTuple):
+    """What one ``access_layer`` call decided. Hand it back to ``release()`` when done.
+
+    An immutable record (a NamedTuple rather than a frozen dataclass: it is built once per
+    layer-step on the hot path, and a NamedTuple is ~4x cheaper to construct).
+    """
+
+    device: str
+    layer: int
+    phase: Phase
+    hits: int
+    misses: int                        # distinct missed keys of the call
+    demand_miss_bytes: int             # bytes of those keys
+    admitted: tuple[ExpertKey, ...]    # became resident (inline transport) or in flight
+    evicted: tuple[ExpertKey, ...]     # victims of this call's admissions
+    transient: tuple[ExpertKey, ...]   # used once without residency
+    tickets: tuple[Ticket, ...]        # transfers to wait for (empty with inline transport)
+    transition_hits: int = 0           # decode hits on experts admitted during prefill
+    lease_id: int = 0                  # 0: nothing held (lease=False)
+
+
+@dataclass(frozen=True, slots=True)
+class UpcomingStep:
+    """The next layer-step of an offline trace, for the ``belady`` prefetch policy only."""
+
+    layer: int
+    experts: np.ndarray       # (m,) int expert ids in routing order
+    access_index: np.ndarray  # (m,) int64 access index of each element

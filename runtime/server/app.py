@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP server: ``create_app`` builds the FastAPI application.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (completions.py),
+``GET /v1/models``, ``GET /v1/residency`` (the manager's snapshot as JSON), ``GET /metrics``
+(Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready).
+With an API key set, every route but ``/health`` wants ``Authorization: Bearer KEY``.
+
+The engine is loaded on a background thread once the server runs (see model_host.py); requests
+are served one at a time, in order, by the bounded queue (queue.py).
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.server.completions import router as completions_router
+from runtime.server.errors import APIError, error_body, install_error_handlers
+from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from runtime.server.model_host import LoadState, ModelHost
+from runtime.server.queue import RequestQueue
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server needs beyond the engine."""
+
+    model_id: str                      # the name /v1/models lists and answers carry
+    api_key: str | None = None         # None: no authentication
+    max_waiting: int = 16              # requests that may wait behind the running one (429 beyond)
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+class ApiKeyGuard:
+    """ASGI middleware: 401 unless the request carries ``Authorization: Bearer KEY``.
+
+    Runs before routing and body parsing, so a request without the key learns nothing else
+    (not even whether its JSON was valid). ``/health`` stays open for load balancers.
+    """
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        error = self._check(Headers(scope=scope).get("authorization", ""))
+        if error is None:
+            await self.app(scope, receive, send)
+        else:
+            await error.response()(scope, receive, send)
+
+    def _check(self, header: str) -> APIError | None:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY'.",
+                            code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), self._key):
+            return APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+
+info_router = APIRouter()
+
+
+@info_router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    """The one model this process serves."""
+    host: ModelHost = request.app.state.host
+    return {"object": "list", "data": [{
+        "id": host.model_id, "object": "model", "created": request.app.state.started,
+        "owned_by": "moe-offload"}]}
+
+
+@info_router.get("/v1/residency")
+async def residency(request: Request) -> Response:
+    """The residency manager's snapshot as JSON."""
+    engine = request.app.state.host.engine()
+    manager = getattr(engine, "manager", None)
+    if manager is None:
+        raise APIError(404, "Residency management is off for this model, so there is no "
+                            "snapshot.", code="residency_disabled")
+    payload = manager.snapshot().to_json()
+    if not isinstance(payload, str):
+        payload = json.dumps(payload)
+    return Response(payload, media_type="application/json")
+
+
+@info_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text: request and token counters, then the manager's moe_expert_* series."""
+    state = request.app.state
+    engine = state.host.engine_if_ready()
+    manager = getattr(engine, "manager", None) if engine is not None else None
+    residency_text = manager.snapshot().to_prometheus() if manager is not None else None
+    queue = state.queue.stats() if state.queue is not None else None
+    text = state.metrics.render(queue, engine is not None, residency_text)
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
+               on_load_failure: Callable[[str], None] | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """Build the app. ``load_engine()`` runs on a background thread once the server starts;
+    ``on_load_failure(message)`` / ``on_ready()`` are called from that thread afterwards."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.queue = RequestQueue(settings.max_waiting)
+        app.state.host.start(on_ready=on_ready, on_failure=on_load_failure)
+        try:
+            yield
+        finally:
+            app.state.queue.close()
+            app.state.host.close()
+
+    app = FastAPI(title="moe-offload", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.settings = settings
+    app.state.host = ModelHost(load_engine, settings.model_id)
+    app.state.metrics = ServerMetrics()
+    app.state.queue = None
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        """200 ``{"status": "ok"}`` when the model is loaded, 503 with an error body before."""
+        host: ModelHost = request.app.state.host
+        if host.state is LoadState.READY:
+            return JSONResponse({"status": "ok"})
+        if host.state is LoadState.LOADING:
+            return JSONResponse(error_body("Loading model", "unavailable_error",
+                                           "model_loading"), status_code=503)
+        return JSONResponse(error_body(f"The model failed to load: {host.error}",
+                                       "unavailable_error", "model_load_failed"),
+                            status_code=503)
+
+    app.include_router(info_router)
+    app.include_router(completions_router)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)   # outermost: counts 401s too
+    return app

@@ -1,0 +1,118 @@
+"""OpenAI-shaped error responses: ``{"error": {"message", "type", "code", "param"}}``.
+
+Every failure the server reports — bad JSON, invalid fields, unknown routes, a full queue, an
+engine error — leaves through one of the handlers installed here, so a client always gets the
+same shape and the process never dies of a request.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("moe_offload.server")
+
+# OpenAI's error types by HTTP status; anything else is a server_error.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error to return to the client as an OpenAI-shaped JSON body."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return error_body(self.message, self.error_type, self.code, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _field_path(loc: tuple) -> str:
+    # loc looks like ("body", "messages", 0, "role"); the leading "body" says nothing useful.
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """Turn FastAPI's validation failure (its 422) into our 400 ``invalid_request_error``."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "Invalid request.", code="invalid_request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "malformed JSON")
+        return APIError(400, f"We could not parse the JSON body of your request ({detail}).",
+                        code="invalid_json")
+    loc = tuple(first.get("loc", ()))
+    if loc == ("body",) and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        return APIError(400, "The request body must be a JSON object, sent with "
+                             "Content-Type: application/json.", code="invalid_json")
+    param = _field_path(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    # pydantic prefixes custom errors with "Value error, "; the client needs only the reason.
+    msg = msg.removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    return APIError(400, message, code=code, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error path of the app through the OpenAI error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err = APIError(404, f"Unknown request URL: {request.method} {request.url.path}.",
+                           code="unknown_url")
+        elif exc.status_code == 405:
+            err = APIError(405, f"Method {request.method} is not allowed for "
+                                f"{request.url.path}.", code="method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail), code=None)
+        if exc.headers:
+            err.headers = dict(exc.headers)
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        # Last resort: handlers should have turned engine failures into APIError(500) already.
+        log.exception("unhandled error in request")
+        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
+                        code="internal_error").response()

@@ -1,0 +1,177 @@
+"""A bounded FIFO of blocking jobs served one at a time by a single worker thread.
+
+The engine is blocking and holds one model, so requests run one after another in arrival order.
+A job is a function ``work(cancel) -> Iterable[item]`` run on the worker thread; its items reach
+the event loop through an ``asyncio.Queue`` (``loop.call_soon_threadsafe``), so a handler
+consumes them with ``async for``. Setting a job's cancel event (the client went away) makes the
+worker stop pulling items from it — and the engine, which gets the same event, stops generating
+— so the next job starts at once. A job cancelled while still waiting never runs.
+
+Bound: at most ``max_waiting`` jobs wait behind the running one; ``submit`` raises
+``QueueFull`` beyond that (the server answers 429).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("moe_offload.server")
+
+Work = Callable[[threading.Event], Iterable[Any]]
+
+
+class QueueFull(Exception):
+    """The queue already holds ``max_waiting`` waiting jobs."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    running: int        # 0 or 1
+    waiting: int        # jobs submitted and not yet started
+    max_waiting: int
+
+
+class _End:
+    """Marks the end of a job's items; carries the exception that ended it, if any."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class Job:
+    """One submitted unit of work, consumed on the event loop with ``async for``."""
+
+    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop) -> None:
+        self.work = work
+        self.cancel = threading.Event()
+        self._loop = loop
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self._done = False
+
+    # -- worker side (called on the worker thread) --------------------------------------------
+    def _deliver(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        except RuntimeError:        # the event loop is closed: nobody is listening any more
+            self.cancel.set()
+
+    # -- consumer side (event loop) -----------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        try:
+            while not self._done:
+                item = await self._items.get()
+                if isinstance(item, _End):
+                    self._done = True
+                    if item.error is not None:
+                        raise item.error
+                    return
+                yield item
+        finally:
+            if not self._done:      # the consumer stopped early (disconnect, error, cancel)
+                self.cancel.set()
+
+
+class RequestQueue:
+    """FIFO of jobs with one worker thread. Create and submit from the event loop thread."""
+
+    def __init__(self, max_waiting: int, *, name: str = "moe-offload-worker") -> None:
+        if max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        self.max_waiting = max_waiting
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def stats(self) -> QueueStats:
+        with self._lock:
+            return QueueStats(running=int(self._running is not None),
+                              waiting=len(self._waiting), max_waiting=self.max_waiting)
+
+    def can_submit(self) -> bool:
+        """True when a job submitted now would be accepted (no side effects)."""
+        with self._lock:
+            return not self._closed and self._has_room()
+
+    def submit(self, work: Work) -> Job:
+        """Queue ``work``; raises ``QueueFull`` when ``max_waiting`` jobs are already waiting.
+
+        A job that arrives while nothing runs starts at once and never counts as waiting.
+        """
+        job = Job(work, asyncio.get_running_loop())
+        with self._lock:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            if not self._has_room():
+                raise QueueFull(f"queue full: {len(self._waiting)} waiting")
+            self._waiting.append(job)
+            self._ready.notify()
+        return job
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Cancel every job (waiting and running) and stop the worker."""
+        with self._lock:
+            self._closed = True
+            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            self._ready.notify()
+        for job in jobs:
+            job.cancel.set()
+        self._thread.join(timeout)
+
+    def _has_room(self) -> bool:
+        # Waiting slots are counted as if the worker had already taken the head job when it is
+        # idle: the worker may not have woken up yet, and that job is not really waiting.
+        waiting = len(self._waiting) - (1 if self._running is None and self._waiting else 0)
+        return waiting < self.max_waiting or (self._running is None and not self._waiting)
+
+    def _next(self) -> Job | None:
+        with self._lock:
+            while not self._waiting and not self._closed:
+                self._ready.wait()
+            if self._closed:
+                for job in self._waiting:
+                    job._deliver(_End(None))
+                self._waiting.clear()
+                return None
+            job = self._waiting.popleft()
+            self._running = job
+            return job
+
+    def _serve(self) -> None:
+        while (job := self._next()) is not None:
+            error: BaseException | None = None
+            try:
+                if not job.cancel.is_set():
+                    self._run(job)
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the request, never lost
+                error = exc
+            finally:
+                with self._lock:
+                    self._running = None
+                job._deliver(_End(error))
+
+    @staticmethod
+    def _run(job: Job) -> None:
+        items = job.work(job.cancel)
+        try:
+            for item in items:
+                job._deliver(item)
+                if job.cancel.is_set():
+                    break
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:   # a generator: run its cleanup now, on this thread
+                close()

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Tokens/s of moe-offload's completion path against plain llama-cpp-python, same model, one run.
+
+    python scripts/bench_engine.py [-m MODEL.gguf] [-n 128] [-t 1] [--reps 5]
+
+Configurations, each loaded once and run interleaved (round-robin, ``--reps`` rounds) so load
+on a shared machine hits them alike; every run starts from an empty KV cache:
+  llama-cpp-python   Llama(model, n_ctx).create_completion(prompt, max_tokens=N, temperature=0)
+  ours, hook off     Engine(manage_residency=False).generate(...)   (what --no-residency runs)
+  ours, residency    Engine() with the default residency config: routing hook + manager
+  ours, capture      routing hook recording every token (trace record's mode), no manager
+
+Printed per configuration: the median end-to-end tokens/s (completion tokens / wall time of
+the whole call, prefill included), its ratio to llama-cpp-python, and the median decode
+tokens/s (generated tokens / time after prefill; llama-cpp-python's from llama_perf_context).
+Without -m a synthetic qwen3moe model (16 layers x 32 experts, top-4, q8_0, ~210 MiB) is
+written to the cache directory once.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = "Once upon a time, in a small town by the sea, there lived an old fisherman who"
+
+
+def bench_model(directory: Path) -> Path:
+    from gguf_tools.synth import SynthSpec, write_synthetic_model
+    from runtime.commands.demo import model_path_for
+
+    spec = SynthSpec(arch="qwen3moe", layers=16, experts=32, top_k=4, embd=512, ff=256,
+                     dtype="q8_0", seed=1, skew=1.0, name="moe-offload-bench")
+    path = model_path_for(spec, directory)
+    if not path.is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} ...", file=sys.stderr)
+        write_synthetic_model(path, spec)
+    return path
+
+
+class PlainLlama:
+    name = "llama-cpp-python"
+
+    def __init__(self, model: str, n_ctx: int, threads: int):
+        import llama_cpp
+
+        self.ll = llama_cpp.llama_cpp
+        self.llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+
+    def run(self, prompt: str, n: int) -> tuple[int, float, float]:
+        self.llm.reset()
+        self.ll.llama_perf_context_reset(self.llm.ctx)
+        t0 = time.perf_counter()
+        out = self.llm.create_completion(prompt, max_tokens=n, temperature=0)
+        wall = time.perf_counter() - t0
+        perf = self.ll.llama_perf_context(self.llm.ctx)
+        # n_eval counts sampled-token decodes (one fewer than tokens generated)
+        decode_tps = perf.n_eval / (perf.t_eval_ms / 1e3) if perf.t_eval_ms > 0 else 0.0
+        return out["usage"]["completion_tokens"], wall, decode_tps
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class Ours:
+    def __init__(self, name: str, model: str, n_ctx: int, threads: int, **kw):
+        from runtime.engine.engine import Engine
+        from runtime.engine.types import EngineSettings
+
+        self.name = name
+        self.engine = Engine(EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
+                                            n_threads_batch=threads, **kw), progress=False)
+        if kw.get("capture_all_tokens"):
+            from runtime.engine.record import TraceRecorder
+
+            self.engine.add_route_observer(TraceRecorder(_NullWriter()))
+
+    def run(self, prompt: str, n: int) -> tuple[int, float, float]:
+        from runtime.engine.sampling import SamplingParams
+
+        self.engine.reset()
+        t0 = time.perf_counter()
+        last = None
+        for chunk in self.engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0)):
+            last = chunk
+        wall = time.perf_counter() - t0
+        t = last.timings
+        # decode t/s over the decode calls only, comparable to llama_perf's t_eval
+        return last.usage.completion_tokens, wall, t.generation_tps
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _NullWriter:
+    """Stands in for TraceWriter: the capture cost without the file I/O."""
+
+    rows_written = 0
+
+    def append_batch(self, *, experts, **_):
+        self.rows_written += experts.size
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", help="GGUF model (default: a synthetic bench model)")
+    ap.add_argument("-n", "--predict", type=int, default=128, help="tokens per run")
+    ap.add_argument("-c", "--ctx-size", type=int, default=1024)
+    ap.add_argument("-t", "--threads", type=int, default=1, help="threads (all configs)")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("-p", "--prompt", default=PROMPT)
+    args = ap.parse_args()
+    model = args.model or str(bench_model(Path(os.environ.get(
+        "XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-offload" / "models"))
+
+    configs = [PlainLlama(model, args.ctx_size, args.threads),
+               Ours("ours, hook off", model, args.ctx_size, args.threads,
+                    manage_residency=False),
+               Ours("ours, residency", model, args.ctx_size, args.threads),
+               Ours("ours, capture", model, args.ctx_size, args.threads,
+                    manage_residency=False, capture_all_tokens=True)]
+    results: dict[str, list[tuple[int, float, float]]] = {c.name: [] for c in configs}
+    for c in configs:                      # warm-up: page the model in, build graphs
+        c.run(args.prompt, 8)
+    for _ in range(args.reps):
+        for c in configs:
+            results[c.name].append(c.run(args.prompt, args.predict))
+    for c in configs:
+        c.close()
+
+    print(f"$ python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(f"model {model}; prompt {len(args.prompt)} chars; {args.predict} tokens per run; "
+          f"threads {args.threads}; {args.reps} interleaved rounds; medians")
+    base = statistics.median(n / w for n, w, _ in results["llama-cpp-python"])
+    print(f"{'configuration':20s} {'tok/s':>9s} {'ratio':>7s} {'decode t/s':>11s}")
+    for name, runs in results.items():
+        tps = statistics.median(n / w for n, w, _ in runs)
+        dec = statistics.median(d for _, _, d in runs)
+        print(f"{name:20s} {tps:9.1f} {tps / base:7.3f} {dec:11.1f}")
+    off = statistics.median(d for _, _, d in results["ours, hook off"])
+    cap = statistics.median(d for _, _, d in results["ours, capture"])
+    res = statistics.median(d for _, _, d in results["ours, residency"])
+    print(f"decode cost of the routing hook: capture {100 * (1 - cap / off):.1f}%, "
+          f"residency (hook + manager) {100 * (1 - res / off):.1f}% slower than hook off")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Shared pytest fixtures: synthetic MoE GGUF models written once per session.
+
+``tiny_model``: qwen3moe, f32, 4 layers, 8 experts, top-2, embd 64, expert ff 32, skewed
+routing (a few MB). ``synth_model_factory(spec)``: writes any ``SynthSpec`` once per session
+(cached by spec) and returns its path.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from gguf_tools.synth import SynthSpec, write_synthetic_model
+
+TINY_SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
+                      dtype="f32", seed=0, skew=1.0)
+
+
+@pytest.fixture(scope="session")
+def synth_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[[SynthSpec], Path]:
+    """Callable ``SynthSpec -> Path``; each distinct spec is written once per session."""
+    root = tmp_path_factory.mktemp("synth-models")
+    cache: dict[SynthSpec, Path] = {}
+    lock = threading.Lock()
+
+    def make(spec: SynthSpec) -> Path:
+        with lock:
+            path = cache.get(spec)
+            if path is None:
+                path = write_synthetic_model(root / f"model-{len(cache)}-{spec.arch}.gguf", spec)
+                cache[spec] = path
+            return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_spec() -> SynthSpec:
+    """The spec ``tiny_model`` is written from."""
+    return TINY_SPEC
+
+
+@pytest.fixture(scope="session")
+def tiny_model(synth_model_factory: Callable[[SynthSpec], Path]) -> Path:
+    """Path to a small qwen3moe f32 model with skewed routing (session-wide, read-only)."""
+    return synth_model_factory(TINY_SPEC)

@@ -1,0 +1,85 @@
+"""Routing capture against llama.cpp itself: the expert ids the hook reports are the top-k of
+``ffn_moe_probs-<layer>`` read from the same graph, for every prompt token of every MoE layer
+(also across ubatches), and generated tokens are tagged decode."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine.engine import Engine
+from runtime.engine.sampling import SamplingParams
+from runtime.residency.types import Phase
+
+
+class Collect:
+    def __init__(self):
+        self.events = []
+        self.batches = []
+
+    def on_route(self, event):
+        self.events.append(event)
+
+    def on_batch_end(self, phase, n_tokens):
+        self.batches.append((phase, n_tokens))
+
+
+def _capture(make_settings, model, prompt, n_predict=6, **kw):
+    engine = Engine(make_settings(model, manage_residency=False, capture_all_tokens=True, **kw),
+                    progress=False)
+    probs = []          # (layer, (n_tokens, n_expert) probs) in graph order
+    for layer in engine.facts.moe_layers:
+        engine.hook.watch(f"ffn_moe_probs-{layer}",
+                          lambda name, data: probs.append(
+                              (int(name.rsplit("-", 1)[1]), data.reshape(-1, data.shape[-1]))))
+    seen = Collect()
+    engine.add_route_observer(seen)
+    n_prompt = len(engine.tokenize(prompt))
+    chunks = list(engine.generate(prompt, SamplingParams(max_tokens=n_predict, temperature=0)))
+    facts = engine.facts
+    engine.close()
+    return facts, n_prompt, chunks, seen, probs
+
+
+@pytest.mark.parametrize("batching", [{}, {"n_batch": 64, "n_ubatch": 4}],
+                         ids=["one-ubatch", "ubatch-4"])
+def test_capture_equals_topk_of_router_probs(tiny_model, make_settings, prompt, batching):
+    facts, n_prompt, chunks, seen, probs = _capture(make_settings, tiny_model, prompt,
+                                                    **batching)
+    k = facts.n_expert_used
+    assert len(seen.events) == len(probs) > 0
+    max_diff = 0.0
+    for event, (layer, p) in zip(seen.events, probs):
+        assert event.layer == layer
+        assert event.experts.shape == (p.shape[0], k)
+        # llama.cpp's argsort_top_k: descending probability
+        want = np.argsort(-p, axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(event.experts, want)
+        # the applied weights are the selected probs renormalised (qwen3moe: norm_w)
+        sel = np.take_along_axis(p, want, axis=1)
+        ref = sel / sel.sum(axis=1, keepdims=True)
+        max_diff = max(max_diff, float(np.abs(event.weights - ref).max()))
+    assert max_diff < 1e-5, f"weights differ from renormalised router probs by {max_diff}"
+    print(f"max |weight - reference| = {max_diff:.2e}")
+
+
+@pytest.mark.parametrize("batching", [{}, {"n_batch": 64, "n_ubatch": 4}],
+                         ids=["one-ubatch", "ubatch-4"])
+def test_every_prompt_token_of_every_layer_and_decode_tags(tiny_model, make_settings, prompt,
+                                                          batching):
+    facts, n_prompt, chunks, seen, _ = _capture(make_settings, tiny_model, prompt, n_predict=6,
+                                                **batching)
+    ubatch = batching.get("n_ubatch", 512)
+    n_generated = chunks[-1].usage.completion_tokens
+    assert n_generated == 6
+    for layer in facts.moe_layers:
+        pre = [e for e in seen.events if e.layer == layer and e.phase == Phase.PREFILL]
+        assert len(pre) == -(-n_prompt // ubatch)      # one event per ubatch
+        steps = np.concatenate([e.first_step + np.arange(e.n_tokens) for e in pre])
+        np.testing.assert_array_equal(steps, np.arange(n_prompt))
+        dec = [e for e in seen.events if e.layer == layer and e.phase == Phase.DECODE]
+        # the last sampled token is never decoded: n_generated - 1 decode steps
+        assert [e.first_step for e in dec] == list(range(n_prompt, n_prompt + n_generated - 1))
+        assert all(e.n_tokens == 1 for e in dec)
+    assert seen.batches[0] == (Phase.PREFILL, n_prompt)
+    assert all(b == (Phase.DECODE, 1) for b in seen.batches[1:])
+    assert {e.turn for e in seen.events} == {0}

@@ -1,0 +1,101 @@
+"""RouteAssembler without llama.cpp: events per (layer, ubatch) with the right context
+positions, the last layer's output-trimmed rows, strict completeness, and observer framing;
+plus the load-time expert placement plan."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine.placement import plan_placement, static_gpu_layers
+from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError
+from runtime.residency.types import Phase
+
+K = 2
+
+
+class Collect:
+    def __init__(self):
+        self.events, self.ends = [], []
+
+    def on_route(self, e):
+        self.events.append(e)
+
+    def on_batch_end(self, phase, n):
+        self.ends.append((phase, n))
+
+
+def _feed_layer(a, layer, rows, stage=2):
+    experts = np.arange(rows * K, dtype=np.int32).reshape(rows, K) % 8
+    a.on_topk(layer, experts)
+    a.on_weights(layer, 0, np.full((rows, K), 0.3, np.float32))      # raw
+    a.on_weights(layer, stage, np.full((rows, K), 0.5, np.float32))  # applied (normalised)
+    a.flush(layer)
+
+
+def test_ubatches_and_trimmed_last_layer():
+    a = RouteAssembler(moe_layers=(0, 1, 2), n_expert_used=K, n_layer=3)
+    seen = Collect()
+    a.observers.append(seen)
+    a.begin_batch(Phase.PREFILL, first_step=10, n_tokens=7, n_outputs=1)
+    for rows_last, rows in ((0, 4), (1, 3)):           # ubatches of 4 and 3 tokens
+        _feed_layer(a, 0, rows)
+        _feed_layer(a, 1, rows)
+        _feed_layer(a, 2, rows_last)                    # last layer: output rows only
+    a.end_batch()
+    got = [(e.layer, e.first_step, e.n_tokens) for e in seen.events]
+    # 0-row events are not emitted; the output row is the batch's last token (10 + 6)
+    assert got == [(0, 10, 4), (1, 10, 4), (0, 14, 3), (1, 14, 3), (2, 16, 1)]
+    assert all((e.weights == 0.5).all() for e in seen.events)   # the applied stage wins
+    assert seen.ends == [(Phase.PREFILL, 7)]
+
+
+def test_strict_mode_reports_missing_tokens():
+    a = RouteAssembler(moe_layers=(0, 1), n_expert_used=K, n_layer=2)
+    a.strict = True
+    a.begin_batch(Phase.PREFILL, 0, n_tokens=5, n_outputs=5)
+    _feed_layer(a, 0, 5)
+    _feed_layer(a, 1, 1)                                # trimmed: 4 tokens never routed
+    with pytest.raises(RouteCaptureError, match="layer 1: routed 1 tokens of 5"):
+        a.end_batch()
+
+
+def test_layers_without_a_flush_node_are_flushed_in_order():
+    a = RouteAssembler(moe_layers=(0, 1), n_expert_used=K, n_layer=2)
+    seen = Collect()
+    a.observers.append(seen)
+    a.begin_batch(Phase.DECODE, 20, 1, 1)
+    for layer in (0, 1):
+        a.on_topk(layer, np.array([[1, 2]], np.int32))
+        a.on_weights(layer, 0, np.array([[0.6, 0.4]], np.float32))
+    a.end_batch()
+    assert [(e.layer, e.phase, e.first_step) for e in seen.events] == \
+        [(0, Phase.DECODE, 20), (1, Phase.DECODE, 20)]
+
+
+def test_missing_weights_is_an_error():
+    a = RouteAssembler(moe_layers=(0,), n_expert_used=K, n_layer=1)
+    a.begin_batch(Phase.DECODE, 0, 1, 1)
+    a.on_topk(0, np.array([[1, 2]], np.int32))
+    with pytest.raises(RouteCaptureError, match="weights"):
+        a.flush(0)
+
+
+def test_placement_plans():
+    eb = (0, 100, 100, 100)        # layer 0 dense
+    off = plan_placement(manage_residency=False, expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3))
+    assert off.rules == ()
+    cpu = plan_placement(manage_residency=True, expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3))
+    assert [t for _, t in cpu.rules] == ["cpu"] and cpu.gpu_expert_layers == ()
+    gpu = plan_placement(manage_residency=True, expert_bytes=eb, n_expert=4,
+                         moe_layers=(1, 2, 3), gpu_budget_bytes=900)
+    assert gpu.gpu_expert_layers == (1, 2) and gpu.gpu_expert_bytes == 800
+    assert [t for _, t in gpu.rules] == ["gpu", "cpu"]
+    import re
+    pattern = re.compile(gpu.rules[0][0])
+    assert pattern.search("blk.2.ffn_down_exps.weight")
+    assert not pattern.search("blk.3.ffn_down_exps.weight")
+    assert not pattern.search("blk.12.ffn_down_exps.weight")
+    native = plan_placement(manage_residency=True, expert_bytes=eb, n_expert=4,
+                            moe_layers=(1, 2, 3), gpu_budget_bytes=900, native_cache=True)
+    assert native.gpu_expert_layers == ()
+    assert static_gpu_layers(eb, 4, (1, 2, 3), 399) == ((), 0)

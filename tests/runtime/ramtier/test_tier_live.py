@@ -1,0 +1,172 @@
+"""The RAM tier on real llama.cpp: a budget below a third of the expert bytes bounds what
+mincore sees resident, and greedy generation is token-identical to plain mmap."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gguf_tools.synth import SynthSpec
+from runtime.engine.engine import Engine, EngineSettings, SamplingParams
+from runtime.ramtier import RamTier, RamTierOptions, attach_to, layer_working_set
+from runtime.ramtier.vm import PAGE_SIZE
+from runtime.residency.config import parse_config
+from runtime.residency.manager import ExpertResidencyManager
+from runtime.residency.types import ExpertKey, Phase
+
+# 192 MiB of experts: 4 layers x 32 experts x 1.5 MiB (f32 gate/up/down 256 x 512), top-4
+SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=32, top_k=4, embd=256, ff=512,
+                 dtype="f32", seed=3, skew=1.0)
+PROMPT = "Once upon a time in a land far away, there lived a"
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def model(synth_model_factory):
+    return str(synth_model_factory(SPEC))
+
+
+def _engine(model, budget=None, **kw):
+    config = parse_config({"devices": {"cpu": budget}}, source="test") if budget else None
+    return Engine(EngineSettings(model_path=model, n_ctx=256, n_threads=2, seed=0,
+                                 manage_residency=budget is not None, config=config, **kw),
+                  progress=False)
+
+
+def _greedy(engine, n=N_TOKENS):
+    out = [c.token for c in engine.generate(PROMPT, SamplingParams(max_tokens=n, temperature=0))
+           if c.token is not None]
+    assert len(out) == n
+    return out
+
+
+class _ResidencyProbe:
+    """Runs after the tier on every event: mincore-resident expert bytes vs the bound."""
+
+    def __init__(self, tier: RamTier, budget: int):
+        self.tier, self.budget = tier, budget
+        self.excess: list[int] = []        # resident - allowed, per check (must stay <= 0)
+        self.peak = 0
+
+    def _check(self, working_set: int, n_keys: int) -> None:
+        layout = self.tier.layout
+        resident = int(layout.resident_bytes(self.tier.pager.mapping.resident_pages()).sum())
+        ranges_per_expert = len(layout.ranges(layout.keys[0]))
+        # whole pages: each resident expert's ranges may share an edge page with a neighbour
+        slack = 2 * PAGE_SIZE * ranges_per_expert * (self.budget // layout.nbytes(layout.keys[0])
+                                                     + n_keys)
+        self.excess.append(resident - (self.budget + working_set + slack))
+        self.peak = max(self.peak, resident)
+
+    def on_route(self, event) -> None:
+        keys = {ExpertKey(event.layer, int(e)) for e in np.unique(event.experts)}
+        self._check(sum(self.tier.layout.nbytes(k) for k in keys), len(keys))
+
+    def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
+        self._check(0, 0)
+
+
+def test_budget_bounds_residency_and_tokens_match_plain_mmap(model):
+    with _engine(model) as plain:
+        want = _greedy(plain)
+
+    expert_bytes = 4 * 32 * 3 * 256 * 512 * 4
+    budget = 60 << 20
+    assert budget < expert_bytes / 3
+    with _engine(model, "60MiB") as engine:
+        tier = next(p for p in engine._attached if isinstance(p, RamTier))
+        assert tier.budget_bytes == budget
+        after_attach = tier.truth()
+        assert after_attach.mincore_resident_bytes < 2 << 20   # populated pages were dropped
+        probe = _ResidencyProbe(tier, budget)
+        engine.add_route_observer(probe)
+        got = _greedy(engine)
+        stats, truth = tier.stats(), tier.truth()
+        snap = engine.manager.snapshot().device("cpu")
+
+    assert got == want
+    assert len(probe.excess) > 4 * N_TOKENS
+    assert max(probe.excess) <= 0, f"resident bytes over the bound by {max(probe.excess)}"
+    assert probe.peak > budget // 2            # the budget was really used
+    assert truth.manager_resident_bytes <= budget
+    # the tier really moved bytes: every demand admission was read, evicted experts dropped
+    assert stats.paged_in_bytes >= snap.total.demand_miss_bytes - snap.total.transient_bytes
+    assert stats.dropped_experts > 0 and stats.read_errors == 0
+
+
+def test_budget_below_a_layers_working_set_is_raised_with_a_message(model, caplog):
+    caplog.set_level(logging.WARNING, logger="moe_offload.ramtier")
+    with _engine(model, "3MiB") as engine:         # two experts; a decode step needs four
+        working_set = 4 * (3 * 256 * 512 * 4)
+        assert engine.manager.capacity("cpu") == working_set
+        assert len(_greedy(engine, 8)) == 8
+    assert any("below one layer's working set" in r.getMessage() and "using 6.0 MiB"
+               in r.getMessage() for r in caplog.records)
+
+
+def test_model_loaded_without_mmap_gets_a_message_and_no_tier(model, caplog):
+    # llama.cpp reading the file into its own buffers (what it does on a filesystem without
+    # mmap): no mapping to govern, attach declines and says so
+    from gguf_tools.facts import read_model_facts
+    from runtime.engine import llama_lib
+
+    caplog.set_level(logging.WARNING, logger="moe_offload.ramtier")
+    facts = read_model_facts(model)
+    manager = ExpertResidencyManager(parse_config({"devices": {"cpu": "60MiB"}}, source="t"))
+    manager.bind_model(facts.expert_bytes, facts.n_expert)
+    manager.reconfigure("cpu", 60 << 20)
+    llama_lib.set_logging(False)
+    ptr = llama_lib.load_model(model, n_gpu_layers=0, use_mmap=False)
+    try:
+        assert attach_to(manager, model) is None
+    finally:
+        llama_lib.bindings().llama_model_free(ptr)
+    assert any("no memory mapping" in r.getMessage() for r in caplog.records)
+
+
+def test_mlock_keeps_locked_bytes_within_the_budget(model):
+    with _engine(model, "60MiB") as engine:
+        tier = next(p for p in engine._attached if isinstance(p, RamTier))
+        tier.mlock = True
+        _greedy(engine, 16)
+        assert 0 < tier.stats().locked_bytes <= tier.budget_bytes
+    assert tier.pager.locked_bytes == 0         # close() unlocked everything
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/setpriv") or os.geteuid() != 0,
+                    reason="needs root and setpriv to drop CAP_IPC_LOCK")
+def test_mlock_refused_by_rlimit_is_reported_and_generation_goes_on(model):
+    code = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+        from runtime.engine.engine import Engine, EngineSettings, SamplingParams
+        from runtime.residency.config import parse_config
+        cfg = parse_config({{"devices": {{"cpu": "60MiB"}}}}, source="t")
+        e = Engine(EngineSettings(model_path={model!r}, n_ctx=256, n_threads=2, config=cfg),
+                   progress=False)
+        toks = [c.token for c in e.generate("hello", SamplingParams(max_tokens=8, temperature=0))
+                if c.token is not None]
+        tier = e._attached[0]
+        print("tokens", len(toks)); print("locked", tier.stats().locked_bytes)
+        print("notice", tier.notices[0] if tier.notices else "")
+        e.close()
+    """)
+    env = dict(os.environ, MOE_OFFLOAD_RAMTIER_MLOCK="1")
+    out = subprocess.run(["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tokens 8" in out.stdout and "locked 0" in out.stdout
+    assert "mlock of hot experts disabled: RLIMIT_MEMLOCK 1024 KiB" in out.stdout
+
+
+def test_working_set_helper_uses_the_largest_layer(model):
+    from gguf_tools.facts import read_model_facts
+    facts = read_model_facts(model)
+    assert layer_working_set(facts) == (4 * 3 * 256 * 512 * 4, facts.moe_layers[0])
+    assert RamTierOptions().threads >= 4

@@ -1,0 +1,83 @@
+"""`lru` replay through the manager equals a plain reference loop, exactly, on real traces.
+
+The reference is written from the access semantics in docs/design/contracts.md, nothing
+shared with the manager: per layer batch, keys resident at entry hit; every key of the batch
+is leased; each distinct missed key (routing order) evicts unleased residents, least recently
+used first, until it fits, or is used transiently when the unleased residents are too few.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+
+from runtime.replay.harness import replay_cell
+from runtime.residency.config import preset_config
+
+
+def reference_lru(trace, capacity: int) -> dict[int, dict[str, int]]:
+    """Per phase (0 prefill, 1 decode): accesses, hits, misses, demand_miss_bytes, transient."""
+    n_expert = trace.header.n_expert
+    size_of = list(trace.header.expert_bytes)
+    keys = trace.keys().tolist()
+    phases = trace.phase.tolist()
+    bounds = trace.batch_bounds().tolist()
+    lru: OrderedDict[int, None] = OrderedDict()   # resident keys, least recent first
+    used = 0                                      # resident bytes
+    out = {p: dict(accesses=0, hits=0, misses=0, demand_miss_bytes=0, transient=0)
+           for p in (0, 1)}
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        c = out[phases[s]]
+        batch = keys[s:e]
+        c["accesses"] += len(batch)
+        leased = set(batch)
+        resident_at_entry = {k for k in leased if k in lru}
+        leased_bytes = sum(size_of[k // n_expert] for k in resident_at_entry)
+        missed = [k for k in dict.fromkeys(batch) if k not in resident_at_entry]
+        c["hits"] += len(batch) - len(missed)
+        for k in missed:
+            size = size_of[k // n_expert]
+            c["misses"] += 1
+            c["demand_miss_bytes"] += size
+            if capacity - leased_bytes < size:
+                c["transient"] += 1
+                continue
+            victims, freed = [], 0
+            for victim in lru:                    # least recent first
+                if used - freed + size <= capacity:
+                    break
+                if victim not in leased:
+                    victims.append(victim)
+                    freed += size_of[victim // n_expert]
+            for victim in victims:
+                del lru[victim]
+            used -= freed
+            lru[k] = None
+            used += size
+            leased_bytes += size
+        # recency: every key of the batch, ordered by its last occurrence in the batch
+        last = {k: i for i, k in enumerate(batch)}
+        for k in sorted(last, key=last.get):
+            if k in lru:
+                lru.move_to_end(k)
+    return out
+
+
+# shares of the model's expert bytes; 0.004 is smaller than one prefill layer's experts, so
+# leases force transient uses
+SHARES = [0.004, 0.05, 0.10, 0.20, 0.30]
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_lru_matches_reference_exactly(real_prep, share):
+    capacity = int(share * real_prep.trace.header.total_expert_bytes)
+    cell = replay_cell(real_prep, capacity, preset_config("lru"), label="lru",
+                       with_belady=False)
+    ref = reference_lru(real_prep.trace, capacity)
+    for phase, got in ((0, cell.prefill), (1, cell.decode)):
+        want = ref[phase]
+        assert (got.accesses, got.hits, got.misses, got.demand_miss_bytes,
+                got.transient_uses) == (want["accesses"], want["hits"], want["misses"],
+                                        want["demand_miss_bytes"], want["transient"]), phase
+    if share == SHARES[0]:
+        assert ref[0]["transient"] > 0  # the small capacity does exercise leases

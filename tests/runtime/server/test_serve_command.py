@@ -1,0 +1,51 @@
+"""``moe-offload serve`` failing cleanly: one line on stderr, a non-zero exit, no traceback."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime.cli", "serve", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, needle: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("moe-offload: error")]
+    assert len(errors) == 1, result.stderr
+    assert needle in errors[0]
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    _assert_one_line_error(_serve("-m", str(missing), "--port", "0"), str(missing))
+
+
+def test_model_that_cannot_load_stops_the_server(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 this is a zip file, not a GGUF model" * 10)
+    _assert_one_line_error(_serve("-m", str(bad), "--port", "0"), str(bad))
+
+
+def test_busy_port(tiny_model: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = _serve("-m", str(tiny_model), "--port", str(port))
+    _assert_one_line_error(result, f"127.0.0.1:{port}")
+
+
+def test_help_shows_server_flags_and_defaults() -> None:
+    result = _serve("--help", timeout=60)
+    assert result.returncode == 0
+    for flag in ("--host", "--port", "--api-key", "--alias", "--queue-size", "-m", "-c"):
+        assert flag in result.stdout
+    assert "127.0.0.1" in result.stdout and "8080" in result.stdout
