@@ -53,5 +53,5 @@ def make_context_params(settings: EngineSettings, hook) -> object:
     params.flash_attn_type = FLASH_ATTN[settings.flash_attn]
     if hook is not None:
         params.cb_eval = hook.callback
-        params.cb_eval_user_data = None
+        params.cb_eval_user_data = hook.user_data
     return params

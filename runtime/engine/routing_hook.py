@@ -70,6 +70,9 @@ _WEIGHT_STAGES = ("ffn_moe_weights", "ffn_moe_weights_softmax", "ffn_moe_weights
                   "ffn_moe_weights_scaled")
 # First node that consumes the experts in build_moe_ffn (any one of them, per arch).
 _PREFIX = b"ffn_moe_"   # every node the hook reads is named "ffn_moe_*" (8 bytes)
+# What the C pre-filter lets through to Python: topk, every weight stage, the flush nodes.
+_FILTER_PREFIXES = (b"ffn_moe_topk-", b"ffn_moe_weights", b"ffn_moe_weighted-", b"ffn_moe_gate",
+                    b"ffn_moe_up-")
 _FLUSH_NODES = ("ffn_moe_weighted", "ffn_moe_gate_up", "ffn_moe_up", "ffn_moe_gate")
 
 
@@ -190,11 +193,14 @@ class RouteAssembler:
 
 
 class RoutingHook:
-    """The ``cb_eval`` callback. Pass ``hook.callback`` as ``llama_context_params.cb_eval``
-    and keep the hook alive as long as the context."""
+    """The ``cb_eval`` callback. Pass ``hook.callback`` / ``hook.user_data`` as
+    ``llama_context_params.cb_eval`` / ``cb_eval_user_data`` and keep the hook alive as long
+    as the context. ``native_filter``: put the C name pre-filter (route_filter.py) in front
+    of the Python callback when it can be built; results are identical either way."""
 
-    def __init__(self, assembler: RouteAssembler):
+    def __init__(self, assembler: RouteAssembler, *, native_filter: bool = True):
         from runtime.engine import llama_lib  # noqa: PLC0415 - loads llama.cpp
+        from runtime.engine.route_filter import RouteFilter, load_filter_library  # noqa: PLC0415
 
         self._lib = llama_lib
         self.assembler = assembler
@@ -211,7 +217,19 @@ class RoutingHook:
         self._prefix_of = ctypes.c_uint64.from_address
         self._prefix = int.from_bytes(_PREFIX, "little")
         self._name_offset = self._lib.NAME_OFFSET
-        self.callback = self._lib.bindings().ggml_backend_sched_eval_callback(self._on_eval)
+        callback_type = self._lib.bindings().ggml_backend_sched_eval_callback
+        self._py_callback = callback_type(self._on_eval)
+        self.callback, self.user_data, self._filter = self._py_callback, None, None
+        library = load_filter_library() if native_filter else None
+        if library is not None:
+            self._filter = RouteFilter(library, self._py_callback, list(_FILTER_PREFIXES),
+                                       self._name_offset, callback_type)
+            self.callback, self.user_data = self._filter.callback, self._filter.user_data
+
+    @property
+    def native_filter(self) -> bool:
+        """True when the C pre-filter is in front of the Python callback."""
+        return self._filter is not None
 
     def watch(self, name: str, fn: Callable[[str, np.ndarray], None]) -> None:
         """Also read node ``name`` (exact match, e.g. ``"ffn_moe_probs-3"``; it must start with
@@ -220,6 +238,8 @@ class RoutingHook:
         if not name.encode().startswith(_PREFIX):
             raise ValueError(f"{name!r}: only ffn_moe_* nodes can be watched")
         self.watchers[name.encode()] = fn
+        if self._filter is not None:
+            self._filter.add_prefix(name.encode())
 
     # -- framing, called by the engine around each llama_decode --------------------------
 

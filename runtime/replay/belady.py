@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,68 +55,121 @@ class BoundResult:
 
 def forced_belady(trace: RouteTrace, capacity_bytes: int,
                   nxt: np.ndarray | None = None) -> BoundResult:
-    """Belady under forced admission, with per-call leases.
+    """Belady's eviction under forced admission: every miss that fits is admitted."""
+    return offline_belady(trace, capacity_bytes, nxt, bypass=False)
 
-    Per layer batch: keys resident at entry are hits; every key of the batch is leased; each
-    distinct missed key (routing order) is admitted by evicting unleased residents with the
-    farthest next use (ties: older last access, then layer, expert) until it fits, or used
-    transiently when even evicting every unleased resident would not make room.
+
+def belady_ceiling(trace: RouteTrace, capacity_bytes: int,
+                   nxt: np.ndarray | None = None) -> BoundResult:
+    """Belady's eviction with bypass: a miss is declined when its next use lies beyond the
+    next use of the first victim it would evict (the one used farthest in the future)."""
+    return offline_belady(trace, capacity_bytes, nxt, bypass=True)
+
+
+def offline_belady(trace: RouteTrace, capacity_bytes: int, nxt: np.ndarray | None = None, *,
+                   bypass: bool) -> BoundResult:
+    """Belady with per-batch leases, as a plain loop over the trace.
+
+    Per layer batch: keys resident at entry hit; every key of the batch is leased; each
+    distinct missed key (routing order) evicts unleased residents in the order (next use
+    farthest first; among keys never used again, least recently used first; then layer,
+    expert) until it fits, or is used transiently when the unleased residents are too few
+    (or, with ``bypass``, when its own next use is not sooner than the first victim's).
+
+    Residents are indexed by their next use instead of a priority queue of tuples: the
+    resident whose next use is access ``p`` is ``owner[p]`` (each access is the next use of at
+    most one earlier access), a heap of ``-p`` finds the farthest, and keys never used again
+    wait in a FIFO that is already in last-access order.
     """
     if nxt is None:
         nxt = next_use(trace)
-    n_expert = trace.header.n_expert
-    key_bytes = [int(b) for b in trace.header.expert_bytes]
+    h = trace.header
+    ne = h.n_expert
+    size_of_layer = [int(b) for b in h.expert_bytes]
     bounds = trace.batch_bounds().tolist()
-    keys = trace.keys().tolist()
-    nxt_l = nxt.tolist()
-    phases = trace.phase.tolist()
-    resident: dict[int, tuple[int, int]] = {}   # key -> (next use, last access seq)
-    heap: list[tuple[int, int, int, int]] = []  # (-next use, last seq, layer, expert), lazy
-    free = capacity_bytes
+    starts = bounds[:-1]
+    batch_layer = trace.layer[starts].tolist() if len(starts) else []
+    batch_phase = [0 if p == PHASE_PREFILL else 1 for p in trace.phase[starts].tolist()]
+    multi = (np.diff(bounds) > h.n_expert_used).tolist()
+    flat = trace.keys().tolist()                       # (n,) layer * n_expert + expert
+    nul = nxt.tolist()
+    n_flat = h.n_layer * ne
+    resident = bytearray(n_flat)
+    nu_of = [0] * n_flat                                # current next use of each key
+    owner = [-1] * len(nul)                             # next-use position -> key
+    far: list[int] = []                                 # heap of -position (lazy)
+    never: deque[int] = deque()                         # residents never used again, LRU first
+    push, pop = heapq.heappush, heapq.heappop
+    used = 0                                            # resident bytes
     misses = [0, 0]
     miss_bytes = [0, 0]
     transient = [0, 0]
-    for b in range(len(bounds) - 1):
+    for b in range(len(starts)):
         s, e = bounds[b], bounds[b + 1]
-        ph = 0 if phases[s] == PHASE_PREFILL else 1
-        last: dict[int, int] = {}                # key -> index of its last element in the call
+        ph = batch_phase[b]
+        size = size_of_layer[batch_layer[b]]
+        missed: list[int] = []
         for i in range(s, e):
-            last[keys[i]] = i
-        missed = [k for k in last if k not in resident]
-        leased_bytes = 0                         # bytes of this call's resident keys
-        for k, i in last.items():                # refresh the hits' priorities
-            if k in resident:
-                leased_bytes += key_bytes[k // n_expert]
-                resident[k] = (nxt_l[i], i)
-                heapq.heappush(heap, (-nxt_l[i], i, k // n_expert, k % n_expert))
-        # misses in routing order: dict preserves first-insertion order = first occurrence
-        for k in missed:
-            size = key_bytes[k // n_expert]
+            f = flat[i]
+            nu_of[f] = nul[i]                           # the last occurrence wins
+            if not resident[f]:
+                missed.append(f)
+        if multi[b]:                                    # repeated keys: distinct ones,
+            last = {f: i for i, f in enumerate(flat[s:e])}
+            order = sorted(last, key=last.get)          # by last occurrence
+            missed = list(dict.fromkeys(missed))        # by first occurrence
+        else:
+            order = flat[s:e]
+        for f in missed:
             misses[ph] += 1
             miss_bytes[ph] += size
-            if free < size:
-                if capacity_bytes - leased_bytes < size:  # free + every unleased resident
-                    transient[ph] += 1
-                    continue
-                held = []
-                while free < size:
-                    entry = heapq.heappop(heap)
-                    victim = entry[2] * n_expert + entry[3]
-                    cur = resident.get(victim)
-                    if cur is None or cur != (-entry[0], entry[1]):
-                        continue                 # stale entry
-                    if victim in last:
-                        held.append(entry)       # leased by this call
-                        continue
-                    del resident[victim]
-                    free += key_bytes[entry[2]]
-                for entry in held:
-                    heapq.heappush(heap, entry)
-            i = last[k]
-            resident[k] = (nxt_l[i], i)
-            heapq.heappush(heap, (-nxt_l[i], i, k // n_expert, k % n_expert))
-            free -= size
-            leased_bytes += size
+            if capacity_bytes - used >= size:
+                resident[f] = 1
+                used += size
+                continue
+            # Victims. The batch's own keys are leased; they need no check here: they are
+            # registered only after the batch, and their earlier entries went stale when
+            # their next use moved on (above).
+            victims: list[tuple[int, int]] = []         # (key, its next use)
+            freed = 0
+            while capacity_bytes - used + freed < size:
+                if never:
+                    v = never.popleft()
+                    if not resident[v]:
+                        continue                        # stale: evicted earlier
+                    victims.append((v, NEVER))
+                elif far:
+                    p = -pop(far)
+                    v = owner[p]
+                    if not resident[v] or nu_of[v] != p:
+                        continue                        # stale
+                    victims.append((v, p))
+                else:
+                    break
+                freed += size_of_layer[v // ne]
+            ok = capacity_bytes - used + freed >= size
+            if ok and bypass and not nu_of[f] < victims[0][1]:
+                ok = False
+            if not ok:                                  # put the victims back where they were
+                never.extendleft(v for v, p in reversed(victims) if p == NEVER)
+                for v, p in victims:
+                    if p != NEVER:
+                        push(far, -p)
+                transient[ph] += 1
+                continue
+            for v, _ in victims:
+                resident[v] = 0
+            used += size - freed
+            resident[f] = 1
+        for f in order:                                 # (re-)register this batch's residents
+            if resident[f]:
+                p = nu_of[f]
+                if p == NEVER:
+                    never.append(f)
+                else:
+                    owner[p] = f
+                    push(far, -p)
     return BoundResult(misses=(misses[0], misses[1]),
                        demand_miss_bytes=(miss_bytes[0], miss_bytes[1]),
                        transient=(transient[0], transient[1]))
+
