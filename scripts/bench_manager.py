@@ -36,44 +36,72 @@ def decode_stream(tokens: int, layers: int, experts: int, top_k: int, seed: int)
     return np.take_along_axis(top, order, axis=2).astype(np.int32)
 
 
-def run_manager(stream: np.ndarray, capacity_experts: int, policy: str) -> tuple[float, int]:
-    """Seconds for the whole stream through access_layer + release, and the hit count."""
+class ManagerRun:
+    """The stream through access_layer + release (the live hook's calls), lru on a sim device."""
+
+    def __init__(self, layers: int, capacity_experts: int, policy: str):
+        self.m = ExpertResidencyManager.create_simulated(
+            expert_bytes=[1] * layers, n_expert=128, capacity_bytes=capacity_experts,
+            policy=policy)
+        self.layers = layers
+
+    def run(self, rows: list) -> None:
+        access_layer, release, decode = self.m.access_layer, self.m.release, Phase.DECODE
+        for row in rows:
+            for layer in range(self.layers):
+                release(access_layer("sim", layer, row[layer], decode))
+
+    def hits(self) -> int:
+        self.m.verify()
+        return self.m.snapshot().device("sim").phase(Phase.DECODE).hits
+
+
+class BareRun:
+    """The same (k,) int32 arrays through a bare OrderedDict LRU loop."""
+
+    def __init__(self, layers: int, capacity_experts: int):
+        self.cache: OrderedDict = OrderedDict()
+        self.capacity = capacity_experts
+        self.layers = layers
+        self.n_hits = 0
+
+    def run(self, rows: list) -> None:
+        cache, capacity, hits = self.cache, self.capacity, 0
+        for row in rows:
+            for layer in range(self.layers):
+                base = layer * 128
+                for e in row[layer].tolist():
+                    key = base + e
+                    if key in cache:
+                        cache.move_to_end(key)
+                        hits += 1
+                    else:
+                        if len(cache) >= capacity:
+                            cache.popitem(last=False)
+                        cache[key] = True
+        self.n_hits += hits
+
+    def hits(self) -> int:
+        return self.n_hits
+
+
+def timed_pair(stream: np.ndarray, capacity: int, policy: str, chunk: int) -> tuple:
+    """Both runs over the stream, alternating every ``chunk`` tokens so that a noisy shared
+    machine slows both alike; returns (manager s, bare s, manager hits, bare hits)."""
     tokens, layers, _ = stream.shape
-    m = ExpertResidencyManager.create_simulated(
-        expert_bytes=[1] * layers, n_expert=128, capacity_bytes=capacity_experts, policy=policy)
-    access_layer, release, decode = m.access_layer, m.release, Phase.DECODE
     rows = [[stream[t, layer] for layer in range(layers)] for t in range(tokens)]  # (k,) int32
-    start = time.perf_counter()
-    for t in range(tokens):
-        row = rows[t]
-        for layer in range(layers):
-            release(access_layer("sim", layer, row[layer], decode))
-    elapsed = time.perf_counter() - start
-    m.verify()
-    return elapsed, m.snapshot().device("sim").phase(decode).hits
-
-
-def run_bare(stream: np.ndarray, capacity_experts: int) -> tuple[float, int]:
-    """The same stream (the same (k,) int32 arrays) through a bare OrderedDict LRU."""
-    tokens, layers, _ = stream.shape
-    rows = [[stream[t, layer] for layer in range(layers)] for t in range(tokens)]
-    cache: OrderedDict = OrderedDict()
-    hits = 0
-    start = time.perf_counter()
-    for t in range(tokens):
-        row = rows[t]
-        for layer in range(layers):
-            base = layer * 128
-            for e in row[layer].tolist():
-                key = base + e
-                if key in cache:
-                    cache.move_to_end(key)
-                    hits += 1
-                else:
-                    if len(cache) >= capacity_experts:
-                        cache.popitem(last=False)
-                    cache[key] = True
-    return time.perf_counter() - start, hits
+    manager, bare = ManagerRun(layers, capacity, policy), BareRun(layers, capacity)
+    t_manager = t_bare = 0.0
+    for start in range(0, tokens, chunk):
+        part = rows[start:start + chunk]
+        t0 = time.perf_counter()
+        manager.run(part)
+        t1 = time.perf_counter()
+        bare.run(part)
+        t2 = time.perf_counter()
+        t_manager += t1 - t0
+        t_bare += t2 - t1
+    return t_manager, t_bare, manager.hits(), bare.hits()
 
 
 def main() -> int:
@@ -87,11 +115,10 @@ def main() -> int:
     layers, experts, top_k = 48, 128, 8
     stream = decode_stream(args.tokens, layers, experts, top_k, args.seed)
     capacity = int(args.capacity * layers * experts)
-    m_runs, b_runs = [], []
-    for _ in range(args.repeat):  # interleaved, best of N: the machine is shared and noisy
-        m_runs.append(run_manager(stream, capacity, args.policy))
-        b_runs.append(run_bare(stream, capacity))
-    m_best, b_best = min(m_runs), min(b_runs)
+    runs = [timed_pair(stream, capacity, args.policy, chunk=20) for _ in range(args.repeat)]
+    t_manager = min(r[0] for r in runs)     # best of N for each
+    t_bare = min(r[1] for r in runs)
+    m_best, b_best = (t_manager, runs[0][2]), (t_bare, runs[0][3])
     per_token_m = m_best[0] / args.tokens * 1e6
     per_token_b = b_best[0] / args.tokens * 1e6
     accesses = args.tokens * layers * top_k

@@ -47,6 +47,15 @@ def parse_capacity(text: str) -> Capacity:
         raise UserError(f"--capacity: {err}") from None
 
 
+class _Row(argparse.Action):
+    """``--policy`` and ``--config`` share one list, so rows keep the command line's order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        rows = list(getattr(namespace, self.dest, None) or [])
+        rows.append((option_string, values))
+        setattr(namespace, self.dest, rows)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "replay", help="replay routing traces through the residency manager (simulated)",
@@ -56,11 +65,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity", action="append", required=True, metavar="SIZE",
                    help="fast-tier expert capacity: bytes with units (6GiB) or a share of "
                         "the model's expert bytes (20%%); repeat for more columns")
-    p.add_argument("--policy", action="append", default=[], metavar="NAME",
+    p.add_argument("--policy", action=_Row, dest="rows", default=[], metavar="NAME",
                    help="eviction policy under demand admission (lru, lfu, lfu-decay, "
                         "phase-weighted), belady (offline, with bypass) or belady-forced; "
                         "repeat for more rows")
-    p.add_argument("--config", action="append", default=[], metavar="FILE",
+    p.add_argument("--config", action=_Row, dest="rows", metavar="FILE",
                    help="residency TOML with phase-specific policies; repeat for more rows")
     p.add_argument("--cost", metavar="FILE",
                    help="take the [cost] table of this TOML for every row")
@@ -71,10 +80,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _rows(args: argparse.Namespace) -> list[tuple[str, ResidencyConfig]]:
-    if not args.policy and not args.config:
+    if not args.rows:
         raise UserError("replay: give --policy NAME or --config FILE")
-    rows = [(name, preset_config(name)) for name in args.policy]
-    rows += [(path, load_config(path)) for path in args.config]
+    rows = [(value, preset_config(value) if flag == "--policy" else load_config(value))
+            for flag, value in args.rows]
     if args.cost:
         cost = load_config(args.cost).cost
         rows = [(label, _with_cost(cfg, cost)) for label, cfg in rows]
@@ -94,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     capacities = [parse_capacity(text) for text in args.capacity]
+    if len({c.label.strip() for c in capacities}) != len(capacities):
+        raise UserError(f"--capacity: a value is given twice ({', '.join(args.capacity)})")
     rows = _rows(args)
     traces = [(path, read_trace(path)) for path in args.traces]
     cells = []
@@ -113,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from runtime.replay.report import matrix_markdown
         sys.stdout.write(matrix_markdown(cells))
+    sys.stdout.flush()
     if args.plot:
         from runtime.replay.plot import plot_matrix
         plot_matrix(cells, args.plot)

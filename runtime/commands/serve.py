@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     from runtime.engine.cli_args import settings_from_args
     from runtime.engine.engine import Engine
-    from runtime.server.app import ServerSettings, create_app
+    from runtime.server.app import ServerSettings, begin_shutdown, create_app
 
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
@@ -123,9 +123,14 @@ def run(args: argparse.Namespace) -> int:
                                     max_waiting=args.queue_size),
                      lambda: Engine(settings, progress=True),
                      on_ready=on_ready, on_load_failure=on_failure)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM
+            begin_shutdown(app)
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(app, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=3, lifespan="on")
-    server = uvicorn.Server(config)
+    server = Server(config)
     server_box.append(server)
     log.info("listening on http://%s:%d (loading %s)", shown_host, port, model_path.name)
     try:

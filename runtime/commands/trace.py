@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
+    parser.print_help(sys.stderr)
     return 2
 
 

@@ -13,20 +13,18 @@ hook as ``cb_eval`` when residency is managed or routes are recorded), then the 
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
 
 from gguf_tools.facts import read_model_facts
 from runtime.engine import llama_lib
+from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
 from runtime.engine.loading import load_with_progress, make_context_params
-from runtime.engine.placement import Placement, plan_placement
-from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver, RoutingHook
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
@@ -36,27 +34,13 @@ from runtime.residency.types import Phase
 
 __all__ = ["Engine", "EngineSettings", "SamplingParams", "GenerationChunk"]
 
-_DEVICE_ORDER = ("cuda", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
-
-
-def _optional_attach(module_name: str, engine: Engine):
-    """``module.attach(engine)`` if the module exists (None otherwise)."""
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            return None
-        raise
-    if getattr(module, "__file__", None) is None:   # a bare namespace folder: not built yet
-        return None
-    return module.attach(engine)
-
 
 class Engine:
     """A loaded model and its context; one generation at a time (see contracts.md)."""
 
     def __init__(self, settings: EngineSettings, *, progress: bool = True):
         self.settings = settings
+        self._progress = progress
         self.model_ptr = self.ctx_ptr = 0
         self._batch = None
         self._attached: list[object] = []
@@ -65,17 +49,26 @@ class Engine:
             raise UserError(f"{path}: no such model file")
         self.facts = read_model_facts(path)
         self.model_name = os.path.basename(path)
-        self.config = self._residency_config()
+        self.config = wiring.residency_config(settings)
         llama_lib.select_library_dir(settings.lib_dir)
         self._ll = llama_lib.bindings()
         llama_lib.set_logging(settings.verbose)
-        has_gpu = any(d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU
-                      for d in llama_lib.devices())
-        self.manager = self._make_manager(has_gpu)
-        self.placement = self._placement(has_gpu)
+        has_gpu = bool(wiring.gpu_devices())
+        self.manager, self.residency_devices = wiring.build_manager(
+            self.config, self.facts, has_gpu=has_gpu)
+        self.placement = wiring.plan(settings, self.config, self.facts, self.manager,
+                                     has_gpu=has_gpu)
         self._overrides = llama_lib.BuftOverrides(
-            [(pattern, self._buffer_type(target)) for pattern, target in self.placement.rules])
+            [(pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress)
+        try:
+            self._init_context()
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_context(self) -> None:
+        settings = self.settings
         self.hook = None
         if settings.manage_residency or settings.capture_all_tokens:
             assembler = RouteAssembler(self.facts.moe_layers, self.facts.n_expert_used,
@@ -83,7 +76,10 @@ class Engine:
             assembler.strict = settings.capture_all_tokens
             self.hook = RoutingHook(assembler)
         params = make_context_params(settings, self.hook)
-        self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
+        try:
+            self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
+        except RuntimeError as exc:
+            raise UserError(f"{settings.model_path}: cannot create a context ({exc})") from None
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
@@ -93,78 +89,7 @@ class Engine:
         self._busy = threading.Lock()
         self._turn = 0
         self._template: ChatTemplate | None = None
-        self._attach_tiers()
-
-    # -- setup ------------------------------------------------------------------------------
-
-    def _residency_config(self):
-        if not self.settings.manage_residency:
-            return None
-        if self.settings.config is not None:
-            return self.settings.config
-        from runtime.residency.config import load_config  # noqa: PLC0415
-
-        return load_config(self.settings.config_path)
-
-    def _make_manager(self, has_gpu: bool):
-        if self.config is None:
-            self.residency_devices: tuple[str, ...] = ()
-            return None
-        from runtime.residency.capacity import probe_device_memory, register_gpu_memory_probe
-        from runtime.residency.manager import ExpertResidencyManager  # noqa: PLC0415
-
-        if has_gpu:
-            register_gpu_memory_probe(_gpu_memory)
-        names = [b.device for b in self.config.devices] or ["cuda:0" if has_gpu else "cpu"]
-        names.sort(key=lambda d: _DEVICE_ORDER.index(d.split(":")[0]))
-        self.residency_devices = tuple(names)
-        manager = ExpertResidencyManager(self.config)
-        manager.bind_model(self.facts.expert_bytes, self.facts.n_expert)
-        for device in names:
-            memory = probe_device_memory(device)
-            free, total = memory if memory is not None else (None, None)
-            manager.resolve_device(device, free_bytes=free, total_bytes=total)
-        return manager
-
-    def _placement(self, has_gpu: bool) -> Placement:
-        gpu_budget = None
-        configured = {b.device for b in self.config.devices} if self.config else set()
-        if has_gpu and "cuda:0" in configured and self.manager is not None:
-            gpu_budget = self.manager.capacity("cuda:0")
-        native = importlib.util.find_spec("runtime.native") is not None and any(
-            d.startswith("cuda:") or d == "cpu-slots" for d in configured)
-        return plan_placement(manage_residency=self.settings.manage_residency,
-                              expert_bytes=self.facts.expert_bytes, n_expert=self.facts.n_expert,
-                              moe_layers=self.facts.moe_layers, gpu_budget_bytes=gpu_budget,
-                              native_cache=native)
-
-    @staticmethod
-    def _buffer_type(target: str) -> int:
-        if target == "cpu":
-            return llama_lib.cpu_buffer_type()
-        gpus = [d for d in llama_lib.devices() if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
-        return llama_lib.device_buffer_type(gpus[0])
-
-    def _attach_tiers(self) -> None:
-        """Let the RAM tier / native device cache attach; feed the other devices ourselves."""
-        if self.manager is None:
-            return
-        configured = {b.device for b in self.config.devices}
-        claimed: set[str] = set()
-        if "cpu" in configured:
-            tier = _optional_attach("runtime.ramtier", self)
-            if tier is not None:
-                self._attached.append(tier)
-                claimed.add("cpu")
-        cache_devices = {d for d in configured if d.startswith("cuda:") or d == "cpu-slots"}
-        if cache_devices:
-            cache = _optional_attach("runtime.native.device_cache", self)
-            if cache is not None:
-                self._attached.append(cache)
-                claimed |= cache_devices
-        fed = [d for d in self.residency_devices if d not in claimed]
-        if fed:
-            self.add_route_observer(ResidencyObserver(self.manager, fed))
+        self._attached = wiring.attach_tiers(self)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -315,10 +240,24 @@ class Engine:
             keep += 1
         keep = min(keep, len(tokens) - 1)      # the last prompt token is always evaluated
         self._forget_from(keep)
-        for start in range(keep, len(tokens), self.n_batch):
-            if cancel is not None and cancel.is_set():
-                return None
-            self._decode(tokens[start:start + self.n_batch], start, Phase.PREFILL)
+        starts = range(keep, len(tokens), self.n_batch)
+        bar = None
+        if self._progress and len(starts) > 1:    # a bar once a long prompt passes 2 s
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=len(tokens) - keep, desc="prompt", unit="tok", delay=2.0,
+                       leave=False, file=sys.stderr, disable=None)
+        try:
+            for start in starts:
+                if cancel is not None and cancel.is_set():
+                    return None
+                batch = tokens[start:start + self.n_batch]
+                self._decode(batch, start, Phase.PREFILL)
+                if bar is not None:
+                    bar.update(len(batch))
+        finally:
+            if bar is not None:
+                bar.close()
         return len(tokens) - keep
 
     def _decode(self, tokens: list[int], first_pos: int, phase: Phase) -> None:
@@ -363,11 +302,3 @@ def ctypes_buffer(size: int):
     import ctypes  # noqa: PLC0415
 
     return (ctypes.c_char * size)()
-
-
-def _gpu_memory(index: int) -> tuple[int, int] | None:
-    """The registered GPU probe: (free, total) bytes of the index-th GPU, from ggml."""
-    gpus = [d for d in llama_lib.devices() if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
-    if index >= len(gpus):
-        return None
-    return gpus[index].free_bytes, gpus[index].total_bytes

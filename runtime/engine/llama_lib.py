@@ -239,7 +239,7 @@ class LogControl:
         message = text.decode("utf-8", errors="replace")
         if self.verbose:
             sys.stderr.write(message)
-        elif level in (2, 3):  # GGML_LOG_LEVEL_WARN, _ERROR
+        if level in (3, 4) and message.strip():  # GGML_LOG_LEVEL_WARN, _ERROR (ggml.h)
             self.recent.append(message.strip())
 
     def last_error(self) -> str:

@@ -129,3 +129,13 @@ class RouteFilter:
         self.state.prefixes[len(self.prefixes)].value = prefix
         self.prefixes.append(prefix)
         self.state.n_prefixes = len(self.prefixes)
+
+    def set_prefixes(self, prefixes: list[bytes]) -> None:
+        """Replace the forwarded prefixes (between decode calls)."""
+        if len(prefixes) > MAX_PREFIXES or any(len(p) >= PREFIX_BYTES for p in prefixes):
+            raise ValueError("too many or too long prefixes for the route filter")
+        self.state.n_prefixes = 0
+        for i, p in enumerate(prefixes):
+            self.state.prefixes[i].value = p
+        self.prefixes = list(prefixes)
+        self.state.n_prefixes = len(prefixes)

@@ -214,6 +214,8 @@ class RoutingHook:
             for base in _FLUSH_NODES:
                 self._nodes[f"{base}-{layer}".encode()] = (_FLUSH, layer, 0)
         self._layout_checked = False
+        self._topk_node: dict[int, int] = {}   # layer -> its ffn_moe_topk tensor (this graph)
+        self._narrowed = False
         self._prefix_of = ctypes.c_uint64.from_address
         self._prefix = int.from_bytes(_PREFIX, "little")
         self._name_offset = self._lib.NAME_OFFSET
@@ -258,6 +260,13 @@ class RoutingHook:
                 raise error
             raise RouteCaptureError(f"routing observer failed: {error!r}") from error
         self.assembler.end_batch()
+        if not self._narrowed and self._filter is not None and \
+                len(self.assembler.final_stage) == len(self.assembler.moe_layers):
+            # Every layer's applied weight stage is known: only topk and those nodes matter.
+            stages = sorted({_WEIGHT_STAGES[i] for i in self.assembler.final_stage.values()})
+            self._filter.set_prefixes([b"ffn_moe_topk-", *(f"{st}-".encode() for st in stages),
+                                       *self.watchers])
+            self._narrowed = True
 
     # -- the callback ---------------------------------------------------------------------
 
@@ -276,21 +285,32 @@ class RoutingHook:
             if node is None:
                 return name in self.watchers if ask else self._on_watch(name, tensor)
             kind, layer, stage = node
+            a = self.assembler
+            final = a.final_stage.get(layer)     # None until the layer's first flush
             if ask:
                 if kind == _FLUSH:
-                    self.assembler.flush(layer)
+                    a.flush(layer)
                     return False
-                return kind == _TOPK or self.assembler.wants_stage(layer, stage)
+                if kind == _TOPK:
+                    self._topk_node[layer] = tensor
+                    return final is None         # later: read with the final weights
+                return final is None or final == stage
             if not self._layout_checked:
                 self._lib.check_tensor_layout(tensor)
                 self._layout_checked = True
-            data = self._lib.read_tensor(tensor)
-            k = self.assembler.n_expert_used
+            k = a.n_expert_used
+            data = self._lib.read_tensor(tensor).reshape(-1, k)
             if kind == _TOPK:
-                self.assembler.on_topk(layer, data.reshape(-1, k).astype(np.int32, copy=False))
-            elif kind == _WEIGHTS:
-                self.assembler.on_weights(layer, stage,
-                                          data.reshape(-1, k).astype(np.float32, copy=False))
+                a.on_topk(layer, data.astype(np.int32, copy=False))
+            elif final is None:
+                a.on_weights(layer, stage, data.astype(np.float32, copy=False))
+            else:
+                # One sync per layer: the topk view is still live here (the expert matmuls
+                # read it next), so read it now together with the applied weights.
+                topk = self._lib.read_tensor(self._topk_node[layer]).reshape(-1, k)
+                a.on_topk(layer, topk.astype(np.int32, copy=False))
+                a.on_weights(layer, stage, data.astype(np.float32, copy=False))
+                a.flush(layer)
             return True
         except BaseException as exc:  # noqa: BLE001 - must never escape into ctypes
             if self.error is None:

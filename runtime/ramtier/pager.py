@@ -97,6 +97,24 @@ class Pager:
             self._pool.submit(self._read, offset, length).add_done_callback(finished)
         return done
 
+    def advise(self, spans: Sequence[tuple[int, int]]) -> int:
+        """``MADV_WILLNEED`` only: queue the reads and return (no copy, no wait); bytes."""
+        total = 0
+        for offset, length in spans:
+            for addr, n in self.mapping.address_spans(offset, length):
+                try:
+                    vm.madvise(addr, n, vm.MADV_WILLNEED)
+                    total += n
+                except OSError:
+                    break
+        return total
+
+    def wait_for(self, spans: Sequence[tuple[int, int]]) -> None:
+        """Block until the last page of each span is read (one-byte preads; WILLNEED reads
+        complete in order within a span)."""
+        for offset, length in spans:
+            os.pread(self._fd, 1, offset + length - 1)
+
     def _read(self, offset: int, length: int) -> None:
         buf = getattr(self._local, "buf", None)
         if buf is None:

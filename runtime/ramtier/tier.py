@@ -26,6 +26,7 @@ import numpy as np
 
 from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.pager import PageInStats, Pager
+from runtime.ramtier.refill import Refiller
 from runtime.ramtier import vm
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
@@ -46,6 +47,7 @@ class TierStats:
     dropped_experts: int
     locked_bytes: int
     read_errors: int
+    refilled_bytes: int = 0      # read back in the background after a cold cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,7 @@ class RamTier:
     inline = False      # Transport protocol: tickets commit when their reads are done
 
     def __init__(self, manager, layout: ExpertLayout, pager: Pager, *, budget_bytes: int,
-                 mlock: bool = False):
+                 mlock: bool = False, refill: bool = True):
         self.manager = manager
         self.layout = layout
         self.pager = pager
@@ -85,6 +87,8 @@ class RamTier:
         self._routes = self._paged = self._reclaimed = self._prefetched = 0
         self._dropped = self._errors = 0
         self._wait_s = 0.0
+        self.n_layer = 1 + max((k.layer for k in layout.keys), default=0)
+        self.refiller = Refiller(self) if refill else None
 
     # ---- Transport ----------------------------------------------------------------------
     def bind(self, manager) -> None:
@@ -132,6 +136,23 @@ class RamTier:
             return
         self.pager.drop(self.layout.droppable(key, keep.__contains__))
 
+    # ---- queries for the refiller -------------------------------------------------------
+    def held_keys(self) -> list[ExpertKey]:
+        with self._guard:
+            return list(self._held)
+
+    def is_held(self, key: ExpertKey) -> bool:
+        with self._guard:
+            return key in self._held
+
+    def drop_pages(self, key: ExpertKey) -> None:
+        """Drop ``key``'s pages unless it is held, in flight or in use by the running layer."""
+        with self._guard:
+            keep = set(self._held) | set(self._current_keys) | \
+                {t.key for t, _ in self._inflight.values()}
+        if key not in keep:
+            self.pager.drop(self.layout.droppable(key, keep.__contains__))
+
     # ---- RouteObserver ------------------------------------------------------------------
     def on_route(self, event) -> None:
         """Page in the layer's experts before its matmul; never raises into the graph."""
@@ -166,10 +187,12 @@ class RamTier:
         spans: list[tuple[int, int]] = []
         reclaimed = 0
         for key in sorted(keys - pending):
-            missing = self._missing(key)
+            missing = self.missing_spans(key)
             spans.extend(missing)
             if missing and key not in access.transient and key not in access.admitted:
                 reclaimed += sum(n for _, n in missing)
+        if reclaimed and self.refiller is not None:
+            self.refiller.maybe_start(min(k.layer for k in keys), self.n_layer)
         stats = self.pager.page_in(spans) if spans else PageInStats(0, 0.0)
         for fut in waits:
             fut.result()
@@ -180,7 +203,7 @@ class RamTier:
             if stats.error:
                 self._errors += 1
 
-    def _missing(self, key: ExpertKey) -> list[tuple[int, int]]:
+    def missing_spans(self, key: ExpertKey) -> list[tuple[int, int]]:
         """The ranges of ``key`` not wholly in the page cache (mincore), to read now."""
         out = []
         for offset, length in self.layout.ranges(key):
@@ -241,7 +264,8 @@ class RamTier:
         with self._guard:
             return TierStats(self._routes, self._paged, self._reclaimed, self._wait_s,
                              self._prefetched, self._dropped, self.pager.locked_bytes,
-                             self._errors)
+                             self._errors,
+                             self.refiller.refilled_bytes if self.refiller else 0)
 
     def truth(self) -> ResidencyTruth:
         """Manager view vs ``mincore`` (one mincore pass over the mapping: ~1 ms per GiB)."""
@@ -265,6 +289,8 @@ class RamTier:
             waits = [f for _, f in self._inflight.values()]
         for fut in waits:
             fut.result()
+        if self.refiller is not None:
+            self.refiller.close()
         self.pager.close()
 
 

@@ -1,8 +1,9 @@
 """Replay a routing trace through the residency manager in simulated mode.
 
 The manager is the one the runtime uses (``ExpertResidencyManager.create_simulated``); this
-module only feeds it: one ``access_layer`` per layer batch (``RouteTrace.batch_bounds``), then
-``release``, so the experts of a layer-step hold their leases until that layer-step completes.
+module only feeds it: one ``access_layer`` per layer batch (``RouteTrace.batch_bounds``) with
+``lease=False``: the experts of a layer-step hold their leases for the call, which in replay is
+the whole layer-step (the same as ``release`` right after it).
 Offline policies get what they need from the trace's future: ``next_use`` for eviction
 ``belady`` / admission ``belady-bypass``, ``upcoming`` (the next layer-step) for prefetch
 ``belady``. Results come from the manager's own counters (``snapshot()``).
@@ -12,11 +13,11 @@ Offline policies get what they need from the trace's future: ``next_use`` for ev
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from runtime.replay.belady import cold_miss_bytes, next_use
+from runtime.replay.belady import BoundResult, belady_ceiling, cold_miss_bytes, next_use
 from runtime.replay.cost_model import CostModel
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.manager import ExpertResidencyManager
@@ -47,7 +48,7 @@ class PreparedTrace:
     _next_use: np.ndarray | None = field(default=None, repr=False)
     _next_use_list: list[int] | None = field(default=None, repr=False)
     _expert_list: list[int] | None = field(default=None, repr=False)
-    _belady: dict[int, CellResult] = field(default_factory=dict, repr=False)
+    _ceilings: dict[int, BoundResult] = field(default_factory=dict, repr=False)
 
     @property
     def accesses(self) -> int:
@@ -58,6 +59,14 @@ class PreparedTrace:
         if self._next_use is None:
             self._next_use = next_use(self.trace)
         return self._next_use
+
+    def ceiling(self, capacity_bytes: int) -> BoundResult:
+        """The Belady ceiling (eviction by next use, with bypass) at ``capacity_bytes``."""
+        found = self._ceilings.get(capacity_bytes)
+        if found is None:
+            found = belady_ceiling(self.trace, capacity_bytes, self.next_use())
+            self._ceilings[capacity_bytes] = found
+        return found
 
     def next_use_list(self) -> list[int]:
         if self._next_use_list is None:
@@ -145,25 +154,26 @@ class CellResult:
     cold_miss_bytes: int
     est_ttft_s: float
     est_tpot_s: float
-    belady: CellResult | None = None   # the Belady ceiling of the same trace and capacity
+    # the Belady ceiling of the same trace and capacity (belady.belady_ceiling); None: not run
+    belady_prefill_demand_miss_bytes: int | None = None
+    belady_decode_demand_miss_bytes: int | None = None
 
     @property
     def demand_miss_bytes(self) -> int:
         return self.prefill.demand_miss_bytes + self.decode.demand_miss_bytes
 
     @property
-    def belady_demand_miss_bytes(self) -> int:
-        return (self.belady or self).demand_miss_bytes
-
-    @property
-    def belady_decode_demand_miss_bytes(self) -> int:
-        return (self.belady or self).decode.demand_miss_bytes
+    def belady_demand_miss_bytes(self) -> int | None:
+        if self.belady_decode_demand_miss_bytes is None:
+            return None
+        return self.belady_prefill_demand_miss_bytes + self.belady_decode_demand_miss_bytes
 
     def to_json(self) -> dict:
         return {
             "trace": self.trace, "policy": self.policy, "capacity_bytes": self.capacity_bytes,
             "capacity": self.capacity_label,
             "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
+            "total": _sum_phases(self.prefill, self.decode).to_json(),
             "demand_miss_bytes": self.demand_miss_bytes,
             "decode_tokens": self.decode_tokens,
             "cold_miss_bytes": self.cold_miss_bytes,
@@ -185,21 +195,18 @@ def offline_needs(config: ResidencyConfig) -> tuple[bool, bool]:
 
 def replay_cell(prep: PreparedTrace, capacity_bytes: int, config: ResidencyConfig, *,
                 label: str, capacity_label: str = "", with_belady: bool = True) -> CellResult:
-    """Replay ``prep`` through a simulated manager; with the Belady ceiling when asked."""
+    """Replay ``prep`` through a simulated manager; with the Belady ceiling when asked.
+
+    The ceiling comes from ``belady.belady_ceiling``, an offline loop written apart from the
+    manager that makes the same decisions as the manager's ``belady`` policy (eviction belady,
+    admission belady-bypass; tests compare them on real traces) at a fraction of the cost.
+    """
     cell = _run(prep, capacity_bytes, config, label, capacity_label)
     if not with_belady:
         return cell
-    if label == "belady":
-        prep._belady.setdefault(capacity_bytes, cell)
-    ceiling = prep._belady.get(capacity_bytes)
-    if ceiling is None:
-        ceiling = _run(prep, capacity_bytes, preset_config("belady"), "belady", capacity_label)
-        prep._belady[capacity_bytes] = ceiling
-    return _with_belady(cell, ceiling)
-
-
-def _with_belady(cell: CellResult, ceiling: CellResult) -> CellResult:
-    return CellResult(**{**cell.__dict__, "belady": ceiling})
+    ceiling = prep.ceiling(capacity_bytes)
+    return replace(cell, belady_prefill_demand_miss_bytes=ceiling.demand_miss_bytes[0],
+                   belady_decode_demand_miss_bytes=ceiling.demand_miss_bytes[1])
 
 
 def _run(prep: PreparedTrace, capacity_bytes: int, config: ResidencyConfig, label: str,
@@ -228,18 +235,18 @@ def _run(prep: PreparedTrace, capacity_bytes: int, config: ResidencyConfig, labe
 
 def _drive(mgr: ExpertResidencyManager, prep: PreparedTrace, needs_next: bool,
            needs_upcoming: bool) -> list:
-    """One ``access_layer`` (then ``release``) per layer batch, in order; the accesses."""
-    access, release = mgr.access_layer, mgr.release
+    """One ``access_layer`` per layer batch, in order; the accesses."""
+    access = mgr.access_layer
     experts, starts, stops = prep.expert_list(), prep.starts, prep.stops
     layers, phases, steps = prep.layers, prep.phases, prep.steps
     n_batches = len(starts)
     out = [None] * n_batches
+    # lease=False: the manager holds the batch's leases for the call only, which in replay
+    # is the whole layer-step (the next call is the next layer-step)
     if not needs_next and not needs_upcoming:      # the common case, kept tight
         for b in range(n_batches):
-            acc = access(DEVICE, layers[b], experts[starts[b]:stops[b]], phases[b],
-                         step=steps[b])
-            release(acc)
-            out[b] = acc
+            out[b] = access(DEVICE, layers[b], experts[starts[b]:stops[b]], phases[b],
+                            step=steps[b], lease=False)
         return out
     nxt = prep.next_use_list() if needs_next else None
     arr = prep.experts
@@ -252,9 +259,8 @@ def _drive(mgr: ExpertResidencyManager, prep: PreparedTrace, needs_next: bool,
             s2, e2 = starts[b + 1], stops[b + 1]
             kwargs["upcoming"] = UpcomingStep(layer=layers[b + 1], experts=arr[s2:e2],
                                               access_index=np.arange(s2, e2, dtype=np.int64))
-        acc = access(DEVICE, layers[b], experts[s:e], phases[b], step=steps[b], **kwargs)
-        release(acc)
-        out[b] = acc
+        out[b] = access(DEVICE, layers[b], experts[s:e], phases[b], step=steps[b],
+                        lease=False, **kwargs)
     return out
 
 

@@ -29,7 +29,8 @@ def plot_matrix(cells: list[CellResult], path: str | os.PathLike) -> None:
                          if c.policy == policy)
             ax.plot([x / GIB for x, _ in pts], [y / GIB for _, y in pts], marker="o",
                     label=policy)
-        ceiling = sorted({c.capacity_bytes: c.belady_demand_miss_bytes for c in mine}.items())
+        ceiling = sorted({c.capacity_bytes: c.belady_demand_miss_bytes for c in mine
+                          if c.belady_demand_miss_bytes is not None}.items())
         ax.plot([x / GIB for x, _ in ceiling], [y / GIB for _, y in ceiling], "k--",
                 marker="x", label="belady")
         ax.axhline(mine[0].cold_miss_bytes / GIB, color="grey", linestyle=":",

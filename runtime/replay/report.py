@@ -21,6 +21,10 @@ def _ratio(value: int, ceiling: int) -> str:
     return f"{value / ceiling:.2f}x"
 
 
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / MIB:,.0f}"
+
+
 def matrix_markdown(cells: list[CellResult]) -> str:
     """Markdown for every trace in ``cells`` (in first-seen order)."""
     out = []
@@ -42,21 +46,23 @@ def trace_markdown(cells: list[CellResult]) -> str:
     head = ["policy"] + [f"{label} ({format_size(b)})" if label != str(b) else format_size(b)
                          for b, label in caps]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = list(policies)
-    if "belady" not in rows:
-        rows.append("belady")
-    for policy in rows:
+    ceilings = {c.capacity_bytes: c.belady_decode_demand_miss_bytes for c in cells
+                if c.belady_decode_demand_miss_bytes is not None}
+    for policy in policies:
         cols = [policy]
         for b, _ in caps:
             c = by.get((policy, b))
-            if c is None and policy == "belady":
-                c = next((x.belady for x in cells if x.capacity_bytes == b and x.belady), None)
             if c is None:
                 cols.append("-")
                 continue
-            ceiling = c.belady_decode_demand_miss_bytes
-            cols.append(f"{c.decode.demand_miss_bytes / MIB / tokens:,.1f} "
-                        f"({_ratio(c.decode.demand_miss_bytes, ceiling)})")
+            ceiling = ceilings.get(b)
+            ratio = "" if ceiling is None else f" ({_ratio(c.decode.demand_miss_bytes, ceiling)})"
+            cols.append(f"{c.decode.demand_miss_bytes / MIB / tokens:,.1f}{ratio}")
+        lines.append("| " + " | ".join(cols) + " |")
+    if ceilings and "belady" not in policies:
+        cols = ["belady (ceiling)"] + [
+            "-" if ceilings.get(b) is None else f"{ceilings[b] / MIB / tokens:,.1f} (1.00x)"
+            for b, _ in caps]
         lines.append("| " + " | ".join(cols) + " |")
     lines += ["", "<details><summary>all counters</summary>", "",
               "| policy | capacity | prefill MiB | decode MiB | decode hit rate | "
@@ -72,7 +78,7 @@ def trace_markdown(cells: list[CellResult]) -> str:
             f"{c.decode.demand_miss_bytes / MIB:,.0f} | {c.decode.hit_rate:.3f} | "
             f"{' / '.join(f'{x / MIB:,.0f}' for x in pf)} | "
             f"{c.prefill.transient_uses + c.decode.transient_uses:,} | "
-            f"{c.belady_demand_miss_bytes / MIB:,.0f} | {c.est_ttft_s:.3f} | "
+            f"{_mib(c.belady_demand_miss_bytes)} | {c.est_ttft_s:.3f} | "
             f"{c.est_tpot_s * 1e3:.2f} |")
     lines += ["", "</details>", ""]
     return "\n".join(lines)

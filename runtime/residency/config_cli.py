@@ -11,7 +11,7 @@ from typing import Mapping
 
 from runtime.errors import UserError
 from runtime.residency.config import COST_KEYS, ResidencyConfig, load_config
-from runtime.residency.policies.factory import ROLES, param_names, policy_names
+from runtime.residency.policies.factory import ROLES, param_defaults, param_names, policy_names
 
 MAX_CUDA_FLAGS = 16
 _DEST_PREFIX = "residency_cfg__"
@@ -111,4 +111,17 @@ def apply_overrides(data: Mapping, overrides: Mapping[str, str]) -> dict:
                 node[part] = child
             node = child
         node[parts[-1]] = _convert(key, kind, value)
+    # a policy renamed on the command line drops the file's parameters it does not take
+    for key, kind in known.items():
+        if not kind.startswith("name:") or key not in overrides:
+            continue
+        _, phase, role = key.split(".")
+        table = out.get("policy", {}).get(phase, {})
+        params = table.get(f"{role}_params")
+        name = table.get(role)
+        if isinstance(params, Mapping) and name in policy_names(role):
+            accepted = param_defaults(role, name)
+            table[f"{role}_params"] = {
+                p: v for p, v in params.items()
+                if p in accepted or f"{key}_params.{p}" in overrides}
     return out

@@ -55,10 +55,22 @@ class RecencyOrder:
         return None
 
     def unpop(self, flats: list[int]) -> None:
-        """Put popped victims back in front, in their original order."""
-        for flat in reversed(flats):
-            self.od[flat] = None
-            self.od.move_to_end(flat, last=False)
+        """Put popped victims back where they were: merged by (last_seq, flat) with the
+        leased/pinned keys that ``pop_victim`` skipped at the front."""
+        if not flats:
+            return
+        last, od = self.stats.last_seq, self.od
+        limit = max((last[f], f) for f in flats)
+        front = []
+        for f in od:
+            if (last[f], f) > limit:
+                break
+            front.append(f)
+        for f in front:
+            del od[f]
+        for f in sorted(front + flats, key=lambda f: (last[f], f), reverse=True):
+            od[f] = None
+            od.move_to_end(f, last=False)
 
     def restore(self, flats: list[int]) -> None:
         """Keys resident again (an aborted ticket's victims): re-sort by last access."""

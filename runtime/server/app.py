@@ -117,6 +117,14 @@ async def metrics(request: Request) -> Response:
     return Response(text, media_type=CONTENT_TYPE)
 
 
+def begin_shutdown(app: FastAPI) -> None:
+    """Cancel every queued and running generation now, so that answers in flight end (with
+    a ``server_shutdown`` error) while the server still drains its connections."""
+    queue = getattr(app.state, "queue", None)
+    if queue is not None:
+        queue.cancel_all()
+
+
 def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
                on_load_failure: Callable[[str], None] | None = None,
                on_ready: Callable[[], None] | None = None) -> FastAPI:

@@ -26,7 +26,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import ContextLengthError
 from runtime.errors import UserError
 from runtime.server.errors import APIError
-from runtime.server.queue import Job, QueueFull
+from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 log = logging.getLogger("moe_offload.server")
@@ -114,7 +114,8 @@ def _prepare_completion(engine: Any, req: CompletionRequest) -> Prepared:
     return Prepared(prompt, n_prompt, _sampling_params(req, max_tokens))
 
 
-def _generation(engine: Any, prep: Prepared, metrics: Any) -> Callable[[threading.Event], Iterator]:
+def _generation(engine: Any, prep: Prepared,
+                metrics: Any) -> Callable[[threading.Event], Iterator[Any]]:
     """The job run on the worker thread: the engine's chunks, with metrics kept on the way."""
     def work(cancel: threading.Event) -> Iterator[Any]:
         t0 = time.perf_counter()
@@ -150,7 +151,9 @@ def _engine_failure(exc: BaseException) -> APIError:
     return APIError(500, f"Generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-async def _submit(request: Request, prepare: Callable[[Any], Prepared]) -> tuple[Any, Prepared, Job]:
+async def _submit(request: Request,
+                  prepare: Callable[[Any], Prepared]) -> tuple[Prepared, Job]:
+    """Prepare the request off the event loop, then queue its generation (429 when full)."""
     state = request.app.state
     engine = state.host.engine()                      # 503 while loading
     try:
@@ -161,11 +164,13 @@ async def _submit(request: Request, prepare: Callable[[Any], Prepared]) -> tuple
         raise _engine_failure(exc) from exc
     try:
         job = state.queue.submit(_generation(engine, prep, state.metrics))
+    except QueueClosed as exc:
+        raise APIError(503, "The server is shutting down.", code="server_shutdown") from exc
     except QueueFull as exc:
         state.metrics.observe_queue_full()
         raise APIError(429, f"The server is busy ({exc}); retry later.",
                        code="queue_full", headers={"Retry-After": "1"}) from exc
-    return engine, prep, job
+    return prep, job
 
 
 async def _collect(request: Request, job: Job, prep: Prepared) -> Outcome:
@@ -200,6 +205,10 @@ async def _collect(request: Request, job: Job, prep: Prepared) -> Outcome:
         job.cancel.set()          # no-op when finished; stops the engine when we bailed out
     if error is not None:
         raise _engine_failure(error) from error
+    if finish_reason in (None, CANCELLED):
+        # cut short: the client left (nobody reads this) or the server is stopping
+        raise APIError(503, "The server is shutting down; the answer was cut short.",
+                       code="server_shutdown")
     return Outcome("".join(pieces), finish_reason,
                    usage.prompt_tokens if usage is not None else prep.prompt_tokens,
                    usage.completion_tokens if usage is not None else generated)
@@ -209,25 +218,38 @@ def _sse(payload: dict) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
+SHUTDOWN_GRACE_S = 2.0   # a stream's time to end cleanly on shutdown (< uvicorn's 3 s drain)
+
+
 async def _stream(job: Job, prep: Prepared, include_usage: bool,
-                  frame: Callable[[str | None, str | None], dict],
-                  opening: dict | None) -> AsyncIterator[str]:
+                  frame: Callable[[str | None, str | None], dict], opening: dict | None,
+                  shutdown: anyio.Event) -> AsyncIterator[str]:
     """SSE payloads: optional opening frame, one frame per text piece, the finish frame, an
-    optional usage frame, ``[DONE]``. An engine error becomes an OpenAI error frame."""
+    optional usage frame, ``[DONE]``. An engine error, or a server shutdown that cuts the
+    answer short, becomes an OpenAI error frame instead of the end."""
     usage = None
     generated = 0
+    finished = False
+    extra = {"usage": None} if include_usage else {}
     try:
         if opening is not None:
-            yield _sse(opening | ({"usage": None} if include_usage else {}))
+            yield _sse(opening | extra)
         async for chunk in job:
+            if shutdown.is_set():
+                job.cancel.set()      # the worker stops this generation
             generated += chunk.token is not None
             if chunk.usage is not None:
                 usage = chunk.usage
             if chunk.text:
-                yield _sse(frame(chunk.text, None) | ({"usage": None} if include_usage else {}))
-            if chunk.finish_reason is not None and chunk.finish_reason != CANCELLED:
-                yield _sse(frame(None, chunk.finish_reason)
-                           | ({"usage": None} if include_usage else {}))
+                yield _sse(frame(chunk.text, None) | extra)
+            if chunk.finish_reason not in (None, CANCELLED):
+                finished = True
+                yield _sse(frame(None, chunk.finish_reason) | extra)
+        if not finished:
+            # cancelled while the client is still here: only a shutdown does that
+            yield _sse(APIError(503, "The server is shutting down; the answer was cut short.",
+                                code="server_shutdown").body())
+            return
         if include_usage:
             last = frame(None, None)
             last["choices"] = []
@@ -241,6 +263,14 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool,
         job.cancel.set()          # the client left (or we are done): free the engine
 
 
+def _event_source(job: Job, prep: Prepared, include_usage: bool,
+                  frame: Callable[[str | None, str | None], dict],
+                  opening: dict | None = None) -> EventSourceResponse:
+    shutdown = anyio.Event()     # set by sse-starlette when the server begins to stop
+    return EventSourceResponse(_stream(job, prep, include_usage, frame, opening, shutdown),
+                               shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+
+
 def _ids(prefix: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -248,7 +278,7 @@ def _ids(prefix: str) -> tuple[str, int]:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion, streamed or not."""
-    _engine, prep, job = await _submit(request, lambda e: _prepare_chat(e, body))
+    prep, job = await _submit(request, lambda e: _prepare_chat(e, body))
     model = request.app.state.host.model_id
     cid, created = _ids("chatcmpl")
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -261,8 +291,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                         "finish_reason": finish}]}
         opening = base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]}
-        return EventSourceResponse(_stream(job, prep, body.include_usage_in_stream(), frame,
-                                           opening))
+        return _event_source(job, prep, body.include_usage_in_stream(), frame, opening)
 
     out = await _collect(request, job, prep)
     return JSONResponse(base | {
@@ -276,7 +305,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion, streamed or not."""
-    _engine, prep, job = await _submit(request, lambda e: _prepare_completion(e, body))
+    prep, job = await _submit(request, lambda e: _prepare_completion(e, body))
     model = request.app.state.host.model_id
     cid, created = _ids("cmpl")
     base = {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -286,8 +315,7 @@ async def completions(body: CompletionRequest, request: Request):
         def frame(text: str | None, finish: str | None) -> dict:
             return base | {"choices": [{"index": 0, "text": text or "", "logprobs": None,
                                         "finish_reason": finish}]}
-        return EventSourceResponse(_stream(job, prep, body.include_usage_in_stream(), frame,
-                                           None))
+        return _event_source(job, prep, body.include_usage_in_stream(), frame)
 
     out = await _collect(request, job, prep)
     return JSONResponse(base | {

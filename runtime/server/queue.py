@@ -29,6 +29,10 @@ class QueueFull(Exception):
     """The queue already holds ``max_waiting`` waiting jobs."""
 
 
+class QueueClosed(Exception):
+    """The queue takes no more jobs: the server is stopping."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     running: int        # 0 or 1
@@ -114,21 +118,25 @@ class RequestQueue:
         job = Job(work, asyncio.get_running_loop())
         with self._lock:
             if self._closed:
-                raise QueueFull("the server is shutting down")
+                raise QueueClosed("the server is shutting down")
             if not self._has_room():
                 raise QueueFull(f"queue full: {len(self._waiting)} waiting")
             self._waiting.append(job)
             self._ready.notify()
         return job
 
-    def close(self, timeout: float | None = 5.0) -> None:
-        """Cancel every job (waiting and running) and stop the worker."""
+    def cancel_all(self) -> None:
+        """Refuse new jobs and cancel every job, waiting or running; does not block."""
         with self._lock:
             self._closed = True
             jobs = list(self._waiting) + ([self._running] if self._running else [])
             self._ready.notify()
         for job in jobs:
             job.cancel.set()
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """``cancel_all()``, then wait up to ``timeout`` seconds for the worker to stop."""
+        self.cancel_all()
         self._thread.join(timeout)
 
     def _has_room(self) -> bool:

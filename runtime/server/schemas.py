@@ -6,7 +6,7 @@ would silently change the answer's meaning (``n > 1``, ``logprobs``, ``echo``) a
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -31,7 +31,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # llama.cpp server extensions
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(None, gt=0.0)
 
@@ -59,23 +59,26 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | None = None     # a list of text parts arrives joined into one string
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: only text parts are supported (got {kind!r})")
+            texts.append(part["text"])
+        return "".join(texts)
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -100,20 +103,27 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    # One prompt: a string, a list holding one string, or a list of token ids.
-    prompt: str | list[int] | list[str]
+    # One prompt: a string or a list of token ids (a list holding one string is unwrapped).
+    prompt: str | list[int]
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
+    def _one_prompt(cls, prompt: Any) -> Any:
         if isinstance(prompt, list):
             if not prompt:
-                raise ValueError("prompt must not be empty")
-            if isinstance(prompt[0], str) and len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
+                raise ValueError("must not be empty")
+            if all(isinstance(p, str) for p in prompt):
+                if len(prompt) != 1:
+                    raise ValueError("only one prompt per request is supported")
+                return prompt[0]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("must be a string, or a list of token ids")
+            return prompt
+        if not isinstance(prompt, str):
+            raise ValueError("must be a string, or a list of token ids")
         return prompt
 
     @model_validator(mode="after")
@@ -128,6 +138,4 @@ class CompletionRequest(_SamplingFields):
 
     def prompt_input(self) -> str | list[int]:
         """The prompt as text or as token ids."""
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            return self.prompt[0]
         return self.prompt

@@ -57,6 +57,8 @@ def read_route_csv(path: str | os.PathLike) -> RouteTrace:
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise UserError(f"{name}: line {line}: not UTF-8 text") from None
+    if "\r" in text:
+        text = text.replace("\r\n", "\n")     # files written on Windows
     lines = text.split("\n")
     header, body_start = _parse_preamble(name, lines)
     body = lines[body_start:]

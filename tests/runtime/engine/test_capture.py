@@ -83,3 +83,35 @@ def test_every_prompt_token_of_every_layer_and_decode_tags(tiny_model, make_sett
     assert seen.batches[0] == (Phase.PREFILL, n_prompt)
     assert all(b == (Phase.DECODE, 1) for b in seen.batches[1:])
     assert {e.turn for e in seen.events} == {0}
+
+
+def _events(make_settings, model, prompt, **kw):
+    engine = Engine(make_settings(model, manage_residency=False, capture_all_tokens=True,
+                                  n_batch=64, n_ubatch=4, **kw), progress=False)
+    seen = Collect()
+    engine.add_route_observer(seen)
+    for text in (prompt, prompt + " and more"):      # the second call reuses the KV prefix
+        list(engine.generate(text, SamplingParams(max_tokens=10, temperature=0)))
+    native = engine.hook.native_filter
+    engine.close()
+    return native, seen
+
+
+def test_c_prefilter_and_pure_python_hook_agree(tiny_model, make_settings, prompt, monkeypatch):
+    """The fast path (C name filter, one sync per layer once the applied weight stage is
+    known) against the slow reference (Python sees every node, reads every stage)."""
+    import runtime.engine.route_filter as route_filter
+
+    if route_filter.load_filter_library() is None:
+        pytest.skip("no C compiler: only the Python hook exists here")
+    fast_native, fast = _events(make_settings, tiny_model, prompt)
+    monkeypatch.setattr(route_filter, "load_filter_library", lambda: None)
+    slow_native, slow = _events(make_settings, tiny_model, prompt)
+    assert fast_native and not slow_native
+    assert len(fast.events) == len(slow.events) > 0
+    for a, b in zip(fast.events, slow.events):
+        assert (a.layer, a.phase, a.first_step, a.turn) == (b.layer, b.phase, b.first_step, b.turn)
+        np.testing.assert_array_equal(a.experts, b.experts)
+        np.testing.assert_array_equal(a.weights, b.weights)
+    assert fast.batches == slow.batches
+    assert {e.turn for e in fast.events} == {0, 1}

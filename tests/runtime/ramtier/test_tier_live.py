@@ -33,7 +33,7 @@ def model(synth_model_factory):
 
 def _engine(model, budget=None, **kw):
     config = parse_config({"devices": {"cpu": budget}}, source="test") if budget else None
-    return Engine(EngineSettings(model_path=model, n_ctx=256, n_threads=2, seed=0,
+    return Engine(EngineSettings(model_path=model, n_ctx=256, n_threads=1, seed=0,
                                  manage_residency=budget is not None, config=config, **kw),
                   progress=False)
 
@@ -147,7 +147,7 @@ def test_mlock_refused_by_rlimit_is_reported_and_generation_goes_on(model):
         from runtime.engine.engine import Engine, EngineSettings, SamplingParams
         from runtime.residency.config import parse_config
         cfg = parse_config({{"devices": {{"cpu": "60MiB"}}}}, source="t")
-        e = Engine(EngineSettings(model_path={model!r}, n_ctx=256, n_threads=2, config=cfg),
+        e = Engine(EngineSettings(model_path={model!r}, n_ctx=256, n_threads=1, config=cfg),
                    progress=False)
         toks = [c.token for c in e.generate("hello", SamplingParams(max_tokens=8, temperature=0))
                 if c.token is not None]

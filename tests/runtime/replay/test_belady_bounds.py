@@ -4,7 +4,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.replay.belady import NEVER, cold_miss_bytes, forced_belady, next_use
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.replay.belady import NEVER, belady_ceiling, cold_miss_bytes, forced_belady, next_use
 from runtime.replay.harness import replay_cell
 from runtime.residency.config import preset_config
 from runtime.traces.synthetic import SynthTraceSpec, synthesize
@@ -45,16 +48,44 @@ def test_belady_between_cold_floor_and_forced_belady(real_prep, share):
         assert other.belady_demand_miss_bytes == cell.demand_miss_bytes
 
 
-@pytest.mark.parametrize("share", SHARES)
-def test_manager_forced_belady_equals_the_independent_loop(real_prep, share):
-    capacity = int(share * real_prep.trace.header.total_expert_bytes)
-    cell = replay_cell(real_prep, capacity, preset_config("belady-forced"),
-                       label="belady-forced", with_belady=False)
-    ref = forced_belady(real_prep.trace, capacity, real_prep.next_use())
+def _assert_same(cell, ref):
     assert (cell.prefill.misses, cell.decode.misses) == ref.misses
     assert (cell.prefill.demand_miss_bytes, cell.decode.demand_miss_bytes) == \
         ref.demand_miss_bytes
     assert (cell.prefill.transient_uses, cell.decode.transient_uses) == ref.transient
+
+
+@pytest.mark.parametrize("share", SHARES)
+def test_manager_belady_equals_the_independent_loops(real_prep, share):
+    """The manager's belady / belady-forced make the same decisions as belady.py's loops
+    (which is what lets the per-cell ceiling come from the fast loop)."""
+    capacity = int(share * real_prep.trace.header.total_expert_bytes)
+    nxt = real_prep.next_use()
+    for name, ref in (("belady", belady_ceiling(real_prep.trace, capacity, nxt)),
+                      ("belady-forced", forced_belady(real_prep.trace, capacity, nxt))):
+        cell = replay_cell(real_prep, capacity, preset_config(name), label=name,
+                           with_belady=False)
+        _assert_same(cell, ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n_layer=st.integers(1, 4), n_expert=st.integers(2, 12),
+       k=st.integers(1, 3), prompt=st.integers(0, 12), decode=st.integers(1, 12),
+       chunk=st.integers(1, 6), capacity=st.integers(1, 40_000))
+def test_loops_agree_with_the_manager_on_odd_shapes(seed, n_layer, n_expert, k, prompt,
+                                                     decode, chunk, capacity):
+    """Varied sizes per layer, tiny capacities (leases, transient uses, several victims)."""
+    from runtime.replay.harness import prepare
+    k = min(k, n_expert)
+    sizes = tuple(1000 + 700 * (layer % 3) for layer in range(n_layer))
+    t = synthesize(SynthTraceSpec(n_layer=n_layer, n_expert=n_expert, top_k=k,
+                                  prompt_tokens=prompt, decode_tokens=decode, chunk=chunk,
+                                  skew=1.0, reuse=0.3, seed=seed, expert_bytes=sizes))
+    prep = prepare(t)
+    for name, ref in (("belady", belady_ceiling(t, capacity)),
+                      ("belady-forced", forced_belady(t, capacity))):
+        _assert_same(replay_cell(prep, capacity, preset_config(name), label=name,
+                                 with_belady=False), ref)
 
 
 def _one_layer_trace(seq):

@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from runtime.replay.harness import replay_cell
+from runtime.replay.harness import prepare, replay_cell
 from runtime.residency.config import preset_config
+from runtime.traces.synthetic import SynthTraceSpec, synthesize
 
 
 def reference_lru(trace, capacity: int) -> dict[int, dict[str, int]]:
@@ -81,3 +84,24 @@ def test_lru_matches_reference_exactly(real_prep, share):
                                         want["demand_miss_bytes"], want["transient"]), phase
     if share == SHARES[0]:
         assert ref[0]["transient"] > 0  # the small capacity does exercise leases
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n_layer=st.integers(1, 4), n_expert=st.integers(2, 12),
+       k=st.integers(1, 3), prompt=st.integers(0, 12), decode=st.integers(1, 12),
+       chunk=st.integers(1, 6), capacity=st.integers(1, 40_000))
+def test_lru_matches_reference_on_odd_shapes(seed, n_layer, n_expert, k, prompt, decode, chunk,
+                                             capacity):
+    """Mixed expert sizes and tiny capacities: leases, transient uses, several victims."""
+    k = min(k, n_expert)
+    sizes = tuple(1000 + 700 * (layer % 3) for layer in range(n_layer))
+    t = synthesize(SynthTraceSpec(n_layer=n_layer, n_expert=n_expert, top_k=k,
+                                  prompt_tokens=prompt, decode_tokens=decode, chunk=chunk,
+                                  skew=1.0, reuse=0.3, seed=seed, expert_bytes=sizes))
+    cell = replay_cell(prepare(t), capacity, preset_config("lru"), label="lru",
+                       with_belady=False)
+    ref = reference_lru(t, capacity)
+    for phase, got in ((0, cell.prefill), (1, cell.decode)):
+        want = ref[phase]
+        assert (got.hits, got.misses, got.demand_miss_bytes, got.transient_uses) == \
+            (want["hits"], want["misses"], want["demand_miss_bytes"], want["transient"])

@@ -72,7 +72,7 @@ def test_markdown_matrix_and_plot(capsys, synth_trace, tmp_path):
     assert "30%" in header
     rows = [line.split(" | ")[0].lstrip("| ") for line in out.splitlines()
             if line.startswith("| ") and "x) |" in line]
-    assert rows == ["lru", "lfu", "belady"]
+    assert rows == ["lru", "lfu", "belady (ceiling)"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

@@ -310,3 +310,32 @@ def test_chunk_plan_prestages_next_layer():
     assert m.is_resident("sim", K(2, 6))
     assert snap.prefetch_wasted_bytes == 0
     m.verify()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_bad_expert_id_leaves_no_trace(policy, fast):
+    m = sim(300, policy)
+    m._fast = fast
+    m.release(m.access_layer("sim", 0, np.array([1]), Phase.DECODE))
+    with pytest.raises(UserError, match="expert id 9 out of range"):
+        m.access_layer("sim", 0, np.array([2, 3, 9]), Phase.DECODE)
+    m.verify()
+    assert m.resident_mask("sim", 0).tolist() == [False, True] + [False] * 6
+    a = m.access_layer("sim", 0, np.array([2, 3]), Phase.DECODE)
+    assert a.misses == 2 and a.admitted == (K(0, 2), K(0, 3))
+    m.verify()
+
+
+def test_declined_victims_go_back_in_order_behind_pinned_keys():
+    cfg = ResidencyConfig(phase_specific=False, decode=PhasePolicies(
+        admission=PolicySpec("transient-on-pressure", (("window", 100.0),))))
+    m = ExpertResidencyManager(cfg)
+    m.bind_model([100, 0, 150], 6)
+    m.reconfigure("dev", 250)
+    m.prefetch("dev", [K(0, 0)], Phase.PREFILL)                 # pinned until layer 0 runs
+    m.release(m.access_layer("dev", 2, np.array([0]), Phase.PREFILL))
+    a = m.access_layer("dev", 2, np.array([1]), Phase.PREFILL)  # victim (2, 0) too recent
+    assert a.transient == (K(2, 1),)
+    m.release(a)
+    m.verify()                                                  # lru order intact

@@ -90,7 +90,8 @@ def wait_until_ready(proc: subprocess.Popen, log_path: Path) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+def start_server(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
     """Module-scoped launcher: every server it starts is stopped after the module's tests."""
     started: list[ServerProcess] = []
 
@@ -103,3 +104,5 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     yield start
     for server in started:
         server.stop()
+    for server in started:    # no request may make the server print a traceback
+        assert "Traceback" not in server.log(), server.log()

@@ -212,7 +212,8 @@ def test_client_dropping_mid_stream_frees_the_engine(server, http: httpx.Client)
     with httpx.Client(base_url=server.base_url, timeout=60) as dropper:
         with dropper.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["text"] is not None
         # leaving the block closes the connection mid-stream
     t0 = time.monotonic()

@@ -49,3 +49,24 @@ def test_help_shows_server_flags_and_defaults() -> None:
     for flag in ("--host", "--port", "--api-key", "--alias", "--queue-size", "-m", "-c"):
         assert flag in result.stdout
     assert "127.0.0.1" in result.stdout and "8080" in result.stdout
+
+
+def test_sigterm_ends_streams_with_an_error_and_exits(start_server, tiny_model: Path) -> None:
+    import json
+
+    import httpx
+
+    server = start_server(tiny_model)
+    body = {"prompt": "the king saw a river", "max_tokens": 4000, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        server.proc.terminate()
+        rest = [line for line in lines if line.startswith("data: ")]
+    # the answer was cut short: the stream says so instead of ending with [DONE]
+    assert rest and rest[-1] != "data: [DONE]"
+    error = json.loads(rest[-1][6:])["error"]
+    assert error["code"] == "server_shutdown"
+    server.proc.wait(timeout=30)
+    assert "Traceback" not in server.log()

@@ -132,3 +132,10 @@ def test_write_is_atomic_on_failure(good_csv_text, tmp_path):
     with pytest.raises(UserError, match="cannot write"):
         write_route_csv(trace, tmp_path / "missing-dir" / "out.csv")
     assert not list((tmp_path).glob("**/*.tmp*"))
+
+
+def test_windows_line_endings(good_csv_text, tmp_path):
+    path = tmp_path / "crlf.csv"
+    path.write_bytes(good_csv_text.replace("\n", "\r\n").encode())
+    t = read_route_csv(path)
+    assert len(t) == 10 and t.header.dense_bytes == (50, 60)

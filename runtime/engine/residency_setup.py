@@ -1,0 +1,128 @@
+"""How the engine wires residency: the config, the manager, the load-time placement, and the
+tiers that attach to a loaded engine (see contracts.md, Engine)."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from runtime.engine import llama_lib
+from runtime.engine.placement import Placement, plan_placement
+from runtime.engine.residency_observer import ResidencyObserver
+from runtime.engine.types import EngineSettings
+
+_DEVICE_ORDER = ("cuda", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
+_CACHE_MODULE = "runtime.native.device_cache"
+_RAM_MODULE = "runtime.ramtier"
+
+
+def residency_config(settings: EngineSettings):
+    """The ResidencyConfig to run with (None when residency is off)."""
+    if not settings.manage_residency:
+        return None
+    if settings.config is not None:
+        return settings.config
+    from runtime.residency.config import load_config  # noqa: PLC0415
+
+    return load_config(settings.config_path)
+
+
+def gpu_devices() -> list[llama_lib.BackendDevice]:
+    return [d for d in llama_lib.devices() if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+
+
+def _gpu_memory(index: int) -> tuple[int, int] | None:
+    """The GPU probe registered with the residency capacity code: (free, total) bytes."""
+    gpus = gpu_devices()
+    return (gpus[index].free_bytes, gpus[index].total_bytes) if index < len(gpus) else None
+
+
+def build_manager(config, facts, *, has_gpu: bool):
+    """(manager, managed devices fastest first); (None, ()) when residency is off. Devices
+    are the configured ones, or "cuda:0" / "cpu" when the config names none."""
+    if config is None:
+        return None, ()
+    from runtime.residency.capacity import (probe_device_memory,  # noqa: PLC0415
+                                            register_gpu_memory_probe)
+    from runtime.residency.manager import ExpertResidencyManager  # noqa: PLC0415
+
+    if has_gpu:
+        register_gpu_memory_probe(_gpu_memory)
+    names = [b.device for b in config.devices] or ["cuda:0" if has_gpu else "cpu"]
+    names.sort(key=lambda d: _DEVICE_ORDER.index(d.split(":")[0]))
+    manager = ExpertResidencyManager(config)
+    manager.bind_model(facts.expert_bytes, facts.n_expert)
+    for device in names:
+        memory = probe_device_memory(device)
+        free, total = memory if memory is not None else (None, None)
+        manager.resolve_device(device, free_bytes=free, total_bytes=total)
+    return manager, tuple(names)
+
+
+def module_available(name: str) -> bool:
+    """True when ``name`` can be imported (a package folder without __init__ does not count)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return False
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def _cache_devices(config) -> set[str]:
+    return {b.device for b in config.devices if b.device.startswith("cuda:")
+            or b.device == "cpu-slots"} if config is not None else set()
+
+
+def plan(settings: EngineSettings, config, facts, manager, *, has_gpu: bool) -> Placement:
+    """The load-time placement for these settings (runtime/engine/placement.py)."""
+    configured = {b.device for b in config.devices} if config is not None else set()
+    gpu_budget = manager.capacity("cuda:0") if (
+        has_gpu and manager is not None and "cuda:0" in configured) else None
+    native = bool(_cache_devices(config)) and module_available(_CACHE_MODULE)
+    return plan_placement(manage_residency=settings.manage_residency,
+                          expert_bytes=facts.expert_bytes, n_expert=facts.n_expert,
+                          moe_layers=facts.moe_layers, gpu_budget_bytes=gpu_budget,
+                          native_cache=native)
+
+
+def buffer_type(target: str) -> int:
+    """A placement target ("cpu" | "gpu") as a ggml buffer type."""
+    if target == "cpu":
+        return llama_lib.cpu_buffer_type()
+    return llama_lib.device_buffer_type(gpu_devices()[0])
+
+
+def optional_attach(module_name: str, engine):
+    """``module.attach(engine)`` if the module exists, else None."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            return None
+        raise
+    if getattr(module, "__file__", None) is None:   # a bare namespace folder: not built yet
+        return None
+    return module.attach(engine)
+
+
+def attach_tiers(engine) -> list[object]:
+    """Let the RAM tier / native device cache attach; the engine's ResidencyObserver feeds
+    every managed device none of them claimed. Returns the attached objects."""
+    if engine.manager is None:
+        return []
+    configured = {b.device for b in engine.config.devices}
+    attached, claimed = [], set()
+    if "cpu" in configured:
+        tier = optional_attach(_RAM_MODULE, engine)
+        if tier is not None:
+            attached.append(tier)
+            claimed.add("cpu")
+    cache_devices = _cache_devices(engine.config)
+    if cache_devices:
+        cache = optional_attach(_CACHE_MODULE, engine)
+        if cache is not None:
+            attached.append(cache)
+            claimed |= cache_devices
+    fed = [d for d in engine.residency_devices if d not in claimed]
+    if fed:
+        engine.add_route_observer(ResidencyObserver(engine.manager, fed))
+    return attached

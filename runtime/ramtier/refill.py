@@ -1,0 +1,94 @@
+"""Background refill: after the page cache lost most of the experts the manager holds in RAM
+(a cold cache: the file's pages were dropped, the machine was under pressure, a restart), read
+them back ahead of use, next layers first, so decode does not wait on each layer's reads.
+Demand reads still come first: the refill only queues ``MADV_WILLNEED`` reads, and a layer's
+own misses are read (and waited for) by the tier as usual.
+
+A mechanism, not a policy: it restores exactly the manager's resident set. It starts only when
+more than ``COLD_FRACTION`` of the held bytes are gone (a few experts reclaimed under steady
+memory pressure are left to demand reads: refilling would fight the kernel), at most once per
+``MIN_INTERVAL_S``. An expert evicted while its refill read ran is dropped again afterwards.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+COLD_FRACTION = 0.5     # share of held bytes missing that counts as a cold cache
+MIN_INTERVAL_S = 1.0    # between two cold checks (each is a mincore pass over the file)
+WINDOW_BYTES = 16 << 20  # refill reads in flight at most
+
+
+class Refiller:
+    """Owned by a ``RamTier``. Reads are ``MADV_WILLNEED`` (queued by the kernel, no copy on
+    our side) from one thread, in refill order, ``WINDOW_BYTES`` in flight."""
+
+    def __init__(self, tier):
+        self.tier = tier
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ramtier-refill")
+        self._guard = threading.Lock()
+        self._pending = 0
+        self._last_check = 0.0
+        self.runs = 0
+        self.refilled_bytes = 0
+
+    @property
+    def active(self) -> bool:
+        return self._pending > 0
+
+    def maybe_start(self, layer: int, n_layer: int) -> bool:
+        """A held expert was found reclaimed at ``layer``: refill if the cache went cold."""
+        now = time.monotonic()
+        with self._guard:
+            if self._pending or now - self._last_check < MIN_INTERVAL_S:
+                return False
+            self._last_check = now
+        tier = self.tier
+        held = tier.held_keys()
+        if not held:
+            return False
+        resident = tier.layout.resident_bytes(tier.pager.mapping.resident_pages())
+        sizes = {k: tier.layout.nbytes(k) for k in held}
+        missing = [k for k in held if resident[tier.layout.key_index(k)] < sizes[k]]
+        if sum(sizes[k] for k in missing) <= COLD_FRACTION * sum(sizes.values()):
+            return False
+        missing.sort(key=lambda k: ((k.layer - layer - 1) % n_layer, k.expert))
+        with self._guard:
+            self._pending = 1
+            self.runs += 1
+        self._pool.submit(self._refill, missing)
+        return True
+
+    def _refill(self, keys) -> None:
+        """WILLNEED each expert in order with ``WINDOW_BYTES`` in flight at most, so a layer's
+        demand reads never queue behind more than that."""
+        tier = self.tier
+        window: list[list[tuple[int, int]]] = []
+        in_flight = 0
+        try:
+            for key in keys:
+                if not tier.is_held(key):
+                    continue
+                spans = tier.missing_spans(key)
+                if not spans:
+                    continue
+                n = tier.pager.advise(spans)
+                window.append(spans)
+                in_flight += n
+                with self._guard:
+                    self.refilled_bytes += n
+                while in_flight > WINDOW_BYTES and window:
+                    done = window.pop(0)
+                    tier.pager.wait_for(done)
+                    in_flight -= sum(m for _, m in done)
+                if not tier.is_held(key):      # evicted meanwhile: do not leave it behind
+                    tier.drop_pages(key)
+        except OSError:
+            pass                               # demand reads bring what is needed
+        finally:
+            with self._guard:
+                self._pending = 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

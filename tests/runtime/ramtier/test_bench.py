@@ -1,0 +1,81 @@
+"""The offload benchmark: configs, table, JSON, errors, and the cgroup memory limit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gguf_tools.synth import SynthSpec
+from runtime.cli import main
+from runtime.ramtier import bench
+from runtime.ramtier.cgroup import MemoryLimit
+from runtime.residency.config import parse_config
+
+SPEC = SynthSpec(arch="qwen3moe", layers=2, experts=8, top_k=2, embd=64, ff=64, dtype="f32",
+                 seed=5, skew=1.0)
+
+
+def test_default_configs_parse_and_share_one_budget():
+    configs = bench.default_configs(100 << 20, 30 << 20, ("lru", "lfu-decay"))
+    assert [c.name for c in configs] == ["mmap", "read-ahead", "lru", "lfu-decay"]
+    for c in configs[1:]:
+        cfg = parse_config(c.config, source=c.name)
+        assert cfg.budget("cpu").bytes >= (30 << 20)
+    assert parse_config(configs[3].config, source="x").decode.eviction.name == "lfu-decay"
+    assert {c.budget_label for c in configs[2:]} == {"30 MiB"}
+
+
+def _row(config, test, seconds, tps=10.0):
+    return bench.BenchRow(config, "CPU", "1 MiB", test, tps, 0.5, None, None, 0.0, seconds)
+
+
+def test_table_and_cold_ratio():
+    rows = [_row("mmap", "tg8", 1.0), _row("mmap", "cold8", 3.0), _row("lru", "cold8", 1.5)]
+    table = bench.format_table(rows).splitlines()
+    assert table[0].startswith("| config") and "demand-miss MiB/tok" in table[0]
+    assert table[1].startswith("| ---") and table[1].endswith(": |")
+    assert len(table) == 2 + len(rows) and "10.00 ± 0.50" in table[2]
+    assert bench.cold_ratios(rows, 8) == {"lru": 2.0}
+
+
+def test_bench_cli_runs_every_config_and_prints_json(synth_model_factory, capsys):
+    model = str(synth_model_factory(SPEC))
+    rc = main(["bench", "-m", model, "-p", "16", "-n", "4", "-r", "1", "--cold", "4",
+               "-t", "1", "--policies", "lru", "--budget", "96KiB", "--json", "--no-progress"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    got = {(r["config"], r["test"]) for r in out["rows"]}
+    assert got == {(c, t) for c in ("mmap", "read-ahead", "lru") for t in ("pp16", "tg4", "cold4")}
+    for r in out["rows"]:
+        assert r["tps"] > 0 and r["seconds"] > 0
+        assert (r["hit_pct"] is None) == (r["config"] == "mmap")
+    assert set(out["cold_start_ratio_vs_mmap"]) == {"read-ahead", "lru"}
+    truth = out["details"]["lru"]["tier"]["truth"]
+    assert truth["manager_resident_bytes"] <= truth["budget_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "lots"], "--budget: not a size"),
+    (["--policies", "belady"], "--policies: 'belady' is not a live eviction policy"),
+    (["-r", "0"], "-r: must be >= 1"),
+    (["--config", "/nonexistent.toml"], "/nonexistent.toml: no such file"),
+])
+def test_bad_arguments_give_one_line(synth_model_factory, argv, message):
+    model = str(synth_model_factory(SPEC))
+    out = subprocess.run([sys.executable, "-m", "runtime.cli", "bench", "-m", model, *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moe-offload: error: ") and message in lines[0]
+
+
+@pytest.mark.skipif(not MemoryLimit.supported(), reason="no cgroup v1 memory controller")
+def test_memory_limit_group_is_joined_and_removed():
+    with MemoryLimit(256 << 20, name="moe-bench-test") as group:
+        proc = subprocess.run([sys.executable, "-c", "print(open('/proc/self/cgroup').read())"],
+                              capture_output=True, text=True, preexec_fn=group.join, timeout=60)
+        assert "moe-bench-test" in proc.stdout
+        assert int((group.path / "memory.limit_in_bytes").read_text()) == 256 << 20
+    assert not group.path.exists()
