@@ -104,8 +104,17 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
                 l.expert_bytes += t->nb[2];
             }
         }
+        // per-expert biases or scales: the patched graph computes such layers as usual
+        bool extras = false;
+        for (int p = 0; p < MOE_CACHE_PROJ_COUNT; ++p) {
+            for (const char * suffix : { "bias", "scale" }) {
+                char name[128];
+                snprintf(name, sizeof(name), "blk.%d.%s.%s", il, k_proj_names[p], suffix);
+                extras = extras || llama_moe_cache_model_tensor(model, name) != nullptr;
+            }
+        }
         ggml_tensor * down = l.exps[MOE_CACHE_PROJ_DOWN];
-        if (down == nullptr || (l.exps[MOE_CACHE_PROJ_UP] == nullptr && l.exps[MOE_CACHE_PROJ_GATE_UP] == nullptr)) {
+        if (extras || down == nullptr || (l.exps[MOE_CACHE_PROJ_UP] == nullptr && l.exps[MOE_CACHE_PROJ_GATE_UP] == nullptr)) {
             l.expert_bytes = 0;
             continue;
         }

@@ -13,7 +13,7 @@ import logging
 import os
 import socket
 import sys
-import threading
+import time
 from pathlib import Path
 
 from runtime.errors import UserError
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, a UserError if the model cannot load."""
     import uvicorn
 
+    from gguf_tools.facts import read_model_facts
     from runtime.engine.cli_args import settings_from_args
     from runtime.engine.engine import Engine
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(settings.model_path)
     if not model_path.is_file():
         raise UserError(f"{model_path}: no such model file")
+    read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
     if args.queue_size < 0:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
@@ -105,40 +107,37 @@ def run(args: argparse.Namespace) -> int:
     _setup_logging()
     sock = _listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    shown_host = f"[{host}]" if ":" in host else host
-    load_error: list[str] = []
-    server_box: list[uvicorn.Server] = []
-    ready = threading.Event()
+    shown = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    load_errors: list[str] = []
+    t0 = time.perf_counter()
 
     def on_ready() -> None:
-        ready.set()
-        log.info("model %s ready; serving http://%s:%d/v1", model_id, shown_host, port)
+        log.info("model %s loaded in %.1f s; serving %s/v1", model_id, time.perf_counter() - t0,
+                 shown)
 
-    def on_failure(message: str) -> None:
-        load_error.append(message)
-        if server_box:
-            server_box[0].should_exit = True
+    def on_failure(message: str) -> None:      # from the loader thread
+        load_errors.append(message)
+        server.should_exit = True
 
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
                                     max_waiting=args.queue_size),
                      lambda: Engine(settings, progress=True),
                      on_ready=on_ready, on_load_failure=on_failure)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM
-            begin_shutdown(app)
+            begin_shutdown(app)     # answers in flight end now, not after the drain timeout
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=3, lifespan="on")
-    server = Server(config)
-    server_box.append(server)
-    log.info("listening on http://%s:%d (loading %s)", shown_host, port, model_path.name)
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=3, lifespan="on"))
+    log.info("listening on %s (loading %s)", shown, model_path.name)
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    if load_error:
-        message = load_error[0]
+    if load_errors:
+        message = load_errors[0]
         raise UserError(message if message.startswith(str(model_path)) else
                         f"{model_path}: {message}")
     return 0

@@ -148,6 +148,10 @@ class Engine:
             if bos < 0:
                 raise UserError("prompt: empty, and the model has no BOS token")
             tokens = [bos]
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise UserError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{self.n_vocab - 1})")
         if len(tokens) >= self.n_ctx:
             raise ContextLengthError(len(tokens), self.n_ctx)
         return self._run(tokens, params, cancel)

@@ -166,11 +166,6 @@ class RouteAssembler:
         if pending is not None and stage >= pending.stage:
             pending.weights, pending.stage = weights, stage
 
-    def wants_stage(self, layer: int, stage: int) -> bool:
-        """Read this weight stage? All stages until the layer's final one is known."""
-        final = self.final_stage.get(layer)
-        return final is None or final == stage
-
     def flush(self, layer: int) -> None:
         """The layer's experts are about to run: emit its event to every observer."""
         pending = self._pending.get(layer)

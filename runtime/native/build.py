@@ -154,9 +154,10 @@ def _run(cmd: list[str], log_file: Path, *, cwd: Path | None = None, env=None) -
         log.flush()
         proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
-        tail = log_file.read_text(errors="replace").strip().splitlines()[-15:]
-        raise UserError(f"{cmd[0]} failed (exit {proc.returncode}); log: {log_file}\n  "
-                        + "\n  ".join(tail))
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+        errors = [ln.strip() for ln in lines if "error" in ln.lower()] or lines[-1:]
+        raise UserError(f"{log_file}: {Path(cmd[0]).name} failed (exit {proc.returncode}): "
+                        f"{errors[0][:300] if errors else 'no output'}")
 
 
 def _apply_patches(src: Path, log_file: Path) -> None:

@@ -24,9 +24,9 @@ VENDOR_PREFIX = "vendor/llama.cpp/"
 
 # what the libraries (libllama, libggml*) need from a llama.cpp tree; ggml/src holds every
 # backend, whose unused ones are dropped from the pruned archive (scripts/make_source_archive.py)
-NEEDED = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "LICENSE")
+NEEDED = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "vendor/", "LICENSE")
 # left out even when present: large and never compiled for the libraries
-SKIPPED = ("ggml/src/ggml-webgpu/", "ggml/src/ggml-sycl/", "ggml/src/ggml-cann/",
+SKIPPED = ("vendor/cpp-httplib/", "ggml/src/ggml-webgpu/", "ggml/src/ggml-sycl/", "ggml/src/ggml-cann/",
            "ggml/src/ggml-musa/", "ggml/src/ggml-opencl/", "ggml/src/ggml-zdnn/",
            "ggml/src/ggml-hexagon/", "ggml/src/ggml-zendnn/", "ggml/src/ggml-openvino/")
 
@@ -51,7 +51,7 @@ def download_sdist(dest_dir: Path) -> Path:
         return target
     dest_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-           "--no-build-isolation", "-q", SDIST_REQUIREMENT, "-d", str(dest_dir)]
+           "-q", SDIST_REQUIREMENT, "-d", str(dest_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not target.is_file():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -30,10 +30,12 @@ log = logging.getLogger("moe_offload.ramtier")
 
 @dataclass(frozen=True)
 class RamTierOptions:
-    """Knobs of the tier (environment: ``MOE_OFFLOAD_RAMTIER_THREADS``, ``..._MLOCK=1``)."""
+    """Knobs of the tier (environment: ``MOE_OFFLOAD_RAMTIER_THREADS=N``, ``..._MLOCK=1``,
+    ``..._REFILL=0``)."""
 
     threads: int = 8          # reads in flight (>= 4 is what makes storage fast)
     mlock: bool = False       # lock resident experts (within the budget) against reclaim
+    refill: bool = True       # after a cold cache, read held experts back in the background
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -42,9 +44,12 @@ class RamTierOptions:
     @classmethod
     def from_env(cls) -> RamTierOptions:
         threads = os.environ.get("MOE_OFFLOAD_RAMTIER_THREADS", "")
-        mlock = os.environ.get("MOE_OFFLOAD_RAMTIER_MLOCK", "")
+        def flag(name: str, default: bool) -> bool:
+            value = os.environ.get(f"MOE_OFFLOAD_RAMTIER_{name}", "").strip().lower()
+            return default if not value else value in ("1", "true", "yes", "on")
+
         return cls(threads=int(threads) if threads.strip() else cls.threads,
-                   mlock=mlock.strip().lower() in ("1", "true", "yes", "on"))
+                   mlock=flag("MLOCK", cls.mlock), refill=flag("REFILL", cls.refill))
 
 
 def layer_working_set(facts) -> tuple[int, int]:
@@ -99,7 +104,8 @@ def attach_to(manager, model_path: str, options: RamTierOptions | None = None
         manager.reconfigure(DEVICE, working_set)
         budget = working_set
     pager = Pager(mapping, threads=options.threads)
-    tier = RamTier(manager, layout, pager, budget_bytes=budget, mlock=options.mlock)
+    tier = RamTier(manager, layout, pager, budget_bytes=budget, mlock=options.mlock,
+                   refill=options.refill)
     claim_device(manager, DEVICE, tier)
     tier.drop_unheld()       # llama.cpp populated every page at load; keep only what is held
     return tier

@@ -103,5 +103,11 @@ class ExpertLayout:
         np.add.at(out, self.owner, n)
         return out
 
+    def span_of(self, keys) -> tuple[int, int]:
+        """``(offset, length)`` from the first to the last byte of ``keys``' ranges."""
+        lo = min(o for k in keys for o, _ in self._ranges[k])
+        hi = max(o + n for k in keys for o, n in self._ranges[k])
+        return lo, hi - lo
+
     def key_index(self, key) -> int:
         return self._index[key]

@@ -111,6 +111,25 @@ class FileMapping:
         """Whether some copy maps all of ``[offset, offset + length)``."""
         return sum(n for _, n in self.address_spans(offset, length)) >= length
 
+    def resident_span(self, offset: int, length: int) -> np.ndarray:
+        """``mincore`` of the file pages covering ``[offset, offset + length)``: (n_pages,)
+        bool, element 0 = page ``offset // PAGE_SIZE``; pages no copy maps read False."""
+        first = offset // vm.PAGE_SIZE
+        last = (offset + length - 1) // vm.PAGE_SIZE
+        vec = np.zeros(last - first + 1, dtype=bool)
+        for addr, n in self.address_spans(offset, length):
+            page = self._file_offset(addr) // vm.PAGE_SIZE
+            got = vm.mincore(addr, n)
+            vec[page - first:page - first + len(got)] = got
+        return vec
+
+    def _file_offset(self, addr: int) -> int:
+        for regions in self.copies:
+            for r in regions:
+                if r.start <= addr < r.end:
+                    return addr - r.base
+        raise ValueError(f"address {addr:#x} is not in a mapping of {self.path}")
+
     def resident_pages(self) -> np.ndarray:
         """``mincore`` truth for every page of the file: (n_file_pages,) bool.
 

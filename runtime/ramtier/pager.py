@@ -1,11 +1,12 @@
 """Parallel page-in and eviction of exact file byte ranges, through the model's own mapping.
 
 Page-in: ``madvise(MADV_WILLNEED)`` on every range first (the kernel queues all the reads at
-once), then ``pread``s of the same ranges split into chunks on a thread pool (``threads`` in
-flight), which wait for those reads and fill any gap (a range no mapping covers, a WILLNEED the
-kernel skipped). When ``page_in`` returns, every byte is in the page cache; the first touch
-through llama.cpp's mapping is then a minor fault. Our own descriptor is ``FADV_RANDOM`` so a
-pread never reads ahead into a neighbouring expert.
+once, no copy on our side), then, per 1 MiB chunk on a thread pool (``threads`` in flight), a
+one-byte ``pread`` of the chunk's last byte that blocks until the kernel's read reached it. A
+range no mapping covers (or a WILLNEED that failed) is read whole with ``pread``s instead. When
+``page_in`` returns the reads are done; the first touch through llama.cpp's mapping is then a
+minor fault (a page the kernel skipped is faulted in by the matmul, as with plain mmap). Our own
+descriptor is ``FADV_RANDOM`` so a pread never reads ahead into a neighbouring expert.
 
 Eviction: ``MADV_DONTNEED`` on every mapped copy (a mapped page cannot leave the page cache),
 then ``posix_fadvise(DONTNEED)`` on the file. Callers pass page-aligned ranges they own
@@ -70,14 +71,13 @@ class Pager:
         if not spans:
             done.set_result(PageInStats(0, 0.0))
             return done
-        if self.willneed:
-            for offset, length in spans:
-                for addr, n in self.mapping.address_spans(offset, length):
-                    try:
-                        vm.madvise(addr, n, vm.MADV_WILLNEED)
-                    except OSError:
-                        break       # the preads below still bring the bytes in
-        chunks = [(o + i, min(CHUNK_BYTES, n - i)) for o, n in spans for i in range(0, n, CHUNK_BYTES)]
+        # (offset, length, advised): advised chunks only wait for the kernel's reads (a
+        # one-byte pread of their last byte); the others are read whole
+        chunks: list[tuple[int, int, bool]] = []
+        for offset, length in spans:
+            advised = self.willneed and self._advise_one(offset, length)
+            chunks.extend((offset + i, min(CHUNK_BYTES, length - i), advised)
+                          for i in range(0, length, CHUNK_BYTES))
         remaining = [len(chunks)]
         errors: list[str] = []
         guard = threading.Lock()
@@ -93,9 +93,28 @@ class Pager:
                 done.set_result(PageInStats(total, time.perf_counter() - t0,
                                             errors[0] if errors else None))
 
-        for offset, length in chunks:
-            self._pool.submit(self._read, offset, length).add_done_callback(finished)
+        for offset, length, advised in chunks:
+            task = self._wait_read if advised else self._read
+            self._pool.submit(task, offset, length).add_done_callback(finished)
         return done
+
+    def _advise_one(self, offset: int, length: int) -> bool:
+        """WILLNEED over the mapping; False when some bytes are unmapped or the call fails."""
+        pieces = self.mapping.address_spans(offset, length)
+        if sum(n for _, n in pieces) < length:
+            return False
+        try:
+            for addr, n in pieces:
+                vm.madvise(addr, n, vm.MADV_WILLNEED)
+        except OSError:
+            return False
+        return True
+
+    def _wait_read(self, offset: int, length: int) -> None:
+        # WILLNEED queued the chunk's reads; a pread of its last byte blocks until that page
+        # is in (readahead completes a chunk in order), without copying the chunk
+        if not os.pread(self._fd, 1, offset + length - 1):
+            raise OSError(f"{self.mapping.path}: short read at offset {offset + length - 1}")
 
     def advise(self, spans: Sequence[tuple[int, int]]) -> int:
         """``MADV_WILLNEED`` only: queue the reads and return (no copy, no wait); bytes."""

@@ -185,11 +185,16 @@ class RamTier:
             waits = [f for t, f in self._inflight.values() if t.key in keys]
             pending = {t.key for t, _ in self._inflight.values() if t.key in keys}
         spans: list[tuple[int, int]] = []
+        for key in access.transient:                  # used once: read, no check needed
+            if key not in pending:
+                spans.extend(self.layout.ranges(key))
+        hits = sorted(keys - pending - set(access.transient) - set(access.admitted))
         reclaimed = 0
-        for key in sorted(keys - pending):
-            missing = self.missing_spans(key)
-            spans.extend(missing)
-            if missing and key not in access.transient and key not in access.admitted:
+        if hits and not self._probe(hits):            # the kernel took some of them back
+            pages = self._layer_pages(hits)
+            for key in hits:
+                missing = self.missing_spans(key, pages)
+                spans.extend(missing)
                 reclaimed += sum(n for _, n in missing)
         if reclaimed and self.refiller is not None:
             self.refiller.maybe_start(min(k.layer for k in keys), self.n_layer)
@@ -203,17 +208,47 @@ class RamTier:
             if stats.error:
                 self._errors += 1
 
-    def missing_spans(self, key: ExpertKey) -> list[tuple[int, int]]:
-        """The ranges of ``key`` not wholly in the page cache (mincore), to read now."""
+    def _probe(self, keys: list[ExpertKey]) -> bool:
+        """Cheap residency probe of manager hits: the first page of each key's first range
+        (one small mincore each). A miss triggers the full check of the layer."""
+        mapping = self.pager.mapping
+        try:
+            for key in keys:
+                offset, _ = self.layout.ranges(key)[0]
+                pieces = mapping.address_spans(offset, 1)
+                if not pieces or not vm.mincore(pieces[0][0], 1)[0]:
+                    return False
+        except OSError:
+            mapping.refresh()
+            return False
+        return True
+
+    def _layer_pages(self, keys: list[ExpertKey]) -> tuple[int, np.ndarray] | None:
+        """One ``mincore`` over the span of ``keys`` (a layer's experts sit together):
+        (first page, (n_pages,) bool), or None when it cannot be read."""
+        if not keys:
+            return None
+        offset, length = self.layout.span_of(keys)
+        try:
+            return offset // vm.PAGE_SIZE, self.pager.mapping.resident_span(offset, length)
+        except (OSError, ValueError):     # a copy went away (a reader's np.memmap was freed)
+            self.pager.mapping.refresh()
+            return None
+
+    def missing_spans(self, key: ExpertKey, pages: tuple[int, np.ndarray] | None = None
+                      ) -> list[tuple[int, int]]:
+        """The ranges of ``key`` not wholly in the page cache (mincore), to read now.
+        ``pages``: a ``_layer_pages`` result covering ``key`` (else one mincore per range)."""
+        if pages is None:
+            pages = self._layer_pages([key])
+            if pages is None:
+                return list(self.layout.ranges(key))
+        first, vec = pages
         out = []
         for offset, length in self.layout.ranges(key):
-            pieces = self.pager.mapping.address_spans(offset, length)
-            try:
-                resident = bool(pieces) and all(vm.mincore(a, n).all() for a, n in pieces)
-            except OSError:          # a copy went away (e.g. a reader's np.memmap was freed)
-                self.pager.mapping.refresh()
-                resident = False
-            if not resident:
+            lo = offset // vm.PAGE_SIZE - first
+            hi = (offset + length - 1) // vm.PAGE_SIZE - first + 1
+            if not vec[lo:hi].all():
                 out.append((offset, length))
         return out
 

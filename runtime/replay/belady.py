@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import gc
 import heapq
 from collections import deque
 from dataclasses import dataclass
@@ -81,6 +82,17 @@ def offline_belady(trace: RouteTrace, capacity_bytes: int, nxt: np.ndarray | Non
     most one earlier access), a heap of ``-p`` finds the farthest, and keys never used again
     wait in a FIFO that is already in last-access order.
     """
+    enabled = gc.isenabled()
+    gc.disable()  # the loop makes only acyclic garbage; see harness._drive
+    try:
+        return _offline_belady(trace, capacity_bytes, nxt, bypass)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _offline_belady(trace: RouteTrace, capacity_bytes: int, nxt: np.ndarray | None,
+                    bypass: bool) -> BoundResult:
     if nxt is None:
         nxt = next_use(trace)
     h = trace.header

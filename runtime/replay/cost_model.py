@@ -21,8 +21,6 @@ style, meant for comparing policies, not for predicting a particular machine to 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from runtime.residency.config import CostParams
@@ -30,17 +28,17 @@ from runtime.residency.config import CostParams
 WEIGHT_BITS = 4.5  # effective bits per weight of a Q4_K_M-style file (sets FLOPs per byte)
 
 
-@dataclass
 class PhaseCost:
     """Running sums for one phase (seconds and bytes)."""
 
-    critical_s: float = 0.0     # compute plus demand fetches, in order
-    link_bytes: float = 0.0     # everything over the host->GPU link
-    # decode-style calls (one token each) are summed per layer and priced at the end
-    hit_elems: np.ndarray = field(default_factory=lambda: np.zeros(0))   # (n_layer,)
-    miss_keys: np.ndarray = field(default_factory=lambda: np.zeros(0))   # (n_layer,)
-    admitted: np.ndarray = field(default_factory=lambda: np.zeros(0))    # (n_layer,)
-    calls: np.ndarray = field(default_factory=lambda: np.zeros(0))       # (n_layer,)
+    def __init__(self, n_layer: int):
+        self.critical_s = 0.0     # compute plus demand fetches, in order
+        self.link_bytes = 0.0     # everything over the host->GPU link
+        # one-token calls (decode) are summed per layer and priced at the end: (n_layer,)
+        self.hit_elems = np.zeros(n_layer)
+        self.miss_keys = np.zeros(n_layer)
+        self.admitted = np.zeros(n_layer)
+        self.calls = np.zeros(n_layer)
 
 
 class CostModel:
@@ -50,9 +48,7 @@ class CostModel:
         self.p = params
         self.expert_bytes = np.asarray(expert_bytes, dtype=np.float64)   # (n_layer,)
         self.dense_bytes = np.asarray(dense_bytes, dtype=np.float64)     # (n_layer,)
-        n = len(self.expert_bytes)
-        self.phases = [PhaseCost(hit_elems=np.zeros(n), miss_keys=np.zeros(n),
-                                 admitted=np.zeros(n), calls=np.zeros(n)) for _ in range(3)]
+        self.phases = [PhaseCost(len(self.expert_bytes)) for _ in range(3)]
 
     # -- unit costs (seconds); b bytes, m tokens; numpy-broadcastable -------------------------
 

@@ -174,12 +174,14 @@ class AccessPathMixin:
         evicted = []
         transient = None
         evicted_bytes = 0
+        popitem = od.popitem
         for f in missed:
             while free < b:
-                v = next(iter(od))                   # the least recent key
+                v = popitem(False)[0]                # the least recent key
                 if last[v] >= seq0:                  # touched by this call: so is the rest
+                    od[v] = None
+                    od.move_to_end(v, last=False)
                     break
-                del od[v]
                 state[v] = ABSENT
                 bv = nbytes[v]
                 free += bv

@@ -58,7 +58,7 @@ class ModelHost:
                 message = str(exc) or type(exc).__name__
                 with self._lock:
                     self._state, self._error = LoadState.FAILED, message
-                log.error("model failed to load: %s", message)
+                log.debug("model failed to load: %s", message)
                 if on_failure is not None:
                     on_failure(message)
                 return

@@ -105,11 +105,6 @@ class RequestQueue:
             return QueueStats(running=int(self._running is not None),
                               waiting=len(self._waiting), max_waiting=self.max_waiting)
 
-    def can_submit(self) -> bool:
-        """True when a job submitted now would be accepted (no side effects)."""
-        with self._lock:
-            return not self._closed and self._has_room()
-
     def submit(self, work: Work) -> Job:
         """Queue ``work``; raises ``QueueFull`` when ``max_waiting`` jobs are already waiting.
 

@@ -115,3 +115,22 @@ def test_c_prefilter_and_pure_python_hook_agree(tiny_model, make_settings, promp
         np.testing.assert_array_equal(a.weights, b.weights)
     assert fast.batches == slow.batches
     assert {e.turn for e in fast.events} == {0, 1}
+
+
+def test_live_mode_last_layer_routes_only_the_output_token(tiny_model, make_settings, prompt):
+    """Without recording, llama.cpp computes the last layer only for the token whose logits
+    it outputs; the hook reports exactly that (the manager sees what really runs)."""
+    with Engine(make_settings(tiny_model, n_batch=64, n_ubatch=4), progress=False) as engine:
+        seen = Collect()
+        engine.add_route_observer(seen)
+        tokens = engine.tokenize(prompt + " jumps over the dog")
+        list(engine.generate(tokens, SamplingParams(max_tokens=2, temperature=0)))
+        last = engine.facts.n_layer - 1
+        pre = [e for e in seen.events if e.phase == Phase.PREFILL]
+        assert [(e.first_step, e.n_tokens) for e in pre if e.layer == last] == \
+            [(len(tokens) - 1, 1)]
+        for layer in engine.facts.moe_layers[:-1]:
+            rows = sum(e.n_tokens for e in pre if e.layer == layer)
+            assert rows == len(tokens)
+        assert engine.manager.snapshot().device("cpu").total.accesses == \
+            sum(e.experts.size for e in seen.events)

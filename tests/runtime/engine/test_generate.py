@@ -50,6 +50,9 @@ def test_context_limits(engine):
     with pytest.raises(ContextLengthError) as info:
         engine.generate("word " * (n_ctx + 10), GREEDY)
     assert info.value.n_ctx == n_ctx and info.value.prompt_tokens >= n_ctx
+    from runtime.errors import UserError
+    with pytest.raises(UserError, match="outside the vocabulary"):
+        engine.generate([1, engine.n_vocab], GREEDY)
     n_prompt = len(engine.tokenize("The sea"))
     chunks = list(engine.generate("The sea", SamplingParams(max_tokens=-1, temperature=0)))
     last = chunks[-1]

@@ -69,14 +69,20 @@ def test_multibyte_utf8_across_tokens():
 @given(st.text(max_size=40), st.lists(st.integers(1, 6), max_size=20),
        st.lists(st.text(min_size=1, max_size=4), max_size=3))
 def test_stream_equals_batch_reference(text, cuts, stops):
-    """Whatever the token boundaries, the shown text is the full text up to the first stop
-    string (the reference), and nothing after it."""
+    """Whatever the token boundaries, the shown text equals the reference: after each token,
+    if the text so far contains a stop string, everything before the earliest one (and
+    generation ends there, as in llama-cpp-python); nothing past a stop is ever shown."""
     data = text.encode()
     pieces, i = [], 0
     for c in cuts:
         pieces.append(data[i:i + c])
         i += c
     pieces.append(data[i:])
-    found = [text.find(s) for s in stops if s in text]
-    want = text[:min(found)] if found else text
+    want = text
+    for n in range(1, len(pieces) + 1):
+        so_far = b"".join(pieces[:n]).decode("utf-8", errors="ignore")
+        found = [so_far.find(s) for s in stops if s in so_far]
+        if found:
+            want = so_far[:min(found)]
+            break
     assert _run(TextStream(stops), pieces) == want

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
 
 from runtime.errors import UserError
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
@@ -45,9 +46,8 @@ class ResidencyMachine(RuleBasedStateMachine):
         super().__init__()
         self.managers = None
 
-    @rule(data=st.lists(st.integers(0, 11), min_size=7, max_size=7),
-          capacity=st.integers(100, 900), inline=st.booleans())
-    @precondition(lambda self: self.managers is None)
+    @initialize(data=st.lists(st.integers(0, 11), min_size=7, max_size=7),
+                capacity=st.integers(100, 900), inline=st.booleans())
     def setup(self, data, capacity, inline):
         cfg = make_config(data)
         self.managers = []
@@ -60,7 +60,6 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.managers.append(m)
             self.transports.append(t)
         self.accesses: list[tuple] = []      # active LayerAccess pairs
-        self.seen_tickets: set[int] = set()   # victims are checked when a ticket is created
 
     def leased_keys(self) -> set[ExpertKey]:
         return {ExpertKey(a.layer, int(e)) for a, _, ids in self.accesses for e in ids}
@@ -75,14 +74,16 @@ class ResidencyMachine(RuleBasedStateMachine):
     def access(self, layer, ids, phase, hold):
         experts = np.array(ids, dtype=np.int64)
         protected = self.leased_keys() | {ExpertKey(layer, e) for e in ids}
+        transport = self.transports[0]
+        before = {t.id for t in transport.pending} if transport else set()
         results = [m.access_layer("dev", layer, experts, phase) for m in self.managers]
         a, b = results
         assert a[:-1] == b[:-1]
         self.check_victims(a.evicted, protected)
-        for t in a.tickets:
-            if t.id not in self.seen_tickets:    # not a transfer joined from earlier
+        # tickets started by this call (demand and policy prefetch), not joined ones
+        for t in (transport.pending if transport else ()):
+            if t.id not in before:
                 self.check_victims(t.victims, protected)
-            self.seen_tickets.add(t.id)
         assert a.hits + a.misses <= len(ids)
         assert len(a.admitted) + len(a.transient) <= a.misses
         if hold:
@@ -110,7 +111,6 @@ class ResidencyMachine(RuleBasedStateMachine):
         assert out[0] == out[1]
         for t in out[0]:
             self.check_victims(t.victims, protected)
-            self.seen_tickets.add(t.id)
 
     @precondition(lambda self: self.managers is not None and self.transports[0] is not None
                   and self.transports[0].pending)
@@ -157,6 +157,6 @@ class ResidencyMachine(RuleBasedStateMachine):
 
 
 ResidencyMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
+    max_examples=200, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestResidencyProperties = ResidencyMachine.TestCase

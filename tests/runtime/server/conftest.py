@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,6 +29,8 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int
     log_path: Path
+    # (status, JSON body) of every /health answer seen while waiting for the model
+    health_seen: list[tuple[int, dict]] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -68,6 +70,7 @@ def wait_until_ready(proc: subprocess.Popen, log_path: Path) -> ServerProcess:
     """Read the port from the log, then poll /health until it answers 200."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     port = None
+    seen: list[tuple[int, dict]] = []
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"server exited ({proc.returncode}):\n"
@@ -79,10 +82,13 @@ def wait_until_ready(proc: subprocess.Popen, log_path: Path) -> ServerProcess:
                 assert match.group(1) == "127.0.0.1", "the server must bind loopback by default"
         if port is not None:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return ServerProcess(proc, port, log_path)
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
             except httpx.TransportError:
                 pass
+            else:
+                seen.append((r.status_code, r.json()))
+                if r.status_code == 200:
+                    return ServerProcess(proc, port, log_path, seen)
         time.sleep(0.1)
     proc.kill()
     raise AssertionError(f"server not ready in {STARTUP_TIMEOUT_S}s:\n"

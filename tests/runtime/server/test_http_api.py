@@ -65,10 +65,16 @@ def _wait_idle(http: httpx.Client, timeout: float = 30) -> str:
         time.sleep(0.05)
 
 
-def test_health_is_ok_once_loaded(http: httpx.Client) -> None:
+def test_health_is_ok_once_loaded(server, http: httpx.Client) -> None:
     r = http.get("/health")
     assert r.status_code == 200
     assert r.json() == {"status": "ok"}
+    # the server listened before the model was loaded: until then /health said so
+    statuses = [status for status, _ in server.health_seen]
+    assert statuses[-1] == 200 and set(statuses[:-1]) <= {503}
+    for _, body in server.health_seen[:-1]:
+        assert body["error"]["type"] == "unavailable_error"
+        assert body["error"]["code"] == "model_loading"
 
 
 def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
@@ -121,7 +127,7 @@ def test_residency_snapshot_follows_generation(http: httpx.Client) -> None:
 # --- errors ------------------------------------------------------------------------------
 
 def test_invalid_json_is_400(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", content=b'{"messages": [', 
+    r = http.post("/v1/chat/completions", content=b'{"messages": [',
                   headers={"content-type": "application/json"})
     _assert_openai_error(r, 400, "invalid_request_error")
 

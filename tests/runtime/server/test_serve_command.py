@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +29,28 @@ def test_missing_model_file(tmp_path: Path) -> None:
     _assert_one_line_error(_serve("-m", str(missing), "--port", "0"), str(missing))
 
 
-def test_model_that_cannot_load_stops_the_server(tmp_path: Path) -> None:
+def test_file_that_is_not_gguf_is_refused_before_listening(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"PK\x03\x04 this is a zip file, not a GGUF model" * 10)
-    _assert_one_line_error(_serve("-m", str(bad), "--port", "0"), str(bad))
+    result = _serve("-m", str(bad), "--port", "0")
+    _assert_one_line_error(result, str(bad))
+    assert "listening" not in result.stderr
+
+
+def test_model_llama_cpp_cannot_load_stops_the_server(tmp_path: Path, tiny_model: Path) -> None:
+    # A well-formed GGUF whose tokenizer llama.cpp does not know: it fails only when loaded,
+    # in the background, after the server is already listening.
+    data = bytearray(tiny_model.read_bytes())
+    key = b"tokenizer.ggml.model"
+    at = data.index(key) + len(key)
+    value_type, length = struct.unpack_from("<IQ", data, at)
+    assert value_type == 8 and data[at + 12: at + 12 + length] == b"llama"   # GGUF string
+    data[at + 12: at + 12 + length] = b"x" * length
+    bad = tmp_path / "unknown-tokenizer.gguf"
+    bad.write_bytes(bytes(data))
+    result = _serve("-m", str(bad), "--port", "0")
+    assert "listening on http://127.0.0.1:" in result.stderr
+    _assert_one_line_error(result, str(bad))
 
 
 def test_busy_port(tiny_model: Path) -> None:

@@ -1,0 +1,54 @@
+"""``moe-offload native build|status``: the patched llama.cpp with the device expert cache."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from runtime.errors import UserError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("native", help="build / inspect the patched llama.cpp "
+                                   "(persistent device expert cache)")
+    sub = parser.add_subparsers(dest="native_command", metavar="ACTION")
+    b = sub.add_parser("build", help="apply native/patches and build the libraries (cached)")
+    b.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan (default cpu)")
+    b.add_argument("--source", default=None, metavar="PATH",
+                   help="llama-cpp-python 0.3.36 sdist (.tar.gz), its unpacked tree, a llama.cpp "
+                        "tree or a pruned archive; default: pip download (cached)")
+    b.add_argument("--cuda-arch", default=None, metavar="ARCH",
+                   help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
+    b.add_argument("--generic-cpu", action="store_true",
+                   help="no -march=native (a build to copy to other machines)")
+    b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs")
+    b.add_argument("--json", action="store_true", help="print the build record as JSON")
+    b.set_defaults(func=_build)
+    s = sub.add_parser("status", help="what is built, where, for which backends")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_status)
+    parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), 2)[1])
+
+
+def _build(args: argparse.Namespace) -> int:
+    from runtime.native.build import BuildRequest, build  # noqa: PLC0415
+
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs {args.jobs}: must be at least 1")
+    info = build(BuildRequest(backend=args.backend, source=args.source, cuda_arch=args.cuda_arch,
+                              native_cpu=not args.generic_cpu, jobs=args.jobs))
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+    else:
+        print(f"built {info.backend}: {info.lib_dir}")
+        print(f"use it: LLAMA_CPP_LIB_PATH={info.lib_dir} (the engine picks it up by itself "
+              "when a cuda:N or cpu-slots device is configured)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from runtime.native.status import format_status, native_status  # noqa: PLC0415
+
+    status = native_status()
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0

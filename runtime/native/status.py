@@ -1,0 +1,44 @@
+"""What native builds exist: ``moe-offload native status [--json]``."""
+from __future__ import annotations
+
+from runtime.native.build import BACKENDS, find_build, list_builds, patch_files, patches_hash
+from runtime.native.source import cache_root
+
+
+def native_status() -> dict:
+    """``{"built": bool, "dir": lib dir of the preferred current build or None, "backends":
+    [backends with a current build], "builds": [...], "stale": n, "cache": root,
+    "patches": [names]}``. A build is current when made from today's patches and shim."""
+    current = patches_hash()
+    builds = list_builds()
+    fresh = [b for b in builds if b.patches_hash == current]
+    backends = [be for be in BACKENDS if any(b.backend == be for b in fresh)]
+    preferred = find_build("cpu") or (fresh[0] if fresh else None)
+    return {
+        "built": bool(fresh),
+        "dir": preferred.lib_dir if preferred else None,
+        "backends": backends,
+        "builds": [{"backend": b.backend, "dir": b.lib_dir, "key": b.key,
+                    "built_at": b.built_at, "build_seconds": b.build_seconds,
+                    "source": b.source} for b in fresh],
+        "stale": len(builds) - len(fresh),
+        "cache": str(cache_root()),
+        "patches": [p.name for p in patch_files()],
+        "patches_hash": current,
+    }
+
+
+def format_status(status: dict) -> str:
+    """The human-readable form: one line per fact."""
+    lines = [f"built: {'yes' if status['built'] else 'no'}"]
+    if status["built"]:
+        lines.append(f"dir: {status['dir']}")
+        lines.append(f"backends: {', '.join(status['backends'])}")
+    else:
+        lines.append("run `moe-offload native build` to build the patched llama.cpp; until then "
+                     "the stock llama-cpp-python libraries run everything but the device cache")
+    if status["stale"]:
+        lines.append(f"stale builds (older patches): {status['stale']}")
+    lines.append(f"cache: {status['cache']}")
+    lines.append(f"patches: {', '.join(status['patches'])}")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""Fixtures for the native tests: the patched build (built once, cached across runs) and a
+helper that runs tests/native/native_child.py in a subprocess with a chosen libllama."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gguf_tools.synth import SynthSpec
+
+CHILD = Path(__file__).with_name("native_child.py")
+REPO = Path(__file__).resolve().parents[2]
+# 16 experts, top-4, q8_0: several experts per token, quantized slots
+Q8_SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=16, top_k=4, embd=128, ff=64,
+                    dtype="q8_0", seed=1, skew=1.0)
+
+
+@pytest.fixture(scope="session")
+def native_build():
+    """The current patched CPU build (built here if missing: a few minutes on 2 cores)."""
+    from runtime.native.build import BuildRequest, build
+
+    return build(BuildRequest(backend="cpu"), log=lambda s: print(s, file=sys.stderr))
+
+
+@pytest.fixture(scope="session")
+def q8_model(synth_model_factory) -> Path:
+    return synth_model_factory(Q8_SPEC)
+
+
+def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300) -> dict:
+    """Run native_child.py MODE with LLAMA_CPP_LIB_PATH=lib_dir (None: the stock wheel)."""
+    env = dict(os.environ)
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    if lib_dir is not None:
+        env["LLAMA_CPP_LIB_PATH"] = lib_dir
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(CHILD), mode, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"child {mode} failed (exit {proc.returncode}):\n"
+                             f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,187 @@
+"""Runs in a subprocess (one libllama per process): ``python native_child.py MODE JSON_ARGS``.
+
+The parent sets ``LLAMA_CPP_LIB_PATH`` (patched build or the stock wheel's libraries) and reads
+one JSON object from the last stdout line.
+
+Modes:
+  logits  {"model", "capacity" (bytes or null: no cache), "fill" ("all" | "even" | "shifted"),
+           "prompt_tokens", "greedy"} -> {"logits_npy", "greedy", ...}: prompt logits (every
+           token) and greedy continuation through the low-level API, with the slot cache made
+           through runtime.native.shim and filled through moe_cache_slot_load.
+  capi    {"model"} -> results of C API calls (cffi).
+  engine  {"model", "lib_dir", "slots" (a budget string or null), "policy", "prompt",
+           "max_tokens"} -> {"tokens", "snapshot", "copies", ...}: the Engine with a cpu-slots
+           device, greedy.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _context(ll, model, n_ctx=256):
+    cp = ll.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 64, 64
+    cp.n_threads = cp.n_threads_batch = 1      # 2 shared cores: spinning threads crawl
+    return ll.llama_init_from_model(model, cp)
+
+
+def _load(ll, path):
+    ll.llama_backend_init()
+    mp = ll.llama_model_default_params()
+    model = ll.llama_model_load_from_file(path.encode(), mp)
+    assert model, f"cannot load {path}"
+    return model
+
+
+def _prompt_and_greedy(ll, ctx, model, tokens, n_greedy):
+    nv = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
+    ll.llama_memory_clear(ll.llama_get_memory(ctx), True)
+    b = ll.llama_batch_init(len(tokens), 0, 1)
+    for i, t in enumerate(tokens):
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, i, 1, 1
+        b.seq_id[i][0] = 0
+    b.n_tokens = len(tokens)
+    assert ll.llama_decode(ctx, b) == 0
+    logits = np.ctypeslib.as_array(ll.llama_get_logits(ctx), shape=(len(tokens) * nv,)).copy()
+    ll.llama_batch_free(b)
+    out, last = [], int(np.argmax(logits[-nv:]))
+    for _ in range(n_greedy):
+        out.append(last)
+        one = (ctypes.c_int32 * 1)(last)
+        assert ll.llama_decode(ctx, ll.llama_batch_get_one(one, 1)) == 0
+        last = int(np.argmax(np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, -1), shape=(nv,))))
+    return logits.reshape(len(tokens), nv), out
+
+
+def mode_logits(args):
+    import llama_cpp.llama_cpp as ll
+    model = _load(ll, args["model"])
+    ctx = _context(ll, model)
+    cache, resident = None, 0
+    if args.get("capacity") is not None:
+        from runtime.native.shim import ShimCache, load_shim
+        lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
+        cache = ShimCache.create(lib, model, "CPU", args["capacity"])
+        n_expert = args["n_expert"]
+        shift = 1 if args["fill"] == "shifted" else 0
+        slot = 0
+        for layer in range(cache.n_layer):
+            pool, _ = cache.layer_info(layer)
+            if pool < 0:
+                continue
+            n_slots, _ = cache.pool_info(pool)
+            for e in range(n_expert):
+                if slot >= n_slots or (args["fill"] == "even" and (e + layer) % 2):
+                    continue
+                cache.slot_load(layer, (e + shift) % n_expert, slot)
+                cache.table_set(layer, e, slot)
+                slot += 1
+        resident = slot
+    logits, greedy = _prompt_and_greedy(ll, ctx, model, args["prompt_tokens"], args["greedy"])
+    out = Path(args["out"])
+    np.save(out, logits)
+    if cache is not None:
+        cache.close()
+    return {"logits_npy": str(out), "greedy": greedy, "resident": resident,
+            "lib": str(Path(ll._lib._name).parent)}
+
+
+def mode_capi(args):
+    import llama_cpp.llama_cpp as ll
+    from runtime.native.shim import ShimCache, ShimError, ffi, load_shim
+    model = _load(ll, args["model"])
+    lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
+    f = ffi()
+    res = {}
+    out = f.new("moe_cache_t *")
+    res["unknown_device"] = lib.moe_cache_create(f.cast("struct llama_model *", model),
+                                                 b"NoSuchDevice0", 1 << 20, out)
+    res["null_model"] = lib.moe_cache_create(f.NULL, b"CPU", 1 << 20, out)
+    zero = ShimCache.create(lib, model, "CPU", 0)
+    res["zero_slots"] = zero.pool_info(0)[0]
+    res["zero_allocated"] = zero.allocated_bytes()
+    zero.close()
+    c = ShimCache.create(lib, model, "CPU", args["capacity"])
+    res["n_layer"], res["n_pool"] = c.n_layer, c.n_pool
+    res["layers"] = [c.layer_info(layer) for layer in range(c.n_layer)]
+    res["pool"] = c.pool_info(0)
+    res["proj_bytes"] = [c.proj_bytes(0, p) for p in range(4)]
+    res["allocated"] = c.allocated_bytes()
+    # slot_load copies the model's own bytes: read them back and compare with the file
+    c.slot_load(1, 5, 2)
+    res["slot_down_l1_e5"] = c.slot_get(1, 2, 2).hex()
+    # a slot written from caller memory reads back the same
+    n = c.proj_bytes(0, 0)
+    payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
+    buf = f.from_buffer("char[]", payload)
+    c.slot_set(0, 1, 0, buf, n)
+    res["roundtrip"] = c.slot_get(0, 1, 0) == payload
+    errors = {}
+    for name, call in {
+        "slot_set_wrong_size": lambda: c.slot_set(0, 1, 0, buf, n - 1),
+        "slot_out_of_range": lambda: c.slot_load(0, 0, res["pool"][0]),
+        "expert_out_of_range": lambda: c.slot_load(0, 10_000, 0),
+        "table_bad_slot": lambda: c.table_set(0, 0, res["pool"][0]),
+        "layer_out_of_range": lambda: c.table_set(99, 0, 0),
+    }.items():
+        try:
+            call()
+            errors[name] = "accepted"
+        except ShimError as exc:
+            errors[name] = str(exc)
+    c.table_set(0, 3, 0)
+    res["table_0_3"] = c.table_get(0, 3)
+    res["table_0_4"] = c.table_get(0, 4)
+    try:
+        c.table_set(1, 4, 0)          # slot 0 already holds (0, 3): refused
+        errors["slot_taken"] = "accepted"
+    except ShimError as exc:
+        errors["slot_taken"] = str(exc)
+    c.table_set(0, 3, -1)
+    c.table_set(1, 4, 0)              # free again: accepted
+    res["table_1_4"] = c.table_get(1, 4)
+    res["errors"] = errors
+    c.close()
+    return res
+
+
+def mode_engine(args):
+    from runtime.engine.engine import Engine, EngineSettings, SamplingParams
+    from runtime.residency.config import parse_config
+    devices = {"cpu-slots": args["slots"]} if args.get("slots") else {}
+    config = parse_config({"devices": devices, "policy": {
+        "phase_specific": False, "decode": {"admission": "always", "prefetch": "none",
+                                            "eviction": args.get("policy", "lru")}}},
+        source="<test>") if devices else None
+    settings = EngineSettings(model_path=args["model"], n_ctx=512, n_threads=1,
+                              n_threads_batch=1, n_batch=64, n_ubatch=64,
+                              manage_residency=config is not None, config=config,
+                              lib_dir=args.get("lib_dir"))
+    engine = Engine(settings, progress=False)
+    params = SamplingParams(max_tokens=args["max_tokens"], temperature=0.0, seed=1)
+    tokens = [c.token for c in engine.generate(args["prompt"], params) if c.token is not None]
+    res = {"tokens": tokens}
+    attached = [a for a in getattr(engine, "_attached", []) if hasattr(a, "caches")]
+    if attached:
+        cache = attached[0].caches[0]
+        res.update(copies=cache.copies, refused=cache.refused, failures=cache.copy_failures,
+                   resident=len(cache.slot_of), slots=sum(
+                       cache.cache.pool_info(p)[0] for p in range(cache.cache.n_pool)))
+    if engine.manager is not None:
+        res["snapshot"] = engine.manager.snapshot().to_dict()
+    engine.close()
+    return res
+
+
+if __name__ == "__main__":
+    mode, raw = sys.argv[1], sys.argv[2]
+    result = {"logits": mode_logits, "capi": mode_capi, "engine": mode_engine}[mode](json.loads(raw))
+    sys.stdout.write("\n" + json.dumps(result) + "\n")

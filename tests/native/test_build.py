@@ -1,0 +1,91 @@
+"""The patch series applies to the vendored llama.cpp, the build is cached by content, and
+``moe-offload native build|status`` tell the truth."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.cli import main
+from runtime.errors import UserError
+from runtime.native.build import (BuildRequest, build, build_key, find_build, patch_files,
+                                  read_build)
+from runtime.native.source import resolve_source
+
+
+def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
+    assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
+                                               "0002-moe-cold-path-anchors.patch"]
+    source = resolve_source(None)
+    tree = tmp_path / "llama.cpp"
+    source.extract(tree)
+    for patch in patch_files():
+        proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(patch)],
+                              cwd=tree, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    graph = (tree / "src" / "llama-graph.cpp").read_text()
+    assert "llama_moe_cache_find(down_exps)" in graph and "ffn_moe_cold_ids" in graph
+    assert (tree / "include" / "llama-moe-cache.h").is_file()
+
+
+def test_build_is_cached_and_complete(native_build):
+    lib = Path(native_build.lib_dir)
+    for name in ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so",
+                 "libmoe_cache.so"):
+        assert (lib / name).exists(), name
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(lib / "libllama.so")],
+                        capture_output=True, text=True).stdout
+    assert "llama_moe_cache_register" in nm and "llama_moe_cache_find" in nm
+    again = build(BuildRequest(backend="cpu"))         # same key: nothing is rebuilt
+    assert again == native_build
+    assert read_build(lib.parent).built_at == native_build.built_at
+    assert find_build("cpu") == native_build
+
+
+def test_key_depends_on_backend_and_flags():
+    base = build_key("src", BuildRequest(backend="cpu"))
+    assert build_key("src", BuildRequest(backend="cpu")) == base
+    assert build_key("other", BuildRequest(backend="cpu")) != base
+    assert build_key("src", BuildRequest(backend="cuda", cuda_arch="90")) != base
+    assert build_key("src", BuildRequest(backend="cpu", native_cpu=False)) != base
+
+
+def test_status_json_is_truthful(native_build, capsys):
+    assert main(["native", "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["built"] is True
+    assert "cpu" in status["backends"]
+    assert any(b["dir"] == native_build.lib_dir for b in status["builds"])
+    assert status["patches"] == [p.name for p in patch_files()]
+
+
+def test_status_without_any_build(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOE_OFFLOAD_NATIVE_DIR", str(tmp_path / "empty"))
+    assert main(["native", "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["built"] is False and status["dir"] is None and status["backends"] == []
+    assert main(["native", "status"]) == 0
+    assert "built: no" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["native", "build", "--backend", "metal"], "--backend metal: unknown"),
+    (["native", "build", "--source", "/no/such/path"], "/no/such/path: no such file"),
+    (["native", "build", "-j", "0"], "--jobs 0"),
+])
+def test_bad_build_input_is_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_source_that_is_not_llama_cpp(tmp_path):
+    (tmp_path / "x.txt").write_text("hello")
+    with pytest.raises(UserError, match="not a llama.cpp tree"):
+        resolve_source(tmp_path)
+    with pytest.raises(UserError, match="not a tar archive"):
+        resolve_source(tmp_path / "x.txt")

@@ -1,0 +1,52 @@
+"""The whole path: Engine -> routing hook -> residency manager -> DeviceCache (Transport) ->
+slots -> patched graph. Greedy tokens equal residency off, with evictions mid-generation."""
+from __future__ import annotations
+
+import pytest
+
+from runtime.native.device_cache import ggml_device_name
+from tests.native.conftest import run_child
+
+PROMPT = "the quick brown fox jumps over the lazy dog and then"
+
+
+@pytest.fixture(scope="module")
+def plain(native_build, q8_model):
+    return run_child("engine", {"model": str(q8_model), "lib_dir": native_build.lib_dir,
+                                "slots": None, "prompt": PROMPT, "max_tokens": 24},
+                     native_build.lib_dir)
+
+
+@pytest.mark.parametrize("budget, policy", [("60KB", "lru"), ("200KB", "lru"),
+                                            ("200KB", "lfu"), ("2MB", "lru")])
+def test_greedy_tokens_identical_with_slots(native_build, q8_model, plain, budget, policy):
+    res = run_child("engine", {"model": str(q8_model), "lib_dir": native_build.lib_dir,
+                               "slots": budget, "policy": policy, "prompt": PROMPT,
+                               "max_tokens": 24}, native_build.lib_dir)
+    snap = res["snapshot"]["devices"]["cpu-slots"]
+    decode = snap["phases"]["decode"]
+    prefill = snap["phases"]["prefill"]
+    print(f"cpu-slots {budget} {policy}: {res['slots']} slots, {res['copies']} copies, "
+          f"prefill hits {prefill['hits']}/{prefill['accesses']}, decode hits "
+          f"{decode['hits']}/{decode['accesses']}, evictions "
+          f"{prefill['evictions'] + decode['evictions']}")
+    assert res["tokens"] == plain["tokens"]
+    assert res["copies"] > 0 and res["failures"] == 0
+    assert res["resident"] == snap["resident_experts"]   # the tables agree with the manager
+    if res["slots"] < 64:                                 # smaller than the expert bank
+        assert decode["evictions"] > 0                    # evicted mid-generation
+
+
+def test_device_names():
+    assert ggml_device_name("cpu-slots") == "CPU"
+    assert ggml_device_name("cuda:1") == "CUDA1"
+    with pytest.raises(ValueError):
+        ggml_device_name("cpu")
+
+
+def test_stock_library_says_so_and_still_generates(q8_model, plain):
+    """On the stock wheel the cpu-slots device is bookkeeping only, with one notice."""
+    res = run_child("engine", {"model": str(q8_model), "lib_dir": None, "slots": "200KB",
+                               "prompt": PROMPT, "max_tokens": 24}, None)
+    assert res["tokens"] == plain["tokens"]
+    assert "copies" not in res

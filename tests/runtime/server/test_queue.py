@@ -1,0 +1,138 @@
+"""RequestQueue on its own: FIFO order, the bound, cancellation, errors (real threads)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from runtime.server.queue import QueueClosed, QueueFull, RequestQueue
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+async def _drain(job) -> list:
+    return [item async for item in job]
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)
+
+
+def test_jobs_run_one_at_a_time_in_submission_order() -> None:
+    order: list[int] = []
+    active = []
+
+    def work(i: int):
+        def run(cancel: threading.Event):
+            active.append(i)
+            assert len(active) == 1, "two jobs ran at once"
+            order.append(i)
+            yield i
+            active.remove(i)
+        return run
+
+    async def main():
+        queue = RequestQueue(max_waiting=8)
+        jobs = [queue.submit(work(i)) for i in range(5)]
+        results = await asyncio.gather(*(_drain(j) for j in jobs))
+        queue.close()
+        return results
+
+    assert _run(main()) == [[0], [1], [2], [3], [4]]
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_bound_counts_waiting_jobs_only() -> None:
+    release = threading.Event()
+
+    def blocking(cancel: threading.Event):
+        yield "started"
+        release.wait(10)
+        yield "done"
+
+    def quick(cancel: threading.Event):
+        yield "quick"
+
+    async def main():
+        queue = RequestQueue(max_waiting=1)
+        running = queue.submit(blocking)
+        items = running.__aiter__()
+        assert await items.__anext__() == "started"
+        assert queue.stats().running == 1
+        waiting = queue.submit(quick)              # one may wait
+        with pytest.raises(QueueFull):
+            queue.submit(quick)                    # a second may not
+        assert queue.stats().waiting == 1
+        release.set()
+        assert [x async for x in items] == ["done"]
+        assert await _drain(waiting) == ["quick"]
+        await _until(lambda: queue.stats().running == 0)
+        assert await _drain(queue.submit(quick)) == ["quick"]
+        queue.close()
+
+    _run(main())
+
+
+def test_cancelling_stops_the_running_job_and_skips_a_waiting_one() -> None:
+    ran: list[str] = []
+    stopped = threading.Event()
+
+    def endless(cancel: threading.Event):
+        ran.append("endless")
+        try:
+            while True:
+                yield "tick"
+                if cancel.wait(0.001):
+                    return
+        finally:
+            stopped.set()
+
+    def never(cancel: threading.Event):
+        ran.append("never")
+        yield "should not run"
+
+    def after(cancel: threading.Event):
+        ran.append("after")
+        yield "after"
+
+    async def main():
+        queue = RequestQueue(max_waiting=4)
+        first = queue.submit(endless)
+        skipped = queue.submit(never)
+        last = queue.submit(after)
+        async for _ in first:      # the consumer leaves after one item and cancels its job,
+            break                  # as a handler does when its client goes away
+        first.cancel.set()
+        skipped.cancel.set()
+        assert await _drain(last) == ["after"]
+        assert await _drain(skipped) == []
+        queue.close()
+
+    _run(main())
+    assert stopped.is_set()
+    assert ran == ["endless", "after"]
+
+
+def test_a_failing_job_raises_in_its_consumer_and_the_queue_goes_on() -> None:
+    def broken(cancel: threading.Event):
+        yield 1
+        raise ValueError("engine exploded")
+
+    def fine(cancel: threading.Event):
+        yield 2
+
+    async def main():
+        queue = RequestQueue(max_waiting=4)
+        bad, good = queue.submit(broken), queue.submit(fine)
+        with pytest.raises(ValueError, match="engine exploded"):
+            await _drain(bad)
+        assert await _drain(good) == [2]
+        queue.close()
+        with pytest.raises(QueueClosed):
+            queue.submit(fine)
+
+    _run(main())
