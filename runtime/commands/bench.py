@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         configs = [bench.BenchConfig("mmap", "mmap", "kernel (all)")]
         configs += bench.file_configs(args.config)
     else:
-        configs = bench.default_configs(total, budget, policies)
+        configs = bench.default_configs(total, budget, policies, read_ahead=not mem_limit)
     configs += bench.static_configs(args.n_cpu_moe)
     if args.n_cpu_moe and not _has_gpu():
         raise UserError("--n-cpu-moe: no GPU backend in this llama.cpp build")

@@ -58,18 +58,20 @@ def mib(n: int) -> str:
 
 
 def default_configs(total_expert_bytes: int, budget_bytes: int,
-                    policies: tuple[str, ...] = POLICIES) -> list[BenchConfig]:
-    """mmap (kernel paging); read-ahead (managed, room for every expert: reads only); and
-    each eviction policy at ``budget_bytes``."""
-    configs = [BenchConfig("mmap", "mmap", "kernel (all)"),
-               BenchConfig("read-ahead", "managed", f"{mib(total_expert_bytes)} (all)",
-                           config={"devices": {"cpu": total_expert_bytes + (1 << 20)},
-                                   "policy": {"phase_specific": False}})]
+                    policies: tuple[str, ...] = POLICIES, *,
+                    read_ahead: bool = True) -> list[BenchConfig]:
+    """mmap (kernel paging); read-ahead (managed, room for every expert: reads only; left
+    out under a memory limit, where it cannot hold its budget); and each eviction policy at
+    ``budget_bytes``."""
+    configs = [BenchConfig("mmap", "mmap", "kernel (all)")]
+    if read_ahead:
+        configs.append(BenchConfig("read-ahead", "managed", f"{mib(total_expert_bytes)} (all)",
+                                   config={"devices": {"cpu": total_expert_bytes + (1 << 20)}}))
     for name in policies:
         configs.append(BenchConfig(
             name, "managed", mib(budget_bytes),
             config={"devices": {"cpu": int(budget_bytes)},
-                    "policy": {"phase_specific": False, "decode": {"eviction": name}}}))
+                    "policy": {"prefill": {"eviction": name}, "decode": {"eviction": name}}}))
     return configs
 
 

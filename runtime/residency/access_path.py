@@ -176,28 +176,36 @@ class AccessPathMixin:
         evicted_bytes = 0
         popitem = od.popitem
         for f in missed:
-            while free < b:
-                v = popitem(False)[0]                # the least recent key
-                if last[v] >= seq0:                  # touched by this call: so is the rest
-                    od[v] = None
-                    od.move_to_end(v, last=False)
-                    break
-                state[v] = ABSENT
-                bv = nbytes[v]
-                free += bv
-                evicted_bytes += bv
-                evicted.append(keys[v])
-            if free < b:                             # everything evictable is this call's
-                state[f] = ABSENT
-                del od[f]
-                if transient is None:
-                    transient = [keys[f]]
-                else:
-                    transient.append(keys[f])
-            else:
-                state[f] = phase
-                free -= b
-                admitted.append(keys[f])
+            if free < b:
+                victims = []
+                freed = 0
+                while free + freed < b:
+                    v = popitem(False)[0]            # the least recent key
+                    if last[v] >= seq0:              # touched by this call: so is the rest
+                        od[v] = None
+                        od.move_to_end(v, last=False)
+                        break
+                    victims.append(v)
+                    freed += nbytes[v]
+                if free + freed < b:                 # cannot fit: evict nothing, use it once
+                    for v in reversed(victims):
+                        od[v] = None
+                        od.move_to_end(v, last=False)
+                    state[f] = ABSENT
+                    del od[f]
+                    if transient is None:
+                        transient = [keys[f]]
+                    else:
+                        transient.append(keys[f])
+                    continue
+                for v in victims:
+                    state[v] = ABSENT
+                    evicted.append(keys[v])
+                free += freed
+                evicted_bytes += freed
+            state[f] = phase
+            free -= b
+            admitted.append(keys[f])
         n_adm, n_ev = len(admitted), len(evicted)
         misses = len(missed)
         tally.hits += n - misses

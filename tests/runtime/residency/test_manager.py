@@ -67,26 +67,36 @@ def test_held_lease_protects_other_layers_experts():
     m.verify()
 
 
-def lru_reference(stream, capacity_experts):
-    """Independent lru with layer-step leases: misses of a step never evict the step's keys."""
+def lru_reference(stream, capacity, sizes):
+    """Independent lru with layer-step leases, in bytes: a step's misses (routing order) evict
+    the least recent keys outside the step until they fit, or evict nothing and are used once."""
     cache: OrderedDict = OrderedDict()
+    used = 0
     decisions = []
     for layer, experts in stream:
         keys = [(layer, int(e)) for e in experts]
+        step = set(keys)
         missing = [k for k in dict.fromkeys(keys) if k not in cache]
         for k in keys:
             if k in cache:
                 cache.move_to_end(k)
         evicted, transient = [], []
-        step = set(keys)
         for k in missing:
-            if len(cache) >= capacity_experts:
-                victim = next((v for v in cache if v not in step), None)
-                if victim is None:
-                    transient.append(k)
-                    continue
-                del cache[victim]
-                evicted.append(victim)
+            size = sizes[k[0]]
+            candidates = [v for v in cache if v not in step]
+            victims, freed = [], 0
+            for v in candidates:
+                if used - freed + size <= capacity:
+                    break
+                victims.append(v)
+                freed += sizes[v[0]]
+            if used - freed + size > capacity:
+                transient.append(k)
+                continue
+            for v in victims:
+                del cache[v]
+            used += size - freed
+            evicted.extend(victims)
             cache[k] = True
         for k in keys:                         # access order = last occurrence order
             if k in cache:
@@ -96,8 +106,9 @@ def lru_reference(stream, capacity_experts):
 
 
 @pytest.mark.parametrize("fast", [True, False])
-@pytest.mark.parametrize("capacity", [3, 12, 40])
+@pytest.mark.parametrize("capacity", [150, 300, 1200, 4000])
 def test_lru_matches_reference_loop(zipf_stream, fast, capacity):
+    sizes = [100, 170, 100, 240]               # mixed expert sizes per layer
     rng = np.random.default_rng(1)
     steps = []
     s = zipf_stream(60, 4, 16, 3, seed=2)
@@ -107,15 +118,19 @@ def test_lru_matches_reference_loop(zipf_stream, fast, capacity):
                 steps.append((layer, rng.integers(0, 16, size=12)))
             else:
                 steps.append((layer, s[t, layer]))
-    m = sim(capacity * 100, layers=4, experts=16)
+    m = ExpertResidencyManager.create_simulated(expert_bytes=sizes, n_expert=16,
+                                                capacity_bytes=capacity, policy="lru")
     m._fast = fast
     got = []
     for layer, experts in steps:
         a = m.access_layer("sim", layer, experts, Phase.DECODE, lease=False)
         got.append((a.hits, a.misses, [(k.layer, k.expert) for k in a.evicted],
                     [(k.layer, k.expert) for k in a.transient]))
-    assert got == lru_reference(steps, capacity)
-    m.verify()
+        m.verify()
+    want = lru_reference(steps, capacity, sizes)
+    assert got == want
+    if capacity == 150:
+        assert any(d[3] for d in want)         # too small for layer 3: transient, no eviction
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-decay", "phase-weighted"])

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# GPU proof of the native device expert cache (issue 6), for an NVIDIA H200-class machine with
+# NO network: everything comes from the repository (native/offline/: the pruned llama.cpp
+# source archive and the Python wheels).
+#
+#   scripts/gpu_check.sh             # CUDA build for sm_90, Qwen3-30B-A3B-shaped model, benchmark
+#   scripts/gpu_check.sh --dry-run   # the same steps on the CPU (cpu backend, cpu-slots, tiny model)
+#
+# Steps: (1) a fresh venv from the offline wheels (PYTHON=... to use an existing interpreter
+# that has the packages), the llama_cpp bindings from the archive; (2) `moe-offload native build
+# --backend cuda --cuda-arch 90` from the archive; (3) a synthetic model shaped like
+# Qwen3-30B-A3B (48 layers, 128 experts, top-8, embd 2048, expert ff 768, Q4_0, skewed routing);
+# (4) `moe-offload bench` at one expert budget (25% of the expert bytes): all experts on the CPU
+# (--n-cpu-moe 48), the largest --n-cpu-moe N that fits the budget, our cache with lru, our
+# phase-specific policy; pp512 / tg128 tokens/s and hit rates, as a table written to
+# docs/benchmarks/gpu-check-DATE.md (dry run: under $GPU_CHECK_WORK).
+# Knobs (env): GPU_CHECK_WORK (scratch dir), GPU_CHECK_REPS (2), GPU_CHECK_BUDGET_PCT (25),
+# GPU_CHECK_P (512), GPU_CHECK_N (128), GPU_CHECK_CUDA_ARCH (90).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
+ARCHIVE=$REPO/native/offline/llama-cpp-python-0.3.36-pruned.tar.xz
+WHEELS=$REPO/native/offline/wheels
+WORK=${GPU_CHECK_WORK:-/tmp/moe-gpu-check}
+REPS=${GPU_CHECK_REPS:-2}
+PCT=${GPU_CHECK_BUDGET_PCT:-25}
+P=${GPU_CHECK_P:-512}
+N=${GPU_CHECK_N:-128}
+ARCH=${GPU_CHECK_CUDA_ARCH:-90}
+mkdir -p "$WORK"
+step() { echo "== gpu_check: $*" >&2; }
+[[ -f "$ARCHIVE" ]] || { echo "gpu_check: missing $ARCHIVE (scripts/make_source_archive.py)" >&2; exit 1; }
+
+# (1) Python: a venv from the offline wheels, the bindings from the archive
+if [[ -n "${PYTHON:-}" ]]; then
+  PY=$PYTHON
+else
+  step "python venv from $WHEELS (no network)"
+  python3 -m venv --clear "$WORK/venv"
+  "$WORK/venv/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
+      numpy gguf cffi psutil tqdm jinja2 diskcache typing_extensions pyyaml requests \
+    || { echo "gpu_check: the offline wheels do not fit $(python3 -V) (they are cp311, x86_64);" \
+              "set PYTHON to an interpreter with numpy gguf cffi psutil tqdm jinja2 diskcache" >&2; exit 1; }
+  PY=$WORK/venv/bin/python
+fi
+rm -rf "$WORK/py" && mkdir -p "$WORK/py"
+tar -xJf "$ARCHIVE" -C "$WORK/py" --strip-components=1 llama_cpp_python-0.3.36/llama_cpp
+export PYTHONPATH=$REPO:$WORK/py
+export MOE_OFFLOAD_PURE_PYTHON_HOOK=${MOE_OFFLOAD_PURE_PYTHON_HOOK:-0}
+CLI=("$PY" -m runtime.cli)
+
+# (2) the patched libraries from the pruned archive
+if [[ $DRY == 1 ]]; then BUILD=(--backend cpu); else BUILD=(--backend cuda --cuda-arch "$ARCH"); fi
+step "native build ${BUILD[*]}"
+LIB=$("${CLI[@]}" native build "${BUILD[@]}" --source "$ARCHIVE" --json \
+      | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["lib_dir"])')
+export LLAMA_CPP_LIB_PATH=$LIB
+step "libraries: $LIB"
+
+# (3) the model
+if [[ $DRY == 1 ]]; then
+  MODEL=$WORK/dry-run-model.gguf
+  SHAPE=(--layers 4 --experts 16 --top-k 4 --embd 128 --ff 64 --dtype q4_0)
+else
+  MODEL=$WORK/qwen3-30b-a3b-shape-q4_0.gguf
+  SHAPE=(--layers 48 --experts 128 --top-k 8 --embd 2048 --ff 768 --heads 32 --heads-kv 4
+         --head-dim 128 --dtype q4_0)
+fi
+if [[ ! -f $MODEL ]]; then
+  step "writing $MODEL"
+  "${CLI[@]}" synth "$MODEL" --arch qwen3moe "${SHAPE[@]}" --skew 1.0 --seed 0 --quiet
+fi
+
+# (4) budgets and configs
+read -r BUDGET NCPU TOTAL < <("$PY" - "$MODEL" "$PCT" <<'PYEOF'
+import sys
+from gguf_tools.facts import read_model_facts
+facts = read_model_facts(sys.argv[1])
+budget = facts.total_expert_bytes * int(sys.argv[2]) // 100
+per_layer = max(facts.expert_bytes) * facts.n_expert
+moe = len(facts.moe_layers)
+# --n-cpu-moe N keeps the experts of layers >= N on the GPU: the smallest N whose GPU share fits
+print(budget, moe - budget // per_layer, facts.total_expert_bytes)
+PYEOF
+)
+DEVICE=$([[ $DRY == 1 ]] && echo cpu-slots || echo cuda:0)
+cat > "$WORK/lru.toml" <<TOML
+[devices]
+"$DEVICE" = "${BUDGET}B"
+[policy]
+phase_specific = false
+[policy.decode]
+admission = "always"
+prefetch = "none"
+eviction = "lru"
+TOML
+cat > "$WORK/phase-specific.toml" <<TOML
+[devices]
+"$DEVICE" = "${BUDGET}B"
+[policy]
+phase_specific = true
+[policy.prefill]
+admission = "always"
+prefetch = "chunk-plan"
+eviction = "lru"
+[policy.decode]
+admission = "reuse-threshold"
+prefetch = "none"
+eviction = "lfu-decay"
+TOML
+step "expert bytes $TOTAL, budget $BUDGET ($PCT%), --n-cpu-moe $NCPU"
+
+# (5) the benchmark
+BENCH=("${CLI[@]}" bench -m "$MODEL" --config "$WORK/lru.toml" --config "$WORK/phase-specific.toml"
+       -r "$REPS" --cold 0 --no-progress)
+if [[ $DRY == 1 ]]; then
+  BENCH+=(-p 32 -n 8)
+  OUT=$WORK/bench-dry-run.md
+else
+  BENCH+=(-p "$P" -n "$N" --n-cpu-moe "$(( $("$PY" -c "
+from gguf_tools.facts import read_model_facts; print(len(read_model_facts('$MODEL').moe_layers))") ))"
+          --n-cpu-moe "$NCPU")
+  mkdir -p "$REPO/docs/benchmarks"
+  OUT=$REPO/docs/benchmarks/gpu-check-$(date -u +%Y-%m-%d).md
+fi
+step "${BENCH[*]}"
+{
+  echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)$([[ $DRY == 1 ]] && echo ' (dry run: CPU, cpu-slots)')"
+  echo
+  echo "libraries: $LIB"
+  echo "expert budget: $BUDGET bytes ($PCT% of $TOTAL); device: $DEVICE"
+  echo
+  "${BENCH[@]}"
+} | tee "$OUT"
+step "wrote $OUT"
