@@ -13,7 +13,9 @@
 # (4) `moe-offload bench` at one expert budget (25% of the expert bytes): all experts on the CPU
 # (--n-cpu-moe 48), the largest --n-cpu-moe N that fits the budget, our cache with lru, our
 # phase-specific policy; pp512 / tg128 tokens/s and hit rates, as a table written to
-# docs/benchmarks/gpu-check-DATE.md (dry run: under $GPU_CHECK_WORK).
+# docs/benchmarks/gpu-check-DATE.md (dry run: under $GPU_CHECK_WORK); then (5) the same configs
+# through the Engine (runtime/native/check.py): speed, hit rates per phase, copies, and greedy
+# tokens equal to a plain run (the script fails if not).
 # Knobs (env): GPU_CHECK_WORK (scratch dir), GPU_CHECK_REPS (2), GPU_CHECK_BUDGET_PCT (25),
 # GPU_CHECK_P (512), GPU_CHECK_N (128), GPU_CHECK_CUDA_ARCH (90).
 set -euo pipefail
@@ -36,6 +38,15 @@ ARCH=${GPU_CHECK_CUDA_ARCH:-90}
 mkdir -p "$WORK"
 step() { echo "== gpu_check: $*" >&2; }
 [[ -f "$ARCHIVE" ]] || { echo "gpu_check: missing $ARCHIVE (scripts/make_source_archive.py)" >&2; exit 1; }
+
+# (0) tools
+need() { command -v "$1" >/dev/null || { echo "gpu_check: $1 not found ($2)" >&2; exit 1; }; }
+need cmake "CMake >= 3.21"; need patch "GNU patch"; need c++ "a C++17 compiler"
+if [[ $DRY == 0 ]]; then
+  [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH=$PATH:/usr/local/cuda/bin
+  need nvcc "the CUDA toolkit"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
+fi
 
 # (1) Python: a venv from the offline wheels, the bindings from the archive
 if [[ -n "${PYTHON:-}" ]]; then
@@ -78,7 +89,7 @@ if [[ ! -f $MODEL ]]; then
 fi
 
 # (4) budgets and configs
-read -r BUDGET NCPU TOTAL < <("$PY" - "$MODEL" "$PCT" <<'PYEOF'
+read -r BUDGET NCPU TOTAL NMOE < <("$PY" - "$MODEL" "$PCT" <<'PYEOF'
 import sys
 from gguf_tools.facts import read_model_facts
 facts = read_model_facts(sys.argv[1])
@@ -86,7 +97,7 @@ budget = facts.total_expert_bytes * int(sys.argv[2]) // 100
 per_layer = max(facts.expert_bytes) * facts.n_expert
 moe = len(facts.moe_layers)
 # --n-cpu-moe N keeps the experts of layers >= N on the GPU: the smallest N whose GPU share fits
-print(budget, moe - budget // per_layer, facts.total_expert_bytes)
+print(budget, moe - budget // per_layer, facts.total_expert_bytes, moe)
 PYEOF
 )
 DEVICE=$([[ $DRY == 1 ]] && echo cpu-slots || echo cuda:0)
@@ -123,19 +134,25 @@ if [[ $DRY == 1 ]]; then
   BENCH+=(-p 32 -n 8)
   OUT=$WORK/bench-dry-run.md
 else
-  BENCH+=(-p "$P" -n "$N" --n-cpu-moe "$(( $("$PY" -c "
-from gguf_tools.facts import read_model_facts; print(len(read_model_facts('$MODEL').moe_layers))") ))"
-          --n-cpu-moe "$NCPU")
+  BENCH+=(-p "$P" -n "$N" --n-cpu-moe "$NMOE" --n-cpu-moe "$NCPU")
   mkdir -p "$REPO/docs/benchmarks"
   OUT=$REPO/docs/benchmarks/gpu-check-$(date -u +%Y-%m-%d).md
 fi
 step "${BENCH[*]}"
+if [[ $DRY == 1 ]]; then CHECK=(-p 32 -n 8 -t 1 -ngl 0); else CHECK=(-p "$P" -n "$N" -ngl -1); fi
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)$([[ $DRY == 1 ]] && echo ' (dry run: CPU, cpu-slots)')"
   echo
   echo "libraries: $LIB"
   echo "expert budget: $BUDGET bytes ($PCT% of $TOTAL); device: $DEVICE"
   echo
+  echo "## moe-offload bench"
+  echo
   "${BENCH[@]}"
+  echo
+  echo "## the cache through the Engine (greedy; dense layers per -ngl), python -m runtime.native.check"
+  echo
+  "$PY" -m runtime.native.check "$MODEL" --config "$WORK/lru.toml" \
+      --config "$WORK/phase-specific.toml" "${CHECK[@]}"
 } | tee "$OUT"
 step "wrote $OUT"

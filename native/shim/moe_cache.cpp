@@ -7,6 +7,7 @@
 #include "llama-moe-cache.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -49,6 +50,7 @@ struct moe_cache {
     ggml_context * ctx = nullptr;
     ggml_backend_buffer_t buffer = nullptr;
     std::mutex table_mutex;
+    int32_t n_sink = 0;   // sink slots per pool (the model's n_expert_used)
 };
 
 static bool source_is_host(const ggml_tensor * t) {
@@ -136,7 +138,21 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         return MOE_CACHE_ERR_MODEL;
     }
 
-    // slots per pool: the capacity split in proportion to the pool's expert bytes
+    // sinks per pool: never-assigned slots for the zero-weighted work of non-resident experts
+    // (one per routing position, so slot ids stay distinct within a token; see llama-moe-cache.h)
+    char arch[64] = {0};
+    char key[128];
+    char value[32] = {0};
+    llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch));
+    snprintf(key, sizeof(key), "%s.expert_used_count", arch);
+    const int32_t n_sink = llama_model_meta_val_str(model, key, value, sizeof(value)) > 0 ? atoi(value) : 0;
+    if (n_sink <= 0) {
+        free_cache(c);
+        return MOE_CACHE_ERR_MODEL;
+    }
+    c->n_sink = n_sink;
+
+    // slots per pool: the capacity split in proportion to the pool's expert bytes, sinks included
     size_t n_tensors = 0;
     for (auto & p : c->pools) {
         size_t pool_experts = 0;
@@ -148,6 +164,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         if (c->pools.size() == 1) {
             n = capacity_bytes / p.slot_bytes;
         }
+        n = n > (size_t) n_sink ? n - n_sink : 0;
         p.n_slots = (int32_t) (n < pool_experts ? n : pool_experts);
         p.owner.assign(p.n_slots, {-1, -1});
         n_tensors += MOE_CACHE_PROJ_COUNT;
@@ -164,12 +181,12 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         for (int q = 0; q < MOE_CACHE_PROJ_COUNT; ++q) {
             const ggml_tensor * e = l0.exps[q];
             if (e != nullptr) {
-                p.slots[q] = ggml_new_tensor_3d(c->ctx, e->type, e->ne[0], e->ne[1], p.n_slots);
+                p.slots[q] = ggml_new_tensor_3d(c->ctx, e->type, e->ne[0], e->ne[1], p.n_slots + n_sink);
             }
         }
         for (int32_t il : p.layers) {
             layer_state & l = c->layers[il];
-            l.ids  = ggml_new_tensor_2d(c->ctx, GGML_TYPE_I32, 1, l.n_expert);
+            l.ids  = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, 1, l.n_expert);
             l.mask = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, 1, l.n_expert);
         }
     }
@@ -190,7 +207,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
             layer_state & l = c->layers[il];
             llama_moe_cache_layer reg = {
                 p.slots[MOE_CACHE_PROJ_UP], p.slots[MOE_CACHE_PROJ_GATE], p.slots[MOE_CACHE_PROJ_GATE_UP],
-                p.slots[MOE_CACHE_PROJ_DOWN], l.ids, l.mask,
+                p.slots[MOE_CACHE_PROJ_DOWN], l.ids, l.mask, p.n_slots,
             };
             if (!llama_moe_cache_register(l.exps[MOE_CACHE_PROJ_DOWN], &reg)) {
                 free_cache(c);
@@ -348,9 +365,9 @@ int moe_cache_table_set(moe_cache_t c, int32_t layer, int32_t expert, int32_t sl
     if (slot >= 0) {
         p.owner[slot] = {layer, expert};
     }
-    const int32_t id = slot >= 0 ? slot : 0;
-    const float   m  = slot >= 0 ? 1.0f : 0.0f;
-    ggml_backend_tensor_set(l.ids,  &id, (size_t) expert * sizeof(int32_t), sizeof(int32_t));
+    const float id = slot >= 0 ? (float) slot : 0.0f;   // exact: slots < 2^24
+    const float m  = slot >= 0 ? 1.0f : 0.0f;
+    ggml_backend_tensor_set(l.ids,  &id, (size_t) expert * sizeof(float), sizeof(float));
     ggml_backend_tensor_set(l.mask, &m,  (size_t) expert * sizeof(float),   sizeof(float));
     return MOE_CACHE_OK;
 }

@@ -59,8 +59,10 @@ enum moe_cache_proj {
 
 // Allocates slots for `capacity_bytes` of experts on `device` (a ggml device name: "CPU",
 // "CUDA0", "Vulkan0"), split over the pools in proportion to their expert bytes, never more
-// slots than a pool has experts, and registers every MoE layer with libllama. Zero capacity
-// is valid (no slots; every expert computed as usual).
+// slots than a pool has experts, and registers every MoE layer with libllama. Each pool also
+// holds n_expert_used "sink" slots (inside the capacity, never assigned: they take the
+// zero-weighted work of non-resident experts). A capacity below n_expert_used + 1 experts
+// is valid and gives no slots (every expert computed as usual).
 int moe_cache_create(const struct llama_model * model, const char * device, size_t capacity_bytes,
                      moe_cache_t * out);
 // Unregisters and frees everything. Call before llama_model_free.
@@ -71,7 +73,8 @@ int moe_cache_counts(moe_cache_t cache, int32_t * n_layer_out, int32_t * n_pool_
 // per layer: its pool (-1: not an MoE layer or no slots) and the bytes of one expert (all
 // projections; 0 for a dense layer); either out-pointer may be NULL
 int moe_cache_layer_info(moe_cache_t cache, int32_t layer, int32_t * pool_out, size_t * expert_bytes_out);
-// per pool: slots and bytes of one slot (all projections); either out-pointer may be NULL
+// per pool: assignable slots (sinks excluded) and bytes of one slot (all projections); either
+// out-pointer may be NULL
 int moe_cache_pool_info(moe_cache_t cache, int32_t pool, int32_t * n_slots_out, size_t * slot_bytes_out);
 // bytes of one projection of one expert in a layer (0 when the model has no such projection)
 int moe_cache_proj_bytes(moe_cache_t cache, int32_t layer, int32_t proj, size_t * bytes_out);

@@ -51,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                         help="CPU threads (default: the engine's)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--save-json", metavar="FILE", default=None,
+                        help="also write the JSON to FILE (with the table printed)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.set_defaults(func=run)
 
@@ -94,14 +96,19 @@ def run(args: argparse.Namespace) -> int:
     argv = sys.argv[1:]
     argv = argv[1:] if argv[:1] == ["bench"] else argv
     command = " ".join(["moe-offload bench", *(shlex.quote(a) for a in argv)])
+    readahead = bench.read_ahead_kb(model)
+    meta = {"command": command, "model": model, "expert_bytes": total, "budget_bytes": budget,
+            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead}
+    if args.save_json:
+        with open(args.save_json, "w", encoding="utf-8") as fh:
+            fh.write(bench.to_json(result, meta))
     if args.json:
-        meta = {"command": command, "model": model, "expert_bytes": total,
-                "budget_bytes": budget, "mem_limit_bytes": mem_limit}
         print(bench.to_json(result, meta))
         return 0
     print(f"model: {model} ({bench.mib(facts.file_bytes)}, experts {bench.mib(total)}: "
           f"{len(facts.moe_layers)} layers x {facts.n_expert} experts, {facts.n_expert_used} "
-          f"used per token)" + (f"; memory limit {bench.mib(mem_limit)}" if mem_limit else ""))
+          f"used per token)" + (f"; memory limit {bench.mib(mem_limit)}" if mem_limit else "")
+          + (f"; disk read_ahead_kb {readahead}" if readahead is not None else ""))
     print()
     print(bench.format_table(result.rows))
     print()

@@ -50,12 +50,16 @@ def run_check(args: argparse.Namespace) -> int:
         free, total = mem if mem is not None else (None, None)
         capacity = resolve_budget(budget, free_bytes=free, total_bytes=total,
                                   largest_expert=largest, source=config.source)
-        line = f"  devices.{budget.device} = {budget.text!r}: {capacity} bytes ({format_size(capacity)})"
+        line = (f"  devices.{budget.device} = {budget.text!r}: {capacity} bytes "
+                f"({format_size(capacity)})")
         if mean:
-            line += f", ~{int(capacity // mean)} experts"
-            if facts is not None:
+            n_total = len(moe_bytes) * facts.n_expert
+            fits = int(capacity // mean)
+            if fits >= n_total:
+                line += f", all {n_total} experts fit"
+            else:
                 share = capacity / max(1, facts.total_expert_bytes)
-                line += f" ({min(share, 1.0):.1%} of the model's expert bytes)"
+                line += f", ~{fits} of {n_total} experts ({share:.1%} of the expert bytes)"
         if mem is None:
             line += "; device memory unknown here (not checked against it)"
         lines.append(line)

@@ -41,8 +41,8 @@ def _build(args: argparse.Namespace) -> int:
         print(json.dumps(info.to_dict(), indent=2))
     else:
         print(f"built {info.backend}: {info.lib_dir}")
-        print(f"use it: LLAMA_CPP_LIB_PATH={info.lib_dir} (the engine picks it up by itself "
-              "when a cuda:N or cpu-slots device is configured)")
+        print(f"use it: LLAMA_CPP_LIB_PATH={info.lib_dir} (or EngineSettings.lib_dir; "
+              "runtime.native.preferred_lib_dir(devices) finds it)")
     return 0
 
 

@@ -243,5 +243,8 @@ def _build_locked(req, source, fingerprint, key, root, log) -> BuildInfo:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staging, final)
     shutil.rmtree(work, ignore_errors=True)
+    for old in list_builds(root):             # builds of older patches are never used again
+        if old.patches_hash != info.patches_hash:
+            shutil.rmtree(Path(old.lib_dir).parent, ignore_errors=True)
     log(f"native build {req.backend}: done in {info.build_seconds:.0f} s -> {info.lib_dir}")
     return info

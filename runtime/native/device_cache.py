@@ -255,7 +255,12 @@ def attach(engine) -> DeviceCaches | None:
     lib = load_shim(lib_dir)
     index = ExpertIndex.open(engine.settings.model_path)
     caches: list[DeviceCache] = []
+    devices.sort(key=lambda d: d == "cpu-slots")       # a GPU first
     for device in devices:
+        if caches:     # libllama holds one slot table per layer: one cache device per model
+            notice(f"{device}: the device expert cache serves one device per model "
+                   f"({caches[0].device}); {device} is not served")
+            continue
         capacity = manager.capacity(device)
         if not capacity:
             notice(f"{device}: no capacity resolved ({manager.unresolved_reason(device)}); "
@@ -267,6 +272,14 @@ def attach(engine) -> DeviceCaches | None:
         except ShimError as exc:
             notice(f"{device}: device expert cache off ({exc})")
             continue
+        slot_bytes = sum(n * b for n, b in map(shim_cache.pool_info, range(shim_cache.n_pool)))
+        if slot_bytes == 0:
+            shim_cache.close()
+            notice(f"{device}: a budget of {capacity} bytes holds no expert slot next to the "
+                   f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
+            continue
+        if slot_bytes < capacity:      # the sinks live inside the budget: charge only the slots
+            manager.reconfigure(device, slot_bytes)
         source = ExpertSource(engine.settings.model_path, index)
         cache = DeviceCache(manager, device, shim_cache, source)
         claim_device(manager, device, cache)

@@ -107,6 +107,7 @@ def attach_to(manager, model_path: str, options: RamTierOptions | None = None
     tier = RamTier(manager, layout, pager, budget_bytes=budget, mlock=options.mlock,
                    refill=options.refill)
     claim_device(manager, DEVICE, tier)
+    pager.no_readahead(layout.merged_spans())
     tier.drop_unheld()       # llama.cpp populated every page at load; keep only what is held
     return tier
 

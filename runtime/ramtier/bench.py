@@ -109,8 +109,14 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
     try:
         for cfg in configs:
             drop_file_cache(model)          # every config starts from a cold page cache
-            out = _run_worker(model, cfg, p=p, n=n, reps=reps, cold=cold, threads=threads,
-                              mem_limit=mem_limit, bar=bar)
+            try:
+                out = _run_worker(model, cfg, p=p, n=n, reps=reps, cold=cold,
+                                  threads=threads, mem_limit=mem_limit, bar=bar)
+            except UserError as err:        # one config failing keeps the others' rows
+                if len(configs) == 1:
+                    raise
+                notes.append(str(err))
+                continue
             details[cfg.name] = out
             for note in out.get("tier", {}).get("notices", []):
                 notes.append(f"{cfg.name}: {note}")
@@ -218,3 +224,19 @@ def to_json(result: BenchResult, meta: dict) -> str:
                        "cold_start_ratio_vs_mmap": result.cold_ratios,
                        "notes": result.notes,
                        "details": result.details}, indent=2)
+
+
+def read_ahead_kb(path: str) -> int | None:
+    """The kernel readahead window of the block device holding ``path`` (KiB), if known:
+    plain mmap's fault read-around scales with it."""
+    st = os.stat(path)
+    base = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    for candidate in (base / "queue" / "read_ahead_kb", base.parent / "queue" / "read_ahead_kb"):
+        try:
+            return int(candidate.resolve().read_text())
+        except (OSError, ValueError):
+            continue
+    try:
+        return int((base.resolve().parent / "queue" / "read_ahead_kb").read_text())
+    except (OSError, ValueError):
+        return None

@@ -103,6 +103,28 @@ class ExpertLayout:
         np.add.at(out, self.owner, n)
         return out
 
+    def merged_spans(self) -> list[tuple[int, int]]:
+        """All expert bytes as maximal contiguous ``(offset, length)`` runs (about one per
+        expert tensor)."""
+        out: list[list[int]] = []
+        for lo, hi in zip(self.starts.tolist(), self.ends.tolist()):
+            if out and lo <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], hi)
+            else:
+                out.append([lo, hi])
+        return [(lo, hi - lo) for lo, hi in out]
+
+    def gaps(self, file_bytes: int) -> list[tuple[int, int]]:
+        """The bytes between expert runs (dense tensors, metadata): ``(offset, length)``."""
+        out, pos = [], 0
+        for offset, length in self.merged_spans():
+            if offset > pos:
+                out.append((pos, offset - pos))
+            pos = offset + length
+        if pos < file_bytes:
+            out.append((pos, file_bytes - pos))
+        return out
+
     def span_of(self, keys) -> tuple[int, int]:
         """``(offset, length)`` from the first to the last byte of ``keys``' ranges."""
         lo = min(o for k in keys for o, _ in self._ranges[k])

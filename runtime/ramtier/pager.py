@@ -145,6 +145,17 @@ class Pager:
                 raise OSError(f"{self.mapping.path}: short read at offset {offset}")
             offset, length = offset + got, length - got
 
+    def no_readahead(self, spans: Sequence[tuple[int, int]]) -> None:
+        """``MADV_RANDOM`` on every mapped copy of ``spans``: a page fault there reads that
+        page only, so the kernel's read-around (up to ``read_ahead_kb``) cannot pull
+        neighbouring experts the manager did not ask for into RAM."""
+        for offset, length in spans:
+            for addr, n in self.mapping.address_spans(offset, length, every_copy=True):
+                try:
+                    vm.madvise(addr, n, vm.MADV_RANDOM)
+                except OSError:
+                    pass
+
     # ---- eviction ---------------------------------------------------------------------------
     def drop(self, spans: Sequence[tuple[int, int]]) -> None:
         """Drop page-aligned file ranges from every mapping and from the page cache."""

@@ -7,7 +7,9 @@ own misses are read (and waited for) by the tier as usual.
 A mechanism, not a policy: it restores exactly the manager's resident set. It starts only when
 more than ``COLD_FRACTION`` of the held bytes are gone (a few experts reclaimed under steady
 memory pressure are left to demand reads: refilling would fight the kernel), at most once per
-``MIN_INTERVAL_S``. An expert evicted while its refill read ran is dropped again afterwards.
+``MIN_INTERVAL_S``. Dense weights are advised first (see ``_refill``); at the end a scrub
+drops every page of an expert that is not held (evicted while its refill read ran, or pulled
+in by the kernel's read-around of a dense fault).
 """
 from __future__ import annotations
 
@@ -67,6 +69,9 @@ class Refiller:
         window: list[list[tuple[int, int]]] = []
         in_flight = 0
         try:
+            # dense weights first: a fault on a dropped dense page reads around it (up to
+            # read_ahead_kb) into neighbouring experts nobody asked for
+            tier.pager.advise(tier.layout.gaps(tier.pager.mapping.file_bytes))
             for key in keys:
                 if not tier.is_held(key):
                     continue
@@ -82,8 +87,9 @@ class Refiller:
                     done = window.pop(0)
                     tier.pager.wait_for(done)
                     in_flight -= sum(m for _, m in done)
-                if not tier.is_held(key):      # evicted meanwhile: do not leave it behind
-                    tier.drop_pages(key)
+            for spans in window:
+                tier.pager.wait_for(spans)
+            tier.scrub()                       # drop what faults pulled in meanwhile
         except OSError:
             pass                               # demand reads bring what is needed
         finally:

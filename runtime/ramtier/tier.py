@@ -305,9 +305,33 @@ class RamTier:
     def truth(self) -> ResidencyTruth:
         """Manager view vs ``mincore`` (one mincore pass over the mapping: ~1 ms per GiB)."""
         resident = self.layout.resident_bytes(self.pager.mapping.resident_pages())
-        with self._guard:
-            held = sum(self.layout.nbytes(k) for k in self._held)
-        return ResidencyTruth(held, int(resident.sum()), self.budget_bytes)
+        manager_view = self.manager.snapshot().device(DEVICE).resident_bytes
+        return ResidencyTruth(int(manager_view), int(resident.sum()), self.budget_bytes)
+
+    def to_prometheus(self) -> str:
+        """Prometheus text: resident bytes by view (manager / mincore), budget, counters."""
+        truth, st = self.truth(), self.stats()
+        lines = [
+            "# HELP moe_ramtier_resident_bytes Expert bytes in host RAM: the manager's view "
+            "and mincore's.",
+            "# TYPE moe_ramtier_resident_bytes gauge",
+            f'moe_ramtier_resident_bytes{{view="manager"}} {truth.manager_resident_bytes}',
+            f'moe_ramtier_resident_bytes{{view="mincore"}} {truth.mincore_resident_bytes}',
+            "# TYPE moe_ramtier_budget_bytes gauge",
+            f"moe_ramtier_budget_bytes {truth.budget_bytes}",
+            "# TYPE moe_ramtier_locked_bytes gauge",
+            f"moe_ramtier_locked_bytes {st.locked_bytes}",
+        ]
+        for name, value in (("paged_in_bytes", st.paged_in_bytes),
+                            ("reclaimed_hit_bytes", st.reclaimed_hit_bytes),
+                            ("prefetched_bytes", st.prefetched_bytes),
+                            ("refilled_bytes", st.refilled_bytes),
+                            ("page_in_seconds", round(st.page_in_seconds, 6)),
+                            ("dropped_experts", st.dropped_experts),
+                            ("read_errors", st.read_errors)):
+            lines += [f"# TYPE moe_ramtier_{name}_total counter",
+                      f"moe_ramtier_{name}_total {value}"]
+        return "\n".join(lines) + "\n"
 
     def drop_unheld(self) -> None:
         """Drop the pages of every expert not held (at attach: llama.cpp populated them all)."""
@@ -318,6 +342,21 @@ class RamTier:
             if key not in keep:
                 spans.extend(self.layout.droppable(key, keep.__contains__))
         self.pager.drop(_merge(spans))
+
+    def scrub(self) -> int:
+        """Drop resident pages of experts that are not held, in flight or in use (mincore
+        finds them); returns how many experts were scrubbed."""
+        resident = self.layout.resident_bytes(self.pager.mapping.resident_pages())
+        with self._guard:
+            keep = set(self._held) | set(self._current_keys) | \
+                {t.key for t, _ in self._inflight.values()}
+        spans, n = [], 0
+        for key in self.layout.keys:
+            if key not in keep and resident[self.layout.key_index(key)]:
+                spans.extend(self.layout.droppable(key, keep.__contains__))
+                n += 1
+        self.pager.drop(_merge(spans))
+        return n
 
     def close(self) -> None:
         with self._guard:

@@ -25,39 +25,178 @@ _new_tuple = tuple.__new__  # builds a LayerAccess without its Python-level __ne
 class AccessPathMixin:
     def access_layer(self, device: str, layer: int, experts, phase: Phase, *,
                      step: int = 0, next_use=None, upcoming: UpcomingStep | None = None,
-                     lease: bool = True) -> LayerAccess:
+                     lease: bool = True, release: LayerAccess | None = None) -> LayerAccess:
         """Record one layer-step's routed experts; see contracts.md ("Residency").
 
         experts: (n_tokens * k,) int expert ids in routing order, each in [0, n_expert)
         (ndarray or list). next_use: same shape, the access index of each element's next use
         (offline policies only). With ``lease`` the experts stay leased until
         ``release(access)``; ``lease=False`` holds them only during this call (replay).
+        ``release``: an earlier access whose leases end first, under the same lock
+        acquisition (the live hooks end the previous layer-step's lease this way); exactly
+        ``release(that)`` followed by this call.
         """
         st = self._devices.get(device)
         if st is None:
             self._unknown_device(device)
         el = experts if type(experts) is list else experts.tolist()
-        n = len(el)
+        lock = self._lock
+        lock.acquire()
+        try:
+            if release is not None:
+                self._leases.pop(release.lease_id, None)
+            if not st.fast[phase] or self._leases or st.tickets or st.n_pf_unused \
+                    or st.pins_by_layer:
+                access = None                            # the general path, below
+            else:
+                # The one-pass lru path: lru alone, admit always, no prefetch, inline
+                # transport, nothing leased, pinned or in flight (replay, and the live decode
+                # loop between layers). It decides exactly as the general path (tests compare
+                # them): every element touches its key in routing order (a missed key is
+                # placed in the order at its first access and marked resident at once, so
+                # its repeats are hits), then the misses are admitted in routing order, each
+                # evicting the least recent keys not touched by this call.
+                try:
+                    base = self._layer_base[layer]       # flat key of (layer, 0); -1: dense
+                except (IndexError, TypeError):
+                    base = -1
+                if base < 0 or layer < 0:
+                    self._no_layer(layer)
+                ne = self._n_expert
+                seq0 = seq = self._seq
+                n = len(el)
+                self._seq = seq + n
+                state, last, move, od = st.state, st.stats.last_seq, st.lru_move, st.lru_od
+                tr = 0                                   # hits on keys admitted in PREFILL
+                missed = None                            # flat keys, routing order
+                for e in el:
+                    if not 0 <= e < ne:
+                        self._bad_expert_fast(st, el, e, missed)
+                    f = base + e
+                    s = state[f]
+                    if s == 8:                           # ABSENT: a demand miss
+                        state[f] = phase
+                        od[f] = None
+                        if missed is None:
+                            missed = [f]
+                        else:
+                            missed.append(f)
+                    else:                                # resident: no tickets on this path
+                        if s == 0:
+                            tr += 1
+                        move(f)
+                    last[f] = seq
+                    seq += 1
+                if phase != 1:                           # transition hits: decode only
+                    tr = 0
+                lease_id = 0
+                if lease:
+                    lease_id = self._next_lease
+                    self._next_lease = lease_id + 1
+                    self._leases[lease_id] = (st, base, el)
+                tally = st.tally[phase]
+                tally.accesses += n
+                if tr:
+                    tally.transition_hits += tr
+                if missed is None:                       # all hit
+                    tally.hits += n
+                    return _new_tuple(LayerAccess, (device, layer, phase, n, 0, 0, _EMPTY,
+                                                    _EMPTY, _EMPTY, _EMPTY, tr, lease_id))
+                m = len(missed)
+                b = st.bytes_flat[base]                  # bytes of one expert of this layer
+                need = m * b - (st.capacity - st.resident_bytes)     # bytes to free
+                keys = st.keys
+                evicted = _EMPTY
+                access = None
+                if need > 0:
+                    # the victims of all m admissions together: the shortest prefix of the
+                    # order that frees ``need`` bytes (what admitting one by one takes). The
+                    # order is sorted by last access, so if its newest victim was not touched
+                    # by this call, none was.
+                    popitem, nbytes = od.popitem, st.bytes_flat
+                    victims = []
+                    freed = 0
+                    while freed < need:                  # the order holds >= m * b bytes
+                        v = popitem(False)[0]
+                        victims.append(v)
+                        freed += nbytes[v]
+                    if last[v] >= seq0:                  # too few unleased keys: one by one
+                        for v in reversed(victims):
+                            od[v] = None
+                            od.move_to_end(v, last=False)
+                        access, evicted = self._admit_each(st, device, layer, base, missed, n,
+                                                           phase, seq0, tr, lease_id, tally)
+                    else:
+                        for v in victims:
+                            state[v] = 8                 # ABSENT
+                        n_ev = len(victims)
+                        evicted = tuple([keys[v] for v in victims])
+                        tally.evictions += n_ev
+                        tally.evicted_bytes += freed
+                        st.resident_count -= n_ev
+                        st.resident_bytes -= freed
+                if access is None:
+                    mb = m * b
+                    st.resident_bytes += mb
+                    st.resident_count += m
+                    tally.hits += n - m
+                    tally.misses += m
+                    tally.demand_miss_bytes += mb
+                    tally.admissions += m
+                    tally.admitted_bytes += mb
+                    access = _new_tuple(LayerAccess, (
+                        device, layer, phase, n - m, m, mb, tuple([keys[f] for f in missed]),
+                        evicted, _EMPTY, _EMPTY, tr, lease_id))
+                if not evicted or self._drop_noop:
+                    return access
+        finally:
+            lock.release()
+        if access is None:
+            return self._access_general(st, device, layer, el, phase, next_use, upcoming, lease)
+        drop = self._transport.drop                      # never call out under the lock
+        for key in evicted:
+            drop(device, key)
+        return access
+
+    def _base_of(self, layer: int) -> int:
+        """Flat key of (layer, expert 0); UserError for a layer without routed experts."""
+        try:
+            base = self._layer_base[layer]          # -1: dense layer
+        except (IndexError, TypeError):
+            base = -1
+        if base < 0 or layer < 0:
+            self._no_layer(layer)
+        return base
+
+    @staticmethod
+    def _no_layer(layer: int):
+        raise UserError(f"access_layer: layer {layer} has no routed experts in the model")
+
+    def _access_general(self, st: DeviceState, device: str, layer: int, el: list[int],
+                        phase: Phase, next_use, upcoming: UpcomingStep | None,
+                        lease: bool) -> LayerAccess:
+        """access_layer for every policy, transport and lease state."""
+        submit: list[Ticket] = []
+        drops: list[ExpertKey] = []
         with self._lock:
-            if not 0 <= layer < self._n_layer or self._layer_base[layer] < 0:
-                raise UserError(f"access_layer: layer {layer} has no routed experts in the model")
-            base = self._layer_base[layer]
+            base = self._base_of(layer)
+            ne = self._n_expert
+            for e in el:                      # before anything changes
+                if not 0 <= e < ne:
+                    self._bad_expert(st, base, el, e)
+            if upcoming is None and getattr(self._prefetch[phase], "needs_upcoming", False):
+                raise UserError("access_layer: prefetch policy 'belady' is offline-only; "
+                                "pass upcoming")
+            n = len(el)
             seq0 = seq = self._seq
             self._seq = seq + n
-            if (st.fast[phase] and not self._leases and not st.tickets and not st.n_pf_unused
-                    and not st.pins_by_layer and self._fast and st.capacity is not None):
-                return self._access_lru_inline(st, layer, base, el, phase, seq, lease)
-            submit: list[Ticket] = []
-            drops: list[ExpertKey] = []
             if st.lean:                       # lru alone: the loop only records access order
-                state, last, ne = st.state, st.stats.last_seq, self._n_expert
+                state, last = st.state, st.stats.last_seq
                 od = st.recency[0].od
                 move = od.move_to_end
                 missed = None
                 tr = 0
                 for e in el:
-                    if not 0 <= e < ne:
-                        self._bad_expert(st, base, el, e)
                     f = base + e
                     s = state[f]
                     if s > RESIDENT_MAX:      # placed in access order now, admitted or not later
@@ -116,58 +255,16 @@ class AccessPathMixin:
             self._after_unlock(st, submit, drops)
         return access
 
-    def _access_lru_inline(self, st: DeviceState, layer: int, base: int, el: list[int],
-                           phase: Phase, seq: int, lease: bool) -> LayerAccess:
-        """access_layer for lru + demand admission + inline transport with nothing else held,
-        pinned or in flight (replay, and the live decode loop between layers).
-
-        Decides exactly as the general path (tests compare them): pass 1 touches every key in
-        routing order (missed ones are placed in the order at their access), pass 2 admits the
-        misses in routing order, each evicting the least recent keys not touched by this call.
-        """
-        state, last = st.state, st.stats.last_seq
-        ne = self._n_expert
-        od = st.recency[0].od
-        move = od.move_to_end
-        seq0 = seq
-        tr = 0
-        missed = None
-        for e in el:
-            if not 0 <= e < ne:
-                self._bad_expert(st, base, el, e)
-            f = base + e
-            s = state[f]
-            if s <= RESIDENT_MAX:
-                if s == 0:
-                    tr += 1
-                move(f)
-            elif s == ABSENT:                        # a demand miss (first occurrence)
-                state[f] = MISSING
-                od[f] = None
-                if missed is None:
-                    missed = [f]
-                else:
-                    missed.append(f)
-            else:                                    # MISSING: a repeat, served by that copy
-                move(f)
-            last[f] = seq
-            seq += 1
-        n = len(el)
-        if phase != _DECODE:
-            tr = 0
-        lease_id = 0
-        if lease:
-            lease_id = self._next_lease
-            self._next_lease = lease_id + 1
-            self._leases[lease_id] = (st, base, el)
-        tally = st.tally[phase]
-        tally.accesses += n
-        tally.transition_hits += tr
-        if missed is None:
-            tally.hits += n
-            return _new_tuple(LayerAccess, (st.name, layer, phase, n, 0, 0, _EMPTY, _EMPTY,
-                                            _EMPTY, _EMPTY, tr, lease_id))
-        keys, nbytes = st.keys, st.bytes_flat
+    def _admit_each(self, st: DeviceState, device: str, layer: int, base: int,
+                    missed: list[int], n: int, phase: Phase, seq0: int, tr: int,
+                    lease_id: int, tally) -> tuple[LayerAccess, tuple]:
+        """The misses of a one-pass lru call when the unleased keys cannot make room for all
+        of them (flat keys in routing order, each placed in the order at its access and
+        marked resident), admitted one by one in routing order, each evicting the least recent
+        keys not touched by this call; a miss that cannot fit is used transiently.
+        Returns (the access, the evicted keys)."""
+        state, last, keys, nbytes = st.state, st.stats.last_seq, st.keys, st.bytes_flat
+        od = st.lru_od
         b = nbytes[base]
         free = st.capacity - st.resident_bytes
         admitted = []
@@ -177,6 +274,18 @@ class AccessPathMixin:
         popitem = od.popitem
         for f in missed:
             if free < b:
+                v = popitem(False)[0]                # the least recent key
+                bv = nbytes[v]
+                if free + bv >= b and last[v] < seq0:    # one victim suffices: the usual case
+                    state[v] = ABSENT
+                    evicted.append(keys[v])
+                    free += bv - b
+                    evicted_bytes += bv
+                    state[f] = phase
+                    admitted.append(keys[f])
+                    continue
+                od[v] = None                         # put it back; take the general route
+                od.move_to_end(v, last=False)
                 victims = []
                 freed = 0
                 while free + freed < b:
@@ -222,16 +331,12 @@ class AccessPathMixin:
         if n_ev:
             tally.evictions += n_ev
             tally.evicted_bytes += evicted_bytes
-            if not self._drop_noop:
-                self._lock.release()                 # never call out under the lock
-                try:
-                    for key in evicted:
-                        self._transport.drop(st.name, key)
-                finally:
-                    self._lock.acquire()
-        return _new_tuple(LayerAccess, (st.name, layer, phase, n - misses, misses, misses * b,
-                                        tuple(admitted), tuple(evicted) if n_ev else _EMPTY,
-                                        transient or _EMPTY, _EMPTY, tr, lease_id))
+            evicted = tuple(evicted)
+        else:
+            evicted = _EMPTY
+        return _new_tuple(LayerAccess, (device, layer, phase, n - misses, misses, misses * b,
+                                        tuple(admitted), evicted, transient or _EMPTY, _EMPTY,
+                                        tr, lease_id)), evicted
 
     def _touch_general(self, st: DeviceState, base: int, el: list[int], seq: int, phase: Phase,
                        next_use) -> tuple[list[int] | None, int]:
@@ -253,8 +358,6 @@ class AccessPathMixin:
         missed: list[int] = []
         tr = 0
         for i, e in enumerate(el):
-            if not 0 <= e < ne:
-                self._bad_expert(st, base, el, e)
             f = base + e
             s = state[f]
             if s > RESIDENT_MAX:
@@ -403,6 +506,15 @@ class AccessPathMixin:
                 self._transport.drop(st.name, key)
         for ticket in submit:
             self._transport.submit(ticket)
+
+    def _bad_expert_fast(self, st: DeviceState, el: list[int], e: int,
+                         missed: list[int] | None):
+        """The one-pass path's _bad_expert: its misses so far (flat keys, marked resident and
+        placed in the order) go back to absent, then raise."""
+        for f in missed or ():
+            st.state[f] = ABSENT
+            self._unplace(st, f)
+        self._bad_expert(st, 0, [], e)
 
     def _bad_expert(self, st: DeviceState, base: int, el: list[int], e: int):
         """Undo the call's marks (missed keys placed in the order) and raise. The access order

@@ -96,7 +96,8 @@ def parse_budget(device: str, value: object, where: str) -> DeviceBudget:
         if share is not None:
             return DeviceBudget(device, str(value), share=share)
         if isinstance(value, float):
-            raise ValueError(f"use an integer number of bytes or a string with units, got {value!r}")
+            raise ValueError("use an integer number of bytes or a string with units, "
+                             f"got {value!r}")
         return DeviceBudget(device, str(value), bytes=parse_size(value))
     except ValueError as err:
         raise UserError(f"{where}: {err}") from None

@@ -52,6 +52,9 @@ class DeviceState:
         self.phase_order = [self.orders[i] for i in phase_evictor]
         self.recency = [o for o in self.orders if isinstance(o, RecencyOrder)]
         self.heaps = [o for o in self.orders if isinstance(o, ScoreHeap)]
+        # the lru order and its move_to_end, cached for the one-pass path
+        self.lru_od = self.recency[0].od if self.recency else None
+        self.lru_move = self.lru_od.move_to_end if self.recency else None
         self.touch_each = [o for o in self.orders if o.lazy and not o.policy.monotone]
         self.pinned: set[int] = set()                # prefetched, not yet consumed
         self.pins_by_layer: dict[int, list[int]] = {}
@@ -59,6 +62,8 @@ class DeviceState:
         self.n_pf_unused = 0
         self.tally = [PhaseTally(), PhaseTally(), PhaseTally()]
         self.lean = False  # set by the manager: the per-access loop needs only the order
+        self.fast_policy = [False, False, False]  # per phase: policies allow the lru fast path
+        self.fast = [False, False, False]         # ... and transport and capacity allow it
 
     def free_bytes(self) -> int:
         if self.capacity is None:

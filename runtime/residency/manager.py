@@ -76,8 +76,7 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
         self._next_ticket = 1
         self._leases: dict[int, tuple[DeviceState, int, list[int]]] = {}  # id -> (dev, base, ids)
         self._drop_noop = isinstance(self._transport, SimulatedTransport)
-        # the one-pass lru path needs the inline transport; tests turn it off to compare paths
-        self._fast = self._inline
+        self._fast_enabled = True   # tests turn the one-pass lru path off to compare paths
         self._transport.bind(self)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -135,14 +134,15 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
                          stats)
         # lean: the per-access loop only records the access order (lru, or monotone scores
         # that need nothing else); anything else takes the general loop
-        # fast[phase]: that phase may take _access_lru_inline (lru alone, admit always,
-        # no prefetch, inline transport)
-        st.fast = [False, False, False]
+        # fast[phase]: that phase may take _access_lru_inline (lru alone, admit always, no
+        # prefetch, inline transport, capacity set); access_layer also checks that nothing
+        # is leased, pinned or in flight
         st.lean = (len(st.recency) <= 1 and not st.touch_each and stats.uses is None
                    and stats.decay_log is None and stats.next_use is None
                    and (len(st.recency) == 0 or len(st.orders) == 1))
-        st.fast = [bool(st.lean and st.recency and self._admission[p].trivial
-                        and self._prefetch[p].name == "none") for p in range(3)]
+        st.fast_policy = [bool(st.lean and st.recency and self._admission[p].trivial
+                               and self._prefetch[p].name == "none") for p in range(3)]
+        self._refresh_fast(st)
         self._devices[name] = st
         return st
 
@@ -155,12 +155,27 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
             self._transport = transport
             self._inline = bool(getattr(transport, "inline", False))
             self._drop_noop = isinstance(transport, SimulatedTransport)
-            self._fast = self._inline
+            for st in self._devices.values():
+                self._refresh_fast(st)
         transport.bind(self)
 
     @property
     def transport(self) -> Transport:
         return self._transport
+
+    def _refresh_fast(self, st: DeviceState) -> None:
+        ok = self._inline and self._fast_enabled and st.capacity is not None
+        st.fast = [ok and p for p in st.fast_policy]
+
+    @property
+    def _fast(self) -> bool:
+        return self._fast_enabled
+
+    @_fast.setter
+    def _fast(self, enabled: bool) -> None:
+        self._fast_enabled = enabled
+        for st in self._devices.values():
+            self._refresh_fast(st)
 
     def resolve_device(self, device: str, *, free_bytes: int | None,
                        total_bytes: int | None) -> int:
@@ -203,6 +218,7 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
                                 f"{charged} bytes currently charged")
             st.capacity = int(capacity_bytes)
             st.reason = ""
+            self._refresh_fast(st)
 
     def _unknown_device(self, device: str):
         if self._expert_bytes is None:

@@ -76,7 +76,8 @@ class RecencyOrder:
         """Keys resident again (an aborted ticket's victims): re-sort by last access."""
         seq = self.stats.last_seq
         merged = sorted([*self.od, *flats], key=lambda f: (seq[f], f))
-        self.od = OrderedDict.fromkeys(merged)
+        self.od.clear()                 # in place: the manager caches this object
+        self.od.update(dict.fromkeys(merged))
 
     def rebuild_check(self, resident: list[int]) -> None:
         seq = self.stats.last_seq

@@ -8,7 +8,6 @@ from typing import Sequence
 
 import numpy as np
 
-from runtime.errors import UserError
 from runtime.residency.device_state import ABSENT, RESIDENT_MAX, DeviceState
 from runtime.residency.policies.prefetch import PrefetchContext
 from runtime.residency.types import ExpertKey, Phase, Ticket, UpcomingStep
@@ -38,9 +37,6 @@ class TransfersMixin:
     def _run_prefetch(self, st: DeviceState, prefetcher, layer: int, base: int, el: list[int],
                       phase: Phase, upcoming: UpcomingStep | None, submit: list,
                       drops: list, seq0: int, lease_id: int) -> None:
-        if getattr(prefetcher, "needs_upcoming", False) and upcoming is None:
-            raise UserError("access_layer: prefetch policy 'belady' is offline-only; "
-                            "pass upcoming")
         nu = st.stats.next_use
         if upcoming is not None and nu is not None:
             # the upcoming step's elements are their keys' next uses (first occurrence wins)

@@ -44,4 +44,6 @@ def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300) 
     if proc.returncode != 0:
         raise AssertionError(f"child {mode} failed (exit {proc.returncode}):\n"
                              f"{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["stderr"] = proc.stderr
+    return result

@@ -12,6 +12,10 @@ Modes:
   engine  {"model", "lib_dir", "slots" (a budget string or null), "policy", "prompt",
            "max_tokens"} -> {"tokens", "snapshot", "copies", ...}: the Engine with a cpu-slots
            device, greedy.
+  churn   {"model", "capacity", "policy", "steps", "seed"} -> invariant checks of DeviceCache
+           driven by random routing (a real manager, real slots, no decode).
+  ids     {"model", "capacity", "prompt_tokens"} -> the slot / cold ids the patched graph
+           computed (read through cb_eval) for a prompt batch and one decode step.
 """
 from __future__ import annotations
 
@@ -68,10 +72,24 @@ def mode_logits(args):
     cache, resident = None, 0
     if args.get("capacity") is not None:
         from runtime.native.shim import ShimCache, load_shim
+        from runtime.native.shim import ShimError
         lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
-        cache = ShimCache.create(lib, model, "CPU", args["capacity"])
+        try:
+            cache = ShimCache.create(lib, model, "CPU", args["capacity"])
+        except ShimError as exc:
+            return {"error": str(exc)}
         n_expert = args["n_expert"]
         shift = 1 if args["fill"] == "shifted" else 0
+        # the bytes come from the file, as runtime.native.device_cache copies them (llama.cpp
+        # may hold its own copy of the experts repacked for the CPU: not the file's layout)
+        from gguf_tools.expert_index import ExpertIndex
+        from runtime.native.device_cache import ExpertSource
+        source = ExpertSource(args["model"], ExpertIndex.open(args["model"]))
+
+        def load(layer, expert, slot):
+            for proj, offset, stride in source.parts[layer]:
+                cache.slot_set(layer, slot, proj, source.base + offset + expert * stride, stride)
+
         slot = 0
         for layer in range(cache.n_layer):
             pool, _ = cache.layer_info(layer)
@@ -81,7 +99,7 @@ def mode_logits(args):
             for e in range(n_expert):
                 if slot >= n_slots or (args["fill"] == "even" and (e + layer) % 2):
                     continue
-                cache.slot_load(layer, (e + shift) % n_expert, slot)
+                load(layer, (e + shift) % n_expert, slot)
                 cache.table_set(layer, e, slot)
                 slot += 1
         resident = slot
@@ -181,7 +199,118 @@ def mode_engine(args):
     return res
 
 
+def mode_ids(args):
+    import llama_cpp.llama_cpp as ll
+    from runtime.engine import llama_lib
+    from runtime.native.shim import ShimCache, load_shim
+
+    model = _load(ll, args["model"])
+    seen: dict[str, list] = {}
+
+    @ll.ggml_backend_sched_eval_callback
+    def on_eval(tensor, ask, user_data):
+        name = llama_lib.tensor_name(tensor).decode()
+        wanted = name.startswith(("ffn_moe_hot_ids-", "ffn_moe_cold_ids-", "ffn_moe_topk-"))
+        if ask:
+            return wanted
+        if wanted:
+            arr = llama_lib.read_tensor(tensor)              # (1, 1, n_tokens, n_expert_used)
+            seen.setdefault(name, []).append(arr.reshape(arr.shape[-2], arr.shape[-1]).tolist())
+        return True
+
+    cp = ll.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = 256, 64, 64
+    cp.n_threads = cp.n_threads_batch = 1
+    cp.cb_eval, cp.cb_eval_user_data = on_eval, None
+    ctx = ll.llama_init_from_model(model, cp)
+    cache = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
+                             args["capacity"])
+    n_slots, _ = cache.pool_info(0)
+    for layer in range(cache.n_layer):           # every other expert resident
+        for e in range(0, 16, 2):
+            slot = layer * 8 + e // 2
+            if slot < n_slots:
+                cache.slot_load(layer, e, slot)
+                cache.table_set(layer, e, slot)
+    _prompt_and_greedy(ll, ctx, model, args["prompt_tokens"], 1)
+    cache.close()
+    return {"seen": seen, "n_slots": n_slots}
+
+
+def mode_churn(args):
+    import llama_cpp.llama_cpp as ll
+    from types import SimpleNamespace
+    from gguf_tools.expert_index import ExpertIndex
+    from runtime.native.device_cache import DeviceCache, ExpertSource
+    from runtime.native.shim import PROJ_BY_TENSOR, ShimCache, load_shim
+    from runtime.ramtier.transport_mux import claim_device
+    from runtime.residency.config import parse_config
+    from runtime.residency.manager import ExpertResidencyManager
+    from runtime.residency.types import ExpertKey, Phase
+
+    model = _load(ll, args["model"])
+    index = ExpertIndex.open(args["model"])
+    facts = index.facts
+    config = parse_config({"devices": {"cpu-slots": args["capacity"]}, "policy": {
+        "phase_specific": True,
+        "prefill": {"admission": "always", "prefetch": "none", "eviction": "lru"},
+        "decode": {"admission": "always", "prefetch": "none", "eviction": args["policy"]}}},
+        source="<churn>")
+    manager = ExpertResidencyManager(config)
+    manager.bind_model(facts.expert_bytes, facts.n_expert)
+    manager.resolve_device("cpu-slots", free_bytes=None, total_bytes=None)
+    shim = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
+                            manager.capacity("cpu-slots"))
+    n_slots, slot_bytes = shim.pool_info(0)
+    manager.reconfigure("cpu-slots", n_slots * slot_bytes)     # as attach() does
+    cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index))
+    claim_device(manager, "cpu-slots", cache)
+    rng = np.random.default_rng(args["seed"])
+    popularity = 1.0 / np.arange(1, facts.n_expert + 1) ** 1.2
+    popularity /= popularity.sum()
+    file = open(args["model"], "rb")
+    checks = mismatches = 0
+    for step in range(args["steps"]):
+        phase = Phase.PREFILL if step % 50 < 10 else Phase.DECODE
+        n_tokens = 8 if phase == Phase.PREFILL else 1
+        for layer in facts.moe_layers:
+            experts = np.stack([rng.choice(facts.n_expert, facts.n_expert_used, replace=False,
+                                           p=popularity) for _ in range(n_tokens)])
+            cache.on_route(SimpleNamespace(layer=layer, phase=phase, first_step=step,
+                                           experts=experts.astype(np.int32)))
+        cache.on_batch_end(phase, n_tokens)
+        if step % 25 == 24:
+            for f in list(cache._futures.values()):
+                f.result()
+            cache.publish()
+            resident = cache.resident()
+            for layer in facts.moe_layers:
+                mask = manager.resident_mask("cpu-slots", layer)
+                for e in range(facts.n_expert):
+                    key = ExpertKey(layer, e)
+                    slot = shim.table_get(layer, e)
+                    checks += 1
+                    if (slot >= 0) != bool(mask[e]) or resident.get(key, -1) != slot:
+                        mismatches += 1
+                    if slot >= 0:       # the slot holds exactly this expert's file bytes
+                        for r in index.ranges(layer, e):
+                            proj = PROJ_BY_TENSOR[r.tensor.split(".")[-2]]
+                            file.seek(r.offset)
+                            if shim.slot_get(layer, slot, proj) != file.read(r.length):
+                                mismatches += 1
+            manager.verify()
+    snap = manager.snapshot().to_dict()["devices"]["cpu-slots"]
+    out = {"checks": checks, "mismatches": mismatches, "copies": cache.copies,
+           "refused": cache.refused, "failures": cache.copy_failures,
+           "evictions": sum(p["evictions"] for p in snap["phases"].values()),
+           "resident": len(cache.resident()),
+           "slots": shim.pool_info(0)[0]}
+    cache.close()
+    return out
+
+
 if __name__ == "__main__":
     mode, raw = sys.argv[1], sys.argv[2]
-    result = {"logits": mode_logits, "capi": mode_capi, "engine": mode_engine}[mode](json.loads(raw))
+    result = {"logits": mode_logits, "capi": mode_capi, "engine": mode_engine,
+              "churn": mode_churn, "ids": mode_ids}[mode](json.loads(raw))
     sys.stdout.write("\n" + json.dumps(result) + "\n")

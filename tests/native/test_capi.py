@@ -18,10 +18,11 @@ def test_sizes_follow_the_model(capi, q8_model):
     expert_bytes = index.expert_bytes(0)
     assert capi["n_layer"] == 4 and capi["n_pool"] == 1
     assert capi["layers"] == [[0, expert_bytes]] * 4
-    assert capi["pool"] == [200_000 // expert_bytes, expert_bytes]
+    n_sink = index.facts.n_expert_used             # sink slots live inside the capacity
+    assert capi["pool"] == [200_000 // expert_bytes - n_sink, expert_bytes]
     assert sum(capi["proj_bytes"]) == expert_bytes and capi["proj_bytes"][3] == 0
     # slots plus the two tables per layer (16 experts x 4 bytes each), with alignment padding
-    assert capi["allocated"] >= capi["pool"][0] * expert_bytes + 4 * 2 * 16 * 4
+    assert capi["allocated"] >= (capi["pool"][0] + n_sink) * expert_bytes + 4 * 2 * 16 * 4
     assert capi["zero_slots"] == 0 and capi["zero_allocated"] == 0
 
 

@@ -17,8 +17,8 @@ def plain(native_build, q8_model):
                      native_build.lib_dir)
 
 
-@pytest.mark.parametrize("budget, policy", [("60KB", "lru"), ("200KB", "lru"),
-                                            ("200KB", "lfu"), ("2MB", "lru")])
+@pytest.mark.parametrize("budget, policy", [("160KB", "lru"), ("300KB", "lru"),
+                                            ("300KB", "lfu"), ("2MB", "lru")])
 def test_greedy_tokens_identical_with_slots(native_build, q8_model, plain, budget, policy):
     res = run_child("engine", {"model": str(q8_model), "lib_dir": native_build.lib_dir,
                                "slots": budget, "policy": policy, "prompt": PROMPT,
@@ -50,3 +50,20 @@ def test_stock_library_says_so_and_still_generates(q8_model, plain):
                                "prompt": PROMPT, "max_tokens": 24}, None)
     assert res["tokens"] == plain["tokens"]
     assert "copies" not in res
+    notices = [ln for ln in res["stderr"].splitlines() if "needs the patched llama.cpp" in ln]
+    assert len(notices) == 1, res["stderr"][-2000:]
+
+
+@pytest.mark.parametrize("capacity, policy", [("160KB", "lru"), ("400KB", "lfu-decay"),
+                                              ("400KB", "phase-weighted"), ("1MB", "lfu")])
+def test_tables_follow_the_manager_under_churn(native_build, q8_model, capacity, policy):
+    """Random skewed routing, prefill and decode, thousands of copies on 4 threads: at every
+    checkpoint the slot tables equal the manager's residency and every resident slot holds
+    exactly its expert's bytes from the file."""
+    res = run_child("churn", {"model": str(q8_model), "capacity": capacity, "policy": policy,
+                              "steps": 200, "seed": 3}, native_build.lib_dir)
+    print(f"churn {capacity} {policy}: "
+          f"{ {k: v for k, v in res.items() if k != 'stderr'} }")
+    assert res["checks"] == 8 * 4 * 16
+    assert res["mismatches"] == 0 and res["failures"] == 0 and res["refused"] == 0
+    assert res["copies"] > res["slots"] and res["evictions"] > 0

@@ -6,10 +6,18 @@ import numpy as np
 import pytest
 
 from gguf_tools.facts import read_model_facts
+from gguf_tools.synth import SynthSpec
 from tests.native.conftest import Q8_SPEC, run_child
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(20, 1500, 40)]
 GREEDY = 12
+
+
+def _capacity(model, fraction: float) -> int:
+    """Bytes for ``fraction`` of the experts in slots, plus the n_expert_used sink slots."""
+    facts = read_model_facts(model)
+    eb = max(facts.expert_bytes)
+    return int(fraction * facts.total_expert_bytes) + facts.n_expert_used * eb + 1
 
 
 def _logits(model, lib_dir, tmp_path, name, capacity=None, fill="all", n_expert=16):
@@ -29,7 +37,7 @@ def reference(native_build, q8_model, tmp_path_factory):
                                             (0.5, "all"), (1.0, "all")])
 def test_split_matches_unpatched(native_build, q8_model, reference, tmp_path, fraction, fill):
     facts = read_model_facts(q8_model)
-    capacity = int(fraction * facts.total_expert_bytes)
+    capacity = _capacity(q8_model, fraction)
     ref_logits, ref = reference
     logits, res = _logits(q8_model, native_build.lib_dir, tmp_path, "hot", capacity, fill)
     diff = float(np.abs(logits - ref_logits).max())
@@ -46,10 +54,9 @@ def test_split_matches_unpatched(native_build, q8_model, reference, tmp_path, fr
 
 def test_slots_are_really_used(native_build, q8_model, reference, tmp_path):
     """Slots holding the wrong experts change the output: the hot path reads the slots."""
-    facts = read_model_facts(q8_model)
     ref_logits, _ = reference
     logits, res = _logits(q8_model, native_build.lib_dir, tmp_path, "shifted",
-                          facts.total_expert_bytes, "shifted")
+                          _capacity(q8_model, 1.0), "shifted")
     diff = float(np.abs(logits - ref_logits).max())
     print(f"slots with shifted experts: max abs logit diff {diff:.3g} (must be large)")
     assert diff > 1e-2
@@ -57,11 +64,10 @@ def test_slots_are_really_used(native_build, q8_model, reference, tmp_path):
 
 def test_patched_build_matches_the_stock_wheel(native_build, q8_model, reference, tmp_path):
     """The patched build with every expert in slots vs llama-cpp-python's own libraries."""
-    facts = read_model_facts(q8_model)
     stock_logits, stock = _logits(q8_model, None, tmp_path, "stock")
     assert stock["lib"] != native_build.lib_dir
     logits, res = _logits(q8_model, native_build.lib_dir, tmp_path, "all",
-                          facts.total_expert_bytes, "all")
+                          _capacity(q8_model, 1.0), "all")
     ref_logits, _ = reference
     diff_ref = float(np.abs(ref_logits - stock_logits).max())
     diff = float(np.abs(logits - stock_logits).max())
@@ -72,12 +78,11 @@ def test_patched_build_matches_the_stock_wheel(native_build, q8_model, reference
 
 
 def test_f32_model_every_size(native_build, tiny_model, tiny_spec, tmp_path):
-    facts = read_model_facts(tiny_model)
     ref_logits, ref = _logits(tiny_model, native_build.lib_dir, tmp_path, "ref32",
                               n_expert=tiny_spec.experts)
     for fraction in (0.25, 1.0):
         logits, res = _logits(tiny_model, native_build.lib_dir, tmp_path, f"f32-{fraction}",
-                              int(fraction * facts.total_expert_bytes), "all",
+                              _capacity(tiny_model, fraction), "all",
                               n_expert=tiny_spec.experts)
         diff = float(np.abs(logits - ref_logits).max())
         print(f"f32 model, {fraction:.0%} in slots: max abs logit diff {diff:.3g}")
@@ -85,3 +90,50 @@ def test_f32_model_every_size(native_build, tiny_model, tiny_spec, tmp_path):
 
 
 assert Q8_SPEC.experts == 16
+
+
+ARCH_SPECS = {
+    # leading dense layer, one shared expert, merged gate_up
+    "deepseek2-merged": SynthSpec(arch="deepseek2", layers=3, experts=8, top_k=2, embd=64, ff=32,
+                                  dtype="q8_0", seed=2, skew=1.0, gate_up_merged=True,
+                                  dense_layers=1, shared_experts=1),
+    "deepseek2": SynthSpec(arch="deepseek2", layers=3, experts=8, top_k=2, embd=64, ff=32,
+                           dtype="f16", seed=2, skew=1.0, shared_experts=1),
+    "llama": SynthSpec(arch="llama", layers=2, experts=8, top_k=2, embd=64, ff=32, dtype="q4_0",
+                       seed=4, skew=1.0),
+    "olmoe": SynthSpec(arch="olmoe", layers=2, experts=8, top_k=2, embd=256, ff=256, heads=1,
+                       heads_kv=1, head_dim=256, dtype="q4_k",
+                       seed=5, skew=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_SPECS))
+def test_other_architectures(native_build, synth_model_factory, tmp_path, name):
+    spec = ARCH_SPECS[name]
+    model = synth_model_factory(spec)
+    facts = read_model_facts(model)
+    ref_logits, ref = _logits(model, native_build.lib_dir, tmp_path, "ref", n_expert=spec.experts)
+    for fraction, fill in ((0.5, "even"), (1.0, "all")):
+        logits, res = _logits(model, native_build.lib_dir, tmp_path, f"{name}-{fraction}",
+                              _capacity(model, fraction), fill, n_expert=spec.experts)
+        diff = float(np.abs(logits - ref_logits).max())
+        print(f"{name} ({spec.dtype}), {fraction:.0%} in slots, {res['resident']} resident: "
+              f"max abs logit diff {diff:.3g}")
+        every = facts.n_expert * len(facts.moe_layers)
+        assert res["resident"] == every if fraction == 1.0 else 0 < res["resident"] < every
+        assert diff <= 1e-5 and res["greedy"] == ref["greedy"]
+
+
+@pytest.mark.parametrize("spec", [
+    SynthSpec(arch="gpt-oss", layers=2, experts=8, top_k=2, embd=64, ff=32, dtype="mxfp4", seed=6),
+    SynthSpec(arch="qwen3moe", layers=2, experts=8, top_k=2, embd=64, ff=32, seed=7,
+              expert_scales=True),
+], ids=["gpt-oss-biases", "expert-scales"])
+def test_layers_with_expert_biases_or_scales_are_refused(native_build, synth_model_factory,
+                                                         tmp_path, spec):
+    """The graph computes such layers unpatched, so the shim allocates nothing for them."""
+    res = run_child("logits", {"model": str(synth_model_factory(spec)), "capacity": 1 << 30,
+                               "fill": "all", "n_expert": spec.experts, "prompt_tokens": PROMPT,
+                               "greedy": 1, "out": str(tmp_path / "x.npy")},
+                    native_build.lib_dir)
+    assert "no MoE layer the cache can serve" in res["error"]

@@ -60,7 +60,8 @@ def param_defaults(role: str, name: str) -> dict[str, float]:
     return dict(_REGISTRY[role][name][1])
 
 
-def make_spec(role: str, name: object, params: dict | None = None, *, where: str = "") -> PolicySpec:
+def make_spec(role: str, name: object, params: dict | None = None, *,
+              where: str = "") -> PolicySpec:
     """Validate a name and its parameters into a PolicySpec; UserError naming ``where``."""
     prefix = f"{where}: " if where else ""
     table = _REGISTRY[role]

@@ -89,7 +89,11 @@ def test_budget_bounds_residency_and_tokens_match_plain_mmap(model):
         stats, truth = tier.stats(), tier.truth()
         snap = engine.manager.snapshot().device("cpu")
 
+        metrics = tier.to_prometheus()
+
     assert got == want
+    assert f'moe_ramtier_resident_bytes{{view="manager"}} {truth.manager_resident_bytes}' in metrics
+    assert f"moe_ramtier_budget_bytes {budget}" in metrics
     assert len(probe.excess) > 4 * N_TOKENS
     assert max(probe.excess) <= 0, f"resident bytes over the bound by {max(probe.excess)}"
     assert probe.peak > budget // 2            # the budget was really used

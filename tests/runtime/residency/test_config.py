@@ -95,7 +95,8 @@ def test_flags_override_file(tmp_path):
      "cfg.toml: policy.decode.eviction: unknown eviction policy 'mru' (valid: lru, lfu, "
      "lfu-decay, phase-weighted, belady)"),
     ('[policy.prefill]\nadmission = "never"\n', "valid: always, reuse-threshold"),
-    ('[policy]\nphase_specific = "yes"\n', "cfg.toml: policy.phase_specific: must be true or false"),
+    ('[policy]\nphase_specific = "yes"\n',
+     "cfg.toml: policy.phase_specific: must be true or false"),
     ('[policy.decode]\nevict = "lru"\n', "cfg.toml: policy.decode.evict: unknown key"),
     ('[cost]\nlink_gbps = -3\n', "cfg.toml: cost.link_gbps: must be > 0"),
     ('[cost]\nwarp = 9\n', "cfg.toml: cost.warp: unknown key"),

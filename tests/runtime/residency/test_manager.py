@@ -13,6 +13,7 @@ from runtime.residency.transport import ManualTransport
 from runtime.residency.types import ExpertKey, Phase
 
 K = ExpertKey
+DEPTH_1 = (("depth", 1.0),)
 
 
 def sim(capacity: int, policy: str | None = "lru", *, layers: int = 4, experts: int = 8,
@@ -286,9 +287,8 @@ def test_resolve_device_budget_errors():
 
 
 def test_transition_hits_and_prefetch_accounting():
-    cfg = ResidencyConfig(phase_specific=True,
-                          prefill=PhasePolicies(prefetch=PolicySpec("chunk-plan", (("depth", 1.0),))),
-                          decode=PhasePolicies())
+    cfg = ResidencyConfig(phase_specific=True, decode=PhasePolicies(),
+                          prefill=PhasePolicies(prefetch=PolicySpec("chunk-plan", DEPTH_1)))
     m = sim(100 * 8, config=cfg, layers=2, experts=8)
     for chunk in range(2):                  # chunk 0 routes [0,1] on both layers
         for layer in range(2):
@@ -304,9 +304,8 @@ def test_transition_hits_and_prefetch_accounting():
 
 
 def test_chunk_plan_prestages_next_layer():
-    cfg = ResidencyConfig(phase_specific=True,
-                          prefill=PhasePolicies(prefetch=PolicySpec("chunk-plan", (("depth", 1.0),))),
-                          decode=PhasePolicies())
+    cfg = ResidencyConfig(phase_specific=True, decode=PhasePolicies(),
+                          prefill=PhasePolicies(prefetch=PolicySpec("chunk-plan", DEPTH_1)))
     m = sim(100 * 2, config=cfg, layers=3, experts=8)
     for layer, e in [(0, 0), (1, 5), (2, 6)]:                             # chunk 0
         m.release(m.access_layer("sim", layer, np.array([e]), Phase.PREFILL))

@@ -36,7 +36,8 @@ def test_eight_threads_sleepy_transport():
     dropped = []
     transport = ThreadedTransport(copy, workers=6, drop=lambda d, k: dropped.append(k))
     cfg = ResidencyConfig(phase_specific=True,
-                          prefill=PhasePolicies(prefetch=PolicySpec("chunk-plan", (("depth", 2.0),)),
+                          prefill=PhasePolicies(prefetch=PolicySpec("chunk-plan",
+                                                                    (("depth", 2.0),)),
                                                 eviction=PolicySpec("lru")),
                           decode=PhasePolicies(eviction=PolicySpec("lfu")))
     m = ExpertResidencyManager(cfg, transport=transport)

@@ -1,0 +1,50 @@
+"""scripts/gpu_check.sh is ready for the GPU machine as far as a CPU can tell: its dry run
+takes every step (offline venv, build from the pruned archive, model, benchmark) on the CPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+OFFLINE = REPO / "native" / "offline"
+
+
+def test_offline_payload_is_small_and_complete():
+    total = sum(f.stat().st_size for f in OFFLINE.rglob("*") if f.is_file())
+    print(f"native/offline: {total / 2**20:.1f} MiB")
+    assert total < 40 * 2**20
+    with tarfile.open(OFFLINE / "llama-cpp-python-0.3.36-pruned.tar.xz") as tar:
+        names = set(tar.getnames())
+    root = "llama_cpp_python-0.3.36/"
+    for needed in ("vendor/llama.cpp/src/llama-graph.cpp", "vendor/llama.cpp/ggml/src/ggml-cuda/mmq.cu",
+                   "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp", "llama_cpp/llama_cpp.py"):
+        assert root + needed in names, needed
+    wheels = {p.name.split("-")[0].lower() for p in (OFFLINE / "wheels").glob("*.whl")}
+    assert {"numpy", "gguf", "cffi", "psutil", "tqdm", "jinja2", "diskcache"} <= wheels
+
+
+@pytest.mark.slow
+def test_dry_run(native_build, tmp_path):
+    env = dict(os.environ, GPU_CHECK_WORK=str(tmp_path), GPU_CHECK_REPS="1")
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    proc = subprocess.run([str(SCRIPT), "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "bench-dry-run.md").read_text()
+    print(table)
+    for row in ("| lru ", "| phase-specific ", "pp32", "tg8"):
+        assert row in table
+    assert "cpu-slots" in table and "gpu_check: libraries:" in proc.stderr
+    check_rows = [ln for ln in table.splitlines() if ln.startswith("| lru | cpu-slots")
+                  or ln.startswith("| phase-specific | cpu-slots")]
+    assert len(check_rows) == 2 and all(ln.rstrip().endswith("| yes |") for ln in check_rows)
+
+
+def test_bad_argument():
+    proc = subprocess.run([str(SCRIPT), "--bogus"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr
