@@ -50,7 +50,7 @@ class Engine:
         self.facts = read_model_facts(path)
         self.model_name = os.path.basename(path)
         self.config = wiring.residency_config(settings)
-        llama_lib.select_library_dir(settings.lib_dir)
+        llama_lib.select_library_dir(wiring.library_dir(settings, self.config))
         self._ll = llama_lib.bindings()
         llama_lib.set_logging(settings.verbose)
         has_gpu = bool(wiring.gpu_devices())

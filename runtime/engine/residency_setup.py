@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 
 from runtime.engine import llama_lib
 from runtime.engine.placement import Placement, plan_placement
@@ -65,6 +66,20 @@ def module_available(name: str) -> bool:
     except ModuleNotFoundError:
         return False
     return spec is not None and spec.origin not in (None, "namespace")
+
+
+def library_dir(settings: EngineSettings, config) -> str | None:
+    """The libllama directory to load: the settings' own, else $LLAMA_CPP_LIB_PATH, else the
+    patched native build when the config names a device-cache device (cuda:N, cpu-slots)
+    and one is built; None = the wheel's stock library (the cache then says why it is off)."""
+    if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
+        return settings.lib_dir
+    devices = _cache_devices(config)
+    if not devices or not module_available(_CACHE_MODULE):
+        return None
+    from runtime.native import preferred_lib_dir  # noqa: PLC0415
+
+    return preferred_lib_dir(devices)
 
 
 def _cache_devices(config) -> set[str]:

@@ -127,10 +127,12 @@ class AccessPathMixin:
                         access, evicted = self._admit_each(st, device, layer, base, missed, n,
                                                            phase, seq0, tr, lease_id, tally)
                     else:
+                        evicted = []
                         for v in victims:
                             state[v] = 8                 # ABSENT
+                            evicted.append(keys[v])
                         n_ev = len(victims)
-                        evicted = tuple([keys[v] for v in victims])
+                        evicted = tuple(evicted)
                         tally.evictions += n_ev
                         tally.evicted_bytes += freed
                         st.resident_count -= n_ev
@@ -144,9 +146,12 @@ class AccessPathMixin:
                     tally.demand_miss_bytes += mb
                     tally.admissions += m
                     tally.admitted_bytes += mb
-                    access = _new_tuple(LayerAccess, (
-                        device, layer, phase, n - m, m, mb, tuple([keys[f] for f in missed]),
-                        evicted, _EMPTY, _EMPTY, tr, lease_id))
+                    admitted = []
+                    for f in missed:
+                        admitted.append(keys[f])
+                    access = _new_tuple(LayerAccess, (device, layer, phase, n - m, m, mb,
+                                                      tuple(admitted), evicted, _EMPTY, _EMPTY,
+                                                      tr, lease_id))
                 if not evicted or self._drop_noop:
                     return access
         finally:
