@@ -57,36 +57,38 @@ class AccessPathMixin:
                 # its repeats are hits), then the misses are admitted in routing order, each
                 # evicting the least recent keys not touched by this call.
                 try:
-                    base = self._layer_base[layer]       # flat key of (layer, 0); -1: dense
+                    base, flat_of = self._layer_flat[layer]  # flat_of: {expert id: flat key}
                 except (IndexError, TypeError):
                     base = -1
                 if base < 0 or layer < 0:
                     self._no_layer(layer)
-                ne = self._n_expert
                 seq0 = seq = self._seq
                 n = len(el)
                 self._seq = seq + n
                 state, last, move, od = st.state, st.stats.last_seq, st.lru_move, st.lru_od
+                keys = st.keys
                 tr = 0                                   # hits on keys admitted in PREFILL
-                missed = None                            # flat keys, routing order
-                for e in el:
-                    if not 0 <= e < ne:
-                        self._bad_expert_fast(st, el, e, missed)
-                    f = base + e
-                    s = state[f]
-                    if s == 8:                           # ABSENT: a demand miss
-                        state[f] = phase
-                        od[f] = None
-                        if missed is None:
-                            missed = [f]
-                        else:
-                            missed.append(f)
-                    else:                                # resident: no tickets on this path
-                        if s == 0:
-                            tr += 1
-                        move(f)
-                    last[f] = seq
-                    seq += 1
+                missed = None                            # ExpertKeys, routing order
+                e = None
+                try:
+                    for e in el:
+                        f = flat_of[e]                   # KeyError: not in [0, n_expert)
+                        s = state[f]
+                        if s == 8:                       # ABSENT: a demand miss
+                            state[f] = phase
+                            od[f] = None
+                            if missed is None:
+                                missed = [keys[f]]
+                            else:
+                                missed.append(keys[f])
+                        else:                            # resident: no tickets on this path
+                            if s == 0:
+                                tr += 1
+                            move(f)
+                        last[f] = seq
+                        seq += 1
+                except (KeyError, TypeError):
+                    self._bad_expert_fast(st, base, e, missed)
                 if phase != 1:                           # transition hits: decode only
                     tr = 0
                 lease_id = 0
@@ -104,11 +106,12 @@ class AccessPathMixin:
                                                     _EMPTY, _EMPTY, _EMPTY, tr, lease_id))
                 m = len(missed)
                 b = st.bytes_flat[base]                  # bytes of one expert of this layer
-                need = m * b - (st.capacity - st.resident_bytes)     # bytes to free
-                keys = st.keys
-                evicted = _EMPTY
-                access = None
-                if need > 0:
+                mb = m * b
+                need = mb - st.capacity + st.resident_bytes      # bytes to free
+                if need <= 0:
+                    evicted = _EMPTY
+                    freed = n_ev = 0
+                else:
                     # the victims of all m admissions together: the shortest prefix of the
                     # order that frees ``need`` bytes (what admitting one by one takes). The
                     # order is sorted by last access, so if its newest victim was not touched
@@ -124,36 +127,34 @@ class AccessPathMixin:
                         for v in reversed(victims):
                             od[v] = None
                             od.move_to_end(v, last=False)
-                        access, evicted = self._admit_each(st, device, layer, base, missed, n,
-                                                           phase, seq0, tr, lease_id, tally)
+                        access, evicted = self._admit_each(
+                            st, device, layer, base, [base + k.expert for k in missed], n,
+                            phase, seq0, tr, lease_id, tally)
+                        if not evicted or self._drop_noop:
+                            return access
+                        m = 0                            # counted: skip the block below
                     else:
                         evicted = []
                         for v in victims:
                             state[v] = 8                 # ABSENT
                             evicted.append(keys[v])
-                        n_ev = len(victims)
                         evicted = tuple(evicted)
+                        n_ev = len(evicted)
                         tally.evictions += n_ev
                         tally.evicted_bytes += freed
-                        st.resident_count -= n_ev
-                        st.resident_bytes -= freed
-                if access is None:
-                    mb = m * b
-                    st.resident_bytes += mb
-                    st.resident_count += m
+                if m:
+                    st.resident_bytes += mb - freed
+                    st.resident_count += m - n_ev
                     tally.hits += n - m
                     tally.misses += m
                     tally.demand_miss_bytes += mb
                     tally.admissions += m
                     tally.admitted_bytes += mb
-                    admitted = []
-                    for f in missed:
-                        admitted.append(keys[f])
                     access = _new_tuple(LayerAccess, (device, layer, phase, n - m, m, mb,
-                                                      tuple(admitted), evicted, _EMPTY, _EMPTY,
+                                                      tuple(missed), evicted, _EMPTY, _EMPTY,
                                                       tr, lease_id))
-                if not evicted or self._drop_noop:
-                    return access
+                    if not evicted or self._drop_noop:
+                        return access
         finally:
             lock.release()
         if access is None:
@@ -512,13 +513,12 @@ class AccessPathMixin:
         for ticket in submit:
             self._transport.submit(ticket)
 
-    def _bad_expert_fast(self, st: DeviceState, el: list[int], e: int,
-                         missed: list[int] | None):
-        """The one-pass path's _bad_expert: its misses so far (flat keys, marked resident and
+    def _bad_expert_fast(self, st: DeviceState, base: int, e, missed: list | None):
+        """The one-pass path's _bad_expert: its misses so far (ExpertKeys, marked resident and
         placed in the order) go back to absent, then raise."""
-        for f in missed or ():
-            st.state[f] = ABSENT
-            self._unplace(st, f)
+        for key in missed or ():
+            st.state[base + key.expert] = ABSENT
+            self._unplace(st, base + key.expert)
         self._bad_expert(st, 0, [], e)
 
     def _bad_expert(self, st: DeviceState, base: int, el: list[int], e: int):

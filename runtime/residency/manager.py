@@ -70,6 +70,8 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
         self._moe_layer: list[bool] = []
         self._n_layer = 0
         self._layer_base: list[int] = []
+        # per layer: (flat key of expert 0, {expert id: flat key}); (-1, None): dense layer
+        self._layer_flat: list[tuple[int, dict[int, int] | None]] = []
         self._next_layers: list[tuple[int, ...]] = []
         self._seq = 0            # access sequence number: one per routed element
         self._next_lease = 1
@@ -112,6 +114,8 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
             # flat key of (layer, expert 0); -1 for dense layers
             self._layer_base = [i * int(n_expert) if b else -1
                                 for i, b in enumerate(self._moe_layer)]
+            self._layer_flat = [(base, {e: base + e for e in range(n_expert)}) if base >= 0
+                                else (-1, None) for base in self._layer_base]
             moe = [i for i, b in enumerate(self._moe_layer) if b]
             self._next_layers = [tuple(x for x in moe if x > i) for i in range(len(eb))]
             for budget in self.config.devices:
