@@ -71,9 +71,12 @@ def module_available(name: str) -> bool:
 def library_dir(settings: EngineSettings, config) -> str | None:
     """The libllama directory to load: the settings' own, else $LLAMA_CPP_LIB_PATH, else the
     patched native build when the config names a device-cache device (cuda:N, cpu-slots)
-    and one is built; None = the wheel's stock library (the cache then says why it is off)."""
+    and one is built; None = the wheel's stock library (the cache then says why it is off).
+    MOE_OFFLOAD_NATIVE=off keeps the stock library regardless."""
     if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
         return settings.lib_dir
+    if os.environ.get("MOE_OFFLOAD_NATIVE", "").lower() in ("off", "0", "no"):
+        return None
     devices = _cache_devices(config)
     if not devices or not module_available(_CACHE_MODULE):
         return None

@@ -32,12 +32,17 @@ def q8_model(synth_model_factory) -> Path:
     return synth_model_factory(Q8_SPEC)
 
 
-def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300) -> dict:
-    """Run native_child.py MODE with LLAMA_CPP_LIB_PATH=lib_dir (None: the stock wheel)."""
+def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300, *,
+              auto_lib: bool = False) -> dict:
+    """Run native_child.py MODE with LLAMA_CPP_LIB_PATH=lib_dir (None: the stock wheel, or
+    with ``auto_lib`` whatever library the engine picks by itself)."""
     env = dict(os.environ)
     env.pop("LLAMA_CPP_LIB_PATH", None)
+    env.pop("MOE_OFFLOAD_NATIVE", None)
     if lib_dir is not None:
         env["LLAMA_CPP_LIB_PATH"] = lib_dir
+    elif not auto_lib:
+        env["MOE_OFFLOAD_NATIVE"] = "off"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(CHILD), mode, json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=timeout)

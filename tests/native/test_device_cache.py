@@ -54,6 +54,16 @@ def test_stock_library_says_so_and_still_generates(q8_model, plain):
     assert len(notices) == 1, res["stderr"][-2000:]
 
 
+def test_engine_picks_the_patched_build_by_itself(native_build, q8_model, plain):
+    """No lib_dir and no LLAMA_CPP_LIB_PATH: a cpu-slots device makes the engine load the
+    native build, so the cache really copies experts, and tokens stay identical."""
+    res = run_child("engine", {"model": str(q8_model), "lib_dir": None, "slots": "300KB",
+                               "prompt": PROMPT, "max_tokens": 24}, None, auto_lib=True)
+    assert res["tokens"] == plain["tokens"]
+    assert res.get("copies", 0) > 0, res["stderr"][-2000:]
+    assert "needs the patched llama.cpp" not in res["stderr"]
+
+
 @pytest.mark.parametrize("capacity, policy", [("160KB", "lru"), ("400KB", "lfu-decay"),
                                               ("400KB", "phase-weighted"), ("1MB", "lfu")])
 def test_tables_follow_the_manager_under_churn(native_build, q8_model, capacity, policy):
