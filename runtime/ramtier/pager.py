@@ -2,11 +2,11 @@
 
 Page-in: ``madvise(MADV_WILLNEED)`` on every range first (the kernel queues all the reads at
 once, no copy on our side), then, per 1 MiB chunk on a thread pool (``threads`` in flight), a
-one-byte ``pread`` of the chunk's last byte that blocks until the kernel's read reached it. A
-range no mapping covers (or a WILLNEED that failed) is read whole with ``pread``s instead. When
-``page_in`` returns the reads are done; the first touch through llama.cpp's mapping is then a
-minor fault (a page the kernel skipped is faulted in by the matmul, as with plain mmap). Our own
-descriptor is ``FADV_RANDOM`` so a pread never reads ahead into a neighbouring expert.
+one-byte ``pread`` of the chunk's last byte that blocks until the kernel's read reached it, and
+a ``mincore`` check; a chunk still short, or a range no mapping covers (or whose WILLNEED
+failed), is read whole with ``pread``. When ``page_in`` returns every byte is in the page cache;
+the first touch through llama.cpp's mapping is then a minor fault. Our own descriptor is
+``FADV_RANDOM`` so a pread never reads ahead into a neighbouring expert.
 
 Eviction: ``MADV_DONTNEED`` on every mapped copy (a mapped page cannot leave the page cache),
 then ``posix_fadvise(DONTNEED)`` on the file. Callers pass page-aligned ranges they own
@@ -111,10 +111,21 @@ class Pager:
         return True
 
     def _wait_read(self, offset: int, length: int) -> None:
-        # WILLNEED queued the chunk's reads; a pread of its last byte blocks until that page
-        # is in (readahead completes a chunk in order), without copying the chunk
+        # WILLNEED queued the chunk's reads: wait for them without copying the chunk. A
+        # one-byte pread of its last byte blocks until that page is in; the kernel may finish
+        # the chunk's other reads out of order, so mincore confirms, and a chunk still short
+        # (in flight, or skipped by the kernel) is read whole, which waits for every page.
         if not os.pread(self._fd, 1, offset + length - 1):
             raise OSError(f"{self.mapping.path}: short read at offset {offset + length - 1}")
+        if not self._resident(offset, length):
+            self._read(offset, length)
+
+    def _resident(self, offset: int, length: int) -> bool:
+        pieces = self.mapping.address_spans(offset, length)
+        try:
+            return bool(pieces) and all(vm.mincore(a, n).all() for a, n in pieces)
+        except OSError:
+            return False
 
     def advise(self, spans: Sequence[tuple[int, int]]) -> int:
         """``MADV_WILLNEED`` only: queue the reads and return (no copy, no wait); bytes."""
@@ -129,10 +140,10 @@ class Pager:
         return total
 
     def wait_for(self, spans: Sequence[tuple[int, int]]) -> None:
-        """Block until the last page of each span is read (one-byte preads; WILLNEED reads
-        complete in order within a span)."""
+        """Block until every page of ``spans`` (advised earlier) is in the page cache."""
         for offset, length in spans:
-            os.pread(self._fd, 1, offset + length - 1)
+            for i in range(0, length, CHUNK_BYTES):
+                self._wait_read(offset + i, min(CHUNK_BYTES, length - i))
 
     def _read(self, offset: int, length: int) -> None:
         buf = getattr(self._local, "buf", None)

@@ -55,7 +55,14 @@ class DeviceState:
         # the lru order and its move_to_end, cached for the one-pass path
         self.lru_od = self.recency[0].od if self.recency else None
         self.lru_move = self.lru_od.move_to_end if self.recency else None
+        # the lru order and the per-key state lru_step works on, in one attribute (these
+        # objects are only ever changed in place); None without an lru order
+        self.core = None if self.lru_od is None else (
+            self.state, stats.last_seq, self.lru_od, self.lru_move, self.lru_od.popitem,
+            self.keys, self.bytes_flat)
         self.touch_each = [o for o in self.orders if o.lazy and not o.policy.monotone]
+        # lease id -> (flat key of the layer's expert 0, expert ids): experts in use here
+        self.leases: dict[int, tuple[int, list[int]]] = {}
         self.pinned: set[int] = set()                # prefetched, not yet consumed
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused = bytearray(n_flat)           # 1: prefetched, not hit yet

@@ -33,7 +33,9 @@ from runtime.errors import UserError
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.access_path import AccessPathMixin
+from runtime.residency.general_path import GeneralPathMixin
 from runtime.residency.device_state import RESIDENT_MAX, DeviceState
+from runtime.residency.native_step import load_lru_step
 from runtime.residency.policies import factory
 from runtime.residency.policies.prefetch import NoPrefetch
 from runtime.residency.stats import UsageStats
@@ -44,7 +46,7 @@ from runtime.residency.types import ExpertKey, LayerAccess, Phase
 
 
 
-class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
+class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin):
     """Decides, records and counts expert residency on every device. Thread-safe."""
 
     def __init__(self, config: ResidencyConfig | None = None, *,
@@ -70,15 +72,16 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
         self._moe_layer: list[bool] = []
         self._n_layer = 0
         self._layer_base: list[int] = []
-        # per layer: (flat key of expert 0, {expert id: flat key}); (-1, None): dense layer
-        self._layer_flat: list[tuple[int, dict[int, int] | None]] = []
+        # MoE layer -> (flat key of its expert 0, {expert id: flat key}, bytes of one expert)
+        self._layer_flat: dict[int, tuple[int, dict[int, int], int]] = {}
         self._next_layers: list[tuple[int, ...]] = []
         self._seq = 0            # access sequence number: one per routed element
         self._next_lease = 1
         self._next_ticket = 1
-        self._leases: dict[int, tuple[DeviceState, int, list[int]]] = {}  # id -> (dev, base, ids)
+        # leases live per device (DeviceState.leases): a lease only protects its own device
         self._drop_noop = isinstance(self._transport, SimulatedTransport)
         self._fast_enabled = True   # tests turn the one-pass lru path off to compare paths
+        self._lru_step = load_lru_step()   # C, or its Python reference (tests pick one)
         self._transport.bind(self)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -114,8 +117,8 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
             # flat key of (layer, expert 0); -1 for dense layers
             self._layer_base = [i * int(n_expert) if b else -1
                                 for i, b in enumerate(self._moe_layer)]
-            self._layer_flat = [(base, {e: base + e for e in range(n_expert)}) if base >= 0
-                                else (-1, None) for base in self._layer_base]
+            self._layer_flat = {i: (base, {e: base + e for e in range(n_expert)}, int(eb[i]))
+                                for i, base in enumerate(self._layer_base) if base >= 0}
             moe = [i for i, b in enumerate(self._moe_layer) if b]
             self._next_layers = [tuple(x for x in moe if x > i) for i in range(len(eb))]
             for budget in self.config.devices:
@@ -138,7 +141,7 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
                          stats)
         # lean: the per-access loop only records the access order (lru, or monotone scores
         # that need nothing else); anything else takes the general loop
-        # fast[phase]: that phase may take _access_lru_inline (lru alone, admit always, no
+        # fast[phase]: that phase may take the one-pass lru path (lru alone, admit always, no
         # prefetch, inline transport, capacity set); access_layer also checks that nothing
         # is leased, pinned or in flight
         st.lean = (len(st.recency) <= 1 and not st.touch_each and stats.uses is None
@@ -154,7 +157,7 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
         """Replace the transport: a tier (runtime.ramtier) attaching after the engine built
         the manager. Only while nothing is leased or in flight (RuntimeError otherwise)."""
         with self._lock:
-            if self._leases or any(st.tickets for st in self._devices.values()):
+            if any(st.leases or st.tickets for st in self._devices.values()):
                 raise RuntimeError("set_transport: the manager has leases or tickets in flight")
             self._transport = transport
             self._inline = bool(getattr(transport, "inline", False))
@@ -234,7 +237,9 @@ class ExpertResidencyManager(AccessPathMixin, TransfersMixin):
 
         Lock-free: one dict.pop is atomic under the GIL, and readers iterate a copy.
         """
-        self._leases.pop(access.lease_id, None)
+        st = self._devices.get(access.device)
+        if st is not None:
+            st.leases.pop(access.lease_id, None)
 
     # ---- queries -------------------------------------------------------------------------
     def is_resident(self, device: str, key: ExpertKey) -> bool:

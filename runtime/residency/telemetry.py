@@ -30,16 +30,20 @@ COUNTER_HELP = {
 
 
 class PhaseTally:
-    """Mutable counters of one (device, phase); only the manager touches them, under its lock."""
+    """Mutable counters of one (device, phase); only the manager touches them, under its lock.
 
-    __slots__ = tuple(COUNTER_HELP)
+    ``hits`` is not kept: every access is a hit or a (distinct-key) miss, so
+    hits == accesses - misses (one counter less to update per call)."""
+
+    __slots__ = tuple(name for name in COUNTER_HELP if name != "hits")
 
     def __init__(self) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
 
     def freeze(self) -> PhaseCounters:
-        return PhaseCounters(**{name: getattr(self, name) for name in self.__slots__})
+        values = {name: getattr(self, name) for name in self.__slots__}
+        return PhaseCounters(hits=self.accesses - self.misses, **values)
 
 
 @dataclass(frozen=True, slots=True)
