@@ -50,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "cache), so a model larger than the limit really pages")
     parser.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                         help="CPU threads (default: the engine's)")
+    parser.add_argument("-ngl", "--gpu-layers", type=int, default=None, metavar="N",
+                        help="layers whose dense weights go to the GPU in the mmap and managed "
+                             "rows (default: all with a GPU, none without)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--save-json", metavar="FILE", default=None,
                         help="also write the JSON to FILE (with the table printed)")
@@ -90,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
     if args.n_cpu_moe and not _has_gpu():
         raise UserError("--n-cpu-moe: no GPU backend in this llama.cpp build")
 
+    gpu_layers = args.gpu_layers if args.gpu_layers is not None else (-1 if _has_gpu() else 0)
     result = bench.run_bench(model, configs, p=args.n_prompt, n=args.n_gen,
                              reps=args.repetitions, cold=args.cold, threads=args.threads,
-                             mem_limit=mem_limit, progress=not args.no_progress)
+                             mem_limit=mem_limit, progress=not args.no_progress,
+                             gpu_layers=gpu_layers)
     argv = sys.argv[1:]
     argv = argv[1:] if argv[:1] == ["bench"] else argv
     command = " ".join(["moe-offload bench", *(shlex.quote(a) for a in argv)])

@@ -108,7 +108,10 @@ def attach_to(manager, model_path: str, options: RamTierOptions | None = None
                    refill=options.refill)
     claim_device(manager, DEVICE, tier)
     pager.no_readahead(layout.merged_spans())
-    tier.drop_unheld()       # llama.cpp populated every page at load; keep only what is held
+    if budget >= layout.total_bytes:
+        tier.fill_spare()    # room for every expert: admit them all (llama.cpp populated them)
+    else:
+        tier.drop_unheld()   # llama.cpp populated every page at load; keep only what is held
     return tier
 
 

@@ -88,15 +88,15 @@ def file_configs(paths: list[str]) -> list[BenchConfig]:
     out = []
     for path in paths:
         config = load_config(path)
-        budget = config.budget("cpu")
-        label = budget.text if any(b.device == "cpu" for b in config.devices) else "-"
+        label = ", ".join(b.text if b.device == "cpu" else f"{b.device} {b.text}"
+                          for b in config.devices) or "-"
         out.append(BenchConfig(Path(path).stem, "managed", label, config_path=str(path)))
     return out
 
 
 def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: int, cold: int,
               threads: int | None = None, mem_limit: int | None = None,
-              progress: bool = True) -> BenchResult:
+              progress: bool = True, gpu_layers: int = 0) -> BenchResult:
     """Run every config in a fresh worker process; rows in config then test order."""
     from tqdm import tqdm
 
@@ -111,7 +111,8 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
             drop_file_cache(model)          # every config starts from a cold page cache
             try:
                 out = _run_worker(model, cfg, p=p, n=n, reps=reps, cold=cold,
-                                  threads=threads, mem_limit=mem_limit, bar=bar)
+                                  threads=threads, mem_limit=mem_limit, bar=bar,
+                                  gpu_layers=gpu_layers)
             except UserError as err:        # one config failing keeps the others' rows
                 if len(configs) == 1:
                     raise
@@ -136,11 +137,11 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
 
 
 def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_limit,
-                bar) -> dict:
+                bar, gpu_layers: int = 0) -> dict:
     from runtime.ramtier.cgroup import MemoryLimit
 
     job = json.dumps({"model": model, "config": cfg.to_json(), "p": p, "n": n, "reps": reps,
-                      "cold": cold, "threads": threads})
+                      "cold": cold, "threads": threads, "gpu_layers": gpu_layers})
     group = MemoryLimit(mem_limit, name=f"moe-bench-{os.getpid()}") if mem_limit else None
     cmd = [sys.executable, "-m", "runtime.ramtier.bench_worker"]
     env = dict(os.environ, PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -76,18 +76,19 @@ def _read_bytes() -> int:
 class ConfigRunner:
     """Builds the engine for one config and runs the tests on it."""
 
-    def __init__(self, model: str, cfg: BenchConfig, *, n_ctx: int, threads: int | None):
+    def __init__(self, model: str, cfg: BenchConfig, *, n_ctx: int, threads: int | None,
+                 gpu_layers: int = 0):
         from runtime.engine.engine import Engine, EngineSettings
         from runtime.residency.config import load_config, parse_config
 
-        self.model, self.cfg = model, cfg
+        self.model, self.cfg, self.gpu_layers = model, cfg, gpu_layers
         config = None
         if cfg.kind == "managed":
             config = (load_config(cfg.config_path) if cfg.config_path
                       else parse_config(cfg.config or {}, source=cfg.name))
         settings = EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
                                   manage_residency=cfg.kind == "managed", config=config,
-                                  n_gpu_layers=-1 if cfg.kind == "static" else 0)
+                                  n_gpu_layers=-1 if cfg.kind == "static" else gpu_layers)
         engine_cls = Engine if cfg.kind != "static" else _static_engine(cfg.n_cpu_moe or 0)
         self.engine = engine_cls(settings, progress=False)
         self.tier = next((p for p in getattr(self.engine, "_attached", ())
@@ -98,11 +99,12 @@ class ConfigRunner:
         self.engine.close()
 
     def backend(self) -> str:
-        """Where the expert matmuls run: "CPU", or the GPU's name for static placements."""
+        """"CPU", or "<GPU>+CPU" when layers are offloaded to a GPU."""
         from runtime.engine import llama_lib
         gpus = [d.name for d in llama_lib.devices()
                 if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
-        return f"{gpus[0]}+CPU" if gpus and self.cfg.kind == "static" else "CPU"
+        on_gpu = self.cfg.kind == "static" or self.gpu_layers != 0
+        return f"{gpus[0]}+CPU" if gpus and on_gpu else "CPU"
 
     def _prompt(self, n: int) -> list[int]:
         return self.rng.integers(0, self.engine.n_vocab, size=n).tolist()
@@ -185,10 +187,10 @@ def summarize(samples: list[Sample]) -> dict:
 
 
 def run_config(model: str, cfg: BenchConfig, *, p: int, n: int, reps: int, cold: int,
-               threads: int | None, step: Callable[[str], None]) -> dict:
+               threads: int | None, step: Callable[[str], None], gpu_layers: int = 0) -> dict:
     """Every test of one config: ``{"backend", "tests": {name: summary}, "tier": ...}``."""
     n_ctx = max(p, COLD_PROMPT, 8) + max(n, cold, 4) + 16
-    runner = ConfigRunner(model, cfg, n_ctx=n_ctx, threads=threads)
+    runner = ConfigRunner(model, cfg, n_ctx=n_ctx, threads=threads, gpu_layers=gpu_layers)
     try:
         out: dict = {"backend": runner.backend(), "tests": {}}
         step("warm-up")

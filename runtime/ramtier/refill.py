@@ -90,6 +90,7 @@ class Refiller:
             for spans in window:
                 tier.pager.wait_for(spans)
             tier.scrub()                       # drop what faults pulled in meanwhile
+            tier.fill_spare()                  # room for everything: bring the rest too
         except OSError:
             pass                               # demand reads bring what is needed
         finally:

@@ -6,9 +6,15 @@ Flow per layer and ubatch (``on_route``, synchronous between router and matmul):
      matmul has run: the graph is sequential);
   2. ``manager.access_layer("cpu", ...)`` decides hits, admissions (tickets, handed to
      ``submit``) and transient uses;
-  3. every expert of the layer whose pages ``mincore`` does not show resident (a miss, or a hit
-     the kernel reclaimed under memory pressure) is read in parallel; we wait for those reads
-     and for this layer's tickets, then return and the matmul runs on resident pages.
+  3. the layer's experts that are not in the page cache are read in parallel: demand
+     admissions (their tickets, on the pager's pool), transient uses, queued prefetches, and
+     manager hits the kernel reclaimed (a one-page mincore probe per hit finds them; then one
+     mincore over the layer). We wait for those reads, then return and the matmul runs on
+     resident pages.
+
+Prefetch tickets (the manager's prefetch policies) stream on the background lane behind demand
+reads. After a cold page cache the refiller reads the held experts back (``refill.py``); when
+the budget has room for every expert, everything not yet resident is prefetched (``fill_spare``).
 
 The tier keeps its own record of which experts hold pages (``held``) so that dropping one
 expert never drops a page shared with a neighbour that stays, without calling back into the
@@ -23,6 +29,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from runtime.ramtier.lane import BackgroundLane
 from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.pager import PageInStats, Pager
 from runtime.ramtier.refill import Refiller
@@ -60,6 +67,7 @@ class RamTier:
         self._wait_s = 0.0
         self.n_layer = 1 + max((k.layer for k in layout.keys), default=0)
         self.refiller = Refiller(self) if refill else None
+        self.lane = BackgroundLane(pager)
 
     # ---- Transport ----------------------------------------------------------------------
     def bind(self, manager) -> None:
@@ -70,7 +78,10 @@ class RamTier:
         done: Future = Future()
         with self._guard:
             self._inflight[ticket.id] = (ticket, done)
-        read = self.pager.page_in_async(self.layout.ranges(ticket.key))
+        spans = list(self.layout.ranges(ticket.key))
+        # demand admissions on the pager's pool (the hook waits for them); prefetches behind
+        # them on the background lane
+        read = self.lane.submit(spans) if ticket.prefetch else self.pager.page_in_async(spans)
 
         def finished(fut: Future) -> None:
             stats: PageInStats = fut.result()
@@ -153,9 +164,12 @@ class RamTier:
     def _bring_in(self, keys: frozenset[ExpertKey], access: LayerAccess) -> None:
         t0 = time.perf_counter()
         with self._guard:
-            waits = [f for t, f in self._inflight.values() if t.key in keys]
+            waits = [f for t, f in self._inflight.values() if t.key in keys and not t.prefetch]
             pending = {t.key for t, _ in self._inflight.values() if t.key in keys}
+            queued = {t.key for t, _ in self._inflight.values() if t.key in keys and t.prefetch}
         spans: list[tuple[int, int]] = []
+        for key in queued:          # a prefetch may sit far back in the lane: read it now
+            spans.extend(self.layout.ranges(key))
         for key in access.transient:                  # used once: read, no check needed
             if key not in pending:
                 spans.extend(self.layout.ranges(key))
@@ -293,6 +307,25 @@ class RamTier:
                 spans.extend(self.layout.droppable(key, keep.__contains__))
         self.pager.drop(_merge(spans))
 
+    def fill_spare(self) -> int:
+        """When the budget has room for every expert not yet resident, prefetch them all
+        (layer order) through the manager; nothing to choose, so no policy is overridden.
+        Returns how many tickets were issued."""
+        device = self.manager.snapshot().device(DEVICE)
+        if device.capacity_bytes is None:
+            return 0
+        free = device.capacity_bytes - device.resident_bytes - device.pending_bytes
+        absent = []
+        for layer in sorted({k.layer for k in self.layout.keys}):
+            mask = self.manager.resident_mask(DEVICE, layer)
+            absent.extend(k for k in self.layout.keys if k.layer == layer and not mask[k.expert])
+        with self._guard:
+            busy = {t.key for t, _ in self._inflight.values()}
+        absent = [k for k in absent if k not in busy]
+        if not absent or sum(self.layout.nbytes(k) for k in absent) > free:
+            return 0
+        return len(self.manager.prefetch(DEVICE, absent, Phase.DECODE))
+
     def scrub(self) -> int:
         """Drop resident pages of experts that are not held, in flight or in use (mincore
         finds them); returns how many experts were scrubbed."""
@@ -315,6 +348,7 @@ class RamTier:
             fut.result()
         if self.refiller is not None:
             self.refiller.close()
+        self.lane.close()
         self.pager.close()
 
 

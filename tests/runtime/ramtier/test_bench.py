@@ -79,3 +79,17 @@ def test_memory_limit_group_is_joined_and_removed():
         assert "moe-bench-test" in proc.stdout
         assert int((group.path / "memory.limit_in_bytes").read_text()) == 256 << 20
     assert not group.path.exists()
+
+
+def test_bench_with_config_files_runs_mmap_and_each_file(synth_model_factory, tmp_path, capsys):
+    model = str(synth_model_factory(SPEC))
+    cfg = tmp_path / "small-lfu.toml"
+    cfg.write_text('[devices]\ncpu = "128KiB"\n[policy.decode]\neviction = "lfu"\n')
+    rc = main(["bench", "-m", model, "--config", str(cfg), "-p", "8", "-n", "2", "-r", "1",
+               "--cold", "0", "-t", "1", "--json", "--no-progress"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["config"], r["budget"], r["test"]) for r in out["rows"]] == [
+        ("mmap", "kernel (all)", "pp8"), ("mmap", "kernel (all)", "tg2"),
+        ("small-lfu", "128KiB", "pp8"), ("small-lfu", "128KiB", "tg2")]
+    assert out["cold_start_ratio_vs_mmap"] == {}
