@@ -93,6 +93,11 @@ class Engine:
 
     # -- public API -------------------------------------------------------------------------
 
+    @property
+    def tiers(self) -> tuple[object, ...]:
+        """The residency tiers attached to this engine (RAM tier, native device caches)."""
+        return tuple(self._attached)
+
     def add_route_observer(self, observer: RouteObserver) -> None:
         """Receive every route event (requires the hook: residency on, or recording)."""
         if self.hook is None:

@@ -33,7 +33,7 @@ def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: i
         row = {"tokens": [c.token for c in chunks if c.token is not None],
                "pp": timings.prompt_tps if timings else 0.0,
                "tg": timings.generation_tps if timings else 0.0, "wall": wall}
-        caches = next((a for a in getattr(engine, "_attached", ()) if hasattr(a, "caches")), None)
+        caches = next((a for a in engine.tiers if hasattr(a, "caches")), None)
         if caches is not None and caches.caches:
             cache = caches.caches[0]
             phases = engine.manager.snapshot().to_dict()["devices"][cache.device]["phases"]

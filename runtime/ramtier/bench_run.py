@@ -91,7 +91,7 @@ class ConfigRunner:
                                   n_gpu_layers=-1 if cfg.kind == "static" else gpu_layers)
         engine_cls = Engine if cfg.kind != "static" else _static_engine(cfg.n_cpu_moe or 0)
         self.engine = engine_cls(settings, progress=False)
-        self.tier = next((p for p in getattr(self.engine, "_attached", ())
+        self.tier = next((p for p in self.engine.tiers
                           if type(p).__name__ == "RamTier"), None)
         self.rng = np.random.default_rng(1234)
 
@@ -110,10 +110,11 @@ class ConfigRunner:
         return self.rng.integers(0, self.engine.n_vocab, size=n).tolist()
 
     def _counters(self) -> tuple[int, int, int] | None:
-        manager = self.engine.manager
-        if manager is None or "cpu" not in manager.devices:
+        manager, devices = self.engine.manager, self.engine.residency_devices
+        if manager is None or not devices:
             return None
-        total = manager.snapshot().device("cpu").total
+        # the fastest managed tier (cuda:N, cpu-slots, then cpu): where a hit saves the most
+        total = manager.snapshot().device(devices[0]).total
         return total.accesses, total.hits, total.demand_miss_bytes
 
     def _run(self, prompt: list[int], max_tokens: int, rate_of: str) -> Sample:

@@ -112,6 +112,9 @@ async def metrics(request: Request) -> Response:
     engine = state.host.engine_if_ready()
     manager = getattr(engine, "manager", None) if engine is not None else None
     residency_text = manager.snapshot().to_prometheus() if manager is not None else None
+    if residency_text is not None:      # the tiers' own truth (e.g. mincore) next to the manager's
+        residency_text += "".join(tier.to_prometheus() for tier in engine.tiers
+                                  if hasattr(tier, "to_prometheus"))
     queue = state.queue.stats() if state.queue is not None else None
     text = state.metrics.render(queue, engine is not None, residency_text)
     return Response(text, media_type=CONTENT_TYPE)

@@ -99,6 +99,20 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
     assert re.search(r"^moe_expert_\w+(\{[^}]*\})? \S+$", page, re.M), page
 
 
+def test_metrics_show_the_ram_tier_next_to_the_manager(start_server, tiny_model: Path) -> None:
+    """With a cpu budget the RAM tier attaches; /metrics carries its mincore truth too."""
+    server = start_server(tiny_model, "-c", "512", "--devices.cpu", "512KiB")
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        page = client.get("/metrics").text
+    manager_view = _metric(page, "moe_ramtier_resident_bytes", 'view="manager"')
+    assert 0 < manager_view <= _metric(page, "moe_ramtier_budget_bytes") == 512 << 10
+    assert _metric(page, "moe_ramtier_resident_bytes", 'view="mincore"') > 0
+    assert _metric(page, "moe_expert_accesses_total", 'device="cpu",phase="prefill"') > 0
+
+
 def _accesses(snapshot: dict, phase: str) -> int:
     return sum(device["phases"][phase]["accesses"] for device in snapshot["devices"].values())
 
