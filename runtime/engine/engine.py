@@ -57,7 +57,8 @@ class Engine:
         self.manager, self.residency_devices = wiring.build_manager(
             self.config, self.facts, has_gpu=has_gpu)
         self.placement = wiring.plan(settings, self.config, self.facts, self.manager,
-                                     has_gpu=has_gpu)
+                                     has_gpu=has_gpu,
+                                     native_cache=wiring.native_cache_ready(settings, self.config))
         self._overrides = llama_lib.BuftOverrides(
             [(pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress)

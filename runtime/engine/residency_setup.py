@@ -90,16 +90,28 @@ def _cache_devices(config) -> set[str]:
             or b.device == "cpu-slots"} if config is not None else set()
 
 
-def plan(settings: EngineSettings, config, facts, manager, *, has_gpu: bool) -> Placement:
-    """The load-time placement for these settings (runtime/engine/placement.py)."""
+def native_cache_ready(settings: EngineSettings, config) -> bool:
+    """True when the config names a device-cache device and the libllama this process loads
+    (``library_dir`` or $LLAMA_CPP_LIB_PATH) is the patched build that carries the cache."""
+    if not _cache_devices(config):
+        return False
+    lib = library_dir(settings, config) or os.environ.get(llama_lib.LIB_PATH_ENV)
+    return lib is not None and os.path.isfile(os.path.join(lib, "libmoe_cache.so"))
+
+
+def plan(settings: EngineSettings, config, facts, manager, *, has_gpu: bool,
+         native_cache: bool) -> Placement:
+    """The load-time placement for these settings (runtime/engine/placement.py). With a
+    configured cuda:0 budget and no native device cache (``native_cache``: see
+    ``native_cache_ready``), the manager plans which layers' experts stay on the GPU and pins
+    them there (bookkeeping only: the model loads after)."""
     configured = {b.device for b in config.devices} if config is not None else set()
-    gpu_budget = manager.capacity("cuda:0") if (
-        has_gpu and manager is not None and "cuda:0" in configured) else None
-    native = bool(_cache_devices(config)) and module_available(_CACHE_MODULE)
-    return plan_placement(manage_residency=settings.manage_residency,
-                          expert_bytes=facts.expert_bytes, n_expert=facts.n_expert,
-                          moe_layers=facts.moe_layers, gpu_budget_bytes=gpu_budget,
-                          native_cache=native)
+    static = None
+    if (settings.manage_residency and has_gpu and manager is not None
+            and "cuda:0" in configured and not native_cache):
+        static = manager.plan_static("cuda:0")
+        manager.pin_static("cuda:0", static)
+    return plan_placement(manage_residency=settings.manage_residency, static=static)
 
 
 def buffer_type(target: str) -> int:

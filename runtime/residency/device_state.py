@@ -71,6 +71,8 @@ class DeviceState:
         self.lean = False  # set by the manager: the per-access loop needs only the order
         self.fast_policy = [False, False, False]  # per phase: policies allow the lru fast path
         self.fast = [False, False, False]         # ... and transport and capacity allow it
+        self.static = False      # pin_static ran: pinned experts for good, nothing admitted
+        self.static_bytes = 0    # bytes pinned by pin_static
 
     def free_bytes(self) -> int:
         if self.capacity is None:

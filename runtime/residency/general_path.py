@@ -40,6 +40,8 @@ class GeneralPathMixin:
                         phase: Phase, next_use, upcoming: UpcomingStep | None,
                         lease: bool) -> LayerAccess:
         """access_layer for every policy, transport and lease state."""
+        if st.static:                         # pinned experts only (static.py)
+            return self._access_static(st, device, layer, el, phase, lease)
         submit: list[Ticket] = []
         drops: list[ExpertKey] = []
         with self._lock:

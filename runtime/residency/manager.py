@@ -38,6 +38,7 @@ from runtime.residency.device_state import RESIDENT_MAX, DeviceState
 from runtime.residency.native_step import load_lru_step
 from runtime.residency.policies import factory
 from runtime.residency.policies.prefetch import NoPrefetch
+from runtime.residency.static import StaticMixin
 from runtime.residency.stats import UsageStats
 from runtime.residency.telemetry import DeviceSnapshot, ResidencySnapshot
 from runtime.residency.transfers import TransfersMixin
@@ -46,7 +47,7 @@ from runtime.residency.types import ExpertKey, LayerAccess, Phase
 
 
 
-class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin):
+class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin, StaticMixin):
     """Decides, records and counts expert residency on every device. Thread-safe."""
 
     def __init__(self, config: ResidencyConfig | None = None, *,
@@ -171,7 +172,8 @@ class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin):
         return self._transport
 
     def _refresh_fast(self, st: DeviceState) -> None:
-        ok = self._inline and self._fast_enabled and st.capacity is not None
+        ok = (self._inline and self._fast_enabled and st.capacity is not None
+              and not st.static)
         st.fast = [ok and p for p in st.fast_policy]
 
     @property
@@ -280,5 +282,6 @@ class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin):
             return ResidencySnapshot(tuple(
                 DeviceSnapshot(st.name, st.capacity, st.resident_bytes, st.resident_count,
                                len(st.tickets), st.pending_bytes,
-                               tuple(t.freeze() for t in st.tally), st.reason)
+                               tuple(t.freeze() for t in st.tally), st.reason,
+                               st.static_bytes if st.static else None)
                 for st in self._devices.values()))

@@ -79,6 +79,7 @@ class DeviceSnapshot:
     pending_bytes: int               # bytes claimed by transfers in flight
     phases: tuple[PhaseCounters, ...]  # indexed by Phase
     note: str = ""
+    static_bytes: int | None = None  # pinned by pin_static (static device); None: not static
 
     def phase(self, phase: Phase) -> PhaseCounters:
         return self.phases[int(phase)]
@@ -111,6 +112,7 @@ class ResidencySnapshot:
                 "pending_tickets": d.pending_tickets,
                 "pending_bytes": d.pending_bytes,
                 "note": d.note,
+                "static_bytes": d.static_bytes,
                 "phases": {p.label: asdict(d.phases[p]) for p in Phase},
             }
         return {"devices": out}
@@ -136,6 +138,8 @@ class ResidencySnapshot:
             "pending_bytes": ("Bytes claimed by transfers in flight.", "pending_bytes"),
             "capacity_bytes": ("Expert budget of the device (absent until resolved).",
                                "capacity_bytes"),
+            "static_bytes": ("Bytes of experts pinned on a static device (absent if not "
+                             "static).", "static_bytes"),
         }
         for name, (helptext, attr) in gauges.items():
             family = f"moe_expert_{name}"

@@ -23,7 +23,7 @@ class TransfersMixin:
         st = self._devices.get(device)
         if st is None:
             self._unknown_device(device)
-        if phase == Phase.MIXED:
+        if phase == Phase.MIXED or st.static:   # nothing moves onto a static device
             return []
         submit: list[Ticket] = []
         drops: list[ExpertKey] = []

@@ -3,11 +3,17 @@ positions, the last layer's output-trimmed rows, strict completeness, and observ
 plus the load-time expert placement plan."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from runtime.engine.placement import plan_placement, static_gpu_layers
+from runtime.engine import residency_setup
+from runtime.engine.placement import plan_placement
 from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError
+from runtime.engine.types import EngineSettings
+from runtime.residency.config import parse_config
+from runtime.residency.manager import ExpertResidencyManager
 from runtime.residency.types import Phase
 
 K = 2
@@ -80,14 +86,22 @@ def test_missing_weights_is_an_error():
         a.flush(0)
 
 
+def _gpu_manager(eb, budget):
+    """A manager as the engine builds it (build_manager) for a cuda:0 budget."""
+    m = ExpertResidencyManager(parse_config({"devices": {"cuda:0": budget}}))
+    m.bind_model(eb, 4)
+    m.resolve_device("cuda:0", free_bytes=10_000, total_bytes=20_000)
+    return m
+
+
 def test_placement_plans():
     eb = (0, 100, 100, 100)        # layer 0 dense
-    off = plan_placement(manage_residency=False, expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3))
+    off = plan_placement(manage_residency=False)
     assert off.rules == ()
-    cpu = plan_placement(manage_residency=True, expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3))
+    cpu = plan_placement(manage_residency=True)
     assert [t for _, t in cpu.rules] == ["cpu"] and cpu.gpu_expert_layers == ()
-    gpu = plan_placement(manage_residency=True, expert_bytes=eb, n_expert=4,
-                         moe_layers=(1, 2, 3), gpu_budget_bytes=900)
+    manager = _gpu_manager(eb, "900B")
+    gpu = plan_placement(manage_residency=True, static=manager.plan_static("cuda:0"))
     assert gpu.gpu_expert_layers == (1, 2) and gpu.gpu_expert_bytes == 800
     assert [t for _, t in gpu.rules] == ["gpu", "cpu"]
     import re
@@ -95,7 +109,50 @@ def test_placement_plans():
     assert pattern.search("blk.2.ffn_down_exps.weight")
     assert not pattern.search("blk.3.ffn_down_exps.weight")
     assert not pattern.search("blk.12.ffn_down_exps.weight")
-    native = plan_placement(manage_residency=True, expert_bytes=eb, n_expert=4,
-                            moe_layers=(1, 2, 3), gpu_budget_bytes=900, native_cache=True)
-    assert native.gpu_expert_layers == ()
-    assert static_gpu_layers(eb, 4, (1, 2, 3), 399) == ((), 0)
+    none_fit = plan_placement(manage_residency=True,
+                              static=_gpu_manager(eb, "399B").plan_static("cuda:0"))
+    assert none_fit.gpu_expert_layers == () and [t for _, t in none_fit.rules] == ["cpu"]
+
+
+def test_engine_plan_pins_the_static_layers_in_the_manager():
+    """residency_setup.plan with a GPU and no native device cache: the manager plans and
+    pins, so its snapshot shows the GPU's experts; with the cache built it stays dynamic."""
+    eb = (0, 100, 50, 100)
+    facts = SimpleNamespace(expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3))
+    settings = EngineSettings(model_path="unused.gguf")
+    manager = _gpu_manager(eb, "700B")
+    # no patched library loaded: the manager plans and pins
+    placement = residency_setup.plan(settings, manager.config, facts, manager, has_gpu=True,
+                                     native_cache=False)
+    assert placement.gpu_expert_layers == (1, 2) and placement.gpu_expert_bytes == 600
+    d = manager.snapshot().device("cuda:0")
+    assert (d.resident_experts, d.resident_bytes, d.static_bytes) == (8, 600, 600)
+    a = manager.access_layer("cuda:0", 3, [0, 1], Phase.DECODE)
+    assert a.misses == 2 and a.admitted == () and len(a.transient) == 2
+    cached = _gpu_manager(eb, "700B")
+    placement = residency_setup.plan(settings, cached.config, facts, cached, has_gpu=True,
+                                     native_cache=True)
+    assert placement.gpu_expert_layers == () and not cached.is_static("cuda:0")
+    no_gpu = _gpu_manager(eb, "700B")
+    placement = residency_setup.plan(settings, no_gpu.config, facts, no_gpu, has_gpu=False,
+                                     native_cache=False)
+    assert placement.gpu_expert_layers == () and not no_gpu.is_static("cuda:0")
+
+
+def test_native_cache_ready_follows_the_library_actually_loaded(tmp_path, monkeypatch):
+    """The static GPU plan is the fallback exactly when the libllama to load lacks the cache."""
+    monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
+    stock, patched = tmp_path / "stock", tmp_path / "patched"
+    stock.mkdir()
+    patched.mkdir()
+    (patched / "libmoe_cache.so").write_bytes(b"")
+    gpu = parse_config({"devices": {"cuda:0": "1GiB"}})
+    plain = parse_config({"devices": {"cpu": "1GiB"}})
+    ready = residency_setup.native_cache_ready
+    assert ready(EngineSettings(model_path="m.gguf", lib_dir=str(patched)), gpu)
+    assert not ready(EngineSettings(model_path="m.gguf", lib_dir=str(stock)), gpu)
+    assert not ready(EngineSettings(model_path="m.gguf", lib_dir=str(patched)), plain)
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(patched))
+    assert ready(EngineSettings(model_path="m.gguf"), gpu)
+    monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(stock))
+    assert not ready(EngineSettings(model_path="m.gguf"), gpu)
