@@ -80,3 +80,13 @@ def format_size(n_bytes: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024.0
     return f"{value:.2f} TiB"
+
+
+def parse_size_arg(text: str, where: str) -> int:
+    """``parse_size`` for a command-line value: a UserError naming ``where`` (the flag)."""
+    from runtime.errors import UserError  # noqa: PLC0415
+
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise UserError(f"{where}: {err}") from None

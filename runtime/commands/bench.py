@@ -16,6 +16,7 @@ import shlex
 import sys
 
 from runtime.errors import UserError
+from runtime.units import parse_size_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,14 +75,14 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(ensure_model(progress=not args.no_progress))
     facts = read_model_facts(model)
     total = facts.total_expert_bytes
-    budget = _size(args.budget, "--budget") if args.budget else int(total * 0.30)
+    budget = parse_size_arg(args.budget, "--budget") if args.budget else int(total * 0.30)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     valid = policy_names("eviction")
     for name in policies:
         if name not in valid or name == "belady":
             raise UserError(f"--policies: {name!r} is not a live eviction policy "
                             f"(valid: {', '.join(v for v in valid if v != 'belady')})")
-    mem_limit = _size(args.mem_limit, "--mem-limit") if args.mem_limit else None
+    mem_limit = parse_size_arg(args.mem_limit, "--mem-limit") if args.mem_limit else None
     if mem_limit and not MemoryLimit.supported():
         raise UserError("--mem-limit: no cgroup v1 memory controller here (or no write access)")
     if args.config:
@@ -128,13 +129,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"command: {command}")
     return 0
 
-
-def _size(text: str, flag: str) -> int:
-    from runtime.units import parse_size
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise UserError(f"{flag}: {err}") from None
 
 
 def _has_gpu() -> bool:

@@ -19,7 +19,7 @@ from runtime.errors import UserError
 from runtime.traces.files import is_csv_path, read_trace, write_trace
 from runtime.traces.synthetic import SynthTraceSpec, synthesize
 from runtime.traces.trace import PHASE_DECODE, PHASE_PREFILL
-from runtime.units import format_size, parse_size
+from runtime.units import format_size, parse_size_arg
 
 try:  # the live-capture subcommand lives with the engine; absent until that module exists
     _record = importlib.import_module("runtime.engine.record")
@@ -94,19 +94,13 @@ def run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(text: str, flag: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise UserError(f"{flag}: {err}") from None
-
 
 def run_synth(args: argparse.Namespace) -> int:
     fields = dict(n_layer=args.layers, n_expert=args.experts, top_k=args.top_k,
                   prompt_tokens=args.prompt, decode_tokens=args.decode, chunk=args.chunk,
                   skew=args.skew, reuse=args.reuse, seed=args.seed,
-                  expert_bytes=(_size(args.expert_bytes, "--expert-bytes"),),
-                  dense_bytes=(_size(args.dense_bytes, "--dense-bytes"),))
+                  expert_bytes=(parse_size_arg(args.expert_bytes, "--expert-bytes"),),
+                  dense_bytes=(parse_size_arg(args.dense_bytes, "--dense-bytes"),))
     if args.model:
         from runtime.traces.model_header import header_from_model
         h = header_from_model(args.model)

@@ -111,21 +111,13 @@ class StaticMixin:
         """access_layer on a static device: pinned experts hit; the rest are transient."""
         with self._lock:
             base = self._base_of(layer)
-            ne = self._n_expert
-            for e in el:                      # before anything changes
-                if not 0 <= e < ne:
-                    self._bad_expert(e)
+            self._check_experts(el)           # before anything changes
             n = len(el)
             self._seq += n
             state, keys = st.state, st.keys
             missed = [keys[base + e] for e in dict.fromkeys(el)
                       if state[base + e] > RESIDENT_MAX]
-            if lease:
-                lease_id = self._next_lease
-                self._next_lease = lease_id + 1
-                st.leases[lease_id] = (base, el)
-            else:
-                lease_id = 0
+            lease_id = self._take_lease(st, base, el, lease)
             m = len(missed)
             mb = m * st.bytes_flat[base]
             tally = st.tally[phase]
