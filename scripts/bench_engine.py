@@ -22,7 +22,6 @@ written to the cache directory once.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import statistics
 import sys
@@ -34,18 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PROMPT = "Once upon a time, in a small town by the sea, there lived an old fisherman who"
 
 
-def bench_model(directory: Path) -> Path:
-    from gguf_tools.synth import SynthSpec, write_synthetic_model
-    from runtime.commands.demo import model_path_for
+def bench_model(directory: Path | None) -> Path:
+    from gguf_tools.synth import SynthSpec
+    from runtime.cache import cached_model
 
     spec = SynthSpec(arch="qwen3moe", layers=16, experts=32, top_k=4, embd=512, ff=256,
                      dtype="q8_0", seed=1, skew=1.0, name="moe-offload-bench")
-    path = model_path_for(spec, directory)
-    if not path.is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        print(f"writing {path} ...", file=sys.stderr)
-        write_synthetic_model(path, spec)
-    return path
+    return cached_model(spec, directory)
 
 
 class PlainLlama:
@@ -114,8 +108,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds")
     ap.add_argument("-p", "--prompt", default=PROMPT)
     args = ap.parse_args()
-    model = args.model or str(bench_model(Path(os.environ.get(
-        "XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-offload" / "models"))
+    model = args.model or str(bench_model(None))
 
     configs = [PlainLlama(model, args.ctx_size, args.threads),
                Ours("ours, hook off", model, args.ctx_size, args.threads,

@@ -9,11 +9,10 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
-import os
 import sys
 from pathlib import Path
 
+from runtime.cache import cache_dir, cached_model
 from runtime.errors import UserError
 
 DEMO_PROMPT = "Once upon a time, in a small town by the sea,"
@@ -27,24 +26,12 @@ def default_spec():
                      dtype="q8_0", seed=0, skew=1.0, name="moe-offload-demo")
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moe-offload" / "models"
-
-
-def model_path_for(spec, directory: Path) -> Path:
-    """Where ``spec`` is cached: the name carries the shape and a hash of the whole spec."""
-    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:12]
-    return directory / (f"{spec.arch}-{spec.layers}L-{spec.experts}E-top{spec.top_k}-"
-                        f"{spec.dtype}-{digest}.gguf")
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo", help="write the default model, show its experts, generate with the offload "
                      "runtime", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("--model-dir", default=str(cache_dir()), metavar="DIR",
+    p.add_argument("--model-dir", default=str(cache_dir("models")), metavar="DIR",
                    help="where the default model is cached")
     p.add_argument("-p", "--prompt", default=DEMO_PROMPT, help="prompt text")
     p.add_argument("-n", "--predict", type=int, default=64, metavar="N",
@@ -54,29 +41,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-s", "--seed", type=int, default=0, help="sampling seed")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads")
     p.set_defaults(func=run)
-
-
-def ensure_model(directory: Path) -> Path:
-    """The cached default model, written first if missing (atomically, with a bar)."""
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from gguf_tools.synth import planned_data_bytes, write_synthetic_model  # noqa: PLC0415
-
-    spec = default_spec()
-    path = model_path_for(spec, directory)
-    if path.is_file():
-        return path
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"{directory}: cannot create ({exc.strerror or exc})") from None
-    with tqdm(total=planned_data_bytes(spec), unit="B", unit_scale=True, unit_divisor=1024,
-              desc=f"writing {path.name}", file=sys.stderr, leave=False, delay=2.0) as bar:
-        try:
-            write_synthetic_model(path, spec, progress=bar.update)
-        except OSError as exc:
-            raise UserError(f"{path}: write failed ({exc.strerror or exc})") from None
-    return path
 
 
 def _capacity_bytes(text: str, total_expert_bytes: int) -> int:
@@ -103,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.predict < 1:
         raise UserError(f"--predict: {args.predict} must be >= 1")
-    path = ensure_model(Path(args.model_dir))
+    path = cached_model(default_spec(), Path(args.model_dir))
     index = ExpertIndex.open(path)
     print(format_table(index))
     capacity = _capacity_bytes(args.capacity, index.facts.total_expert_bytes)

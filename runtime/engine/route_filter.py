@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from runtime.cache import cache_dir
+
 log = logging.getLogger("moe_offload.engine")
 
 MAX_PREFIXES = 16
@@ -56,11 +58,6 @@ class FilterState(ctypes.Structure):
                 ("prefixes", (ctypes.c_char * PREFIX_BYTES) * MAX_PREFIXES)]
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moe-offload" / "native"
-
-
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -74,7 +71,7 @@ def load_filter_library() -> ctypes.CDLL | None:
     if os.environ.get("MOE_OFFLOAD_PURE_PYTHON_HOOK") == "1":
         return None
     digest = hashlib.sha256(C_SOURCE.encode()).hexdigest()[:16]
-    path = _cache_dir() / f"route_filter-{digest}.so"
+    path = cache_dir("engine") / f"route_filter-{digest}.so"
     try:
         if not path.is_file():
             _compile(path)

@@ -16,6 +16,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from runtime.cache import cache_dir
 from runtime.errors import UserError
 
 SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
@@ -32,12 +33,11 @@ SKIPPED = ("vendor/cpp-httplib/", "ggml/src/ggml-webgpu/", "ggml/src/ggml-sycl/"
 
 
 def cache_root() -> Path:
-    """Where builds live: ``$MOE_OFFLOAD_NATIVE_DIR`` or ``~/.cache/moe-offload/native``."""
+    """Where builds live: ``$MOE_OFFLOAD_NATIVE_DIR``, else the cache's ``native/`` folder."""
     env = os.environ.get("MOE_OFFLOAD_NATIVE_DIR")
     if env:
         return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moe-offload" / "native"
+    return cache_dir("native")
 
 
 def _wanted(rel: str) -> bool:

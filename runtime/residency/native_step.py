@@ -1,8 +1,7 @@
 """Build and load ``_lru_step.c``, the C version of ``lru_step.lru_step``.
 
 The extension is compiled on first use with the system C compiler (``$CC``, else ``cc``)
-against this Python's headers, into ``$XDG_CACHE_HOME/moe-offload/residency/`` (else
-``~/.cache/...``), named by a hash of the source and the Python ABI so that a changed source or
+against this Python's headers, into the cache's ``residency/`` folder (``runtime/cache.py``), named by a hash of the source and the Python ABI so that a changed source or
 interpreter rebuilds it. Anything that fails (no compiler, no headers, a read-only cache) falls
 back to the Python reference, which decides identically; ``step_impl()`` says which one runs.
 ``MOE_OFFLOAD_NATIVE_STEP=0`` forces the reference.
@@ -24,17 +23,13 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from runtime.cache import cache_dir
 from runtime.residency import lru_step as reference
 
 SOURCE = Path(__file__).with_name("_lru_step.c")
 _lock = threading.Lock()
 _loaded: dict[str, Callable] = {}
 _why_not = ""
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moe-offload" / "residency"
 
 
 def _build(target: Path) -> None:
@@ -61,7 +56,7 @@ def _load_native() -> Callable:
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + sysconfig.get_config_var("EXT_SUFFIX").encode()).hexdigest()
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    target = cache_dir() / f"_lru_step-{tag[:16]}{suffix}"
+    target = cache_dir("residency") / f"_lru_step-{tag[:16]}{suffix}"
     if not target.exists():
         _build(target)
     loader = importlib.machinery.ExtensionFileLoader("_lru_step", str(target))

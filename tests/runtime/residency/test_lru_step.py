@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from runtime.cache import cache_dir
 from runtime.errors import UserError
 from runtime.residency import lru_step as reference
 from runtime.residency import native_step
@@ -34,7 +35,7 @@ def native():
 @needs_cc
 def test_builds_from_scratch(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    target = native_step.cache_dir() / "fresh.so"
+    target = cache_dir("residency") / "fresh.so"
     native_step._build(target)
     assert target.stat().st_size > 0 and not list(target.parent.glob("tmp*"))
 
