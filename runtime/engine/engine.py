@@ -50,7 +50,8 @@ class Engine:
         self.facts = read_model_facts(path)
         self.model_name = os.path.basename(path)
         self.config = wiring.residency_config(settings)
-        llama_lib.select_library_dir(wiring.library_dir(settings, self.config))
+        lib_dir = wiring.library_dir(settings, self.config)
+        llama_lib.select_library_dir(lib_dir)
         self._ll = llama_lib.bindings()
         llama_lib.set_logging(settings.verbose)
         has_gpu = bool(wiring.gpu_devices())
@@ -58,7 +59,7 @@ class Engine:
             self.config, self.facts, has_gpu=has_gpu)
         self.placement = wiring.plan(settings, self.config, self.facts, self.manager,
                                      has_gpu=has_gpu,
-                                     native_cache=wiring.native_cache_ready(settings, self.config))
+                                     native_cache=wiring.native_cache_ready(self.config, lib_dir))
         self._overrides = llama_lib.BuftOverrides(
             [(pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress)

@@ -90,12 +90,13 @@ def _cache_devices(config) -> set[str]:
             or b.device == "cpu-slots"} if config is not None else set()
 
 
-def native_cache_ready(settings: EngineSettings, config) -> bool:
+def native_cache_ready(config, lib_dir: str | None) -> bool:
     """True when the config names a device-cache device and the libllama this process loads
-    (``library_dir`` or $LLAMA_CPP_LIB_PATH) is the patched build that carries the cache."""
+    (``lib_dir`` from ``library_dir``, else $LLAMA_CPP_LIB_PATH) is the patched build that
+    carries the cache."""
     if not _cache_devices(config):
         return False
-    lib = library_dir(settings, config) or os.environ.get(llama_lib.LIB_PATH_ENV)
+    lib = lib_dir or os.environ.get(llama_lib.LIB_PATH_ENV)
     return lib is not None and os.path.isfile(os.path.join(lib, "libmoe_cache.so"))
 
 

@@ -148,11 +148,15 @@ def test_native_cache_ready_follows_the_library_actually_loaded(tmp_path, monkey
     (patched / "libmoe_cache.so").write_bytes(b"")
     gpu = parse_config({"devices": {"cuda:0": "1GiB"}})
     plain = parse_config({"devices": {"cpu": "1GiB"}})
-    ready = residency_setup.native_cache_ready
-    assert ready(EngineSettings(model_path="m.gguf", lib_dir=str(patched)), gpu)
-    assert not ready(EngineSettings(model_path="m.gguf", lib_dir=str(stock)), gpu)
-    assert not ready(EngineSettings(model_path="m.gguf", lib_dir=str(patched)), plain)
+    def ready(lib_dir, config):      # as Engine.__init__ asks it
+        settings = EngineSettings(model_path="m.gguf", lib_dir=lib_dir)
+        return residency_setup.native_cache_ready(
+            config, residency_setup.library_dir(settings, config))
+
+    assert ready(str(patched), gpu)
+    assert not ready(str(stock), gpu)
+    assert not ready(str(patched), plain)
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(patched))
-    assert ready(EngineSettings(model_path="m.gguf"), gpu)
+    assert ready(None, gpu)
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(stock))
-    assert not ready(EngineSettings(model_path="m.gguf"), gpu)
+    assert not ready(None, gpu)
