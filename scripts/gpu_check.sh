@@ -6,9 +6,9 @@
 #   scripts/gpu_check.sh             # CUDA build for sm_90, Qwen3-30B-A3B-shaped model, benchmark
 #   scripts/gpu_check.sh --dry-run   # the same steps on the CPU (cpu backend, cpu-slots, tiny model)
 #
-# Steps: (1) a fresh venv from the offline wheels (PYTHON=... to use an existing interpreter
-# that has the packages), the llama_cpp bindings from the archive; (2) `moe-offload native build
-# --backend cuda --cuda-arch 90` from the archive; (3) a synthetic model shaped like
+# Steps: (1) python3 (or $PYTHON) with the packages it lacks installed from the offline wheels
+# into $GPU_CHECK_WORK/site, the llama_cpp bindings from the archive; (2) `moe-offload native build
+# --backend cuda --cuda-arch 90 --no-cuda-fa` from the archive; (3) a synthetic model shaped like
 # Qwen3-30B-A3B (48 layers, 128 experts, top-8, embd 2048, expert ff 768, Q4_0, skewed routing);
 # (4) `moe-offload bench` at one expert budget (25% of the expert bytes): all experts on the CPU
 # (--n-cpu-moe 48), the largest --n-cpu-moe N that fits the budget, our cache with lru, our
@@ -17,7 +17,9 @@
 # through the Engine (runtime/native/check.py): speed, hit rates per phase, copies, and greedy
 # tokens equal to a plain run (the script fails if not).
 # Knobs (env): GPU_CHECK_WORK (scratch dir), GPU_CHECK_REPS (2), GPU_CHECK_BUDGET_PCT (25),
-# GPU_CHECK_P (512), GPU_CHECK_N (128), GPU_CHECK_CUDA_ARCH (90).
+# GPU_CHECK_P (512), GPU_CHECK_N (128), GPU_CHECK_CUDA_ARCH (90), GPU_CHECK_CUDA_FA (0: build
+# without the FlashAttention kernels, which take half the compile time; 1: with them).
+# Each step prints its elapsed seconds on stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -36,38 +38,55 @@ P=${GPU_CHECK_P:-512}
 N=${GPU_CHECK_N:-128}
 ARCH=${GPU_CHECK_CUDA_ARCH:-90}
 mkdir -p "$WORK"
-step() { echo "== gpu_check: $*" >&2; }
+START=$SECONDS
+step() { echo "== gpu_check [$((SECONDS - START)) s]: $*" >&2; }
 [[ -f "$ARCHIVE" ]] || { echo "gpu_check: missing $ARCHIVE (scripts/make_source_archive.py)" >&2; exit 1; }
 
 # (0) tools
 need() { command -v "$1" >/dev/null || { echo "gpu_check: $1 not found ($2)" >&2; exit 1; }; }
-need cmake "CMake >= 3.21"; need patch "GNU patch"; need c++ "a C++17 compiler"
+need cmake "CMake >= 3.21"; need c++ "a C++17 compiler"
+command -v patch >/dev/null || need git "GNU patch or git (to apply native/patches)"
 if [[ $DRY == 0 ]]; then
   [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH=$PATH:/usr/local/cuda/bin
   need nvcc "the CUDA toolkit"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
 fi
 
-# (1) Python: a venv from the offline wheels, the bindings from the archive
-if [[ -n "${PYTHON:-}" ]]; then
-  PY=$PYTHON
+# (1) Python: the interpreter (PYTHON, default python3) with whatever it lacks installed from the
+# offline wheels into $WORK/site (on PYTHONPATH). No venv: on the GPU machine python3 is itself
+# a venv's (PyTorch's, Python 3.12, numpy included) and a venv made from it would not see those.
+PY=${PYTHON:-python3}
+MISSING=$("$PY" - <<'PYEOF'
+import importlib.util
+dists = {"numpy": "numpy", "gguf": "gguf", "cffi": "cffi", "pycparser": "pycparser",
+         "psutil": "psutil", "tqdm": "tqdm", "jinja2": "jinja2", "markupsafe": "markupsafe",
+         "diskcache": "diskcache", "typing_extensions": "typing_extensions", "yaml": "pyyaml",
+         "requests": "requests", "urllib3": "urllib3", "idna": "idna", "certifi": "certifi",
+         "charset_normalizer": "charset_normalizer"}
+print(" ".join(d for m, d in dists.items() if importlib.util.find_spec(m) is None))
+PYEOF
+)
+if [[ -n "$MISSING" ]]; then
+  step "installing from $WHEELS (no network) into $WORK/site: $MISSING"
+  rm -rf "$WORK/site"
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --find-links "$WHEELS" \
+      --target "$WORK/site" $MISSING \
+    || { echo "gpu_check: the offline wheels do not fit $("$PY" -V) (cp311 and, for cffi," \
+              "cp312, x86_64); set PYTHON to an interpreter that has: $MISSING" >&2; exit 1; }
+  SITE=$WORK/site:
 else
-  step "python venv from $WHEELS (no network)"
-  python3 -m venv --clear "$WORK/venv"
-  "$WORK/venv/bin/python" -m pip install -q --no-index --find-links "$WHEELS" \
-      numpy gguf cffi psutil tqdm jinja2 diskcache typing_extensions pyyaml requests \
-    || { echo "gpu_check: the offline wheels do not fit $(python3 -V) (they are cp311, x86_64);" \
-              "set PYTHON to an interpreter with numpy gguf cffi psutil tqdm jinja2 diskcache" >&2; exit 1; }
-  PY=$WORK/venv/bin/python
+  SITE=
 fi
 rm -rf "$WORK/py" && mkdir -p "$WORK/py"
 tar -xJf "$ARCHIVE" -C "$WORK/py" --strip-components=1 llama_cpp_python-0.3.36/llama_cpp
-export PYTHONPATH=$REPO:$WORK/py
+export PYTHONPATH=$SITE$REPO:$WORK/py
 export MOE_OFFLOAD_PURE_PYTHON_HOOK=${MOE_OFFLOAD_PURE_PYTHON_HOOK:-0}
 CLI=("$PY" -m runtime.cli)
 
 # (2) the patched libraries from the pruned archive
 if [[ $DRY == 1 ]]; then BUILD=(--backend cpu); else BUILD=(--backend cuda --cuda-arch "$ARCH"); fi
+[[ $DRY == 1 || "${GPU_CHECK_CUDA_FA:-0}" == 1 ]] || BUILD+=(--no-cuda-fa)   # half the compile time
 step "native build ${BUILD[*]}"
 LIB=$("${CLI[@]}" native build "${BUILD[@]}" --source "$ARCHIVE" --json \
       | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["lib_dir"])')
@@ -132,11 +151,11 @@ BENCH=("${CLI[@]}" bench -m "$MODEL" --config "$WORK/lru.toml" --config "$WORK/p
        -r "$REPS" --cold 0 --no-progress)
 if [[ $DRY == 1 ]]; then
   BENCH+=(-p 32 -n 8)
-  OUT=$WORK/bench-dry-run.md
+  RESULT=$WORK/bench-dry-run.md
 else
   BENCH+=(-p "$P" -n "$N" --n-cpu-moe "$NMOE" --n-cpu-moe "$NCPU")
   mkdir -p "$REPO/docs/benchmarks"
-  OUT=$REPO/docs/benchmarks/gpu-check-$(date -u +%Y-%m-%d).md
+  RESULT=$REPO/docs/benchmarks/gpu-check-$(date -u +%Y-%m-%d).md
 fi
 step "${BENCH[*]}"
 if [[ $DRY == 1 ]]; then CHECK=(-p 32 -n 8 -t 1 -ngl 0); else CHECK=(-p "$P" -n "$N" -ngl -1); fi
@@ -154,5 +173,5 @@ if [[ $DRY == 1 ]]; then CHECK=(-p 32 -n 8 -t 1 -ngl 0); else CHECK=(-p "$P" -n 
   echo
   "$PY" -m runtime.native.check "$MODEL" --config "$WORK/lru.toml" \
       --config "$WORK/phase-specific.toml" "${CHECK[@]}"
-} | tee "$OUT"
-step "wrote $OUT"
+} | tee "$RESULT"
+step "wrote $RESULT"

@@ -106,17 +106,10 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
                 l.expert_bytes += t->nb[2];
             }
         }
-        // per-expert biases or scales: the patched graph computes such layers as usual
-        bool extras = false;
-        for (int p = 0; p < MOE_CACHE_PROJ_COUNT; ++p) {
-            for (const char * suffix : { "bias", "scale" }) {
-                char name[128];
-                snprintf(name, sizeof(name), "blk.%d.%s.%s", il, k_proj_names[p], suffix);
-                extras = extras || llama_moe_cache_model_tensor(model, name) != nullptr;
-            }
-        }
+        // per-expert biases and scales stay in the model tensors: the patched graph looks them
+        // up by expert id on both paths
         ggml_tensor * down = l.exps[MOE_CACHE_PROJ_DOWN];
-        if (extras || down == nullptr || (l.exps[MOE_CACHE_PROJ_UP] == nullptr && l.exps[MOE_CACHE_PROJ_GATE_UP] == nullptr)) {
+        if (down == nullptr || (l.exps[MOE_CACHE_PROJ_UP] == nullptr && l.exps[MOE_CACHE_PROJ_GATE_UP] == nullptr)) {
             l.expert_bytes = 0;
             continue;
         }

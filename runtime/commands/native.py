@@ -19,6 +19,9 @@ def register(subparsers) -> None:
                         "tree or a pruned archive; default: pip download (cached)")
     b.add_argument("--cuda-arch", default=None, metavar="ARCH",
                    help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
+    b.add_argument("--no-cuda-fa", action="store_true",
+                   help="skip the FlashAttention CUDA kernels (about half the compile time; "
+                        "attention then runs without flash attention)")
     b.add_argument("--generic-cpu", action="store_true",
                    help="no -march=native (a build to copy to other machines)")
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs")
@@ -36,7 +39,8 @@ def _build(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: must be at least 1")
     info = build(BuildRequest(backend=args.backend, source=args.source, cuda_arch=args.cuda_arch,
-                              native_cpu=not args.generic_cpu, jobs=args.jobs))
+                              cuda_fa=not args.no_cuda_fa, native_cpu=not args.generic_cpu,
+                              jobs=args.jobs))
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
     else:

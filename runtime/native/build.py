@@ -52,6 +52,7 @@ class BuildRequest:
     backend: str = "cpu"
     source: str | None = None        # None: the llama-cpp-python sdist (pip download, cached)
     cuda_arch: str | None = None     # CMAKE_CUDA_ARCHITECTURES, e.g. "90"; None: "native"
+    cuda_fa: bool = True             # the FlashAttention CUDA kernels (about half the compile time)
     native_cpu: bool = True
     jobs: int | None = None          # parallel compile jobs; None: CMAKE_BUILD_PARALLEL_LEVEL or cores
 
@@ -107,7 +108,9 @@ def cmake_args(req: BuildRequest) -> tuple[str, ...]:
     args = list(_COMMON_ARGS)
     args.append(f"-DGGML_NATIVE={'ON' if req.native_cpu else 'OFF'}")
     if req.backend == "cuda":
-        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={req.cuda_arch or 'native'}"]
+        # one GPU: no NCCL (a pip-installed one would be linked but not found at run time)
+        args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={req.cuda_arch or 'native'}",
+                 "-DGGML_CUDA_NCCL=OFF", f"-DGGML_CUDA_FA={'ON' if req.cuda_fa else 'OFF'}"]
     elif req.backend == "vulkan":
         args.append("-DGGML_VULKAN=ON")
     return tuple(args)

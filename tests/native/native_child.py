@@ -210,7 +210,8 @@ def mode_ids(args):
     @ll.ggml_backend_sched_eval_callback
     def on_eval(tensor, ask, user_data):
         name = llama_lib.tensor_name(tensor).decode()
-        wanted = name.startswith(("ffn_moe_hot_ids-", "ffn_moe_cold_ids-", "ffn_moe_topk-"))
+        wanted = name.startswith(("ffn_moe_hot_ids-", "ffn_moe_cold_ids-", "ffn_moe_cold_pos-",
+                                  "ffn_moe_topk-"))
         if ask:
             return wanted
         if wanted:

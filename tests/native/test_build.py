@@ -17,7 +17,8 @@ from runtime.native.source import resolve_source
 
 def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
-                                               "0002-moe-cold-path-anchors.patch"]
+                                               "0002-moe-cold-path-anchors.patch",
+                                               "0003-moe-distinct-cold-ids-and-biases.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -27,6 +28,7 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     graph = (tree / "src" / "llama-graph.cpp").read_text()
     assert "llama_moe_cache_find(down_exps)" in graph and "ffn_moe_cold_ids" in graph
+    assert "ffn_moe_cold_pos" in graph
     assert (tree / "include" / "llama-moe-cache.h").is_file()
 
 
@@ -50,7 +52,9 @@ def test_key_depends_on_backend_and_flags():
     base = build_key("src", BuildRequest(backend="cpu"))
     assert build_key("src", BuildRequest(backend="cpu")) == base
     assert build_key("other", BuildRequest(backend="cpu")) != base
-    assert build_key("src", BuildRequest(backend="cuda", cuda_arch="90")) != base
+    cuda = build_key("src", BuildRequest(backend="cuda", cuda_arch="90"))
+    assert cuda != base
+    assert build_key("src", BuildRequest(backend="cuda", cuda_arch="90", cuda_fa=False)) != cuda
     assert build_key("src", BuildRequest(backend="cpu", native_cpu=False)) != base
 
 

@@ -1,6 +1,7 @@
 """What the patched graph feeds MUL_MAT_ID, read back through cb_eval: slot ids are distinct
-within every token (resident experts at their slots, the rest at sink slots), and the cold
-path's anchors appear only for small batches over plain host buffers."""
+within every token (resident experts at their slots, the rest at sink slots); the cold path
+uses anchors for small batches over plain host buffers, and distinct non-resident ids, gathered
+back to the routing positions, for batches a scheduler may offload."""
 from __future__ import annotations
 
 import numpy as np
@@ -37,12 +38,35 @@ def test_slot_ids(ids, layer):
 
 
 @pytest.mark.parametrize("layer", range(4))
-def test_anchors_only_for_small_batches(ids, layer):
+def test_anchors_for_the_small_batch(ids, layer):
     n_slots = ids["n_slots"]
-    cold = ids["seen"].get(f"ffn_moe_cold_ids-{layer}", [])
-    assert len(cold) == 1                                   # the decode step, not the prompt
+    cold = ids["seen"][f"ffn_moe_cold_ids-{layer}"]
+    assert len(cold) == 2                                   # [prefill, decode]
     (experts,) = ids["seen"][f"ffn_moe_topk-{layer}"][1]
-    (cold_ids,) = cold[0]
+    (cold_ids,) = cold[1]
     misses = [e for e in experts if _resident_slot(layer, e, n_slots) is None]
     anchor = max(misses) if misses else experts[0]
     assert cold_ids == [e if e in misses else anchor for e in experts]
+
+
+@pytest.mark.parametrize("layer", range(4))
+def test_distinct_non_resident_ids_for_the_large_batch(ids, layer):
+    """The prompt batch (>= 32 tokens, which a GPU scheduler offloads): cold ids are distinct
+    within every token, keep every non-resident routed expert, and name no resident expert, so
+    the scheduler copies no resident expert's bytes; each routed miss is gathered back from the
+    position that computed it."""
+    n_slots = ids["n_slots"]
+    topk = ids["seen"][f"ffn_moe_topk-{layer}"][0]
+    cold = ids["seen"][f"ffn_moe_cold_ids-{layer}"][0]
+    pos = ids["seen"][f"ffn_moe_cold_pos-{layer}"]
+    assert len(pos) == 1 and len(cold) == len(topk) == len(PROMPT)
+    n_hits = 0
+    for experts, cold_ids, where in zip(topk, cold, pos[0]):
+        assert len(set(cold_ids)) == len(cold_ids) == len(experts)
+        assert not [e for e in cold_ids if _resident_slot(layer, e, n_slots) is not None]
+        for e, p in zip(experts, where):
+            if _resident_slot(layer, e, n_slots) is None:
+                assert cold_ids[p] == e
+            else:
+                n_hits += 1
+    assert n_hits > 0                                       # the replacement was exercised
