@@ -11,7 +11,7 @@ from runtime.engine.placement import Placement, plan_placement
 from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.types import EngineSettings
 
-_DEVICE_ORDER = ("cuda", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
+_DEVICE_ORDER = ("cuda", "vulkan", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
 _CACHE_MODULE = "runtime.native.device_cache"
 _RAM_MODULE = "runtime.ramtier"
 
@@ -70,7 +70,8 @@ def module_available(name: str) -> bool:
 
 def library_dir(settings: EngineSettings, config) -> str | None:
     """The libllama directory to load: the settings' own, else $LLAMA_CPP_LIB_PATH, else the
-    patched native build when the config names a device-cache device (cuda:N, cpu-slots)
+    patched native build when the config names a device-cache device (cuda:N, vulkan:N,
+    cpu-slots)
     and one is built; None = the wheel's stock library (the cache then says why it is off).
     MOE_OFFLOAD_NATIVE=off keeps the stock library regardless."""
     if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
@@ -86,8 +87,10 @@ def library_dir(settings: EngineSettings, config) -> str | None:
 
 
 def _cache_devices(config) -> set[str]:
-    return {b.device for b in config.devices if b.device.startswith("cuda:")
-            or b.device == "cpu-slots"} if config is not None else set()
+    from runtime.residency.config import is_cache_device  # noqa: PLC0415
+
+    return {b.device for b in config.devices
+            if is_cache_device(b.device)} if config is not None else set()
 
 
 def native_cache_ready(config, lib_dir: str | None) -> bool:

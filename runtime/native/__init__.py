@@ -15,13 +15,16 @@ from collections.abc import Iterable
 
 
 def preferred_lib_dir(devices: Iterable[str]) -> str | None:
-    """The lib dir of the current build serving ``devices`` (cuda:N needs a cuda build;
-    cpu-slots takes a cpu build, else any); None when there is none or no cache device."""
+    """The lib dir of the current build serving ``devices`` (cuda:N needs a cuda build,
+    vulkan:N a vulkan one; cpu-slots takes a cpu build, else any); None when there is none or
+    no cache device."""
     from runtime.native.build import find_build  # noqa: PLC0415
 
     devices = set(devices)
     if any(d.startswith("cuda:") for d in devices):
         build = find_build("cuda")
+    elif any(d.startswith("vulkan:") for d in devices):
+        build = find_build("vulkan")
     elif "cpu-slots" in devices:
         build = find_build("cpu") or find_build()
     else:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from runtime.errors import UserError
+from runtime.native import vulkan_sdk
 from runtime.native.source import cache_root, resolve_source
 
 BUILD_FORMAT = 1
@@ -116,10 +117,11 @@ def cmake_args(req: BuildRequest) -> tuple[str, ...]:
     return tuple(args)
 
 
-def build_key(source_fingerprint: str, req: BuildRequest) -> str:
+def build_key(source_fingerprint: str, req: BuildRequest, toolchain: str = "") -> str:
+    """``toolchain``: what else the build depends on (the Vulkan headers' version)."""
     h = hashlib.sha256()
     for part in (source_fingerprint, patches_hash(), req.backend, *cmake_args(req),
-                 _cpu_signature() if req.native_cpu else "generic"):
+                 _cpu_signature() if req.native_cpu else "generic", toolchain):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:24]
 
@@ -192,9 +194,10 @@ def _compile_shim(src: Path, bin_dir: Path, log_file: Path) -> None:
 def build(req: BuildRequest, *, log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)
           ) -> BuildInfo:
     """Build (or find) the patched libraries for ``req``; returns the finished build."""
+    vulkan = vulkan_sdk.resolve() if req.backend == "vulkan" else None
     source = resolve_source(req.source)
     fingerprint = source.fingerprint()
-    key = build_key(fingerprint, req)
+    key = build_key(fingerprint, req, vulkan.fingerprint() if vulkan else "")
     root = cache_root()
     final = root / key
     found = read_build(final)
@@ -206,10 +209,10 @@ def build(req: BuildRequest, *, log: Callable[[str], None] = lambda s: print(s, 
         found = read_build(final)
         if found is not None:
             return found
-        return _build_locked(req, source, fingerprint, key, root, log)
+        return _build_locked(req, source, fingerprint, key, root, log, vulkan)
 
 
-def _build_locked(req, source, fingerprint, key, root, log) -> BuildInfo:
+def _build_locked(req, source, fingerprint, key, root, log, vulkan) -> BuildInfo:
     started = time.time()
     work = root / "work" / req.backend
     shutil.rmtree(work, ignore_errors=True)
@@ -221,6 +224,9 @@ def _build_locked(req, source, fingerprint, key, root, log) -> BuildInfo:
     _apply_patches(src, log_file)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     env = _build_env(work)
+    if vulkan is not None:
+        env = vulkan.apply(env)
+        log(f"native build vulkan: headers {vulkan.version} from {vulkan.prefix or '/usr'}")
     _run(["cmake", "-S", str(src), "-B", str(bld), *generator, *cmake_args(req)], log_file, env=env)
     jobs = req.jobs or int(os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or os.cpu_count() or 2)
     log(f"native build {req.backend}: compiling with {jobs} job(s)")

@@ -28,9 +28,11 @@ from pathlib import Path
 
 from runtime.native.shim import (PROJ_BY_TENSOR, ShimCache, ShimError, check_same_libllama, ffi,
                                  load_shim)
+from runtime.residency.config import is_cache_device
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
 COPY_WORKERS = 4            # copies in flight per device
+_GGML_NAMES = {"cuda": "CUDA", "vulkan": "Vulkan"}
 _notified: set[str] = set()
 
 
@@ -42,12 +44,15 @@ def notice(message: str) -> None:
 
 
 def ggml_device_name(device: str) -> str:
-    """Residency device -> ggml device name: "cpu-slots" -> "CPU", "cuda:1" -> "CUDA1"."""
+    """Residency device -> ggml device name: "cpu-slots" -> "CPU", "cuda:1" -> "CUDA1",
+    "vulkan:0" -> "Vulkan0"."""
     if device == "cpu-slots":
         return "CPU"
-    if device.startswith("cuda:") and device[5:].isdigit():
-        return f"CUDA{int(device[5:])}"
-    raise ValueError(f"{device}: not a device the native cache serves (cuda:N, cpu-slots)")
+    kind, _, index = device.partition(":")
+    if kind in _GGML_NAMES and index.isdigit():
+        return f"{_GGML_NAMES[kind]}{int(index)}"
+    raise ValueError(f"{device}: not a device the native cache serves (cuda:N, vulkan:N, "
+                     "cpu-slots)")
 
 
 class ExpertSource:
@@ -232,11 +237,10 @@ def _loaded_lib_dir() -> Path | None:
 
 
 def attach(engine) -> DeviceCaches | None:
-    """Serve the engine's cuda:N / cpu-slots devices with native slot caches. Returns None
-    (after saying why, once) when the loaded libllama is not the patched build."""
+    """Serve the engine's cuda:N / vulkan:N / cpu-slots devices with native slot caches.
+    Returns None (after saying why, once) when the loaded libllama is not the patched build."""
     manager = engine.manager
-    devices = [b.device for b in engine.config.devices
-               if b.device.startswith("cuda:") or b.device == "cpu-slots"]
+    devices = [b.device for b in engine.config.devices if is_cache_device(b.device)]
     if manager is None or not devices:
         return None
     lib_dir = _loaded_lib_dir()

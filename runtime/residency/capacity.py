@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from runtime.errors import UserError
-from runtime.residency.config import DeviceBudget
+from runtime.residency.config import DeviceBudget, is_gpu
 
 GpuProbe = Callable[[int], "tuple[int, int] | None"]
 _gpu_probe: GpuProbe | None = None
@@ -29,7 +29,7 @@ def probe_device_memory(device: str) -> tuple[int, int] | None:
         import psutil
         vm = psutil.virtual_memory()
         return int(vm.available), int(vm.total)
-    if device.startswith("cuda:"):
+    if is_gpu(device):
         if _gpu_probe is None:
             return None
         return _gpu_probe(int(device.split(":", 1)[1]))

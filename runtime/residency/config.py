@@ -16,14 +16,26 @@ from runtime.residency.policies.factory import ROLES, PolicySpec, make_spec
 from runtime.residency.types import Phase
 from runtime.units import parse_percent, parse_size
 
-DEVICE_RE = re.compile(r"^(cpu|cpu-slots|cuda:(0|[1-9][0-9]*))$")
+DEVICE_RE = re.compile(r"^(cpu|cpu-slots|(cuda|vulkan):(0|[1-9][0-9]*))$")
+GPU_KINDS = ("cuda", "vulkan")     # cuda:N, vulkan:N: the Nth GPU of that ggml backend
 # "auto" budgets: the share of the device's free (RAM: available) memory at load
-AUTO_SHARE = {"cuda": 0.80, "cpu": 0.50, "cpu-slots": 0.25}
+AUTO_SHARE = {"cuda": 0.80, "vulkan": 0.80, "cpu": 0.50, "cpu-slots": 0.25}
 
 
 def device_kind(device: str) -> str:
-    """"cuda" for cuda:N, else the device name itself."""
-    return "cuda" if device.startswith("cuda:") else device
+    """"cuda" for cuda:N, "vulkan" for vulkan:N, else the device name itself."""
+    kind = device.split(":", 1)[0]
+    return kind if kind in GPU_KINDS else device
+
+
+def is_gpu(device: str) -> bool:
+    """cuda:N or vulkan:N."""
+    return device_kind(device) in GPU_KINDS
+
+
+def is_cache_device(device: str) -> bool:
+    """A device the native slot cache serves: a GPU, or cpu-slots (host slots, same code)."""
+    return is_gpu(device) or device == "cpu-slots"
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,7 @@ class ResidencyConfig:
 def parse_budget(device: str, value: object, where: str) -> DeviceBudget:
     """One ``[devices]`` entry; UserError naming ``where`` on a bad value."""
     if not DEVICE_RE.match(device):
-        raise UserError(f"{where}: unknown device {device!r} (valid: cuda:N, cpu, cpu-slots)")
+        raise UserError(f"{where}: unknown device {device!r} (valid: cuda:N, vulkan:N, cpu, cpu-slots)")
     if isinstance(value, str) and value.strip().lower() == "auto":
         return DeviceBudget(device, "auto", share=AUTO_SHARE[device_kind(device)], auto=True)
     try:

@@ -20,7 +20,8 @@ _DEST_PREFIX = "residency_cfg__"
 def config_keys() -> dict[str, str]:
     """Every settable dotted key -> its kind ("size", "bool", "name:<role>", "number")."""
     keys: dict[str, str] = {}
-    for device in ("cpu", "cpu-slots", *(f"cuda:{i}" for i in range(MAX_CUDA_FLAGS))):
+    for device in ("cpu", "cpu-slots", *(f"{kind}:{i}" for kind in ("cuda", "vulkan")
+                                         for i in range(MAX_CUDA_FLAGS))):
         keys[f"devices.{device}"] = "size"
     keys["policy.phase_specific"] = "bool"
     for phase in ("prefill", "decode"):
@@ -55,7 +56,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, config_file_flag: b
             helptext, metavar = ", ".join(policy_names(role)), "NAME"
         else:
             helptext, metavar = "number", "X"
-        hide = key.startswith("devices.cuda:") and key != "devices.cuda:0"
+        hide = (key.startswith(("devices.cuda:", "devices.vulkan:"))
+                and key not in ("devices.cuda:0", "devices.vulkan:0"))
         group.add_argument(f"--{key}", dest=_dest(key), metavar=metavar, default=None,
                            help=argparse.SUPPRESS if hide else helptext)
 

@@ -5,13 +5,14 @@ one JSON object from the last stdout line.
 
 Modes:
   logits  {"model", "capacity" (bytes or null: no cache), "fill" ("all" | "even" | "shifted"),
-           "prompt_tokens", "greedy"} -> {"logits_npy", "greedy", ...}: prompt logits (every
+           "prompt_tokens", "greedy", optional "device" (ggml device of the slots, "CPU"),
+           "ngl" (0), "experts_on_cpu" (false), "flash_attn" (null: llama.cpp's choice)} -> {"logits_npy", "greedy", ...}: prompt logits (every
            token) and greedy continuation through the low-level API, with the slot cache made
            through runtime.native.shim and filled through moe_cache_slot_load.
   capi    {"model"} -> results of C API calls (cffi).
   engine  {"model", "lib_dir", "slots" (a budget string or null), "policy", "prompt",
-           "max_tokens"} -> {"tokens", "snapshot", "copies", ...}: the Engine with a cpu-slots
-           device, greedy.
+           "max_tokens", optional "device" ("cpu-slots"), "n_gpu_layers" (0)} -> {"tokens",
+           "snapshot", "copies", ...}: the Engine with that cache device, greedy.
   churn   {"model", "capacity", "policy", "steps", "seed"} -> invariant checks of DeviceCache
            driven by random routing (a real manager, real slots, no decode).
   ids     {"model", "capacity", "prompt_tokens"} -> the slot / cold ids the patched graph
@@ -30,16 +31,30 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _context(ll, model, n_ctx=256):
+def _context(ll, model, n_ctx=256, flash_attn=None):
     cp = ll.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 64, 64
+    if flash_attn is not None:
+        cp.flash_attn_type = 1 if flash_attn else 0     # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
     cp.n_threads = cp.n_threads_batch = 1      # 2 shared cores: spinning threads crawl
     return ll.llama_init_from_model(model, cp)
 
 
-def _load(ll, path):
+_KEEP: list = []      # ctypes objects llama.cpp points to while the model lives
+
+
+def _load(ll, path, ngl: int = 0, experts_on_cpu: bool = False):
+    """The model; ``ngl`` layers on the first GPU-like device, with ``experts_on_cpu`` every
+    routed-expert tensor in a host buffer (how the engine loads for a device cache)."""
     ll.llama_backend_init()
     mp = ll.llama_model_default_params()
+    mp.n_gpu_layers = ngl
+    if experts_on_cpu:
+        from runtime.engine import llama_lib
+        overrides = llama_lib.BuftOverrides([(llama_lib.EXPERT_PATTERN,
+                                              llama_lib.cpu_buffer_type())])
+        _KEEP.append(overrides)
+        mp.tensor_buft_overrides = overrides.pointer
     model = ll.llama_model_load_from_file(path.encode(), mp)
     assert model, f"cannot load {path}"
     return model
@@ -67,15 +82,15 @@ def _prompt_and_greedy(ll, ctx, model, tokens, n_greedy):
 
 def mode_logits(args):
     import llama_cpp.llama_cpp as ll
-    model = _load(ll, args["model"])
-    ctx = _context(ll, model)
+    model = _load(ll, args["model"], args.get("ngl", 0), args.get("experts_on_cpu", False))
+    ctx = _context(ll, model, flash_attn=args.get("flash_attn"))
     cache, resident = None, 0
     if args.get("capacity") is not None:
         from runtime.native.shim import ShimCache, load_shim
         from runtime.native.shim import ShimError
         lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
         try:
-            cache = ShimCache.create(lib, model, "CPU", args["capacity"])
+            cache = ShimCache.create(lib, model, args.get("device", "CPU"), args["capacity"])
         except ShimError as exc:
             return {"error": str(exc)}
         n_expert = args["n_expert"]
@@ -174,13 +189,14 @@ def mode_capi(args):
 def mode_engine(args):
     from runtime.engine.engine import Engine, EngineSettings, SamplingParams
     from runtime.residency.config import parse_config
-    devices = {"cpu-slots": args["slots"]} if args.get("slots") else {}
+    devices = {args.get("device", "cpu-slots"): args["slots"]} if args.get("slots") else {}
     config = parse_config({"devices": devices, "policy": {
         "phase_specific": False, "decode": {"admission": "always", "prefetch": "none",
                                             "eviction": args.get("policy", "lru")}}},
         source="<test>") if devices else None
     settings = EngineSettings(model_path=args["model"], n_ctx=512, n_threads=1,
                               n_threads_batch=1, n_batch=64, n_ubatch=64,
+                              n_gpu_layers=args.get("n_gpu_layers", 0),
                               manage_residency=config is not None, config=config,
                               lib_dir=args.get("lib_dir"))
     engine = Engine(settings, progress=False)

@@ -40,6 +40,7 @@ def test_greedy_tokens_identical_with_slots(native_build, q8_model, plain, budge
 def test_device_names():
     assert ggml_device_name("cpu-slots") == "CPU"
     assert ggml_device_name("cuda:1") == "CUDA1"
+    assert ggml_device_name("vulkan:0") == "Vulkan0"
     with pytest.raises(ValueError):
         ggml_device_name("cpu")
 

@@ -46,6 +46,18 @@ def write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
     return p
 
 
+def test_vulkan_devices(tmp_path):
+    from runtime.residency.config import device_kind, is_cache_device, is_gpu
+
+    cfg = load_config(write(tmp_path, '[devices]\n"vulkan:0" = "2GiB"\n"vulkan:1" = "auto"\n'))
+    assert cfg.budget("vulkan:0").bytes == 2 * 2**30
+    assert cfg.budget("vulkan:1").share == pytest.approx(0.8)
+    assert [device_kind(d) for d in ("vulkan:3", "cuda:0", "cpu-slots")] == [
+        "vulkan", "cuda", "cpu-slots"]
+    assert is_gpu("vulkan:0") and not is_gpu("cpu-slots") and is_cache_device("cpu-slots")
+    assert not is_cache_device("cpu")
+
+
 def test_full_file_parses(tmp_path):
     cfg = load_config(write(tmp_path, FULL))
     assert [b.device for b in cfg.devices] == ["cuda:0", "cpu", "cpu-slots"]
@@ -87,6 +99,7 @@ def test_flags_override_file(tmp_path):
 
 @pytest.mark.parametrize("text,message", [
     ('[devices]\ntpu = "1GiB"\n', "cfg.toml: devices.tpu: unknown device 'tpu'"),
+    ('[devices]\n"vulkan:01" = "1GiB"\n', "cfg.toml: devices.vulkan:01: unknown device"),
     ('[devices]\ncpu = "-1GiB"\n', "cfg.toml: devices.cpu: size must be positive"),
     ('[devices]\ncpu = 0\n', "cfg.toml: devices.cpu: size must be positive"),
     ('[devices]\ncpu = "lots"\n', "cfg.toml: devices.cpu: not a size: 'lots'"),
