@@ -5,6 +5,10 @@
 #
 #   scripts/gpu_check.sh             # CUDA build for sm_90, Qwen3-30B-A3B-shaped model, benchmark
 #   scripts/gpu_check.sh --dry-run   # the same steps on the CPU (cpu backend, cpu-slots, tiny model)
+#   scripts/gpu_check.sh --vulkan-dry-run
+#                                    # the GPU steps on a Vulkan device (lavapipe works: needs
+#                                    # scripts/vulkan_toolchain.sh): vulkan backend, vulkan:0
+#                                    # cache, --n-cpu-moe rows, tiny model
 #
 # Steps: (1) python3 (or $PYTHON) with the packages it lacks installed from the offline wheels
 # into $GPU_CHECK_WORK/site, the llama_cpp bindings from the archive; (2) `moe-offload native build
@@ -24,10 +28,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 DRY=0
+VK=0
 case "${1:-}" in
   --dry-run) DRY=1 ;;
+  --vulkan-dry-run) DRY=1; VK=1; export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0} ;;
   "") ;;
-  *) echo "usage: scripts/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_check.sh [--dry-run | --vulkan-dry-run]" >&2; exit 2 ;;
 esac
 ARCHIVE=$REPO/native/offline/llama-cpp-python-0.3.36-pruned.tar.xz
 WHEELS=$REPO/native/offline/wheels
@@ -85,7 +91,9 @@ export MOE_OFFLOAD_PURE_PYTHON_HOOK=${MOE_OFFLOAD_PURE_PYTHON_HOOK:-0}
 CLI=("$PY" -m runtime.cli)
 
 # (2) the patched libraries from the pruned archive
-if [[ $DRY == 1 ]]; then BUILD=(--backend cpu); else BUILD=(--backend cuda --cuda-arch "$ARCH"); fi
+if [[ $VK == 1 ]]; then BUILD=(--backend vulkan)
+elif [[ $DRY == 1 ]]; then BUILD=(--backend cpu)
+else BUILD=(--backend cuda --cuda-arch "$ARCH"); fi
 [[ $DRY == 1 || "${GPU_CHECK_CUDA_FA:-0}" == 1 ]] || BUILD+=(--no-cuda-fa)   # half the compile time
 step "native build ${BUILD[*]}"
 LIB=$("${CLI[@]}" native build "${BUILD[@]}" --source "$ARCHIVE" --json \
@@ -119,7 +127,7 @@ moe = len(facts.moe_layers)
 print(budget, moe - budget // per_layer, facts.total_expert_bytes, moe)
 PYEOF
 )
-DEVICE=$([[ $DRY == 1 ]] && echo cpu-slots || echo cuda:0)
+if [[ $VK == 1 ]]; then DEVICE=vulkan:0; elif [[ $DRY == 1 ]]; then DEVICE=cpu-slots; else DEVICE=cuda:0; fi
 cat > "$WORK/lru.toml" <<TOML
 [devices]
 "$DEVICE" = "${BUDGET}B"
@@ -149,7 +157,10 @@ step "expert bytes $TOTAL, budget $BUDGET ($PCT%), --n-cpu-moe $NCPU"
 # (5) the benchmark
 BENCH=("${CLI[@]}" bench -m "$MODEL" --config "$WORK/lru.toml" --config "$WORK/phase-specific.toml"
        -r "$REPS" --cold 0 --no-progress)
-if [[ $DRY == 1 ]]; then
+if [[ $VK == 1 ]]; then
+  BENCH+=(-p 32 -n 8 -t 1 --n-cpu-moe "$NMOE" --n-cpu-moe "$NCPU")
+  RESULT=$WORK/bench-vulkan-dry-run.md
+elif [[ $DRY == 1 ]]; then
   BENCH+=(-p 32 -n 8)
   RESULT=$WORK/bench-dry-run.md
 else
@@ -158,9 +169,14 @@ else
   RESULT=$REPO/docs/benchmarks/gpu-check-$(date -u +%Y-%m-%d).md
 fi
 step "${BENCH[*]}"
-if [[ $DRY == 1 ]]; then CHECK=(-p 32 -n 8 -t 1 -ngl 0); else CHECK=(-p "$P" -n "$N" -ngl -1); fi
+if [[ $VK == 1 ]]; then CHECK=(-p 32 -n 8 -t 1 -ngl -1)
+elif [[ $DRY == 1 ]]; then CHECK=(-p 32 -n 8 -t 1 -ngl 0)
+else CHECK=(-p "$P" -n "$N" -ngl -1); fi
+if [[ $VK == 1 ]]; then TITLE=" (dry run: Vulkan, $DEVICE)"
+elif [[ $DRY == 1 ]]; then TITLE=" (dry run: CPU, cpu-slots)"
+else TITLE=""; fi
 {
-  echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)$([[ $DRY == 1 ]] && echo ' (dry run: CPU, cpu-slots)')"
+  echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ)$TITLE"
   echo
   echo "libraries: $LIB"
   echo "expert budget: $BUDGET bytes ($PCT% of $TOTAL); device: $DEVICE"

@@ -1,7 +1,9 @@
 """scripts/gpu_check.sh is ready for the GPU machine as far as a CPU can tell: its dry run
-takes every step (offline venv, build from the pruned archive, model, benchmark) on the CPU."""
+takes every step (offline wheels, build from the pruned archive, model, benchmark) on the CPU,
+and its Vulkan dry run the GPU steps on lavapipe."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -10,6 +12,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
+
+from runtime.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -50,6 +54,31 @@ def test_dry_run(native_build, tmp_path):
     assert "installing from" in proc.stderr     # the wheels path ran (the bare interpreter)
     check_rows = [ln for ln in table.splitlines() if ln.startswith("| lru | cpu-slots")
                   or ln.startswith("| phase-specific | cpu-slots")]
+    assert len(check_rows) == 2 and all(ln.rstrip().endswith("| yes |") for ln in check_rows)
+
+
+@pytest.mark.slow
+def test_vulkan_dry_run(native_build, tmp_path):
+    """The GPU run's steps on a real device: the Vulkan build on lavapipe, a vulkan:0 cache,
+    and the static --n-cpu-moe rows (which need a GPU backend)."""
+    from runtime.native import vulkan_sdk
+
+    if not glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json"):
+        pytest.skip("no lavapipe (mesa-vulkan-drivers): run scripts/vulkan_toolchain.sh")
+    try:
+        vulkan_sdk.resolve()
+    except UserError as exc:
+        pytest.skip(str(exc))
+    env = dict(os.environ, GPU_CHECK_WORK=str(tmp_path), GPU_CHECK_REPS="1")
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    proc = subprocess.run([str(SCRIPT), "--vulkan-dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "bench-vulkan-dry-run.md").read_text()
+    print(table)
+    for row in ("| n-cpu-moe=4 ", "| n-cpu-moe=3 ", "| lru ", "| phase-specific "):
+        assert re.search(re.escape(row) + r"\s*\| Vulkan0\+CPU", table), row
+    check_rows = [ln for ln in table.splitlines() if re.match(r"\| (lru|phase-specific) \| vulkan:0", ln)]
     assert len(check_rows) == 2 and all(ln.rstrip().endswith("| yes |") for ln in check_rows)
 
 
