@@ -1,7 +1,9 @@
 """A C pre-filter in front of the Python ``cb_eval``: the scheduler asks about EVERY graph node
 (~45 per MoE layer per token); a ctypes callback costs ~2 us per call even when it answers
 "no". This 20-line C function answers "no" itself unless the node's name starts with one of
-the given prefixes, and only then calls the Python callback. Compiled once with the system C
+the given prefixes and is not a name ggml derived from another (those hold a space: "x
+(reshaped)"; the patched graph's cache path makes several per layer from the router's nodes),
+and only then calls the Python callback. Compiled once with the system C
 compiler into the cache directory (``cc -O2 -shared``, no Python headers, loaded by ctypes);
 without a compiler the hook falls back to the pure-Python callback (same results, slower).
 ``MOE_OFFLOAD_PURE_PYTHON_HOOK=1`` forces the fallback.
@@ -42,6 +44,10 @@ struct route_filter {
 bool moe_route_filter(void *tensor, bool ask, void *user_data) {
     const struct route_filter *f = (const struct route_filter *)user_data;
     const char *name = (const char *)tensor + f->name_offset;
+    /* names ggml derives ("ffn_moe_topk-3 (reshaped)", "... (cont)") are never wanted */
+    if (memchr(name, ' ', strnlen(name, 64)) != NULL) {
+        return false;
+    }
     for (int i = 0; i < f->n_prefixes; i++) {
         if (strncmp(name, f->prefixes[i], strlen(f->prefixes[i])) == 0) {
             return f->cb(tensor, ask, f->cb_user_data);

@@ -6,11 +6,13 @@ speed, hit rates per phase, copies, and whether the greedy tokens equal a plain 
 Rows: "plain" (residency off, llama.cpp's own placement with -ngl: on a GPU with room, every
 expert on the GPU: the upper bound), then one row per residency TOML (its cuda:N / cpu-slots
 device served by the native cache; dense layers on the GPU with -ngl -1). Every run is greedy
-over the same random prompt; "greedy = plain" compares the generated tokens.
+over the same random prompt; "greedy = plain" compares the generated tokens. Every run loads
+the same libllama: $LLAMA_CPP_LIB_PATH, else the patched build for the configs' cache devices.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,12 +20,14 @@ from pathlib import Path
 import numpy as np
 
 
-def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: int | None):
+def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: int | None,
+         lib_dir: str | None):
     from runtime.engine.engine import Engine, EngineSettings, SamplingParams  # noqa: PLC0415
 
     settings = EngineSettings(model_path=model, n_ctx=len(prompt) + n_gen + 16, n_threads=threads,
                               n_gpu_layers=ngl, n_batch=512, n_ubatch=512,
-                              manage_residency=config is not None, config=config)
+                              manage_residency=config is not None, config=config,
+                              lib_dir=lib_dir)
     engine = Engine(settings, progress=False)
     try:
         started = time.perf_counter()
@@ -49,7 +53,30 @@ def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: i
         engine.close()
 
 
+def _library(configs) -> str | None:
+    """One libllama for every run (a process loads one): the environment's, else the patched
+    build serving the configs' cache devices (None: the stock wheel)."""
+    from runtime.engine.llama_lib import LIB_PATH_ENV  # noqa: PLC0415
+    from runtime.native import preferred_lib_dir  # noqa: PLC0415
+    from runtime.residency.config import is_cache_device  # noqa: PLC0415
+
+    if os.environ.get(LIB_PATH_ENV):
+        return None
+    devices = {b.device for c in configs for b in c.devices if is_cache_device(b.device)}
+    return preferred_lib_dir(devices) if devices else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    from runtime.errors import UserError  # noqa: PLC0415
+
+    try:
+        return _main(argv)
+    except UserError as exc:
+        print(f"python -m runtime.native.check: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     from runtime.residency.config import load_config  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="python -m runtime.native.check", description=__doc__)
@@ -63,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     # token ids below 1000 exist in every vocabulary we run (synthetic ones have ~2k)
     prompt = np.random.default_rng(1234).integers(10, 1000, size=args.n_prompt).tolist()
-    for name, path in [("plain", None)] + [(Path(c).stem, c) for c in args.config]:
-        config = load_config(path) if path else None
-        row = _run(args.model, config, args.gpu_layers, prompt, args.n_gen, args.threads)
+    configs = [load_config(c) for c in args.config]
+    lib_dir = _library(configs)
+    for name, config in [("plain", None)] + [(Path(c).stem, cfg)
+                                             for c, cfg in zip(args.config, configs)]:
+        row = _run(args.model, config, args.gpu_layers, prompt, args.n_gen, args.threads,
+                   lib_dir)
         row["name"] = name
         rows.append(row)
         print(f"check: {name} done", file=sys.stderr)

@@ -121,6 +121,10 @@ ARCH_SPECS = {
     # per-expert scales, likewise
     "qwen3moe-scales": SynthSpec(arch="qwen3moe", layers=2, experts=8, top_k=2, embd=64, ff=32,
                                  seed=7, skew=1.0, expert_scales=True),
+    # Qwen3-30B-A3B's depth (48 MoE layers, top-8): the cache's graph nodes must fit the
+    # context's node budget, reserved before the cache exists
+    "qwen3moe-48-layers": SynthSpec(arch="qwen3moe", layers=48, experts=16, top_k=8, embd=64,
+                                    ff=32, dtype="q8_0", seed=8, skew=1.0),
     "olmoe": SynthSpec(arch="olmoe", layers=2, experts=8, top_k=2, embd=256, ff=256, heads=1,
                        heads_kv=1, head_dim=256, dtype="q4_k",
                        seed=5, skew=1.0),
