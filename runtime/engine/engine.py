@@ -25,6 +25,7 @@ from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
 from runtime.engine.loading import load_with_progress, make_context_params
+from runtime.engine.placement import Placement
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver, RoutingHook
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
@@ -38,7 +39,10 @@ __all__ = ["Engine", "EngineSettings", "SamplingParams", "GenerationChunk"]
 class Engine:
     """A loaded model and its context; one generation at a time (see contracts.md)."""
 
-    def __init__(self, settings: EngineSettings, *, progress: bool = True):
+    def __init__(self, settings: EngineSettings, *, progress: bool = True,
+                 placement: Placement | None = None):
+        """``placement``: fixed load-time override rules instead of the planned ones (the
+        static ``--n-cpu-moe`` baselines, runtime.engine.placement.cpu_moe_placement)."""
         self.settings = settings
         self._progress = progress
         self.model_ptr = self.ctx_ptr = 0
@@ -57,12 +61,15 @@ class Engine:
         has_gpu = bool(wiring.gpu_devices())
         self.manager, self.residency_devices = wiring.build_manager(
             self.config, self.facts, has_gpu=has_gpu)
-        self.placement = wiring.plan(settings, self.config, self.facts, self.manager,
-                                     has_gpu=has_gpu,
-                                     native_cache=wiring.native_cache_ready(self.config, lib_dir))
+        native_cache = settings.manage_residency and wiring.native_cache_ready(self.config, lib_dir)
+        self.placement = placement if placement is not None else wiring.plan(
+            settings, self.config, self.facts, self.manager, has_gpu=has_gpu,
+            native_cache=native_cache)
         self._overrides = llama_lib.BuftOverrides(
             [(pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
-        self.model_ptr = load_with_progress(settings, self._overrides, progress=progress)
+        repack = settings.repack if settings.repack is not None else not native_cache
+        self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
+                                            repack=repack)
         try:
             self._init_context()
         except BaseException:

@@ -263,12 +263,14 @@ def set_logging(verbose: bool) -> LogControl:
 
 def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None = None,
                progress: Callable[[float], None] | None = None,
-               use_mmap: bool = True) -> int:
+               use_mmap: bool = True, repack: bool = True) -> int:
     """``llama_model_load_from_file`` with default params plus ours; returns the model
-    pointer or raises RuntimeError with llama.cpp's last logged complaint."""
+    pointer or raises RuntimeError with llama.cpp's last logged complaint. ``repack=False``:
+    no extra CPU buffer types (llama.cpp's --no-repack), so CPU weights stay in the mapping."""
     ll = bindings()
     params = ll.llama_model_default_params()
     params.n_gpu_layers = int(n_gpu_layers)
+    params.use_extra_bufts = bool(repack)
     if overrides is not None and overrides.rules:
         params.tensor_buft_overrides = overrides.pointer
     callback = None

@@ -10,7 +10,7 @@ from runtime.errors import UserError
 
 
 def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverrides, *,
-                       progress: bool = True) -> int:
+                       progress: bool = True, repack: bool = True) -> int:
     """Load the model (a tqdm bar on stderr while llama.cpp reports progress); returns the
     ``llama_model *``. A file llama.cpp refuses is a UserError naming it."""
     from tqdm import tqdm  # noqa: PLC0415
@@ -24,7 +24,7 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
 
     try:
         return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
-                                    overrides=overrides, progress=on_progress)
+                                    overrides=overrides, progress=on_progress, repack=repack)
     except RuntimeError as exc:
         raise UserError(f"{settings.model_path}: llama.cpp cannot load it ({exc})") from None
     finally:

@@ -36,6 +36,18 @@ class Placement:
                 f"({self.gpu_expert_bytes / 2**20:.1f} MiB), the rest on CPU (managed)")
 
 
+def cpu_moe_placement(n_cpu_moe: int | None) -> Placement:
+    """llama.cpp's ``--n-cpu-moe N``: the routed experts of layers 0..N-1 in host memory,
+    everything else where ``-ngl`` puts it (no residency management); None: every layer's
+    (``--cpu-moe``). The static baselines the benchmarks compare the managed tiers with."""
+    if n_cpu_moe is None:
+        return Placement(rules=((EXPERT_PATTERN, "cpu"),))
+    if n_cpu_moe <= 0:
+        return Placement(rules=())
+    layers = "|".join(str(i) for i in range(n_cpu_moe))
+    return Placement(rules=((_LAYER_EXPERTS.format(layers=layers), "cpu"),))
+
+
 def plan_placement(*, manage_residency: bool, static: StaticPlan | None = None) -> Placement:
     """The load-time placement for these settings (see the module docstring). ``static``:
     the manager's plan for the GPU (``ExpertResidencyManager.plan_static``), None when the

@@ -32,6 +32,10 @@ class EngineSettings:
     lib_dir: str | None = None         # directory of a (patched) libllama.so; None = the wheel's
     config: Any = None                 # a built ResidencyConfig; wins over config_path
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
+    repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
+    #                                    None: off when a native device cache attaches (its cold
+    #                                    path skips resident experts only over plain buffers),
+    #                                    else llama.cpp's default (on)
                                        # (same logits as plain Llama(), hence the parity)
 
     def __post_init__(self) -> None:

@@ -79,6 +79,7 @@ class ConfigRunner:
     def __init__(self, model: str, cfg: BenchConfig, *, n_ctx: int, threads: int | None,
                  gpu_layers: int = 0):
         from runtime.engine.engine import Engine, EngineSettings
+        from runtime.engine.placement import cpu_moe_placement
         from runtime.residency.config import load_config, parse_config
 
         self.model, self.cfg, self.gpu_layers = model, cfg, gpu_layers
@@ -89,8 +90,8 @@ class ConfigRunner:
         settings = EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
                                   manage_residency=cfg.kind == "managed", config=config,
                                   n_gpu_layers=-1 if cfg.kind == "static" else gpu_layers)
-        engine_cls = Engine if cfg.kind != "static" else _static_engine(cfg.n_cpu_moe or 0)
-        self.engine = engine_cls(settings, progress=False)
+        placement = cpu_moe_placement(cfg.n_cpu_moe or 0) if cfg.kind == "static" else None
+        self.engine = Engine(settings, progress=False, placement=placement)
         self.tier = next((p for p in self.engine.tiers
                           if type(p).__name__ == "RamTier"), None)
         self.rng = np.random.default_rng(1234)
@@ -148,23 +149,6 @@ class ConfigRunner:
     def cold(self, n: int) -> Sample:
         drop_file_cache(self.model)
         return self._run(self._prompt(COLD_PROMPT), n, "total")
-
-
-def _static_engine(n_cpu_moe: int):
-    """An Engine whose experts of the first ``n_cpu_moe`` layers stay on the CPU and all else
-    goes to the GPU (llama.cpp's ``--n-cpu-moe N``), without residency management."""
-    from runtime.engine.engine import Engine
-    from runtime.engine.placement import Placement
-
-    class StaticEngine(Engine):
-        def _placement(self, has_gpu: bool) -> Placement:
-            if n_cpu_moe <= 0:
-                return Placement(rules=())
-            layers = "|".join(str(i) for i in range(n_cpu_moe))
-            return Placement(rules=((rf"^blk\.({layers})\.ffn_(up|down|gate|gate_up)_(ch|)exps",
-                                     "cpu"),))
-
-    return StaticEngine
 
 
 def summarize(samples: list[Sample]) -> dict:

@@ -15,6 +15,8 @@ Modes:
            "snapshot", "copies", ...}: the Engine with that cache device, greedy.
   churn   {"model", "capacity", "policy", "steps", "seed"} -> invariant checks of DeviceCache
            driven by random routing (a real manager, real slots, no decode).
+  placement {"model", "placement" ("cpu-moe:N" | "planned"), "device", "slots",
+           "n_gpu_layers"} -> {"buffers"}: the buffer type of each MoE layer's experts.
   ids     {"model", "capacity", "prompt_tokens"} -> the slot / cold ids the patched graph
            computed (read through cb_eval) for a prompt batch and one decode step.
 """
@@ -215,6 +217,40 @@ def mode_engine(args):
     return res
 
 
+def mode_placement(args):
+    """Where each MoE layer's expert tensors were loaded: {"buffers": [buft name per layer]}
+    for the Engine with ``placement`` ("cpu-moe:N" static, or "planned" with a cache device)."""
+    from runtime.engine import llama_lib
+    from runtime.engine.engine import Engine, EngineSettings
+    from runtime.engine.placement import cpu_moe_placement
+    from runtime.residency.config import parse_config
+
+    placement, config = None, None
+    if args["placement"].startswith("cpu-moe:"):
+        placement = cpu_moe_placement(int(args["placement"].split(":")[1]))
+    else:
+        config = parse_config({"devices": {args["device"]: args["slots"]}}, source="<test>")
+    engine = Engine(EngineSettings(model_path=args["model"], n_ctx=256, n_threads=1,
+                                   n_gpu_layers=args.get("n_gpu_layers", 0),
+                                   manage_residency=config is not None, config=config,
+                                   lib_dir=args.get("lib_dir")),
+                    progress=False, placement=placement)
+    lib = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"))
+    lib.llama_moe_cache_model_tensor.restype = ctypes.c_void_p
+    lib.llama_moe_cache_model_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    base = llama_lib.ggml().base
+    base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
+    base.ggml_backend_buffer_get_type.argtypes = [ctypes.c_void_p]
+    names = []
+    for layer in engine.facts.moe_layers:
+        t = lib.llama_moe_cache_model_tensor(engine.model_ptr,
+                                             f"blk.{layer}.ffn_up_exps.weight".encode())
+        buf = llama_lib.GgmlTensor.from_address(t).buffer
+        names.append(llama_lib.buffer_type_name(base.ggml_backend_buffer_get_type(buf)))
+    engine.close()
+    return {"buffers": names}
+
+
 def mode_ids(args):
     import llama_cpp.llama_cpp as ll
     from runtime.engine import llama_lib
@@ -329,5 +365,6 @@ def mode_churn(args):
 if __name__ == "__main__":
     mode, raw = sys.argv[1], sys.argv[2]
     result = {"logits": mode_logits, "capi": mode_capi, "engine": mode_engine,
-              "churn": mode_churn, "ids": mode_ids}[mode](json.loads(raw))
+              "churn": mode_churn, "ids": mode_ids, "placement": mode_placement}[mode](
+                 json.loads(raw))
     sys.stdout.write("\n" + json.dumps(result) + "\n")

@@ -130,3 +130,26 @@ def test_engine_with_a_vulkan_cache(vulkan_build, q8_model, engine_reference, bu
     assert res["resident"] == snap["resident_experts"]
     if res["slots"] < 64:
         assert decode["evictions"] > 0
+
+
+def _buffers(model, lib_dir, placement, **extra):
+    return run_child("placement", {"model": str(model), "placement": placement,
+                                   "n_gpu_layers": 99, "lib_dir": lib_dir, **extra},
+                     lib_dir)["buffers"]
+
+
+def test_static_n_cpu_moe_placement(vulkan_build, lavapipe, q8_model):
+    """The benchmark's --n-cpu-moe N baseline: layers 0..N-1 keep their experts in host
+    memory, the rest go to the device with the dense layers."""
+    buffers = _buffers(q8_model, vulkan_build.lib_dir, "cpu-moe:2")
+    assert [b.startswith("CPU") for b in buffers] == [True, True, False, False], buffers
+    assert buffers[2:] == ["Vulkan0", "Vulkan0"]
+    assert all(b == "Vulkan0" for b in _buffers(q8_model, vulkan_build.lib_dir, "cpu-moe:0"))
+
+
+def test_cache_placement_keeps_experts_mapped(vulkan_build, lavapipe, q8_model):
+    """With a device cache every expert stays in the file mapping, not repacked: the cold
+    path's anchors need llama.cpp's plain CPU buffers."""
+    buffers = _buffers(q8_model, vulkan_build.lib_dir, "planned", device="vulkan:0",
+                       slots="300KB")
+    assert buffers == ["CPU_Mapped"] * 4, buffers
