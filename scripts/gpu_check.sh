@@ -19,7 +19,8 @@
 # phase-specific policy; pp512 / tg128 tokens/s and hit rates, as a table written to
 # docs/benchmarks/gpu-check-DATE.md (dry run: under $GPU_CHECK_WORK); then (5) the same configs
 # through the Engine (runtime/native/check.py): speed, hit rates per phase, copies, and greedy
-# tokens equal to a plain run (the script fails if not).
+# tokens against the same placement without the cache (cpu-slots: the script fails if they
+# differ; on a GPU the resident experts run on GPU kernels, so a difference is only reported).
 # Knobs (env): GPU_CHECK_WORK (scratch dir), GPU_CHECK_REPS (2), GPU_CHECK_BUDGET_PCT (25),
 # GPU_CHECK_P (512), GPU_CHECK_N (128), GPU_CHECK_CUDA_ARCH (90), GPU_CHECK_CUDA_FA (0: build
 # without the FlashAttention kernels, which take half the compile time; 1: with them).
