@@ -32,6 +32,22 @@ def q8_model(synth_model_factory) -> Path:
     return synth_model_factory(Q8_SPEC)
 
 
+def skip_without_vulkan_toolchain() -> None:
+    """pytest.skip, saying why, unless lavapipe and a --backend vulkan toolchain are here
+    (scripts/vulkan_toolchain.sh installs both; CI runs it)."""
+    import glob
+
+    from runtime.errors import UserError
+    from runtime.native import vulkan_sdk
+
+    if not glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json"):
+        pytest.skip("no lavapipe (mesa-vulkan-drivers): run scripts/vulkan_toolchain.sh")
+    try:
+        vulkan_sdk.resolve()
+    except UserError as exc:
+        pytest.skip(str(exc))
+
+
 def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300, *,
               auto_lib: bool = False) -> dict:
     """Run native_child.py MODE with LLAMA_CPP_LIB_PATH=lib_dir (None: the stock wheel, or

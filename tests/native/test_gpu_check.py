@@ -3,7 +3,6 @@ takes every step (offline wheels, build from the pruned archive, model, benchmar
 and its Vulkan dry run the GPU steps on lavapipe."""
 from __future__ import annotations
 
-import glob
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import UserError
+from tests.native.conftest import skip_without_vulkan_toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -61,14 +60,7 @@ def test_dry_run(native_build, tmp_path):
 def test_vulkan_dry_run(native_build, tmp_path):
     """The GPU run's steps on a real device: the Vulkan build on lavapipe, a vulkan:0 cache,
     and the static --n-cpu-moe rows (which need a GPU backend)."""
-    from runtime.native import vulkan_sdk
-
-    if not glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json"):
-        pytest.skip("no lavapipe (mesa-vulkan-drivers): run scripts/vulkan_toolchain.sh")
-    try:
-        vulkan_sdk.resolve()
-    except UserError as exc:
-        pytest.skip(str(exc))
+    skip_without_vulkan_toolchain()
     env = dict(os.environ, GPU_CHECK_WORK=str(tmp_path), GPU_CHECK_REPS="1")
     env.pop("LLAMA_CPP_LIB_PATH", None)
     proc = subprocess.run([str(SCRIPT), "--vulkan-dry-run"], cwd=REPO, env=env,

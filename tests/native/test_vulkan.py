@@ -8,15 +8,13 @@ Flash attention stays off: lavapipe 22.3 crashes in that shader once the KV cach
 cells, with or without the cache."""
 from __future__ import annotations
 
-import glob
 import re
 import sys
 
 import numpy as np
 import pytest
 
-from runtime.errors import UserError
-from tests.native.conftest import run_child
+from tests.native.conftest import run_child, skip_without_vulkan_toolchain
 from tests.native.test_parity import PROMPT, _capacity
 
 GREEDY = 12
@@ -25,15 +23,9 @@ TEXT = "the quick brown fox jumps over the lazy dog and then"
 
 @pytest.fixture(scope="module")
 def vulkan_build():
-    from runtime.native import vulkan_sdk
     from runtime.native.build import BuildRequest, build
 
-    if not glob.glob("/usr/share/vulkan/icd.d/lvp_icd.*.json"):
-        pytest.skip("no lavapipe (mesa-vulkan-drivers): run scripts/vulkan_toolchain.sh")
-    try:
-        vulkan_sdk.resolve()
-    except UserError as exc:
-        pytest.skip(str(exc))
+    skip_without_vulkan_toolchain()
     return build(BuildRequest(backend="vulkan"), log=lambda s: print(s, file=sys.stderr))
 
 
