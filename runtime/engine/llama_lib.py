@@ -157,6 +157,8 @@ class _Ggml:
         base.ggml_backend_dev_memory.restype = None
         base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
         base.ggml_backend_buft_name.restype = ctypes.c_char_p
+        base.ggml_backend_buffer_get_type.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
         reg.ggml_backend_dev_count.argtypes = []
         reg.ggml_backend_dev_count.restype = ctypes.c_size_t
         reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
@@ -203,6 +205,12 @@ def device_buffer_type(device: BackendDevice) -> int:
 
 def buffer_type_name(buft: int) -> str:
     return ggml().base.ggml_backend_buft_name(buft).decode()
+
+
+def tensor_buffer_type_name(ptr: int) -> str:
+    """The buffer type a (model) tensor was allocated in: "CPU_Mapped", "CUDA0", ..."""
+    buffer = GgmlTensor.from_address(ptr).buffer
+    return buffer_type_name(ggml().base.ggml_backend_buffer_get_type(buffer))
 
 
 class BuftOverrides:

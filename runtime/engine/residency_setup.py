@@ -76,9 +76,14 @@ def library_dir(settings: EngineSettings, config) -> str | None:
     MOE_OFFLOAD_NATIVE=off keeps the stock library regardless."""
     if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
         return settings.lib_dir
+    return cache_library_dir(_cache_devices(config))
+
+
+def cache_library_dir(devices: set[str]) -> str | None:
+    """The patched build serving these device-cache devices; None without one, without the
+    native module, or with MOE_OFFLOAD_NATIVE=off."""
     if os.environ.get("MOE_OFFLOAD_NATIVE", "").lower() in ("off", "0", "no"):
         return None
-    devices = _cache_devices(config)
     if not devices or not module_available(_CACHE_MODULE):
         return None
     from runtime.native import preferred_lib_dir  # noqa: PLC0415

@@ -63,13 +63,13 @@ def _library(configs) -> str | None:
     """One libllama for every run (a process loads one): the environment's, else the patched
     build serving the configs' cache devices (None: the stock wheel)."""
     from runtime.engine.llama_lib import LIB_PATH_ENV  # noqa: PLC0415
-    from runtime.native import preferred_lib_dir  # noqa: PLC0415
+    from runtime.engine.residency_setup import cache_library_dir  # noqa: PLC0415
     from runtime.residency.config import is_cache_device  # noqa: PLC0415
 
     if os.environ.get(LIB_PATH_ENV):
         return None
-    devices = {b.device for c in configs for b in c.devices if is_cache_device(b.device)}
-    return preferred_lib_dir(devices) if devices else None
+    return cache_library_dir({b.device for c in configs for b in c.devices
+                              if is_cache_device(b.device)})
 
 
 def main(argv: list[str] | None = None) -> int:

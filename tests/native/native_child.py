@@ -238,15 +238,9 @@ def mode_placement(args):
     lib = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"))
     lib.llama_moe_cache_model_tensor.restype = ctypes.c_void_p
     lib.llama_moe_cache_model_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    base = llama_lib.ggml().base
-    base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
-    base.ggml_backend_buffer_get_type.argtypes = [ctypes.c_void_p]
-    names = []
-    for layer in engine.facts.moe_layers:
-        t = lib.llama_moe_cache_model_tensor(engine.model_ptr,
-                                             f"blk.{layer}.ffn_up_exps.weight".encode())
-        buf = llama_lib.GgmlTensor.from_address(t).buffer
-        names.append(llama_lib.buffer_type_name(base.ggml_backend_buffer_get_type(buf)))
+    names = [llama_lib.tensor_buffer_type_name(lib.llama_moe_cache_model_tensor(
+                 engine.model_ptr, f"blk.{layer}.ffn_up_exps.weight".encode()))
+             for layer in engine.facts.moe_layers]
     engine.close()
     return {"buffers": names}
 
