@@ -2,8 +2,8 @@
 
 One ``access_layer`` per route event and device: the manager records the accesses per phase,
 decides admissions and evictions, and leases the layer's experts. A layer's lease is released
-when the next layer routes (the graph runs layers in order, so its matmuls are done) or when
-the batch ends. This observer only does bookkeeping; a tier that moves bytes (the RAM tier,
+when the next layer routes (in the same call: the graph runs layers in order, so its matmuls
+are done) or when the batch ends. This observer only does bookkeeping; a tier that moves bytes (the RAM tier,
 the native device cache) attaches its own observer for its device instead.
 """
 from __future__ import annotations
@@ -24,17 +24,14 @@ class ResidencyObserver:
         self.events = 0
 
     def on_route(self, event: RouteEvent) -> None:
-        self._release()
         experts = event.experts.reshape(-1)   # (n_tokens * k,) routing order
-        for device in self.devices:
-            self._held.append(self.manager.access_layer(device, event.layer, experts,
-                                                        event.phase, step=event.first_step))
+        held = self._held
+        self._held = [self.manager.access_layer(
+            device, event.layer, experts, event.phase,
+            release=held[i] if i < len(held) else None) for i, device in enumerate(self.devices)]
         self.events += 1
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
-        self._release()
-
-    def _release(self) -> None:
         held, self._held = self._held, []
         for access in held:
             self.manager.release(access)

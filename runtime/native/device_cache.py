@@ -3,26 +3,25 @@ manager's decisions, read by the patched llama.cpp graph.
 
     cache = attach(engine)     # the engine calls this when the config has cuda:N / cpu-slots
 
-For each such device, ``DeviceCache`` is both the manager's Transport for that device and a
-RouteObserver. ``submit(ticket)`` picks a slot (a free one, else a victim's: its table entry is
-cleared first) and queues the copy of the expert's bytes from a read-only mmap of the GGUF file
-into the slot on a pool of worker threads (>= 4 copies in flight, no lock held while bytes
-move). Finished copies are *published* (table entry set, then ``manager.commit``) only at safe
-points: when a layer routes (``on_route``: the scheduler has synchronized and this layer has not
-read its tables yet) and when a batch ends. In prefill the layer waits for its own admissions
-so the whole chunk uses them; in decode it does not (the expert runs cold once). The manager
-decides everything (admission, eviction, prefetch, per phase); this module only moves bytes.
+For each such device, ``DeviceCache`` is both the manager's (inline) Transport for that device
+and a RouteObserver. ``submit(ticket)`` picks a free slot of the expert's pool (the victims'
+slots were freed by ``drop`` just before) and queues the copy of the expert's bytes from a
+read-only mmap of the GGUF file into the slot on a pool of worker threads (>= 4 copies in
+flight, no lock held while bytes move). Finished copies are *published* (table entry set) only at safe points: when a layer routes
+(``on_route``: the scheduler has synchronized and this layer has not read its tables yet) and
+when a batch ends. In prefill the layer waits for its own admissions so the whole chunk uses
+them; in decode it does not (the expert runs cold until its copy is published). The manager
+decides everything (admission, eviction, prefetch, per phase, per pool: the cache's pools are
+the manager's) at once, whatever the copies are doing; this module only moves bytes.
 
 Invariant: a table entry points at a slot only while the slot holds that expert's bytes, and a
-slot is written only when no table entry points at it.
+slot is written only when no table entry points at it and no copy into it runs.
 """
 from __future__ import annotations
 
 import mmap
 import os
 import sys
-import threading
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -79,9 +78,19 @@ class ExpertSource:
 
 
 class DeviceCache:
-    """One device's slot cache: Transport (for its device) and RouteObserver."""
+    """One device's slot cache: the manager's (inline) Transport for its device, and a
+    RouteObserver.
 
-    inline = False
+    The manager decides at once (an admitted expert is resident from its admission on); this
+    class moves the bytes: ``drop`` clears a victim's table entry and frees its slot (or
+    cancels its copy still in flight), ``submit`` copies the new expert into a free slot of
+    its pool on a worker thread. A finished copy is published (table entry set) at a safe
+    point; until then the graph computes that expert cold, which changes speed, never the
+    result or the manager's decisions. A copy that fails tells the manager
+    (``transfer_failed``): the expert leaves the device, its victims stay evicted.
+    """
+
+    inline = True
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
                  workers: int = COPY_WORKERS, wait_in_prefill: bool = True):
@@ -94,11 +103,11 @@ class DeviceCache:
             n_slots, _ = cache.pool_info(pool)
             self.free[pool] = list(range(n_slots - 1, -1, -1))   # pop() hands out slot 0 first
         self.slot_of: dict[ExpertKey, int] = {}
-        self._futures: dict[int, Future] = {}                 # ticket id -> its copy
-        self._done: deque[tuple[Ticket, int, BaseException | None]] = deque()
-        self._done_lock = threading.Lock()
+        # key -> (ticket, slot, its copy) while the copy runs or waits to be published
+        self._jobs: dict[ExpertKey, tuple[Ticket, int, Future]] = {}
+        self._cancelled: list[tuple[int, int, Future]] = []   # (pool, slot, copy) of dropped keys
         self._pool = ThreadPoolExecutor(max(workers, 4), thread_name_prefix=f"slots-{device}")
-        self._held: list[LayerAccess] = []
+        self._held: LayerAccess | None = None
         self.copies = self.copy_failures = self.refused = 0
         self.copied_bytes = 0
 
@@ -107,75 +116,68 @@ class DeviceCache:
         self.manager = manager
 
     def submit(self, ticket: Ticket) -> None:
-        slot = self._claim_slot(ticket)
+        slot = self._claim_slot(ticket.key.layer)
         if slot is None:                     # no slot of this layer's layout: stays cold
             self.refused += 1
-            self.manager.abort(ticket)
+            self.manager.transfer_failed(ticket)
             return
-        self._futures[ticket.id] = self._pool.submit(self._copy, ticket, slot)
+        self._jobs[ticket.key] = (ticket, slot, self._pool.submit(self._copy, ticket, slot))
 
     def drop(self, device: str, key: ExpertKey) -> None:
         slot = self.slot_of.pop(key, None)
         if slot is not None:
             self.cache.table_set(key.layer, key.expert, -1)
             self.free[self.pool_of_layer[key.layer]].append(slot)
+        job = self._jobs.pop(key, None)
+        if job is not None:                  # its copy still runs: the slot frees after it
+            self._cancelled.append((self.pool_of_layer[key.layer], job[1], job[2]))
 
-    def _claim_slot(self, ticket: Ticket) -> int | None:
-        layer = ticket.key.layer
+    def _claim_slot(self, layer: int) -> int | None:
         pool = self.pool_of_layer[layer] if 0 <= layer < len(self.pool_of_layer) else -1
         if pool < 0:
             return None
-        if self.free[pool]:
-            return self.free[pool].pop()
-        for victim in ticket.victims:        # reserved by the manager: no longer hit-able
-            slot = self.slot_of.get(victim)
-            if slot is not None and self.pool_of_layer[victim.layer] == pool:
-                del self.slot_of[victim]
-                self.cache.table_set(victim.layer, victim.expert, -1)
-                return slot
-        return None
+        if not self.free[pool]:              # a dropped key's copy still holds a slot
+            for entry in [c for c in self._cancelled if c[0] == pool]:
+                entry[2].result()
+                self._cancelled.remove(entry)
+                self.free[pool].append(entry[1])
+                break
+        return self.free[pool].pop() if self.free[pool] else None
 
     def _copy(self, ticket: Ticket, slot: int) -> None:
         """Worker thread: the expert's bytes into ``slot`` (the shim call releases the GIL)."""
-        error = None
-        try:
-            key = ticket.key
-            for proj, offset, stride in self.source.parts[key.layer]:
-                self.cache.slot_set(key.layer, slot, proj, self.source.base + offset
-                                    + key.expert * stride, stride)
-        except BaseException as exc:  # noqa: BLE001 - reported at publish, ticket aborted
-            error = exc
-        with self._done_lock:
-            self._done.append((ticket, slot, error))
+        key = ticket.key
+        for proj, offset, stride in self.source.parts[key.layer]:
+            self.cache.slot_set(key.layer, slot, proj, self.source.base + offset
+                                + key.expert * stride, stride)
 
     def publish(self) -> int:
-        """At a safe point: finished copies become resident (table, then commit)."""
+        """At a safe point: finished copies enter the tables. Returns how many."""
         published = 0
-        while True:
-            with self._done_lock:
-                if not self._done:
-                    return published
-                ticket, slot, error = self._done.popleft()
-            self._futures.pop(ticket.id, None)
-            key = ticket.key
+        for entry in [c for c in self._cancelled if c[2].done()]:
+            self._cancelled.remove(entry)
+            self.free[entry[0]].append(entry[1])
+        for key, (ticket, slot, fut) in list(self._jobs.items()):
+            if not fut.done():
+                continue
+            del self._jobs[key]
+            error = fut.exception()
             if error is not None:
                 self.copy_failures += 1
                 self.free[self.pool_of_layer[key.layer]].append(slot)
-                self.manager.abort(ticket)
+                self.manager.transfer_failed(ticket)
                 notice(f"{self.device}: an expert copy failed ({error}); it stays cold")
                 continue
             self.cache.table_set(key.layer, key.expert, slot)
             self.slot_of[key] = slot
-            if not self.manager.commit(ticket):      # already finished elsewhere: undo
-                self.drop(self.device, key)
-                continue
             self.copies += 1
             self.copied_bytes += ticket.bytes
             published += 1
+        return published
 
     def wait_copies(self, tickets) -> None:
-        """Block until the copies of ``tickets`` (issued here) are done, then publish."""
-        futures = [f for t in tickets if (f := self._futures.get(t.id)) is not None]
+        """Block until the copies of ``tickets`` (submitted here) are done, then publish."""
+        futures = [job[2] for t in tickets if (job := self._jobs.get(t.key)) is not None]
         if futures:
             wait(futures)
         self.publish()
@@ -183,26 +185,44 @@ class DeviceCache:
     # -- RouteObserver ------------------------------------------------------------------------
     def on_route(self, event) -> None:
         self.publish()
-        self._release()
+        held, self._held = self._held, None
         access = self.manager.access_layer(self.device, event.layer, event.experts.reshape(-1),
-                                           event.phase, step=event.first_step)
-        self._held.append(access)
+                                           event.phase, release=held)
+        self._held = access
         if access.tickets and self.wait_in_prefill and event.phase != Phase.DECODE:
             self.wait_copies(access.tickets)
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
         self.publish()
-        self._release()
-
-    def _release(self) -> None:
-        held, self._held = self._held, []
-        for access in held:
-            self.manager.release(access)
+        held, self._held = self._held, None
+        if held is not None:
+            self.manager.release(held)
 
     # -- lifetime ------------------------------------------------------------------------------
     def resident(self) -> dict[ExpertKey, int]:
         """A copy of expert -> slot for what is resident (published) now."""
         return dict(self.slot_of)
+
+    def pools(self) -> list:
+        """The manager's pools for this cache: one per layout that has slots (capacity = its
+        slots' bytes; the sinks are not charged), plus one of capacity 0 for layers whose
+        layout got no slot."""
+        from runtime.residency.manager import PoolSpec  # noqa: PLC0415
+
+        out = []
+        by_pool: dict[int, list[int]] = {}
+        for layer, pool in enumerate(self.pool_of_layer):
+            if pool >= 0:
+                by_pool.setdefault(pool, []).append(layer)
+        moe = set(self.manager.moe_layers)
+        for pool in sorted(by_pool):
+            n_slots, slot_bytes = self.cache.pool_info(pool)
+            out.append(PoolSpec(tuple(by_pool[pool]), n_slots * slot_bytes))
+        covered = {layer for layers in by_pool.values() for layer in layers}
+        none = sorted(moe - covered)
+        if none:
+            out.append(PoolSpec(tuple(none), 0))
+        return out
 
     def close(self) -> None:
         """Finish the copies in flight, then free the slots (before the model is freed)."""
@@ -210,7 +230,9 @@ class DeviceCache:
             return
         self._pool.shutdown(wait=True)
         self.publish()
-        self._release()
+        if self._held is not None:
+            self.manager.release(self._held)
+            self._held = None
         self.cache.close()
         self.source.close()
 
@@ -282,10 +304,11 @@ def attach(engine) -> DeviceCaches | None:
             notice(f"{device}: a budget of {capacity} bytes holds no expert slot next to the "
                    f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
             continue
-        if slot_bytes < capacity:      # the sinks live inside the budget: charge only the slots
-            manager.reconfigure(device, slot_bytes)
         source = ExpertSource(engine.settings.model_path, index)
         cache = DeviceCache(manager, device, shim_cache, source)
+        # the cache's pools (one per expert layout, its slots' bytes: the sinks live inside
+        # the budget but are never charged) become the manager's, per pool
+        manager.set_pools(device, cache.pools())
         claim_device(manager, device, cache)
         engine.add_route_observer(cache)
         caches.append(cache)

@@ -4,8 +4,8 @@ routing observer that pages each layer's experts in before its expert matmul run
 Flow per layer and ubatch (``on_route``, synchronous between router and matmul):
   1. the previous layer's lease is released and its transient experts' pages dropped (its
      matmul has run: the graph is sequential);
-  2. ``manager.access_layer("cpu", ...)`` decides hits, admissions (tickets, handed to
-     ``submit``) and transient uses;
+  2. ``manager.access_layer("cpu", ...)`` decides hits, admissions (resident at once; their
+     reads handed to ``submit``) and transient uses;
   3. the layer's experts that are not in the page cache are read in parallel: demand
      admissions (their tickets, on the pager's pool), transient uses, queued prefetches, and
      manager hits the kernel reclaimed (a one-page mincore probe per hit finds them; then one
@@ -45,7 +45,7 @@ DEVICE = "cpu"
 class RamTier:
     """Transport (device ``cpu``) + RouteObserver over llama.cpp's mapping of the model."""
 
-    inline = False      # Transport protocol: tickets commit when their reads are done
+    inline = True       # the manager decides at once; reads follow (see submit)
 
     def __init__(self, manager, layout: ExpertLayout, pager: Pager, *, budget_bytes: int,
                  mlock: bool = False, refill: bool = True):
@@ -57,8 +57,9 @@ class RamTier:
         self.notices: list[str] = []
         self._warned: set[str] = set()
         self._guard = threading.Lock()           # short: sets and counters, never across I/O
-        self._held: set[ExpertKey] = set()       # committed experts (their pages may stay)
+        self._held: set[ExpertKey] = set()       # read in and still resident (pages may stay)
         self._inflight: dict[int, tuple[Ticket, Future]] = {}   # ticket id -> (ticket, done)
+        self._evicted_in_flight: set[ExpertKey] = set()   # evicted while its read ran
         self._current: LayerAccess | None = None
         self._current_keys: frozenset[ExpertKey] = frozenset()  # needed by the running layer
         self._transient: tuple[ExpertKey, ...] = ()
@@ -74,10 +75,12 @@ class RamTier:
         self.manager = manager
 
     def submit(self, ticket: Ticket) -> None:
-        """Start paging ``ticket.key`` in; commit (or abort on a read error) when done."""
+        """Page ``ticket.key`` in (the manager holds it resident already); a read error makes
+        it leave the manager (``transfer_failed``)."""
         done: Future = Future()
         with self._guard:
             self._inflight[ticket.id] = (ticket, done)
+            self._evicted_in_flight.discard(ticket.key)
         spans = list(self.layout.ranges(ticket.key))
         # demand admissions on the pager's pool (the hook waits for them); prefetches behind
         # them on the background lane
@@ -85,10 +88,14 @@ class RamTier:
 
         def finished(fut: Future) -> None:
             stats: PageInStats = fut.result()
+            key = ticket.key
             with self._guard:
                 self._inflight.pop(ticket.id, None)
+                evicted = key in self._evicted_in_flight
+                self._evicted_in_flight.discard(key)
+                if stats.error is None and not evicted:
+                    self._held.add(key)
                 if stats.error is None:
-                    self._held.add(ticket.key)
                     if ticket.prefetch:
                         self._prefetched += stats.bytes
                     else:
@@ -96,12 +103,14 @@ class RamTier:
                 else:
                     self._errors += 1
             try:
-                if stats.error is None:
-                    self._lock_if_allowed(ticket.key)
-                    self.manager.commit(ticket)
+                if stats.error is not None:
+                    log.warning("page-in of %s failed: %s", key, stats.error)
+                    if not evicted:
+                        self.manager.transfer_failed(ticket)
+                elif evicted:                  # its pages came in after it left: drop them
+                    self.drop_pages(key)
                 else:
-                    log.warning("page-in of %s failed: %s", ticket.key, stats.error)
-                    self.manager.abort(ticket)
+                    self._lock_if_allowed(key)
             finally:
                 done.set_result(stats)
 
@@ -111,8 +120,10 @@ class RamTier:
         """The manager evicted ``key``: drop its pages that no held expert shares."""
         with self._guard:
             self._held.discard(key)
-            keep = set(self._held) | set(self._current_keys) | \
-                {t.key for t, _ in self._inflight.values()}
+            reading = {t.key for t, _ in self._inflight.values()}
+            if key in reading:                 # dropped when its read lands
+                self._evicted_in_flight.add(key)
+            keep = set(self._held) | set(self._current_keys) | reading
             self._dropped += 1
         if key in keep:
             return
@@ -141,8 +152,7 @@ class RamTier:
         try:
             self._finish_layer()
             experts = np.asarray(event.experts).reshape(-1)
-            access = self.manager.access_layer(DEVICE, event.layer, experts, event.phase,
-                                               step=event.first_step)
+            access = self.manager.access_layer(DEVICE, event.layer, experts, event.phase)
             keys = frozenset(ExpertKey(event.layer, int(e)) for e in np.unique(experts))
             with self._guard:
                 self._routes += 1

@@ -1,9 +1,8 @@
 """One manager, several transports: tickets and drops go to the transport of their device.
 
 The engine builds the manager with its default (simulated) transport; tiers that move bytes
-attach afterwards and claim their device. ``DeviceTransports`` is never inline: tickets of a
-device served by an inline transport (bookkeeping only) commit inside ``submit``, before
-``access_layer`` returns, so callers see them done.
+attach afterwards and claim their device. Whether a device's decisions are inline (resident
+from admission on) is its own transport's (``transport_for(device).inline``).
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from runtime.residency.types import ExpertKey, Ticket
 class DeviceTransports:
     """Dispatch by ``ticket.device``; unclaimed devices use ``default``."""
 
-    inline = False
+    inline = False   # per device: transport_for(device).inline
 
     def __init__(self, default):
         self.default = default
@@ -32,6 +31,10 @@ class DeviceTransports:
         for transport in self.by_device.values():
             transport.bind(manager)
 
+    def transport_for(self, device: str):
+        """The transport serving ``device``."""
+        return self.by_device.get(device, self.default)
+
     def submit(self, ticket: Ticket) -> None:
         self.by_device.get(ticket.device, self.default).submit(ticket)
 
@@ -48,4 +51,5 @@ def claim_device(manager, device: str, transport) -> DeviceTransports:
         manager.set_transport(mux)
     else:
         mux.claim(device, transport)
+        manager.refresh_transport()
     return mux

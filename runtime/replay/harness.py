@@ -1,9 +1,10 @@
 """Replay a routing trace through the residency manager in simulated mode.
 
-The manager is the one the runtime uses (``ExpertResidencyManager.create_simulated``); this
-module only feeds it: one ``access_layer`` per layer batch (``RouteTrace.batch_bounds``) with
-``lease=False``: the experts of a layer-step hold their leases for the call, which in replay is
-the whole layer-step (the same as ``release`` right after it).
+The manager is the one the runtime uses (``ExpertResidencyManager.create_simulated``, the same
+residency core); this module only feeds it: every layer batch (``RouteTrace.batch_bounds``) as
+one access in order, without leases (the experts of a layer-step are protected for the call,
+which in replay is the whole layer-step), through ``manager.replay`` (the core's own loop over
+the batches: the same access as ``access_layer``, without a Python call per batch).
 Offline policies get what they need from the trace's future: ``next_use`` for eviction
 ``belady`` / admission ``belady-bypass``, ``upcoming`` (the next layer-step) for prefetch
 ``belady``. Results come from the manager's own counters (``snapshot()``).
@@ -13,7 +14,6 @@ Offline policies get what they need from the trace's future: ``next_use`` for ev
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -21,8 +21,9 @@ import numpy as np
 from runtime.replay.belady import BoundResult, belady_ceiling, cold_miss_bytes, next_use
 from runtime.replay.cost_model import CostModel
 from runtime.residency.config import ResidencyConfig
-from runtime.residency.manager import ExpertResidencyManager
-from runtime.residency.types import Phase, UpcomingStep
+from runtime.errors import UserError
+from runtime.residency.manager import ExpertResidencyManager, PoolSpec
+from runtime.residency.types import Phase
 from runtime.traces.trace import PHASE_PREFILL, RouteTrace
 
 DEVICE = "sim"
@@ -47,9 +48,34 @@ class PreparedTrace:
     decode_tokens: int           # decode (and mixed) tokens
     runs: int = 0                # manager runs so far (one per cell)
     _next_use: np.ndarray | None = field(default=None, repr=False)
-    _next_use_list: list[int] | None = field(default=None, repr=False)
-    _expert_list: list[int] | None = field(default=None, repr=False)
     _ceilings: dict[int, BoundResult] = field(default_factory=dict, repr=False)
+
+    @property
+    def bounds(self) -> np.ndarray:
+        """(n_batches + 1,) int64 row offsets of the layer batches."""
+        return self._arrays()[0]
+
+    @property
+    def layer_arr(self) -> np.ndarray:
+        return self._arrays()[1]
+
+    @property
+    def phase_arr(self) -> np.ndarray:
+        return self._arrays()[2]
+
+    @property
+    def expert_i32(self) -> np.ndarray:
+        return self._arrays()[3]
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        cached = self.__dict__.get("_arr")
+        if cached is None:
+            cached = (np.asarray(self.starts + self.stops[-1:], dtype=np.int64),
+                      np.asarray(self.layers, dtype=np.int32),
+                      np.asarray([int(p) for p in self.phases], dtype=np.int8),
+                      self.experts.astype(np.int32))
+            self.__dict__["_arr"] = cached
+        return cached
 
     @property
     def accesses(self) -> int:
@@ -68,17 +94,6 @@ class PreparedTrace:
             found = belady_ceiling(self.trace, capacity_bytes, self.next_use())
             self._ceilings[capacity_bytes] = found
         return found
-
-    def next_use_list(self) -> list[int]:
-        if self._next_use_list is None:
-            self._next_use_list = self.next_use().tolist()
-        return self._next_use_list
-
-    def expert_list(self) -> list[int]:
-        """The experts column as a Python list (the manager takes list slices fastest)."""
-        if self._expert_list is None:
-            self._expert_list = self.experts.tolist()
-        return self._expert_list
 
 
 def prepare(trace: RouteTrace, name: str | None = None) -> PreparedTrace:
@@ -194,32 +209,33 @@ def offline_needs(config: ResidencyConfig) -> tuple[bool, bool]:
     return nxt, upcoming
 
 
-def replay_cell(prep: PreparedTrace, capacity_bytes: int, config: ResidencyConfig, *,
+def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, *,
                 label: str, capacity_label: str = "", with_belady: bool = True) -> CellResult:
     """Replay ``prep`` through a simulated manager; with the Belady ceiling when asked.
+    ``capacity_bytes`` None: the device pools the trace recorded (a live run's, exactly).
 
     The ceiling comes from ``belady.belady_ceiling``, an offline loop written apart from the
     manager that makes the same decisions as the manager's ``belady`` policy (eviction belady,
     admission belady-bypass; tests compare them on real traces) at a fraction of the cost.
     """
     cell = _run(prep, capacity_bytes, config, label, capacity_label)
-    if not with_belady:
+    if not with_belady or capacity_bytes is None:
         return cell
     ceiling = prep.ceiling(capacity_bytes)
     return replace(cell, belady_prefill_demand_miss_bytes=ceiling.demand_miss_bytes[0],
                    belady_decode_demand_miss_bytes=ceiling.demand_miss_bytes[1])
 
 
-def _run(prep: PreparedTrace, capacity_bytes: int, config: ResidencyConfig, label: str,
+def _run(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, label: str,
          capacity_label: str) -> CellResult:
     h = prep.trace.header
     prep.runs += 1
-    mgr = ExpertResidencyManager.create_simulated(
-        expert_bytes=h.expert_bytes, n_expert=h.n_expert, capacity_bytes=capacity_bytes,
-        config=config, device=DEVICE)
-    accesses = _drive(mgr, prep, *offline_needs(config))
+    mgr = simulated_manager(h, capacity_bytes, config)
+    miss_kind = mgr.replay(DEVICE, prep.bounds, prep.layer_arr, prep.phase_arr, prep.expert_i32,
+                           prep.next_use() if offline_needs(config)[0] else None,
+                           offline_needs(config)[1])
     cost = CostModel(config.cost, h.expert_bytes, h.dense_bytes)
-    _price(cost, prep, accesses)
+    _price(cost, prep, miss_kind)
     snap = mgr.snapshot().device(DEVICE)
     for phase in PHASES:
         cost.add_prefetch_bytes(phase, snap.phase(phase).prefetch_issued_bytes)
@@ -228,94 +244,66 @@ def _run(prep: PreparedTrace, capacity_bytes: int, config: ResidencyConfig, labe
     prefill = PhaseResult.from_counters(snap.phase(Phase.PREFILL))
     decode = _sum_phases(PhaseResult.from_counters(snap.phase(Phase.DECODE)),
                          PhaseResult.from_counters(snap.phase(Phase.MIXED)))
-    return CellResult(trace=prep.name, policy=label, capacity_bytes=capacity_bytes,
-                      capacity_label=capacity_label or str(capacity_bytes), prefill=prefill,
+    total = capacity_bytes if capacity_bytes is not None else sum(p.capacity_bytes
+                                                                   for p in h.pools)
+    return CellResult(trace=prep.name, policy=label, capacity_bytes=total,
+                      capacity_label=capacity_label or str(total), prefill=prefill,
                       decode=decode, decode_tokens=prep.decode_tokens,
                       cold_miss_bytes=prep.cold_miss_bytes, est_ttft_s=ttft, est_tpot_s=tpot)
 
 
-def _drive(mgr: ExpertResidencyManager, prep: PreparedTrace, needs_next: bool,
-           needs_upcoming: bool) -> list:
-    """One ``access_layer`` per layer batch, in order; the accesses.
-
-    The cyclic garbage collector is paused meanwhile: the loop allocates ~10 small acyclic
-    objects per batch (freed by reference counting), which would trigger a full collection
-    pass every few hundred batches for nothing (~15 % of the loop).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _drive_loop(mgr, prep, needs_next, needs_upcoming)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _drive_loop(mgr: ExpertResidencyManager, prep: PreparedTrace, needs_next: bool,
-                needs_upcoming: bool) -> list:
-    access = mgr.access_layer
-    experts, starts, stops = prep.expert_list(), prep.starts, prep.stops
-    layers, phases, steps = prep.layers, prep.phases, prep.steps
-    n_batches = len(starts)
-    out = [None] * n_batches
-    # lease=False: the manager holds the batch's leases for the call only, which in replay
-    # is the whole layer-step (the next call is the next layer-step)
-    if not needs_next and not needs_upcoming:      # the common case, kept tight
-        for b in range(n_batches):
-            out[b] = access(DEVICE, layers[b], experts[starts[b]:stops[b]], phases[b],
-                            step=steps[b], lease=False)
-        return out
-    nxt = prep.next_use_list() if needs_next else None
-    arr = prep.experts
-    for b in range(n_batches):
-        s, e = starts[b], stops[b]
-        kwargs = {}
-        if nxt is not None:
-            kwargs["next_use"] = nxt[s:e]
-        if needs_upcoming:                         # the next layer-step (none after the last)
-            nb = min(b + 1, n_batches - 1)
-            s2, e2 = (starts[nb], stops[nb]) if b + 1 < n_batches else (e, e)
-            kwargs["upcoming"] = UpcomingStep(layer=layers[nb], experts=arr[s2:e2],
-                                              access_index=np.arange(s2, e2, dtype=np.int64))
-        out[b] = access(DEVICE, layers[b], experts[s:e], phases[b], step=steps[b],
-                        lease=False, **kwargs)
-    return out
+def simulated_manager(header, capacity_bytes: int | None, config: ResidencyConfig
+                      ) -> ExpertResidencyManager:
+    """The manager a cell replays through: one simulated device of ``capacity_bytes``, or,
+    with None, of the pools (layers, capacity) the trace recorded from a live device."""
+    if capacity_bytes is not None:
+        return ExpertResidencyManager.create_simulated(
+            expert_bytes=header.expert_bytes, n_expert=header.n_expert,
+            capacity_bytes=capacity_bytes, config=config, device=DEVICE)
+    if not header.pools:
+        raise UserError(f"{header.model}: the trace recorded no device pools; give a capacity")
+    mgr = ExpertResidencyManager(config)
+    mgr.bind_model(header.expert_bytes, header.n_expert)
+    mgr.set_pools(DEVICE, [PoolSpec(tuple(p.layers), p.capacity_bytes) for p in header.pools])
+    return mgr
 
 
-def _price(cost: CostModel, prep: PreparedTrace, accesses: list) -> None:
-    """Feed the cost model: multi-token batches one by one, one-token batches summed per layer."""
+def _price(cost: CostModel, prep: PreparedTrace, miss_kind: np.ndarray) -> None:
+    """Feed the cost model from each row's miss kind (1 admitted, 2 transient, 3 joined; 0 on
+    hits and repeats): multi-token batches one by one, one-token batches summed per layer."""
     n_layer = len(cost.expert_bytes)
-    multi = prep.multi_token
-    single = [b for b in range(len(accesses)) if not multi[b]]
-    for b in range(len(accesses)):
-        if multi[b]:
-            s, e = prep.starts[b], prep.stops[b]
-            _price_batch(cost, prep.phases[b], prep.layers[b], prep.experts[s:e], accesses[b],
-                         prep.trace.header.n_expert_used)
-    if not single:
+    bounds = prep.bounds
+    sizes = np.diff(bounds)
+    batch_of = np.repeat(np.arange(len(sizes)), sizes)
+    missed = np.bincount(batch_of, weights=(miss_kind != 0), minlength=len(sizes))
+    admitted = np.bincount(batch_of, weights=(miss_kind == 1), minlength=len(sizes))
+    multi = np.asarray(prep.multi_token, dtype=bool)
+    k = prep.trace.header.n_expert_used
+    for b in np.flatnonzero(multi).tolist():
+        s, e = int(bounds[b]), int(bounds[b + 1])
+        experts = prep.experts[s:e]
+        kinds = miss_kind[s:e]
+        keys, tokens = np.unique(experts, return_counts=True)
+        miss_ids = set(experts[kinds != 0].tolist())
+        adm_ids = set(experts[kinds == 1].tolist())
+        ids = keys.tolist()
+        cost.add_batch_call(int(prep.phase_arr[b]), int(prep.layer_arr[b]), (e - s) // k, tokens,
+                            np.fromiter((x in miss_ids for x in ids), dtype=bool, count=len(ids)),
+                            np.fromiter((x in adm_ids for x in ids), dtype=bool, count=len(ids)))
+    single = ~multi
+    if not single.any():
         return
-    layer = np.asarray([prep.layers[b] for b in single], dtype=np.int64)
-    phase = np.asarray([int(prep.phases[b]) for b in single], dtype=np.int64)
-    hits = np.asarray([accesses[b].hits for b in single], dtype=np.float64)
-    misses = np.asarray([accesses[b].misses for b in single], dtype=np.float64)
-    admitted = np.asarray([len(accesses[b].admitted) for b in single], dtype=np.float64)
+    layer = prep.layer_arr[single].astype(np.int64)
+    phase = prep.phase_arr[single].astype(np.int64)
+    hits = (sizes[single] - missed[single]).astype(np.float64)
+    miss = missed[single]
+    adm = admitted[single]
     for ph in PHASES:
         m = phase == int(ph)
         if m.any():
             per_layer = [np.bincount(layer[m], weights=w[m], minlength=n_layer)
-                         for w in (hits, misses, admitted, np.ones(len(layer)))]
+                         for w in (hits, miss, adm, np.ones(len(layer)))]
             cost.add_single_token_counts(int(ph), *per_layer)
-
-
-def _price_batch(cost: CostModel, phase: Phase, layer: int, experts: np.ndarray, acc,
-                 k: int) -> None:
-    keys, tokens = np.unique(experts, return_counts=True)
-    missed_ids = {key.expert for key in acc.admitted + acc.transient if key.layer == layer}
-    admitted_ids = {key.expert for key in acc.admitted if key.layer == layer}
-    ids = keys.tolist()
-    missed = np.fromiter((x in missed_ids for x in ids), dtype=bool, count=len(ids))
-    admitted = np.fromiter((x in admitted_ids for x in ids), dtype=bool, count=len(ids))
-    cost.add_batch_call(int(phase), layer, len(experts) // k, tokens, missed, admitted)
 
 
 def _sum_phases(a: PhaseResult, b: PhaseResult) -> PhaseResult:

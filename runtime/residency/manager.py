@@ -15,81 +15,97 @@ Usage (simulated: no device, no llama.cpp; the live runtime runs the same code):
     print(m.snapshot().to_prometheus())
 
 Live: ``m = ExpertResidencyManager(load_config(path), transport=...)``, then
-``m.bind_model(facts.expert_bytes, facts.n_expert)`` and ``m.resolve_devices()``; each
-``access_layer`` returns tickets to wait on (``m.wait(access.tickets)``) before the matmul.
+``m.bind_model(facts.expert_bytes, facts.n_expert)`` and ``m.resolve_devices()``.
 
-The manager owns slots, bytes, leases and counters (``DeviceState``); policies only score and
-decide (``policies/``). One lock guards the state; it is never held while bytes move: tickets
-are handed to the transport after the lock is released.
+The manager is a lock, lease ids, ticket records and the transport over one residency core
+per device (runtime/residency/core: the C core; tests may pick its Python reference). The
+core owns every per-access decision and the state behind it; the manager turns its flat keys
+into ``ExpertKey``s, hands transfers to the transport after the lock is released, and
+reports. Each device is split into pools (layers that share a capacity; one pool unless the
+native cache reports several layouts): admission, eviction and counters are per pool.
+
+Transports: an ``inline`` transport (simulation, the native device cache, the RAM tier) lets
+the core decide at once: an admitted expert is resident from its admission on, whatever the
+transport's copy is doing, so replay and the live runtime decide alike; the transport is then
+told what to move (``submit``) and, should a move fail, calls ``transfer_failed``. A ticket
+transport (``inline = False``) gets tickets that keep their key pending (and their victims
+reserved) until it calls ``commit`` or ``abort``.
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 
 from runtime.errors import UserError
+from runtime.residency import core as core_api
+from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
-from runtime.residency.access_path import AccessPathMixin
-from runtime.residency.general_path import GeneralPathMixin
-from runtime.residency.device_state import RESIDENT_MAX, DeviceState
-from runtime.residency.native_step import load_lru_step
-from runtime.residency.policies import factory
-from runtime.residency.policies.prefetch import NoPrefetch
-from runtime.residency.static import StaticMixin
-from runtime.residency.stats import UsageStats
-from runtime.residency.telemetry import DeviceSnapshot, ResidencySnapshot
-from runtime.residency.transfers import TransfersMixin
+from runtime.residency.core import RESIDENT_MAX, CorePolicy, make_core
+from runtime.residency.telemetry import (DeviceSnapshot, PhaseCounters, PoolSnapshot,
+                                         ResidencySnapshot)
 from runtime.residency.transport import SimulatedTransport, Transport
-from runtime.residency.types import ExpertKey, LayerAccess, Phase
+from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
+
+_EMPTY: tuple = ()
+_new_tuple = tuple.__new__   # builds a LayerAccess without its Python-level __new__
+_PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """Layers that share one capacity on a device (the native cache: one expert layout)."""
 
-class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin, StaticMixin):
+    layers: tuple[int, ...]
+    capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)
+
+
+class _Device:
+    """One device: its core, pools, static flag and why nothing is admitted yet."""
+
+    __slots__ = ("name", "core", "pools", "static", "static_bytes", "reason", "inline", "sim")
+
+    def __init__(self, name: str, core, layers: tuple[int, ...], inline: bool, sim: bool):
+        self.name = name
+        self.core = core
+        self.pools: tuple[tuple[int, ...], ...] = (layers,)
+        self.static = False
+        self.static_bytes = 0
+        self.reason = "capacity not resolved yet (resolve_device() has not run)"
+        self.inline = inline
+        self.sim = sim            # nothing moves: no transport calls at all
+
+
+class ExpertResidencyManager:
     """Decides, records and counts expert residency on every device. Thread-safe."""
 
     def __init__(self, config: ResidencyConfig | None = None, *,
-                 transport: Transport | None = None):
+                 transport: Transport | None = None, core: str = "native"):
+        """``core``: "native" (the C core) or "reference" (its Python reference: tests)."""
         self.config = config if config is not None else ResidencyConfig()
+        self.policy = CorePolicy.from_config(self.config)
+        self._core_kind = core
         self._transport = transport if transport is not None else SimulatedTransport()
-        self._inline = bool(getattr(self._transport, "inline", False))
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        phases = [self.config.policies_for(p) for p in Phase]
-        specs: list = []
-        for pp in phases:
-            if pp.eviction not in specs:
-                specs.append(pp.eviction)
-        self._eviction_specs = specs
-        self._phase_evictor = tuple(specs.index(pp.eviction) for pp in phases)
-        self._admission = [factory.build_admission(pp.admission) for pp in phases]
-        self._prefetch = [factory.build_prefetch(pp.prefetch) for pp in phases]
-        self._prefetch[Phase.MIXED] = NoPrefetch()  # MIXED: no speculative prefetch
-        self._devices: dict[str, DeviceState] = {}
+        self._devices: dict[str, _Device] = {}
         self._n_expert = 0
         self._expert_bytes: np.ndarray | None = None
-        self._moe_layer: list[bool] = []
-        self._n_layer = 0
-        self._layer_base: list[int] = []
-        # MoE layer -> (flat key of its expert 0, {expert id: flat key}, bytes of one expert)
-        self._layer_flat: dict[int, tuple[int, dict[int, int], int]] = {}
-        self._next_layers: list[tuple[int, ...]] = []
-        self._seq = 0            # access sequence number: one per routed element
+        self._moe_layers: tuple[int, ...] = ()
+        self._keys: list[ExpertKey] = []
         self._next_lease = 1
-        self._next_ticket = 1
-        # leases live per device (DeviceState.leases): a lease only protects its own device
-        self._drop_noop = isinstance(self._transport, SimulatedTransport)
-        self._fast_enabled = True   # tests turn the one-pass lru path off to compare paths
-        self._lru_step = load_lru_step()   # C, or its Python reference (tests pick one)
+        self._next_job = 1 << 40          # ids of inline transfer notices (never core ids)
+        self._tickets: dict[int, Ticket] = {}   # pending tickets (ticket transports)
         self._transport.bind(self)
 
     # ---- setup ---------------------------------------------------------------------------
     @classmethod
     def create_simulated(cls, *, expert_bytes: Sequence[int], n_expert: int, capacity_bytes: int,
                          config: ResidencyConfig | None = None, policy: str | None = None,
-                         device: str = "sim") -> ExpertResidencyManager:
+                         device: str = "sim", core: str = "native") -> ExpertResidencyManager:
         """A manager over one simulated device with a fixed capacity (no GPU, no llama.cpp).
 
         ``policy`` is a preset name (``preset_config``), exclusive with ``config``.
@@ -98,7 +114,7 @@ class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin, 
             raise ValueError("give config or policy, not both")
         if policy is not None:
             config = preset_config(policy)
-        manager = cls(config)
+        manager = cls(config, core=core)
         manager.bind_model(expert_bytes, n_expert)
         manager.reconfigure(device, capacity_bytes)
         return manager
@@ -108,83 +124,58 @@ class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin, 
         eb = np.asarray(expert_bytes, dtype=np.int64)
         if eb.ndim != 1 or len(eb) == 0 or (eb < 0).any() or n_expert <= 0:
             raise UserError("bind_model: need per-layer expert bytes (>= 0) and n_expert > 0")
+        if not (eb > 0).any():
+            raise UserError("bind_model: the model has no layer with routed experts")
         with self._lock:
             if self._expert_bytes is not None:
                 raise UserError("bind_model: a model is already bound to this manager")
             self._expert_bytes = eb
             self._n_expert = int(n_expert)
-            self._moe_layer = (eb > 0).tolist()
-            self._n_layer = len(eb)
-            # flat key of (layer, expert 0); -1 for dense layers
-            self._layer_base = [i * int(n_expert) if b else -1
-                                for i, b in enumerate(self._moe_layer)]
-            self._layer_flat = {i: (base, {e: base + e for e in range(n_expert)}, int(eb[i]))
-                                for i, base in enumerate(self._layer_base) if base >= 0}
-            moe = [i for i, b in enumerate(self._moe_layer) if b]
-            self._next_layers = [tuple(x for x in moe if x > i) for i in range(len(eb))]
+            self._moe_layers = tuple(i for i, b in enumerate(eb.tolist()) if b > 0)
+            self._keys = [ExpertKey(layer, e) for layer in range(len(eb))
+                          for e in range(n_expert)]
             for budget in self.config.devices:
                 self._add_device(budget.device)
 
-    def _add_device(self, name: str) -> DeviceState:
-        evictors = [factory.build_eviction(s) for s in self._eviction_specs]
-        rates = {e.decay_rate for e in evictors if e.decay_rate > 0}
-        if len(rates) > 1:
-            raise UserError(f"{self.config.source}: lfu-decay half_life must be the same in "
-                            "every phase")
-        roles = [*self._admission, *self._prefetch]
-        stats = UsageStats(
-            len(self._expert_bytes), self._n_expert,
-            track_uses=any(getattr(p, "needs_uses", False) for p in [*evictors, *roles]),
-            decay_rate=rates.pop() if rates else 0.0,
-            track_next_use=any(getattr(p, "needs_next_use", False) for p in [*evictors, *roles]),
-            track_history=any(getattr(p, "needs_history", False) for p in self._prefetch))
-        st = DeviceState(name, self._expert_bytes, self._n_expert, evictors, self._phase_evictor,
-                         stats)
-        # lean: the per-access loop only records the access order (lru, or monotone scores
-        # that need nothing else); anything else takes the general loop
-        # fast[phase]: that phase may take the one-pass lru path (lru alone, admit always, no
-        # prefetch, inline transport, capacity set); access_layer also checks that nothing
-        # is leased, pinned or in flight
-        st.lean = (len(st.recency) <= 1 and not st.touch_each and stats.uses is None
-                   and stats.decay_log is None and stats.next_use is None
-                   and (len(st.recency) == 0 or len(st.orders) == 1))
-        st.fast_policy = [bool(st.lean and st.recency and self._admission[p].trivial
-                               and self._prefetch[p].name == "none") for p in range(3)]
-        self._refresh_fast(st)
-        self._devices[name] = st
-        return st
+    def _served_by(self, device: str) -> tuple[bool, bool]:
+        """(inline, simulated) for the transport serving ``device`` (a mux serves several)."""
+        pick = getattr(self._transport, "transport_for", None)
+        transport = pick(device) if pick is not None else self._transport
+        return bool(getattr(transport, "inline", False)), isinstance(transport,
+                                                                      SimulatedTransport)
+
+    def _add_device(self, name: str) -> _Device:
+        inline, sim = self._served_by(name)
+        core = make_core(self._core_kind, len(self._expert_bytes), self._n_expert,
+                         self._expert_bytes.tolist(), self.policy, inline=inline)
+        dev = _Device(name, core, self._moe_layers, inline, sim)
+        self._devices[name] = dev
+        return dev
 
     def set_transport(self, transport: Transport) -> None:
-        """Replace the transport: a tier (runtime.ramtier) attaching after the engine built
-        the manager. Only while nothing is leased or in flight (RuntimeError otherwise)."""
+        """Replace the transport: a tier (runtime.ramtier, runtime.native) attaching after the
+        engine built the manager. Only while nothing is leased or in flight (RuntimeError)."""
         with self._lock:
-            if any(st.leases or st.tickets for st in self._devices.values()):
+            if self._tickets or any(d.core.n_leases or d.core.n_pending
+                                    for d in self._devices.values()):
                 raise RuntimeError("set_transport: the manager has leases or tickets in flight")
             self._transport = transport
-            self._inline = bool(getattr(transport, "inline", False))
-            self._drop_noop = isinstance(transport, SimulatedTransport)
-            for st in self._devices.values():
-                self._refresh_fast(st)
+            self._refresh_locked()
         transport.bind(self)
+
+    def refresh_transport(self) -> None:
+        """Re-read which transport serves each device (a mux gained a device)."""
+        with self._lock:
+            self._refresh_locked()
+
+    def _refresh_locked(self) -> None:
+        for dev in self._devices.values():
+            dev.inline, dev.sim = self._served_by(dev.name)
+            dev.core.set_inline(dev.inline)
 
     @property
     def transport(self) -> Transport:
         return self._transport
-
-    def _refresh_fast(self, st: DeviceState) -> None:
-        ok = (self._inline and self._fast_enabled and st.capacity is not None
-              and not st.static)
-        st.fast = [ok and p for p in st.fast_policy]
-
-    @property
-    def _fast(self) -> bool:
-        return self._fast_enabled
-
-    @_fast.setter
-    def _fast(self, enabled: bool) -> None:
-        self._fast_enabled = enabled
-        for st in self._devices.values():
-            self._refresh_fast(st)
 
     def resolve_device(self, device: str, *, free_bytes: int | None,
                        total_bytes: int | None) -> int:
@@ -210,78 +201,362 @@ class ExpertResidencyManager(AccessPathMixin, GeneralPathMixin, TransfersMixin, 
         return out
 
     def reconfigure(self, device: str, capacity_bytes: int) -> None:
-        """Set a device's capacity atomically. Refused (UserError) below the bytes charged
-        (resident + in flight) or while tickets are pending on it."""
+        """Set a one-pool device's capacity atomically. Refused (UserError) below the bytes
+        charged (resident + in flight), while tickets are pending on it, or on a device split
+        into pools (``set_pools`` sets those)."""
         with self._lock:
             if self._expert_bytes is None:
                 raise UserError(f"{device}: reconfigure needs a bound model (bind_model)")
-            st = self._devices.get(device) or self._add_device(device)
+            dev = self._devices.get(device) or self._add_device(device)
             if capacity_bytes <= 0:
                 raise UserError(f"{device}: capacity must be positive, got {capacity_bytes}")
-            if st.tickets:
-                raise UserError(f"{device}: cannot reconfigure while {len(st.tickets)} "
-                                "transfer(s) are pending")
-            charged = st.resident_bytes + st.pending_bytes
-            if capacity_bytes < charged:
-                raise UserError(f"{device}: capacity {capacity_bytes} bytes is below the "
-                                f"{charged} bytes currently charged")
-            st.capacity = int(capacity_bytes)
-            st.reason = ""
-            self._refresh_fast(st)
+            if len(dev.pools) > 1:
+                raise UserError(f"{device}: the device has {len(dev.pools)} pools; its "
+                                "capacity is set per pool (set_pools)")
+            self._set_capacity(dev, 0, int(capacity_bytes))
+            dev.reason = ""
+
+    def _set_capacity(self, dev: _Device, pool: int, capacity: int) -> None:
+        rc = dev.core.set_capacity(pool, capacity)
+        if rc == core_api.ERR_PENDING:
+            raise UserError(f"{dev.name}: cannot reconfigure while "
+                            f"{dev.core.pool_stats(pool)[4]} transfer(s) are pending")
+        if rc == core_api.ERR_CHARGED:
+            _, resident, _, pending, _ = dev.core.pool_stats(pool)
+            raise UserError(f"{dev.name}: capacity {capacity} bytes is below the "
+                            f"{resident + pending} bytes currently charged")
+        if rc != 0:
+            raise UserError(f"{dev.name}: cannot set capacity (status {rc})")
+
+    def set_pools(self, device: str, pools: Sequence[PoolSpec]) -> None:
+        """Split ``device`` into pools (every MoE layer in exactly one), each with its own
+        capacity. Only while the device holds nothing (no resident expert, ticket or lease)."""
+        with self._lock:
+            if self._expert_bytes is None:
+                raise UserError(f"{device}: set_pools needs a bound model (bind_model)")
+            dev = self._devices.get(device) or self._add_device(device)
+            pool_of_layer = [-1] * len(self._expert_bytes)
+            for i, pool in enumerate(pools):
+                if pool.capacity_bytes < 0:
+                    raise UserError(f"{device}: pool {i}: capacity must be >= 0")
+                for layer in pool.layers:
+                    if layer not in self._moe_layers or pool_of_layer[layer] != -1:
+                        raise UserError(f"{device}: pool {i}: layer {layer} is not a MoE "
+                                        "layer, or is in two pools")
+                    pool_of_layer[layer] = i
+            missing = [layer for layer in self._moe_layers if pool_of_layer[layer] < 0]
+            if missing:
+                raise UserError(f"{device}: layers {missing} are in no pool")
+            rc = dev.core.set_pools(pool_of_layer, [p.capacity_bytes for p in pools])
+            if rc == core_api.ERR_STATE:
+                raise UserError(f"{device}: pools change only while the device holds nothing")
+            if rc != 0:
+                raise UserError(f"{device}: cannot set pools (status {rc})")
+            dev.pools = tuple(tuple(sorted(p.layers)) for p in pools)
+            dev.reason = ""
+
+    def pools(self, device: str) -> tuple[PoolSpec, ...]:
+        """The device's pools and their capacities (-1: unresolved)."""
+        with self._lock:
+            dev = self._device(device)
+            return tuple(PoolSpec(layers, dev.core.pool_stats(i)[0])
+                         for i, layers in enumerate(dev.pools))
+
+    def _device(self, device: str) -> _Device:
+        dev = self._devices.get(device)
+        if dev is None:
+            self._unknown_device(device)
+        return dev
 
     def _unknown_device(self, device: str):
         if self._expert_bytes is None:
             raise UserError("residency manager: no model bound yet (call bind_model first)")
         raise UserError(f"unknown device {device!r} (known: {', '.join(self._devices) or 'none'})")
 
-    def release(self, access: LayerAccess) -> None:
-        """End the leases of an access. Idempotent.
+    # ---- the hot path --------------------------------------------------------------------
+    def access_layer(self, device: str, layer: int, experts, phase: Phase, *,
+                     next_use=None, upcoming=None, lease: bool = True,
+                     release: LayerAccess | None = None) -> LayerAccess:
+        """Record one layer-step's routed experts; see contracts.md ("Residency").
 
-        Lock-free: one dict.pop is atomic under the GIL, and readers iterate a copy.
+        experts: (n_tokens * k,) int expert ids in routing order, each in [0, n_expert).
+        next_use: same shape, the access index of each element's next use (offline policies
+        only); upcoming: the next layer-step (``UpcomingStep``, prefetch belady only). With
+        ``lease`` the experts stay leased until ``release(access)``; ``lease=False`` holds them
+        only during this call (replay). ``release``: an earlier access whose leases end first,
+        exactly ``release(that)`` followed by this call.
         """
-        st = self._devices.get(access.device)
-        if st is not None:
-            st.leases.pop(access.lease_id, None)
+        dev = self._devices.get(device)
+        if dev is None:
+            self._unknown_device(device)
+        up = None if upcoming is None else (upcoming.layer, upcoming.experts,
+                                            upcoming.access_index)
+        with self._lock:
+            release_id = 0
+            if release is not None:
+                if release.device == device:
+                    release_id = release.lease_id
+                else:
+                    self._release_locked(release)
+            lease_id = 0
+            if lease:
+                lease_id = self._next_lease
+                self._next_lease = lease_id + 1
+            r = dev.core.access(layer, experts, int(phase), next_use, up, lease_id, release_id)
+            if r[0] != 0:
+                self._raise_access(dev, r[0], layer)
+            _, hits, misses, tr, dmb, admitted, evicted, transient, joined, new, pf = r
+            keys = self._keys
+            adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
+            ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
+            tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
+            if dev.sim:
+                return _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm,
+                                                ev, tra, _EMPTY, tr, lease_id))
+            submit, drops = [], list(ev) if dev.inline else []
+            if dev.inline:
+                jobs = []
+                for key in adm:
+                    job = Ticket(self._next_job, device, key,
+                                 int(self._expert_bytes[key.layer]), _EMPTY, phase, False)
+                    self._next_job += 1
+                    jobs.append(job)
+                submit.extend(jobs)
+                tickets = tuple(jobs)
+            else:
+                for tid in new:
+                    self._record_ticket(dev, tid)
+                tickets = tuple(self._tickets[t] for t in joined)
+                submit.extend(self._tickets[t] for t in new if t in self._tickets
+                              and not self._tickets[t].prefetch)
+            self._prefetch_results(dev, pf, phase, submit, drops)
+        access = _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm, ev, tra,
+                                          tickets, tr, lease_id))
+        self._after_unlock(device, submit, drops)
+        return access
+
+    def _raise_access(self, dev: _Device, rc: int, layer: int):
+        if rc == core_api.ERR_LAYER:
+            raise UserError(f"access_layer: layer {layer} has no routed experts in the model")
+        if rc == core_api.ERR_EXPERT:
+            raise UserError(f"access_layer: expert id {dev.core.last_bad} out of range "
+                            f"[0, {self._n_expert})")
+        if rc == core_api.ERR_UPCOMING:
+            raise UserError("access_layer: prefetch policy 'belady' is offline-only; "
+                            "pass upcoming")
+        if rc == core_api.ERR_NEXT_USE:
+            raise UserError("access_layer: an offline (belady) policy is configured; "
+                            "pass next_use")
+        if rc == core_api.ERR_NEXT_USE_LEN:
+            raise UserError("access_layer: next_use must have one entry per expert")
+        raise RuntimeError(f"residency core: status {rc}")
+
+    def _record_ticket(self, dev: _Device, tid: int) -> Ticket:
+        flat, phase, prefetch, nbytes, victims = dev.core.ticket(tid)
+        keys = self._keys
+        ticket = Ticket(tid, dev.name, keys[flat], nbytes, tuple(keys[v] for v in victims),
+                        Phase(phase), prefetch)
+        self._tickets[tid] = ticket
+        return ticket
+
+    def _prefetch_results(self, dev: _Device, prefetched, phase: Phase, submit: list,
+                          drops: list) -> list[Ticket]:
+        """Tickets of the prefetches a core call issued (under the lock)."""
+        out = []
+        keys = self._keys
+        for tid, flat, victims in prefetched:
+            if dev.inline:
+                ticket = Ticket(tid, dev.name, keys[flat], int(self._expert_bytes[flat // self._n_expert]),
+                                tuple(keys[v] for v in victims), phase, True)
+                drops.extend(ticket.victims)
+            else:
+                ticket = self._record_ticket(dev, tid)
+            submit.append(ticket)
+            out.append(ticket)
+        return out
+
+    def _after_unlock(self, device: str, submit: list[Ticket], drops: list[ExpertKey]) -> None:
+        """Drops first (their space is free to reuse), then the transfers."""
+        transport = self._transport
+        for key in drops:
+            transport.drop(device, key)
+        for ticket in submit:
+            transport.submit(ticket)
+
+    def replay(self, device: str, bounds: np.ndarray, layers: np.ndarray, phases: np.ndarray,
+               experts: np.ndarray, next_use: np.ndarray | None = None,
+               upcoming: bool = False) -> np.ndarray:
+        """Replay: every layer batch ``experts[bounds[b]:bounds[b + 1]]`` (layer ``layers[b]``,
+        phase ``phases[b]``) as one access, in order, with no lease: the same decisions as that
+        many ``access_layer(..., lease=False)`` calls, in one core call. ``next_use`` (one per
+        row) for offline policies; ``upcoming``: hand each batch the next one (prefetch belady).
+        Returns (n_rows,) int8: 1 admitted, 2 transient, 3 joined a transfer, at the first row
+        of each missed key; 0 elsewhere. Simulated devices only (nothing is moved)."""
+        dev = self._device(device)
+        if not dev.sim:
+            raise RuntimeError(f"replay: {device} is served by a real transport")
+        miss_kind = np.zeros(len(experts), dtype=np.int8)
+        with self._lock:
+            rc = dev.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind)
+            if rc != 0:
+                bad = int(np.asarray(experts).max(initial=0))
+                self._raise_access(dev, rc, int(np.asarray(layers).max(initial=0)))
+        return miss_kind
+
+    def release(self, access: LayerAccess) -> None:
+        """End the leases of an access. Idempotent."""
+        with self._lock:
+            self._release_locked(access)
+
+    def _release_locked(self, access: LayerAccess) -> None:
+        dev = self._devices.get(access.device)
+        if dev is not None and access.lease_id:
+            dev.core.release(access.lease_id)
+
+    # ---- prefetch and tickets ------------------------------------------------------------
+    def prefetch(self, device: str, keys: Sequence[ExpertKey], phase: Phase) -> list[Ticket]:
+        """Bring ``keys`` in ahead of demand where the eviction order allows; the tickets issued.
+
+        Prefetch is speculative: it never evicts a leased expert or one the eviction policy
+        ranks above the prefetched key, and it does nothing in MIXED batches.
+        """
+        dev = self._device(device)
+        ne = self._n_expert
+        submit: list[Ticket] = []
+        drops: list[ExpertKey] = []
+        with self._lock:
+            r = dev.core.prefetch([k.layer * ne + k.expert for k in keys], int(phase))
+            if r[0] != 0:
+                raise UserError(f"prefetch: {device}: a key is not a routed expert of the model")
+            issued = self._prefetch_results(dev, r[10], phase, submit, drops)
+        if not dev.sim:
+            self._after_unlock(device, submit, drops)
+        return issued
+
+    def commit(self, ticket: Ticket) -> bool:
+        """The transfer finished: the key is resident, its victims are gone. Idempotent."""
+        with self._lock:
+            dev = self._devices[ticket.device]
+            if not dev.core.commit(ticket.id):
+                return False
+            self._tickets.pop(ticket.id, None)
+            self._cond.notify_all()
+        for v in ticket.victims:
+            self._transport.drop(ticket.device, v)
+        return True
+
+    def abort(self, ticket: Ticket) -> bool:
+        """The transfer failed: the key stays absent, the victims stay resident. Idempotent."""
+        with self._lock:
+            dev = self._devices[ticket.device]
+            if not dev.core.abort(ticket.id):
+                return False
+            self._tickets.pop(ticket.id, None)
+            self._cond.notify_all()
+        return True
+
+    def transfer_failed(self, ticket: Ticket) -> bool:
+        """An inline transport could not move ``ticket``'s expert: it leaves the device (its
+        victims stay evicted), so manager and device agree. False when it is not resident."""
+        with self._lock:
+            dev = self._devices[ticket.device]
+            key = ticket.key
+            return dev.core.forget(key.layer * self._n_expert + key.expert) == 0
+
+    def wait(self, tickets: Sequence[Ticket], timeout: float | None = None) -> bool:
+        """Block until every ticket has committed or aborted; False on timeout."""
+        def done() -> bool:
+            return all(t.id not in self._tickets for t in tickets)
+        with self._cond:
+            return self._cond.wait_for(done, timeout)
+
+    # ---- static devices ------------------------------------------------------------------
+    def plan_static(self, device: str) -> static_plan.StaticPlan:
+        """The static plan for ``device`` at its resolved capacity (changes nothing)."""
+        return static_plan.plan(self, device)
+
+    def pin_static(self, device: str, plan: static_plan.StaticPlan) -> None:
+        """Make ``plan``'s experts resident on ``device`` for good and mark it static."""
+        static_plan.pin(self, device, plan)
+
+    def is_static(self, device: str) -> bool:
+        dev = self._devices.get(device)
+        return dev is not None and dev.static
 
     # ---- queries -------------------------------------------------------------------------
     def is_resident(self, device: str, key: ExpertKey) -> bool:
-        st = self._devices[device]
-        return st.state[key.layer * self._n_expert + key.expert] <= RESIDENT_MAX
+        dev = self._device(device)
+        with self._lock:
+            return dev.core.state(key.layer * self._n_expert + key.expert) <= RESIDENT_MAX
 
     def resident_mask(self, device: str, layer: int) -> np.ndarray:
         """(n_expert,) bool: which experts of ``layer`` are resident on ``device`` (a copy)."""
+        dev = self._device(device)
         with self._lock:
-            return self._devices[device].state_np[layer] <= RESIDENT_MAX
+            return dev.core.states()[layer] <= RESIDENT_MAX
 
     def capacity(self, device: str) -> int | None:
-        st = self._devices.get(device)
-        return None if st is None else st.capacity
+        """The device's capacity (all pools), or None while a pool is unresolved."""
+        dev = self._devices.get(device)
+        if dev is None:
+            return None
+        with self._lock:
+            caps = [dev.core.pool_stats(i)[0] for i in range(len(dev.pools))]
+        return None if any(c < 0 for c in caps) else sum(caps)
 
     def unresolved_reason(self, device: str) -> str | None:
         """Why nothing is admitted on ``device`` (None once its capacity is set)."""
         if self._expert_bytes is None:
             return "no model bound yet (bind_model)"
-        st = self._devices.get(device)
-        if st is None:
+        dev = self._devices.get(device)
+        if dev is None:
             return f"unknown device {device!r}"
-        return st.reason or None
+        return dev.reason or None
 
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(self._devices)
 
+    @property
+    def n_expert(self) -> int:
+        return self._n_expert
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self._moe_layers
+
     def verify(self) -> None:
         """Assert every bookkeeping invariant (tests and debugging; O(experts))."""
         with self._lock:
-            for st in self._devices.values():
-                st.verify()
+            for dev in self._devices.values():
+                code = dev.core.verify()
+                assert code == 0, f"{dev.name}: residency core invariant {code} broken"
+                pending = sum(1 for t in self._tickets.values() if t.device == dev.name)
+                assert pending == dev.core.n_pending, f"{dev.name}: tickets disagree"
 
     def snapshot(self) -> ResidencySnapshot:
-        """Counters and occupancy of every device, frozen."""
+        """Counters and occupancy of every device and pool, frozen."""
         with self._lock:
-            return ResidencySnapshot(tuple(
-                DeviceSnapshot(st.name, st.capacity, st.resident_bytes, st.resident_count,
-                               len(st.tickets), st.pending_bytes,
-                               tuple(t.freeze() for t in st.tally), st.reason,
-                               st.static_bytes if st.static else None)
-                for st in self._devices.values()))
+            return ResidencySnapshot(tuple(self._device_snapshot(d)
+                                           for d in self._devices.values()))
+
+    def _device_snapshot(self, dev: _Device) -> DeviceSnapshot:
+        pools = []
+        for i, layers in enumerate(dev.pools):
+            cap, res_b, res_n, pend_b, pend_n = dev.core.pool_stats(i)
+            phases = tuple(_counters(dev.core.counters(i, int(p))) for p in _PHASES)
+            pools.append(PoolSnapshot(layers, None if cap < 0 else cap, res_b, res_n, pend_n,
+                                      pend_b, phases))
+        total = tuple(sum((p.phases[i] for p in pools), PhaseCounters()) for i in range(3))
+        caps = [p.capacity_bytes for p in pools]
+        return DeviceSnapshot(dev.name, None if None in caps else sum(caps),
+                              sum(p.resident_bytes for p in pools),
+                              sum(p.resident_experts for p in pools),
+                              sum(p.pending_tickets for p in pools),
+                              sum(p.pending_bytes for p in pools), total, dev.reason,
+                              dev.static_bytes if dev.static else None, tuple(pools))
+
+
+def _counters(values: tuple[int, ...]) -> PhaseCounters:
+    d = dict(zip(core_api.COUNTERS, values))
+    return PhaseCounters(hits=d["accesses"] - d["misses"], **d)

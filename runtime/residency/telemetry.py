@@ -1,7 +1,9 @@
-"""Residency counters: mutable per-phase tallies inside the manager, frozen snapshots outside.
+"""Residency counters: frozen snapshots of the core's per-(pool, phase) counters.
 
 A snapshot renders as a dict, JSON, or Prometheus text exposition format (``moe_expert_*``
-families; counters carry ``device`` and ``phase`` labels, gauges ``device``).
+families; counters carry ``device`` and ``phase`` labels, gauges ``device``; the pool
+families ``moe_expert_pool_*`` carry ``device`` and ``pool``). ``hits`` is derived
+(accesses - misses: every access is a hit or a distinct-key miss).
 """
 from __future__ import annotations
 
@@ -29,23 +31,6 @@ COUNTER_HELP = {
 }
 
 
-class PhaseTally:
-    """Mutable counters of one (device, phase); only the manager touches them, under its lock.
-
-    ``hits`` is not kept: every access is a hit or a (distinct-key) miss, so
-    hits == accesses - misses (one counter less to update per call)."""
-
-    __slots__ = tuple(name for name in COUNTER_HELP if name != "hits")
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-    def freeze(self) -> PhaseCounters:
-        values = {name: getattr(self, name) for name in self.__slots__}
-        return PhaseCounters(hits=self.accesses - self.misses, **values)
-
-
 @dataclass(frozen=True, slots=True)
 class PhaseCounters:
     accesses: int = 0
@@ -70,6 +55,26 @@ class PhaseCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """One pool of a device: layers sharing a capacity (one expert layout in the native cache)."""
+
+    layers: tuple[int, ...]
+    capacity_bytes: int | None       # None: not resolved yet
+    resident_bytes: int
+    resident_experts: int
+    pending_tickets: int
+    pending_bytes: int
+    phases: tuple[PhaseCounters, ...]  # indexed by Phase
+
+    def to_dict(self) -> dict:
+        return {"layers": list(self.layers), "capacity_bytes": self.capacity_bytes,
+                "resident_bytes": self.resident_bytes,
+                "resident_experts": self.resident_experts,
+                "pending_tickets": self.pending_tickets, "pending_bytes": self.pending_bytes,
+                "phases": {p.label: asdict(self.phases[p]) for p in Phase}}
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceSnapshot:
     device: str
     capacity_bytes: int | None       # None: not resolved yet (see note)
@@ -80,6 +85,7 @@ class DeviceSnapshot:
     phases: tuple[PhaseCounters, ...]  # indexed by Phase
     note: str = ""
     static_bytes: int | None = None  # pinned by pin_static (static device); None: not static
+    pools: tuple[PoolSnapshot, ...] = ()
 
     def phase(self, phase: Phase) -> PhaseCounters:
         return self.phases[int(phase)]
@@ -114,6 +120,7 @@ class ResidencySnapshot:
                 "note": d.note,
                 "static_bytes": d.static_bytes,
                 "phases": {p.label: asdict(d.phases[p]) for p in Phase},
+                "pools": [pool.to_dict() for pool in d.pools],
             }
         return {"devices": out}
 
@@ -149,6 +156,28 @@ class ResidencySnapshot:
                 value = getattr(d, attr)
                 if value is not None:
                     lines.append(f'{family}{{device="{_escape(d.device)}"}} {value}')
+        pool_gauges = {"capacity_bytes": "Expert budget of one pool of a device.",
+                       "resident_bytes": "Bytes of experts resident in one pool of a device.",
+                       "resident_experts": "Experts resident in one pool of a device."}
+        for name, helptext in pool_gauges.items():
+            family = f"moe_expert_pool_{name}"
+            lines.append(f"# HELP {family} {helptext}")
+            lines.append(f"# TYPE {family} gauge")
+            for d in self.devices:
+                for i, pool in enumerate(d.pools):
+                    value = getattr(pool, name)
+                    if value is not None:
+                        lines.append(f'{family}{{device="{_escape(d.device)}",pool="{i}"}} '
+                                     f"{value}")
+        for name in ("misses", "evictions"):
+            family = f"moe_expert_pool_{name}_total"
+            lines.append(f"# HELP {family} {COUNTER_HELP[name]} Per pool.")
+            lines.append(f"# TYPE {family} counter")
+            for d in self.devices:
+                for i, pool in enumerate(d.pools):
+                    for p in Phase:
+                        lines.append(f'{family}{{device="{_escape(d.device)}",pool="{i}",'
+                                     f'phase="{p.label}"}} {getattr(pool.phases[p], name)}')
         return "\n".join(lines) + "\n"
 
 

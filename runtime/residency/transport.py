@@ -1,9 +1,14 @@
-"""Transports move expert bytes for the manager's tickets; the manager never holds its lock
+"""Transports move expert bytes for the manager's decisions; the manager never holds its lock
 while they do.
 
-Contract: ``submit(ticket)`` must eventually call ``manager.commit(ticket)`` or
-``manager.abort(ticket)`` (from any thread); ``drop(device, key)`` is called after a commit
-for each of the ticket's victims (and for inline evictions) once their space is free to reuse.
+Two kinds (``inline``):
+  * inline (``SimulatedTransport``, the native device cache, the RAM tier): the core decides
+    at once (an admitted expert is resident from its admission on); ``drop(device, key)`` is
+    called for each victim, then ``submit(ticket)`` for each expert to move. A move that fails
+    calls ``manager.transfer_failed(ticket)``: the expert leaves the device.
+  * ticket (``ThreadedTransport``, ``ManualTransport``): ``submit(ticket)`` must eventually call
+    ``manager.commit(ticket)`` or ``manager.abort(ticket)`` (from any thread); the key is pending
+    and its victims reserved meanwhile; ``drop`` is called for the victims after the commit.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ class Transport(Protocol):
 
 
 class SimulatedTransport:
-    """No bytes move; every ticket commits at once. Replay and tests."""
+    """No bytes move (replay and tests): the manager does not even call it."""
 
     inline = True
 
@@ -31,7 +36,7 @@ class SimulatedTransport:
         self.manager = manager
 
     def submit(self, ticket: Ticket) -> None:
-        self.manager.commit(ticket)
+        return None
 
     def drop(self, device: str, key: ExpertKey) -> None:
         return None

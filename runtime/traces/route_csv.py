@@ -3,6 +3,7 @@
     # route_trace v1
     # model=PATH arch=ARCH n_layer=N n_expert=E n_expert_used=K
     # layer=L expert_bytes=B dense_bytes=D          (one line per layer, 0..N-1)
+    # pool=I capacity_bytes=C layers=L1,L2,...       (optional: the recording device's pools)
     turn,phase,step,layer,slot,expert,weight,residency,expert_bytes
     0,0,0,0,0,49,0.221297,0,3059712                 (one row per routed expert)
 
@@ -28,6 +29,7 @@ _MODEL_RE = re.compile(
     r"^# model=(?P<model>.*) arch=(?P<arch>\S+) n_layer=(?P<n_layer>\d+) "
     r"n_expert=(?P<n_expert>\d+) n_expert_used=(?P<n_expert_used>\d+)\s*$")
 _LAYER_RE = re.compile(r"^# layer=(\d+) expert_bytes=(\d+) dense_bytes=(\d+)\s*$")
+_POOL_RE = re.compile(r"^# pool=(\d+) capacity_bytes=(\d+) layers=(\d+(?:,\d+)*)\s*$")
 # CSV column -> (RouteTrace column, numpy dtype used while parsing)
 _CSV_COLUMNS = (("turn", "i8"), ("phase", "i8"), ("step", "i8"), ("layer", "i8"),
                 ("slot", "i8"), ("expert", "i8"), ("weight", "f8"), ("residency", "i8"),
@@ -77,6 +79,7 @@ def _parse_preamble(name: str, lines: list[str]) -> tuple[TraceHeader, int]:
         raise UserError(f"{name}: line 1: expected '{MAGIC_LINE}', got '{lines[0][:60]}'")
     model = None
     layers: dict[int, tuple[int, int]] = {}
+    pools: list[dict] = []
     i = 1
     while i < len(lines) and lines[i].startswith("#"):
         line = lines[i].rstrip("\r")
@@ -86,6 +89,13 @@ def _parse_preamble(name: str, lines: list[str]) -> tuple[TraceHeader, int]:
                 raise UserError(f"{name}: line {i + 1}: malformed model line (expected "
                                 "'# model=PATH arch=ARCH n_layer=N n_expert=E n_expert_used=K')")
             model = m
+        elif line.startswith("# pool="):
+            m = _POOL_RE.match(line)
+            if not m or int(m.group(1)) != len(pools):
+                raise UserError(f"{name}: line {i + 1}: malformed pool line (expected "
+                                f"'# pool={len(pools)} capacity_bytes=C layers=L1,L2,...')")
+            pools.append({"capacity_bytes": int(m.group(2)),
+                          "layers": [int(x) for x in m.group(3).split(",")]})
         elif line.startswith("# layer="):
             m = _LAYER_RE.match(line)
             if not m:
@@ -115,7 +125,7 @@ def _parse_preamble(name: str, lines: list[str]) -> tuple[TraceHeader, int]:
             n_expert=int(model.group("n_expert")),
             n_expert_used=int(model.group("n_expert_used")),
             expert_bytes=tuple(layers[layer][0] for layer in range(n_layer)),
-            dense_bytes=tuple(layers[layer][1] for layer in range(n_layer)))
+            dense_bytes=tuple(layers[layer][1] for layer in range(n_layer)), pools=tuple(pools))
     except ValueError as exc:
         raise UserError(f"{name}: bad model facts in the preamble ({exc})") from None
     return header, i + 1
@@ -171,6 +181,8 @@ def format_preamble(header: TraceHeader) -> str:
     out = [MAGIC_LINE,
            f"# model={header.model} arch={header.arch} n_layer={header.n_layer} "
            f"n_expert={header.n_expert} n_expert_used={header.n_expert_used}"]
+    out += [f"# pool={i} capacity_bytes={p.capacity_bytes} "
+            f"layers={','.join(map(str, p.layers))}" for i, p in enumerate(header.pools)]
     out += [f"# layer={layer} expert_bytes={eb} dense_bytes={db}"
             for layer, (eb, db) in enumerate(zip(header.expert_bytes, header.dense_bytes))]
     out.append(HEADER_LINE)

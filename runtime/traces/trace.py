@@ -37,6 +37,18 @@ COLUMNS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class TracePool:
+    """One pool of the device a live run recorded with (runtime.residency.manager.PoolSpec):
+    replay with these pools reproduces that run's decisions exactly."""
+
+    layers: tuple[int, ...]
+    capacity_bytes: int
+
+    def to_json(self) -> dict:
+        return {"layers": list(self.layers), "capacity_bytes": self.capacity_bytes}
+
+
+@dataclass(frozen=True)
 class TraceHeader:
     """Model facts a trace carries: enough to replay it without the model file."""
 
@@ -47,10 +59,20 @@ class TraceHeader:
     n_expert_used: int              # top-k
     expert_bytes: tuple[int, ...]   # (n_layer,) bytes of ONE expert of each layer; 0 = dense
     dense_bytes: tuple[int, ...]    # (n_layer,) bytes of the layer's other tensors
+    pools: tuple[TracePool, ...] = ()   # the recording device's pools (empty: none recorded)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_bytes", tuple(int(b) for b in self.expert_bytes))
         object.__setattr__(self, "dense_bytes", tuple(int(b) for b in self.dense_bytes))
+        object.__setattr__(self, "pools", tuple(
+            p if isinstance(p, TracePool) else TracePool(tuple(int(x) for x in p["layers"]),
+                                                         int(p["capacity_bytes"]))
+            for p in self.pools))
+        moe = {i for i, b in enumerate(self.expert_bytes) if b > 0}
+        if self.pools:
+            layers = [x for p in self.pools for x in p.layers]
+            if sorted(layers) != sorted(moe) or any(p.capacity_bytes < 0 for p in self.pools):
+                raise ValueError("pools must hold every MoE layer once, with capacities >= 0")
         if self.n_layer <= 0 or self.n_expert <= 0 or self.n_expert_used <= 0:
             raise ValueError("n_layer, n_expert and n_expert_used must be positive")
         if self.n_layer > 32767 or self.n_expert > 32767:  # layer/expert columns are int16
@@ -72,6 +94,7 @@ class TraceHeader:
             "model": self.model, "arch": self.arch, "n_layer": self.n_layer,
             "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
             "expert_bytes": list(self.expert_bytes), "dense_bytes": list(self.dense_bytes),
+            **({"pools": [p.to_json() for p in self.pools]} if self.pools else {}),
         }
 
     @classmethod
@@ -80,6 +103,7 @@ class TraceHeader:
             model=str(obj["model"]), arch=str(obj["arch"]), n_layer=int(obj["n_layer"]),
             n_expert=int(obj["n_expert"]), n_expert_used=int(obj["n_expert_used"]),
             expert_bytes=tuple(obj["expert_bytes"]), dense_bytes=tuple(obj["dense_bytes"]),
+            pools=tuple(obj.get("pools", ())),
         )
 
 

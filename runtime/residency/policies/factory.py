@@ -1,33 +1,51 @@
-"""Policies by name: the one place that knows every policy, its parameters and defaults."""
+"""Policies by name: the one place that knows every policy, its parameters and defaults.
+
+The policies themselves run in the residency core (runtime/residency/core: the C core and its
+Python reference); what each one does:
+  eviction (a score per resident expert; the lowest (score, last access, layer, expert) goes)
+    lru             score = last access sequence number
+    lfu             routed count over the device's whole history
+    lfu-decay       exponentially decayed count: a use ``half_life`` accesses ago counts half
+    phase-weighted  w_prefill * prefill uses + w_decode * (decode + mixed) uses
+    belady          offline: -(next use)
+  admission (a demand miss is admitted, or used transiently)
+    always                 admit whenever victims exist
+    reuse-threshold        decode: admit once routed >= break_even times (prefill: always)
+    transient-on-pressure  admit unless the first victim was used within ``window`` accesses
+    belady-bypass          offline: admit only if used again before the first victim
+  prefetch (after a layer's access: keys to bring in while victims rank below them)
+    chunk-plan   prefill: the next ``depth`` layers' experts of the previous chunk
+    popularity   the next layer's ``top_n`` most routed experts
+    belady       offline: the next layer-step's experts
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from runtime.errors import UserError
-from runtime.residency.policies import admission, eviction, prefetch
 
 ROLES = ("admission", "prefetch", "eviction")
 
-# role -> name -> (class, {param: default})
-_REGISTRY: dict[str, dict[str, tuple[type, dict[str, float]]]] = {
+# role -> name -> {param: default}
+_REGISTRY: dict[str, dict[str, dict[str, float]]] = {
     "eviction": {
-        "lru": (eviction.Lru, {}),
-        "lfu": (eviction.Lfu, {}),
-        "lfu-decay": (eviction.LfuDecay, {"half_life": 4096.0}),
-        "phase-weighted": (eviction.PhaseWeighted, {"w_prefill": 1.0, "w_decode": 4.0}),
-        "belady": (eviction.Belady, {}),
+        "lru": {},
+        "lfu": {},
+        "lfu-decay": {"half_life": 4096.0},
+        "phase-weighted": {"w_prefill": 1.0, "w_decode": 4.0},
+        "belady": {},
     },
     "admission": {
-        "always": (admission.AlwaysAdmit, {}),
-        "reuse-threshold": (admission.ReuseThreshold, {"break_even": 2.0}),
-        "transient-on-pressure": (admission.TransientOnPressure, {"window": 4096.0}),
-        "belady-bypass": (admission.BeladyBypass, {}),
+        "always": {},
+        "reuse-threshold": {"break_even": 2.0},
+        "transient-on-pressure": {"window": 4096.0},
+        "belady-bypass": {},
     },
     "prefetch": {
-        "none": (prefetch.NoPrefetch, {}),
-        "chunk-plan": (prefetch.ChunkPlan, {"depth": 1.0}),
-        "popularity": (prefetch.Popularity, {"top_n": 4.0}),
-        "belady": (prefetch.BeladyPrefetch, {}),
+        "none": {},
+        "chunk-plan": {"depth": 1.0},
+        "popularity": {"top_n": 4.0},
+        "belady": {},
     },
 }
 # parameters that must be > 0 (the rest must be >= 0)
@@ -53,11 +71,11 @@ def policy_names(role: str) -> tuple[str, ...]:
 
 def param_names(role: str) -> tuple[str, ...]:
     """Every parameter any policy of ``role`` takes (sorted)."""
-    return tuple(sorted({p for _, defaults in _REGISTRY[role].values() for p in defaults}))
+    return tuple(sorted({p for defaults in _REGISTRY[role].values() for p in defaults}))
 
 
 def param_defaults(role: str, name: str) -> dict[str, float]:
-    return dict(_REGISTRY[role][name][1])
+    return dict(_REGISTRY[role][name])
 
 
 def make_spec(role: str, name: object, params: dict | None = None, *,
@@ -68,7 +86,7 @@ def make_spec(role: str, name: object, params: dict | None = None, *,
     if not isinstance(name, str) or name not in table:
         raise UserError(f"{prefix}unknown {role} policy {name!r} "
                         f"(valid: {', '.join(table)})")
-    defaults = table[name][1]
+    defaults = table[name]
     values = dict(defaults)
     for key, value in (params or {}).items():
         if key not in defaults:
@@ -86,22 +104,3 @@ def make_spec(role: str, name: object, params: dict | None = None, *,
             raise UserError(f"{prefix}{key} must be >= 0, got {value:g}")
         values[key] = value
     return PolicySpec(name, tuple(sorted(values.items())))
-
-
-def build(role: str, spec: PolicySpec):
-    """The policy object for a spec (raises UserError for an unknown name)."""
-    checked = make_spec(role, spec.name, spec.kwargs())
-    cls = _REGISTRY[role][checked.name][0]
-    return cls(**checked.kwargs())
-
-
-def build_eviction(spec: PolicySpec):
-    return build("eviction", spec)
-
-
-def build_admission(spec: PolicySpec):
-    return build("admission", spec)
-
-
-def build_prefetch(spec: PolicySpec):
-    return build("prefetch", spec)

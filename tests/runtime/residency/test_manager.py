@@ -106,9 +106,9 @@ def lru_reference(stream, capacity, sizes):
     return decisions
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("core", ["native", "reference"])
 @pytest.mark.parametrize("capacity", [150, 300, 1200, 4000])
-def test_lru_matches_reference_loop(zipf_stream, fast, capacity):
+def test_lru_matches_reference_loop(zipf_stream, core, capacity):
     sizes = [100, 170, 100, 240]               # mixed expert sizes per layer
     rng = np.random.default_rng(1)
     steps = []
@@ -120,8 +120,8 @@ def test_lru_matches_reference_loop(zipf_stream, fast, capacity):
             else:
                 steps.append((layer, s[t, layer]))
     m = ExpertResidencyManager.create_simulated(expert_bytes=sizes, n_expert=16,
-                                                capacity_bytes=capacity, policy="lru")
-    m._fast = fast
+                                                capacity_bytes=capacity, policy="lru",
+                                                core=core)
     got = []
     for layer, experts in steps:
         a = m.access_layer("sim", layer, experts, Phase.DECODE, lease=False)
@@ -151,17 +151,18 @@ def test_same_sequence_same_decisions(zipf_stream, policy):
     assert run() == run()
 
 
-def test_fast_path_equals_general_path(zipf_stream):
+def test_native_core_equals_reference_core(zipf_stream):
     s = zipf_stream(200, 6, 32, 4, seed=3)
 
-    def run(fast):
-        m = sim(40 * 100, layers=6, experts=32)
-        m._fast = fast
+    def run(core):
+        m = ExpertResidencyManager.create_simulated(
+            expert_bytes=[100] * 6, n_expert=32, capacity_bytes=40 * 100, policy="lru",
+            core=core)
         out = [m.access_layer("sim", layer, s[t, layer], Phase.DECODE, lease=False)
                for t in range(200) for layer in range(6)]
         m.verify()
         return out, m.snapshot()
-    assert run(True) == run(False)
+    assert run("native") == run("reference")
 
 
 def test_phase_agnostic_equals_phase_specific_with_same_policy(zipf_stream):
@@ -327,10 +328,8 @@ def test_chunk_plan_prestages_next_layer():
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("fast", [True, False])
-def test_bad_expert_id_leaves_no_trace(policy, fast):
+def test_bad_expert_id_leaves_no_trace(policy):
     m = sim(300, policy)
-    m._fast = fast
     m.release(m.access_layer("sim", 0, np.array([1]), Phase.DECODE))
     with pytest.raises(UserError, match="expert id 9 out of range"):
         m.access_layer("sim", 0, np.array([2, 3, 9]), Phase.DECODE)

@@ -1,18 +1,14 @@
 """Policies by name, eviction orders, admission and offline (belady) behaviour."""
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
 from runtime.errors import UserError
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig, preset_config
 from runtime.residency.manager import ExpertResidencyManager
-from runtime.residency.ordering import ScoreHeap
+from runtime.residency.core import NEVER, CorePolicy
 from runtime.residency.policies import factory
-from runtime.residency.policies.eviction import Lfu
-from runtime.residency.stats import NEVER, UsageStats
 from runtime.residency.types import ExpertKey, Phase, UpcomingStep
 
 K = ExpertKey
@@ -32,7 +28,8 @@ def test_factory_lists_valid_names(role, valid):
 def test_factory_params():
     spec = factory.make_spec("eviction", "lfu-decay", {"half_life": 10})
     assert spec.params == (("half_life", 10.0),)
-    assert factory.build_eviction(spec).decay_rate == pytest.approx(np.log(2) / 10)
+    cfg = ResidencyConfig(phase_specific=False, decode=PhasePolicies(eviction=spec))
+    assert CorePolicy.from_config(cfg).decay_rate == pytest.approx(np.log(2) / 10)
     with pytest.raises(UserError, match="no parameter 'alpha'"):
         factory.make_spec("eviction", "lru", {"alpha": 1})
     with pytest.raises(UserError, match="half_life must be > 0"):
@@ -41,32 +38,20 @@ def test_factory_params():
         factory.make_spec("eviction", "phase-weighted", {"w_decode": -1})
 
 
-def test_tie_break_is_a_total_order_regardless_of_candidate_order():
-    # equal scores and equal access sequence: the lowest (layer, expert) goes first
-    stats = UsageStats(4, 8, track_uses=True, decay_rate=0.0, track_next_use=False,
-                       track_history=False)
-    state = bytearray([1]) * 32
-    version = [0] * 32
-    cands = [3, 9, 17, 26, 30]
-    for f in cands:
-        stats.last_seq[f] = 7
-    victims = set()
-    for seed in range(20):
-        heap = ScoreHeap(Lfu(), stats, state, version)
-        order = cands[:]
-        random.Random(seed).shuffle(order)
-        for f in order:
-            heap.add(f)
-        victims.add(heap.pop_victim(10**9, set(), set()))
-    assert victims == {3}
-    # score first, then older access
-    stats.uses[9] = 5
-    stats.last_seq[26] = 2
-    heap = ScoreHeap(Lfu(), stats, state, version)
-    for f in reversed(cands):
-        heap.add(f)
-    popped = [heap.pop_victim(10**9, set(), set()) for _ in cands]
-    assert popped == [26, 3, 17, 30, 9]
+@pytest.mark.parametrize("core", ["native", "reference"])
+def test_tie_break_is_a_total_order(core):
+    # lfu: equal uses, so the older access goes first; equal uses and age cannot happen
+    # (one sequence number per access), so the rule (score, last seq, layer, expert) decides
+    m = ExpertResidencyManager.create_simulated(expert_bytes=[1, 1], n_expert=8,
+                                                capacity_bytes=4, policy="lfu", core=core)
+    for layer, e in [(1, 3), (0, 5), (0, 2), (1, 1)]:
+        m.access_layer("sim", layer, np.array([e]), Phase.DECODE, lease=False)
+    m.access_layer("sim", 0, np.array([5]), Phase.DECODE, lease=False)   # (0, 5): 2 uses
+    a = m.access_layer("sim", 0, np.array([7]), Phase.DECODE, lease=False)
+    assert a.evicted == (K(1, 3),)                  # 1 use, oldest
+    b = m.access_layer("sim", 1, np.array([6]), Phase.DECODE, lease=False)
+    assert b.evicted == (K(0, 2),)
+    m.verify()
 
 
 def run_trace(policy, steps, capacity, n_expert=8, layers=2):

@@ -1,0 +1,100 @@
+"""The residency core: every per-access decision of one device (hit/miss, admission, victims
+in the policy's total order, leases, prefetch, tickets, per-(pool, phase) counters).
+
+Two implementations of one interface, ``DeviceCore``:
+  ``NativeCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
+  ``ReferenceCore`` (runtime/residency/reference.py) the slow Python reference of the same
+                    rules, used only by tests, which compare the two on the same streams.
+
+``CorePolicy`` is what both take: the config's policies for the three phases, resolved.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from runtime.residency.types import Phase
+
+EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4}
+ADMISSION_KINDS = {"always": 0, "reuse-threshold": 1, "transient-on-pressure": 2,
+                   "belady-bypass": 3}
+PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3}
+# the one parameter of each admission / prefetch policy the core reads
+_ADMISSION_PARAM = {"reuse-threshold": "break_even", "transient-on-pressure": "window"}
+_PREFETCH_PARAM = {"chunk-plan": "depth", "popularity": "top_n"}
+
+# counter order of the core (telemetry.PhaseTally's fields, hits left out)
+COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
+            "transient_uses", "transient_bytes", "evictions", "evicted_bytes", "prefetch_issued",
+            "prefetch_issued_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
+            "transition_hits")
+
+# key states
+RESIDENT_MAX, ABSENT, PENDING, EVICTING = 2, 8, 9, 10
+NEVER = 2**62   # next_use value meaning "not used again"
+
+# access() return codes
+OK, ERR_LAYER, ERR_EXPERT, ERR_NEXT_USE, ERR_UPCOMING, ERR_NEXT_USE_LEN = 0, -1, -2, -3, -4, -5
+ERR_POOL, ERR_CHARGED, ERR_PENDING, ERR_STATE, ERR_NOMEM = -6, -7, -8, -9, -10
+
+
+@dataclass(frozen=True)
+class CorePolicy:
+    """The three phases' policies in the core's terms (see residency_core.h, rc_policy)."""
+
+    orders: tuple[tuple[str, float, float], ...]   # distinct eviction specs: (name, p1, p2)
+    decay_rate: float                              # lfu-decay: ln 2 / half_life; 0: none
+    phase_order: tuple[int, int, int]              # phase -> index into orders
+    admission: tuple[tuple[str, float], ...]       # per phase: (name, parameter)
+    prefetch: tuple[tuple[str, float], ...]        # per phase: (name, parameter); MIXED none
+    track_next_use: bool                           # an offline policy: accesses need next_use
+
+    @classmethod
+    def from_config(cls, config) -> CorePolicy:
+        """From a ResidencyConfig (policies per phase; MIXED never prefetches)."""
+        from runtime.errors import UserError  # noqa: PLC0415
+
+        phases = [config.policies_for(p) for p in Phase]
+        specs: list = []
+        for pp in phases:
+            if pp.eviction not in specs:
+                specs.append(pp.eviction)
+        rates = set()
+        orders = []
+        for spec in specs:
+            kw = spec.kwargs()
+            if spec.name == "lfu-decay":
+                rates.add(math.log(2.0) / kw["half_life"])
+            orders.append((spec.name, kw.get("w_prefill", 0.0), kw.get("w_decode", 0.0)))
+        if len(rates) > 1:
+            raise UserError(f"{config.source}: lfu-decay half_life must be the same in every "
+                            "phase")
+        admission = tuple((pp.admission.name,
+                           pp.admission.kwargs().get(_ADMISSION_PARAM.get(pp.admission.name, ""),
+                                                     0.0)) for pp in phases)
+        prefetch = [(pp.prefetch.name,
+                     pp.prefetch.kwargs().get(_PREFETCH_PARAM.get(pp.prefetch.name, ""), 0.0))
+                    for pp in phases]
+        prefetch[Phase.MIXED] = ("none", 0.0)
+        offline = any(pp.eviction.name == "belady" or pp.admission.name == "belady-bypass"
+                      for pp in phases)
+        return cls(orders=tuple(orders), decay_rate=rates.pop() if rates else 0.0,
+                   phase_order=tuple(specs.index(pp.eviction) for pp in phases),
+                   admission=admission, prefetch=tuple(prefetch), track_next_use=offline)
+
+    def needs_upcoming(self, phase: int) -> bool:
+        return self.prefetch[phase][0] == "belady"
+
+
+def make_core(kind: str, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy,
+              *, inline: bool):
+    """A DeviceCore: ``kind`` "native" (the C core) or "reference" (the Python one)."""
+    if kind == "native":
+        from runtime.residency.core.native import NativeCore  # noqa: PLC0415
+
+        return NativeCore(n_layer, n_expert, expert_bytes, policy, inline=inline)
+    if kind == "reference":
+        from runtime.residency.reference import ReferenceCore  # noqa: PLC0415
+
+        return ReferenceCore(n_layer, n_expert, expert_bytes, policy, inline=inline)
+    raise ValueError(f"unknown residency core {kind!r} (valid: native, reference)")

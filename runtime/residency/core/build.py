@@ -1,0 +1,79 @@
+"""Build and load the residency core (``residency_core.c``) with the system C compiler.
+
+Compiled on first use (``$CC``, else ``cc``; plain C, no Python headers) into the cache's
+``residency/`` folder, named by a hash of the source, and opened with cffi in ABI mode. A
+machine without a compiler gets one clear line (``UserError``) naming what is missing.
+
+    lib, ffi = load_core()
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from cffi import FFI
+
+from runtime.cache import cache_dir
+from runtime.errors import UserError
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "residency_core.c"
+HEADER = HERE / "residency_core.h"
+_lock = threading.Lock()
+_loaded: tuple | None = None
+
+
+def _cdef() -> str:
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes()).hexdigest()[:16]
+    return cache_dir("residency") / f"residency_core-{digest}.so"
+
+
+def _compile(target: Path) -> None:
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")
+                                                   or ""]
+    if not cc[0]:
+        raise UserError("the residency core needs a C compiler: install one (e.g. "
+                        "`apt-get install gcc`) or set CC")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        except OSError as exc:
+            raise UserError(f"the residency core could not be compiled ({cc[0]}: "
+                            f"{exc.strerror})") from None
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            raise UserError(f"the residency core could not be compiled: {last}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_core() -> tuple:
+    """(lib, ffi) of the compiled core (built once per source version)."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            path = library_path()
+            if not path.is_file():
+                _compile(path)
+            ffi = FFI()
+            ffi.cdef(_cdef())
+            _loaded = (ffi.dlopen(str(path)), ffi)
+        return _loaded

@@ -1,0 +1,141 @@
+/* residency_core: every per-access residency decision of one device, in C.
+ *
+ * One rc_core is one device of the ExpertResidencyManager (runtime/residency/manager.py):
+ * which experts are resident, pending (a ticket brings them in) or evicting (a pending
+ * ticket's victims), their bytes per pool, the eviction orders, leases, prefetch pins, usage
+ * statistics and the per-(pool, phase) counters. The Python reference of the same rules is
+ * runtime/residency/reference.py; tests run both on the same streams and compare every
+ * decision. Keys are flat ints: flat = layer * n_expert + expert.
+ *
+ * Not thread-safe: the manager calls it under its lock.
+ *
+ *     rc_core *c = rc_create(n_layer, n_expert, expert_bytes, &policy);
+ *     int32_t pool_of_layer[] = {...};  int64_t cap[] = {2 << 30};
+ *     rc_set_pools(c, 1, pool_of_layer, cap);
+ *     rc_result r;
+ *     int rc = rc_access(c, layer, experts, n, RC_DECODE, NULL, NULL, 0, 0, 1, &r);
+ *     ... r.hits, r.misses, r.admitted[0 .. r.n_admitted) ...
+ *     rc_free(c);
+ */
+#ifndef RESIDENCY_CORE_H
+#define RESIDENCY_CORE_H
+#include <stdint.h>
+
+#define RC_N_COUNTERS 14
+/* counter order (PhaseTally): accesses misses demand_miss_bytes admissions admitted_bytes
+ * transient_uses transient_bytes evictions evicted_bytes prefetch_issued
+ * prefetch_issued_bytes prefetch_used_bytes prefetch_wasted_bytes transition_hits */
+
+typedef struct rc_core rc_core;
+
+/* policies: one eviction order per distinct eviction spec; per phase an order index, an
+ * admission and a prefetch policy (kind + one parameter each) */
+typedef struct {
+    int32_t n_orders;             /* 1..3 */
+    int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady */
+    double order_p1[3];           /* phase-weighted: w_prefill */
+    double order_p2[3];           /* phase-weighted: w_decode */
+    double decay_rate;            /* lfu-decay: ln 2 / half_life (0: no decayed counts) */
+    int32_t phase_order[3];       /* phase -> order index */
+    int32_t admission[3];         /* 0 always, 1 reuse-threshold, 2 transient-on-pressure,
+                                     3 belady-bypass */
+    double admission_p1[3];       /* break_even | window */
+    int32_t prefetch[3];          /* 0 none, 1 chunk-plan, 2 popularity, 3 belady */
+    double prefetch_p1[3];        /* depth | top_n */
+    int32_t track_next_use;       /* an offline policy: access() needs next_use */
+    int32_t inline_transport;     /* admissions commit inside access() (no tickets) */
+} rc_policy;
+
+typedef struct {
+    int32_t hits, misses, transition_hits;
+    int64_t demand_miss_bytes;
+    int32_t n_admitted, n_evicted, n_transient, n_tickets, n_new_tickets;
+    const int32_t *admitted;      /* flat keys, routing order */
+    const int32_t *evicted;       /* flat keys */
+    const int32_t *transient;     /* flat keys */
+    const int64_t *tickets;       /* ticket ids this call started or joined */
+    const int64_t *new_tickets;   /* ticket ids this call started (to submit) */
+    int32_t n_prefetched;         /* prefetches issued (inline: committed already) */
+    const int32_t *prefetched;    /* their flat keys */
+    const int64_t *prefetch_ids;  /* their ticket ids */
+    const int32_t *prefetch_n_victims;
+    const int32_t *prefetch_victims;  /* concatenated, prefetch order */
+    int64_t bad_value;            /* the offending id on RC_ERR_EXPERT / RC_ERR_LAYER */
+} rc_result;
+
+enum {
+    RC_OK = 0, RC_ERR_LAYER = -1, RC_ERR_EXPERT = -2, RC_ERR_NEXT_USE = -3,
+    RC_ERR_UPCOMING = -4, RC_ERR_NEXT_USE_LEN = -5, RC_ERR_POOL = -6, RC_ERR_CHARGED = -7,
+    RC_ERR_PENDING = -8, RC_ERR_STATE = -9, RC_ERR_NOMEM = -10,
+};
+
+rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_bytes,
+                   const rc_policy *policy);
+void rc_free(rc_core *c);
+void rc_set_inline(rc_core *c, int32_t inline_transport);
+
+/* pools: pool_of_layer[n_layer] (-1 for dense layers), capacity per pool (-1 unresolved).
+ * Only while nothing is resident, pending or leased. */
+int rc_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
+                 const int64_t *capacity);
+/* one pool's capacity: refused below its charged bytes or with tickets pending on it */
+int rc_set_capacity(rc_core *c, int32_t pool, int64_t capacity);
+int32_t rc_n_pool(const rc_core *c);
+int32_t rc_pool_of_layer(const rc_core *c, int32_t layer);
+
+/* one layer-step: experts[n] in routing order; next_use[n] or NULL; upcoming (the next
+ * layer-step, belady prefetch) as up_layer / up_experts[n_up] / up_index[n_up] or
+ * up_layer -1. lease_id > 0 leases the call's experts until rc_release(lease_id);
+ * release_id > 0 ends that lease first. */
+int rc_access(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase,
+              const int64_t *next_use, int32_t up_layer, const int32_t *up_experts,
+              const int64_t *up_index, int32_t n_up, int64_t lease_id, int64_t release_id,
+              rc_result *out);
+void rc_release(rc_core *c, int64_t lease_id);
+
+/* replay: n_batches layer-steps over rows experts[starts[b] .. starts[b+1]) with no leases;
+ * miss_kind[row] (n rows) gets 1 admitted, 2 transient, 3 joined a pending transfer for the
+ * first row of each missed key, else 0. next_use (n rows) or NULL; upcoming: the next
+ * batch (belady prefetch) when with_upcoming. Stops at the first error (its code). */
+int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
+              const int8_t *phases, const int32_t *experts, const int64_t *next_use,
+              int32_t with_upcoming, int8_t *miss_kind);
+
+/* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
+ * committed already; out->evicted lists the victims) */
+int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out);
+
+/* tickets */
+typedef struct {
+    int64_t id;
+    int32_t flat, phase, prefetch, n_victims;
+    int64_t bytes;
+    const int32_t *victims;
+} rc_ticket_info;
+int rc_ticket(const rc_core *c, int64_t id, rc_ticket_info *out);   /* RC_ERR_STATE: done */
+int rc_commit(rc_core *c, int64_t id);   /* 1 committed, 0 already finished */
+int rc_abort(rc_core *c, int64_t id);    /* 1 aborted, 0 already finished */
+int32_t rc_pending_tickets(const rc_core *c);
+int rc_ticket_pending(const rc_core *c, int64_t id);
+
+/* a resident key leaves (the mechanism lost it: a failed copy); counts nothing */
+int rc_forget(rc_core *c, int32_t flat);
+
+/* static devices: pin keys for good (resident, never evicted); the device turns static */
+int rc_pin_static(rc_core *c, const int32_t *flats, int32_t n);
+
+/* queries */
+int32_t rc_state(const rc_core *c, int32_t flat);           /* 0..2 resident, 8 absent,
+                                                                9 pending, 10 evicting */
+const uint8_t *rc_states(const rc_core *c);                  /* n_flat bytes */
+int64_t rc_pool_capacity(const rc_core *c, int32_t pool);    /* -1 unresolved */
+int64_t rc_pool_resident_bytes(const rc_core *c, int32_t pool);
+int64_t rc_pool_resident_count(const rc_core *c, int32_t pool);
+int64_t rc_pool_pending_bytes(const rc_core *c, int32_t pool);
+int32_t rc_pool_pending_tickets(const rc_core *c, int32_t pool);
+int64_t rc_counter(const rc_core *c, int32_t pool, int32_t phase, int32_t counter);
+int64_t rc_seq(const rc_core *c);
+int32_t rc_n_leases(const rc_core *c);
+int rc_verify(const rc_core *c);                             /* 0 ok, else which check */
+
+#endif

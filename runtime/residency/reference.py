@@ -1,0 +1,546 @@
+"""``ReferenceCore``: the slow, plain Python statement of the residency core's rules.
+
+The runtime and replay run the C core (runtime/residency/core/residency_core.c); this module
+exists so tests can check it: both take the same calls and must give the same results and
+the same state (tests/runtime/residency/test_core_reference.py). It favours clarity over
+speed: victims are found by sorting every eligible resident key of the pool.
+
+The rules (also the header comment of residency_core.c):
+  1. Checks first (layer, expert ids, offline inputs): a rejected call changes nothing.
+  2. Membership is decided at entry. Every element is touched in routing order (last access
+     sequence number, use counts per phase, the decayed count, next use); the call's keys are
+     protected from eviction.
+  3. The call's lease is taken; the layer's prefetch pins end; prefetched keys hit now count
+     as used.
+  4. Misses, once per distinct key in routing order: a key in flight joins its ticket; an
+     unresolved pool or an evicting key is used transiently; otherwise victims are the
+     lowest (score, last seq, flat) unprotected resident keys of the key's pool (protected:
+     touched by this call, leased, pinned) until the key fits; the admission policy may
+     refuse (transient). Inline: the victims are evicted and the key is resident at once;
+     otherwise a ticket reserves them (victims evicting, key pending) until commit or abort.
+  5. Prefetch (never in MIXED): the phase's policy names keys; each absent one is touched,
+     then brought in while victims rank strictly below it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from runtime.residency.core import (ABSENT, ERR_EXPERT, ERR_LAYER, ERR_NEXT_USE,
+                                    ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
+                                    ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
+                                    RESIDENT_MAX, CorePolicy)
+
+C = {name: i for i, name in enumerate((
+    "accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
+    "transient_uses", "transient_bytes", "evictions", "evicted_bytes", "prefetch_issued",
+    "prefetch_issued_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
+    "transition_hits"))}
+
+
+class _Pool:
+    def __init__(self, capacity: int):
+        self.capacity = capacity          # -1: unresolved
+        self.resident_bytes = 0
+        self.resident_count = 0
+        self.pending_bytes = 0
+        self.pending_tickets = 0
+        self.counters = [[0] * len(C) for _ in range(3)]
+
+
+class ReferenceCore:
+    """Same interface as runtime.residency.core.native.NativeCore."""
+
+    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy, *,
+                 inline: bool):
+        self.n_layer, self.n_expert = n_layer, n_expert
+        n = n_layer * n_expert
+        self.policy = policy
+        self.inline = bool(inline)
+        self.nbytes = [int(expert_bytes[f // n_expert]) for f in range(n)]
+        self.pool_layer = [0 if int(b) > 0 else -1 for b in expert_bytes]
+        self.moe_layers = [i for i, b in enumerate(expert_bytes) if int(b) > 0]
+        self.pools = [_Pool(-1)]
+        self.state = [ABSENT] * n
+        self.last = [-1] * n
+        self.uses = [[0] * n for _ in range(3)]
+        self.decay = [-math.inf] * n
+        self.next_use = [NEVER] * n
+        self.pinned: set[int] = set()
+        self.pins_by_layer: dict[int, list[int]] = {}
+        self.pf_unused: set[int] = set()
+        self.leases: dict[int, tuple[int, list[int]]] = {}
+        self.tickets: dict[int, dict] = {}
+        self.history: dict[tuple[int, int], list[int]] = {}
+        self.seq = 0
+        self.next_ticket = 1
+        self.is_static = False
+        self.last_bad = 0
+
+    # -- configuration -------------------------------------------------------------------
+    def set_inline(self, inline: bool) -> None:
+        self.inline = bool(inline)
+
+    def set_pools(self, pool_of_layer, capacities) -> int:
+        if not capacities:
+            return ERR_POOL
+        if any(p.resident_count or p.pending_tickets for p in self.pools) or self.leases:
+            return ERR_STATE
+        for layer, pool in enumerate(pool_of_layer):
+            moe = self.nbytes[layer * self.n_expert] > 0
+            if (moe and not 0 <= pool < len(capacities)) or (not moe and pool != -1):
+                return ERR_POOL
+        old = self.pools
+        self.pools = [_Pool(int(c)) for c in capacities]
+        for p in old:                       # counters survive as a total on pool 0
+            for ph in range(3):
+                for k in range(len(C)):
+                    self.pools[0].counters[ph][k] += p.counters[ph][k]
+        self.pool_layer = list(pool_of_layer)
+        return 0
+
+    def set_capacity(self, pool: int, capacity: int) -> int:
+        if not 0 <= pool < len(self.pools):
+            return ERR_POOL
+        p = self.pools[pool]
+        if p.pending_tickets:
+            return ERR_PENDING
+        if capacity >= 0 and capacity < p.resident_bytes + p.pending_bytes:
+            return ERR_CHARGED
+        p.capacity = capacity
+        return 0
+
+    @property
+    def n_pool(self) -> int:
+        return len(self.pools)
+
+    def pool_of_layer(self, layer: int) -> int:
+        return self.pool_layer[layer] if 0 <= layer < self.n_layer else -1
+
+    # -- ordering ------------------------------------------------------------------------
+    def _pool(self, flat: int) -> _Pool:
+        return self.pools[self.pool_layer[flat // self.n_expert]]
+
+    def _score(self, order: int, f: int) -> float:
+        name, p1, p2 = self.policy.orders[order]
+        u = self.uses
+        if name == "lru":
+            return float(self.last[f])
+        if name == "lfu":
+            return float(u[0][f] + u[1][f] + u[2][f])
+        if name == "lfu-decay":
+            return self.decay[f]
+        if name == "phase-weighted":
+            return p1 * float(u[0][f]) + p2 * float(u[1][f] + u[2][f])
+        return -float(self.next_use[f])                         # belady
+
+    def _key(self, order: int, f: int) -> tuple:
+        return (self._score(order, f), self.last[f], f)
+
+    def _protected(self, f: int, seq0: int) -> bool:
+        leased = any(base + e == f for base, el in self.leases.values() for e in el)
+        return self.last[f] >= seq0 or leased or f in self.pinned
+
+    def _candidates(self, pool: _Pool, order: int, seq0: int) -> list[int]:
+        """The pool's evictable resident keys, lowest (score, last seq, flat) first."""
+        keys = [f for f in range(len(self.state)) if self.state[f] <= RESIDENT_MAX
+                and self._pool(f) is pool and not self._protected(f, seq0)]
+        return sorted(keys, key=lambda f: self._key(order, f))
+
+    # -- state changes -------------------------------------------------------------------
+    def _make_resident(self, f: int, phase: int, prefetched: bool) -> None:
+        p = self._pool(f)
+        self.state[f] = phase
+        p.resident_bytes += self.nbytes[f]
+        p.resident_count += 1
+        if prefetched:
+            self.pf_unused.add(f)
+
+    def _evict(self, f: int, phase: int) -> None:
+        p = self._pool(f)
+        b = self.nbytes[f]
+        if self.state[f] <= RESIDENT_MAX:
+            p.resident_bytes -= b
+            p.resident_count -= 1
+        self.state[f] = ABSENT
+        t = p.counters[phase]
+        t[C["evictions"]] += 1
+        t[C["evicted_bytes"]] += b
+        if f in self.pf_unused:
+            self.pf_unused.discard(f)
+            t[C["prefetch_wasted_bytes"]] += b
+
+    def _begin(self, f: int, phase: int, prefetch: bool, victims: list[int]) -> int:
+        p = self._pool(f)
+        vb = sum(self.nbytes[v] for v in victims)
+        before = [self.state[v] for v in victims]
+        for v in victims:
+            self.state[v] = EVICTING
+            p.resident_count -= 1
+        p.resident_bytes -= vb
+        tid = self.next_ticket
+        self.next_ticket += 1
+        claim = max(self.nbytes[f], vb)
+        self.tickets[tid] = dict(flat=f, phase=phase, prefetch=prefetch, bytes=self.nbytes[f],
+                                 claim=claim, victims=list(victims), before=before)
+        p.pending_bytes += claim
+        p.pending_tickets += 1
+        self.state[f] = PENDING
+        return tid
+
+    def _finish(self, tid: int) -> dict:
+        t = self.tickets.pop(tid)
+        p = self._pool(t["flat"])
+        p.pending_bytes -= t["claim"]
+        p.pending_tickets -= 1
+        return t
+
+    # -- decisions -----------------------------------------------------------------------
+    def access(self, layer: int, experts, phase: int, next_use=None, upcoming=None,
+               lease_id: int = 0, release_id: int = 0):
+        if release_id > 0:
+            self.release(release_id)
+        el = [int(e) for e in np.asarray(experts).reshape(-1).tolist()]
+        if not 0 <= layer < self.n_layer or self.pool_layer[layer] < 0:
+            self.last_bad = layer
+            return (ERR_LAYER,)
+        for e in el:
+            if not 0 <= e < self.n_expert:
+                self.last_bad = e
+                return (ERR_EXPERT,)
+        if next_use is not None:
+            nul = [int(x) for x in np.asarray(next_use).reshape(-1).tolist()]
+            if len(nul) != len(el):
+                return (ERR_NEXT_USE_LEN,)
+        else:
+            nul = None
+        if self.is_static:
+            return self._access_static(layer, el, phase, lease_id)
+        if self.policy.needs_upcoming(phase) and upcoming is None:
+            return (ERR_UPCOMING,)
+        if self.policy.track_next_use and nul is None:
+            return (ERR_NEXT_USE,)
+        base = layer * self.n_expert
+        seq0 = self.seq
+        self.seq += len(el)
+        missed: list[int] = []
+        tr = 0
+        for i, e in enumerate(el):
+            f = base + e
+            if self.state[f] > RESIDENT_MAX:
+                if f not in missed:
+                    missed.append(f)
+            elif self.state[f] == 0:
+                tr += 1
+            self.last[f] = seq0 + i
+            self.uses[phase][f] += 1
+            if self.policy.decay_rate > 0:
+                a, x = self.decay[f], self.policy.decay_rate * (seq0 + i)
+                hi, lo = (a, x) if a > x else (x, a)
+                self.decay[f] = hi + math.log1p(math.exp(lo - hi))
+            if self.policy.track_next_use:
+                self.next_use[f] = nul[i]
+        if lease_id > 0:
+            self.leases[lease_id] = (base, list(el))
+        for f in self.pins_by_layer.pop(layer, []):
+            self.pinned.discard(f)
+        if self.policy.prefetch[0][0] == "chunk-plan" or self.policy.prefetch[1][0] == \
+                "chunk-plan":
+            self.history[(phase, layer)] = list(el)
+        pool = self.pools[self.pool_layer[layer]]
+        t = pool.counters[phase]
+        t[C["accesses"]] += len(el)
+        used = 0
+        for e in el:
+            if base + e in self.pf_unused:
+                self.pf_unused.discard(base + e)
+                used += 1
+        t[C["prefetch_used_bytes"]] += used * self.nbytes[base]
+        if phase != 1:
+            tr = 0
+        t[C["transition_hits"]] += tr
+        res = dict(admitted=[], evicted=[], transient=[], tickets=[], new=[], prefetched=[])
+        b = self.nbytes[base]
+        t[C["misses"]] += len(missed)
+        t[C["demand_miss_bytes"]] += len(missed) * b
+        order = self.policy.phase_order[phase]
+        for f in missed:
+            s = self.state[f]
+            if s == PENDING:
+                res["tickets"].append(next(i for i, x in self.tickets.items() if x["flat"] == f))
+                continue
+            if pool.capacity < 0 or s == EVICTING:
+                res["transient"].append(f)
+                continue
+            free = pool.capacity - pool.resident_bytes - pool.pending_bytes
+            victims: list[int] = []
+            if free < b:
+                freed = 0
+                for v in self._candidates(pool, order, seq0):
+                    if free + freed >= b:
+                        break
+                    victims.append(v)
+                    freed += self.nbytes[v]
+                if free + freed < b:
+                    res["transient"].append(f)
+                    continue
+            if not self._admit(phase, f, victims):
+                res["transient"].append(f)
+                continue
+            res["admitted"].append(f)
+            res["evicted"].extend(victims)
+            if self.inline:
+                for v in victims:
+                    self._evict(v, phase)
+                self._make_resident(f, phase, False)
+                t[C["admissions"]] += 1
+                t[C["admitted_bytes"]] += b
+            else:
+                tid = self._begin(f, phase, False, victims)
+                res["tickets"].append(tid)
+                res["new"].append(tid)
+        if res["transient"]:
+            t[C["transient_uses"]] += len(res["transient"])
+            t[C["transient_bytes"]] += len(res["transient"]) * b
+        if phase != 2 and self.policy.prefetch[phase][0] != "none":
+            self._run_prefetch(layer, phase, upcoming, seq0, res)
+        return (0, len(el) - len(missed), len(missed), tr, len(missed) * b,
+                tuple(res["admitted"]), tuple(res["evicted"]), tuple(res["transient"]),
+                tuple(res["tickets"]), tuple(res["new"]), tuple(res["prefetched"]))
+
+    def _admit(self, phase: int, f: int, victims: list[int]) -> bool:
+        name, param = self.policy.admission[phase]
+        if name == "reuse-threshold":
+            return phase == 0 or self.uses[0][f] + self.uses[1][f] + self.uses[2][f] >= param
+        if name == "transient-on-pressure":
+            return not victims or self.last[f] - self.last[victims[0]] > param
+        if name == "belady-bypass":
+            return not victims or self.next_use[f] < self.next_use[victims[0]]
+        return True
+
+    def _access_static(self, layer: int, el: list[int], phase: int, lease_id: int):
+        base = layer * self.n_expert
+        self.seq += len(el)
+        missed = [base + e for e in dict.fromkeys(el) if self.state[base + e] > RESIDENT_MAX]
+        if lease_id > 0:
+            self.leases[lease_id] = (base, list(el))
+        t = self.pools[self.pool_layer[layer]].counters[phase]
+        m, mb = len(missed), len(missed) * self.nbytes[base]
+        t[C["accesses"]] += len(el)
+        t[C["misses"]] += m
+        t[C["demand_miss_bytes"]] += mb
+        t[C["transient_uses"]] += m
+        t[C["transient_bytes"]] += mb
+        return (0, len(el) - m, m, 0, mb, (), (), tuple(missed), (), (), ())
+
+    def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict) -> None:
+        name, param = self.policy.prefetch[phase]
+        ne = self.n_expert
+        if upcoming is not None and self.policy.track_next_use:
+            ul, ue, ui = upcoming
+            for e, idx in zip(reversed(list(ue)), reversed(list(ui))):
+                self.next_use[int(ul) * ne + int(e)] = int(idx)
+        nxt = [x for x in self.moe_layers if x > layer]
+        plan: list[int] = []
+        if name == "chunk-plan":
+            if phase != 0:
+                return
+            for l in nxt[:int(param)]:
+                prev = self.history.get((0, l))
+                if prev is not None:
+                    plan.extend(l * ne + e for e in sorted(set(prev)))
+        elif name == "popularity":
+            if not nxt or int(param) <= 0:
+                return
+            l = nxt[0]
+            counts = [self.uses[0][l * ne + e] + self.uses[1][l * ne + e] +
+                      self.uses[2][l * ne + e] for e in range(ne)]
+            ranked = sorted(range(ne), key=lambda e: (-counts[e], e))[:min(int(param), ne)]
+            plan = [l * ne + e for e in ranked if counts[e] > 0]
+        elif name == "belady":
+            if upcoming is None:
+                return
+            ul, ue, _ = upcoming
+            plan = list(dict.fromkeys(int(ul) * ne + int(e) for e in ue))
+        if plan:
+            self._prefetch_flats(plan, phase, seq0, res)
+
+    def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict) -> None:
+        order = self.policy.phase_order[phase]
+        for f in flats:
+            if self.state[f] != ABSENT:
+                continue
+            pool = self._pool(f)
+            if pool.capacity < 0:
+                return
+            b = self.nbytes[f]
+            self.last[f] = self.seq
+            self.seq += 1
+            mine = self._key(order, f)
+            free = pool.capacity - pool.resident_bytes - pool.pending_bytes
+            victims: list[int] = []
+            freed = 0
+            for v in self._candidates(pool, order, seq0):
+                if free + freed >= b or self._key(order, v) >= mine:
+                    break
+                victims.append(v)
+                freed += self.nbytes[v]
+            if free + freed < b:
+                continue
+            t = pool.counters[phase]
+            t[C["prefetch_issued"]] += 1
+            t[C["prefetch_issued_bytes"]] += b
+            self.pinned.add(f)
+            self.pins_by_layer.setdefault(f // self.n_expert, []).append(f)
+            if self.inline:
+                for v in victims:
+                    self._evict(v, phase)
+                self._make_resident(f, phase, True)
+                tid = self.next_ticket
+                self.next_ticket += 1
+            else:
+                tid = self._begin(f, phase, True, victims)
+                res["new"].append(tid)
+            res["prefetched"].append((tid, f, tuple(victims)))
+
+    def release(self, lease_id: int) -> None:
+        self.leases.pop(lease_id, None)
+
+    def prefetch(self, flats, phase: int):
+        res = dict(admitted=[], evicted=[], transient=[], tickets=[], new=[], prefetched=[])
+        if phase != 2 and not self.is_static:
+            flats = [int(f) for f in flats]
+            for f in flats:
+                if not 0 <= f < len(self.state) or self.pool_layer[f // self.n_expert] < 0:
+                    return (ERR_EXPERT,)
+            self._prefetch_flats(flats, phase, self.seq, res)
+        return (0, 0, 0, 0, 0, (), (), (), (), tuple(res["new"]), tuple(res["prefetched"]))
+
+    def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind):
+        n_b = len(starts) - 1
+        for b in range(n_b):
+            s, e = int(starts[b]), int(starts[b + 1])
+            up = None
+            if with_upcoming:
+                up = ((int(layers[b + 1]), experts[e:int(starts[b + 2])],
+                       np.arange(e, int(starts[b + 2]))) if b + 1 < n_b
+                      else (int(layers[b]), experts[e:e], np.arange(e, e)))
+            el = experts[s:e]
+            res = self.access(int(layers[b]), el, int(phases[b]),
+                              None if next_use is None else next_use[s:e], up)
+            if res[0] != 0:
+                return res[0]
+            miss_kind[s:e] = 0
+            admitted, transient, tickets = set(res[5]), set(res[7]), res[8]
+            base = int(layers[b]) * self.n_expert
+            seen = set()
+            for i, x in enumerate(el.tolist()):
+                f = base + x
+                if f in seen:
+                    continue
+                seen.add(f)
+                kind = 1 if f in admitted else 2 if f in transient else 0
+                if kind == 0 and tickets and any(self.tickets.get(t, {}).get("flat") == f
+                                                 for t in tickets):
+                    kind = 3
+                miss_kind[s + i] = kind
+        return 0
+
+    # -- tickets -------------------------------------------------------------------------
+    def ticket(self, tid: int):
+        t = self.tickets.get(tid)
+        if t is None:
+            return None
+        return t["flat"], t["phase"], t["prefetch"], t["bytes"], tuple(t["victims"])
+
+    def commit(self, tid: int) -> bool:
+        if tid not in self.tickets:
+            return False
+        t = self._finish(tid)
+        for v in t["victims"]:
+            self._evict(v, t["phase"])
+        self.last[t["flat"]] = self.seq
+        self.seq += 1
+        self._make_resident(t["flat"], t["phase"], t["prefetch"])
+        if not t["prefetch"]:
+            c = self._pool(t["flat"]).counters[t["phase"]]
+            c[C["admissions"]] += 1
+            c[C["admitted_bytes"]] += t["bytes"]
+        return True
+
+    def abort(self, tid: int) -> bool:
+        if tid not in self.tickets:
+            return False
+        t = self._finish(tid)
+        p = self._pool(t["flat"])
+        for v, before in zip(t["victims"], t["before"]):
+            self.state[v] = before
+            p.resident_bytes += self.nbytes[v]
+            p.resident_count += 1
+        self.state[t["flat"]] = ABSENT
+        self.pinned.discard(t["flat"])
+        return True
+
+    def pending(self, tid: int) -> bool:
+        return tid in self.tickets
+
+    @property
+    def n_pending(self) -> int:
+        return len(self.tickets)
+
+    def forget(self, f: int) -> int:
+        if not 0 <= f < len(self.state) or self.state[f] > RESIDENT_MAX:
+            return ERR_STATE
+        p = self._pool(f)
+        p.resident_bytes -= self.nbytes[f]
+        p.resident_count -= 1
+        self.state[f] = ABSENT
+        self.pf_unused.discard(f)
+        return 0
+
+    def pin_static(self, flats) -> int:
+        flats = [int(f) for f in flats]
+        for f in flats:
+            if (not 0 <= f < len(self.state) or self.pool_layer[f // self.n_expert] < 0
+                    or self.state[f] != ABSENT):
+                return ERR_STATE
+        for f in flats:
+            self._make_resident(f, 1, False)
+        self.is_static = True
+        return 0
+
+    # -- queries -------------------------------------------------------------------------
+    def states(self) -> np.ndarray:
+        return np.array(self.state, dtype=np.uint8).reshape(self.n_layer, self.n_expert)
+
+    def state(self, flat: int) -> int:
+        return self.state[flat] if 0 <= flat < len(self.state) else -1
+
+    def pool_stats(self, pool: int) -> tuple[int, int, int, int, int]:
+        p = self.pools[pool]
+        return (p.capacity, p.resident_bytes, p.resident_count, p.pending_bytes,
+                p.pending_tickets)
+
+    def counters(self, pool: int, phase: int) -> tuple[int, ...]:
+        return tuple(self.pools[pool].counters[phase])
+
+    @property
+    def n_leases(self) -> int:
+        return len(self.leases)
+
+    def verify(self) -> int:
+        for pi, p in enumerate(self.pools):
+            keys = [f for f in range(len(self.state)) if self.pool_layer[f // self.n_expert] == pi]
+            res = [f for f in keys if self.state[f] <= RESIDENT_MAX]
+            if p.resident_bytes != sum(self.nbytes[f] for f in res) or \
+                    p.resident_count != len(res):
+                return 3
+            claims = sum(t["claim"] for t in self.tickets.values()
+                         if self.pool_layer[t["flat"] // self.n_expert] == pi)
+            if p.pending_bytes != claims:
+                return 4
+            if (p.capacity < 0 and (p.resident_bytes or claims)) or \
+                    (p.capacity >= 0 and p.resident_bytes + claims > p.capacity):
+                return 5
+        return 0
