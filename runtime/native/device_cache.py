@@ -9,8 +9,10 @@ slots were freed by ``drop`` just before) and queues the copy of the expert's by
 read-only mmap of the GGUF file into the slot on a pool of worker threads (>= 4 copies in
 flight, no lock held while bytes move). Finished copies are *published* (table entry set) only at safe points: when a layer routes
 (``on_route``: the scheduler has synchronized and this layer has not read its tables yet) and
-when a batch ends. In prefill the layer waits for its own admissions so the whole chunk uses
-them; in decode it does not (the expert runs cold until its copy is published). The manager
+when a batch ends, which waits for every copy the batch started (so between batches the tables
+hold exactly the manager's resident set). In prefill the layer waits for its own admissions so
+the whole chunk uses them; in decode it does not (the expert runs cold until its copy is
+published, at the latest when the token ends). The manager
 decides everything (admission, eviction, prefetch, per phase, per pool: the cache's pools are
 the manager's) at once, whatever the copies are doing; this module only moves bytes.
 
@@ -175,6 +177,13 @@ class DeviceCache:
             published += 1
         return published
 
+    def settle(self) -> None:
+        """Wait for every copy in flight, then publish: tables and manager agree after it."""
+        futures = [job[2] for job in self._jobs.values()] + [c[2] for c in self._cancelled]
+        if futures:
+            wait(futures)
+        self.publish()
+
     def wait_copies(self, tickets) -> None:
         """Block until the copies of ``tickets`` (submitted here) are done, then publish."""
         futures = [job[2] for t in tickets if (job := self._jobs.get(t.key)) is not None]
@@ -193,7 +202,9 @@ class DeviceCache:
             self.wait_copies(access.tickets)
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
-        self.publish()
+        # copies started in a batch complete before the next batch's decisions: the tables
+        # hold exactly the manager's resident set between batches
+        self.settle()
         held, self._held = self._held, None
         if held is not None:
             self.manager.release(held)

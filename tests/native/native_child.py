@@ -308,9 +308,8 @@ def mode_churn(args):
     manager.resolve_device("cpu-slots", free_bytes=None, total_bytes=None)
     shim = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
                             manager.capacity("cpu-slots"))
-    n_slots, slot_bytes = shim.pool_info(0)
-    manager.reconfigure("cpu-slots", n_slots * slot_bytes)     # as attach() does
     cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index))
+    manager.set_pools("cpu-slots", cache.pools())              # as attach() does
     claim_device(manager, "cpu-slots", cache)
     rng = np.random.default_rng(args["seed"])
     popularity = 1.0 / np.arange(1, facts.n_expert + 1) ** 1.2
@@ -327,9 +326,7 @@ def mode_churn(args):
                                            experts=experts.astype(np.int32)))
         cache.on_batch_end(phase, n_tokens)
         if step % 25 == 24:
-            for f in list(cache._futures.values()):
-                f.result()
-            cache.publish()
+            cache.settle()
             resident = cache.resident()
             for layer in facts.moe_layers:
                 mask = manager.resident_mask("cpu-slots", layer)

@@ -1,0 +1,170 @@
+"""The C residency core against its Python reference: the same calls give the same results,
+counters and key states, for every policy, with leases, tickets (commit, abort), prefetch,
+pools, failed transfers, reconfiguration and rejected calls."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
+from runtime.residency.core import CorePolicy, make_core
+from runtime.residency.policies.factory import make_spec
+
+EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
+             ("phase-weighted", {"w_prefill": 1.0, "w_decode": 3.0})]
+ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
+              ("transient-on-pressure", {"window": 20.0})]
+PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0})]
+N_LAYER, N_EXPERT = 4, 6
+EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes
+MOE = [0, 2, 3]
+
+
+def policy(ev, ad, pf, ev2=None) -> CorePolicy:
+    def phase(e):
+        return PhasePolicies(admission=make_spec("admission", ad[0], ad[1]),
+                             prefetch=make_spec("prefetch", pf[0], pf[1]),
+                             eviction=make_spec("eviction", e[0], e[1]))
+    cfg = ResidencyConfig(phase_specific=ev2 is not None, prefill=phase(ev2 or ev),
+                          decode=phase(ev))
+    return CorePolicy.from_config(cfg)
+
+
+def pair(pol: CorePolicy, inline: bool):
+    return [make_core(kind, N_LAYER, N_EXPERT, EXPERT_BYTES, pol, inline=inline)
+            for kind in ("native", "reference")]
+
+
+def same_state(cores) -> None:
+    native, ref = cores
+    assert np.array_equal(native.states(), ref.states())
+    assert native.n_pool == ref.n_pool
+    for p in range(native.n_pool):
+        assert native.pool_stats(p) == ref.pool_stats(p)
+        for ph in range(3):
+            assert native.counters(p, ph) == ref.counters(p, ph)
+    assert native.verify() == 0 and ref.verify() == 0
+    assert native.n_pending == ref.n_pending and native.n_leases == ref.n_leases
+
+
+ops = st.lists(st.tuples(
+    st.sampled_from(["access", "access", "access", "hold", "release", "commit", "abort",
+                     "prefetch", "forget", "capacity", "bad"]),
+    st.sampled_from(MOE), st.lists(st.integers(0, N_EXPERT - 1), min_size=1, max_size=7),
+    st.integers(0, 2), st.integers(0, 10)), min_size=5, max_size=60)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ev=st.sampled_from(EVICTIONS), ad=st.sampled_from(ADMISSIONS),
+       pf=st.sampled_from(PREFETCHES), ev2=st.sampled_from([None, *EVICTIONS]),
+       inline=st.booleans(), pools=st.booleans(), steps=ops)
+def test_core_equals_reference(ev, ad, pf, ev2, inline, pools, steps):
+    cores = pair(policy(ev, ad, pf, ev2), inline)
+    if pools:                                  # layers 0 and 3 share a pool, layer 2 its own
+        for c in cores:
+            assert c.set_pools([0, -1, 1, 0], [400, 300]) == 0
+    else:
+        for c in cores:
+            assert c.set_capacity(0, 550) == 0
+    leases: list[int] = []
+    tickets: list[int] = []
+    next_lease = 1
+    for op, layer, experts, phase, pick in steps:
+        if op in ("access", "hold", "bad"):
+            el = list(experts) + ([N_EXPERT + pick] if op == "bad" else [])
+            lease = 0
+            if op == "hold":
+                lease, next_lease = next_lease, next_lease + 1
+            out = [c.access(layer, np.array(el, dtype=np.int32), phase, lease_id=lease)
+                   for c in cores]
+            assert out[0] == out[1]
+            if out[0][0] == 0:
+                if lease:
+                    leases.append(lease)
+                tickets.extend(out[0][9])
+        elif op == "release" and leases:
+            lease = leases.pop(pick % len(leases))
+            for c in cores:
+                c.release(lease)
+        elif op in ("commit", "abort") and tickets:
+            tid = tickets.pop(pick % len(tickets))
+            got = [getattr(c, op)(tid) for c in cores]
+            assert got[0] == got[1]
+        elif op == "prefetch":
+            flats = [layer * N_EXPERT + e for e in experts]
+            out = [c.prefetch(flats, phase) for c in cores]
+            assert out[0] == out[1]
+            tickets.extend(out[0][9])
+        elif op == "forget":
+            flat = layer * N_EXPERT + experts[0]
+            assert cores[0].forget(flat) == cores[1].forget(flat)
+        elif op == "capacity":
+            pool = pick % cores[0].n_pool
+            cap = 100 * (pick + 1)
+            assert cores[0].set_capacity(pool, cap) == cores[1].set_capacity(pool, cap)
+        same_state(cores)
+
+
+@pytest.mark.parametrize("name", ["belady", "belady-forced"])
+def test_offline_policies_equal_reference(zipf_stream, name):
+    from runtime.residency.config import preset_config
+
+    pol = CorePolicy.from_config(preset_config(name))
+    cores = pair(pol, True)
+    for c in cores:
+        c.set_capacity(0, 700)
+    s = zipf_stream(60, 3, N_EXPERT, 2, seed=4)
+    steps = [(MOE[layer], s[t, layer]) for t in range(60) for layer in range(3)]
+    flat = [layer * N_EXPERT + int(e) for layer, ex in steps for e in ex]
+    nxt, seen = [2**62] * len(flat), {}
+    for i in range(len(flat) - 1, -1, -1):
+        nxt[i] = seen.get(flat[i], 2**62)
+        seen[flat[i]] = i
+    i = 0
+    for layer, ex in steps:
+        nu = np.array(nxt[i:i + len(ex)], dtype=np.int64)
+        i += len(ex)
+        out = [c.access(layer, ex.astype(np.int32), 1, next_use=nu) for c in cores]
+        assert out[0] == out[1]
+    same_state(cores)
+
+
+def test_replay_loop_equals_access_calls(zipf_stream):
+    """The core's batch loop (replay) decides exactly as one access per batch."""
+    pol = policy(("lfu", {}), ("always", {}), ("chunk-plan", {"depth": 1.0}))
+    s = zipf_stream(40, 3, N_EXPERT, 2, seed=9)
+    batches = [(MOE[layer], 0 if t < 5 else 1, s[t, layer]) for t in range(40) for layer in range(3)]
+    experts = np.concatenate([b[2] for b in batches]).astype(np.int32)
+    bounds = np.concatenate([[0], np.cumsum([len(b[2]) for b in batches])]).astype(np.int64)
+    layers = np.array([b[0] for b in batches], dtype=np.int32)
+    phases = np.array([b[1] for b in batches], dtype=np.int8)
+    for kind in ("native", "reference"):
+        a = make_core(kind, N_LAYER, N_EXPERT, EXPERT_BYTES, pol, inline=True)
+        b = make_core(kind, N_LAYER, N_EXPERT, EXPERT_BYTES, pol, inline=True)
+        a.set_capacity(0, 600)
+        b.set_capacity(0, 600)
+        kinds = np.zeros(len(experts), dtype=np.int8)
+        assert a.replay(bounds, layers, phases, experts, None, False, kinds) == 0
+        for (layer, phase, ex) in batches:
+            b.access(layer, ex.astype(np.int32), phase)
+        assert np.array_equal(a.states(), b.states())
+        assert a.counters(0, 0) == b.counters(0, 0) and a.counters(0, 1) == b.counters(0, 1)
+        admitted = int((kinds == 1).sum())
+        assert admitted == a.counters(0, 0)[3] + a.counters(0, 1)[3]
+
+
+def test_rejected_call_changes_nothing():
+    """ids [1, 9] with 9 out of range: nothing touched, so the next victim is the same."""
+    pol = policy(("lru", {}), ("always", {}), ("none", {}))
+    for kind in ("native", "reference"):
+        c = make_core(kind, N_LAYER, N_EXPERT, EXPERT_BYTES, pol, inline=True)
+        c.set_capacity(0, 300)
+        for e in (0, 1, 2):
+            assert c.access(0, np.array([e], dtype=np.int32), 1)[0] == 0
+        before = (c.states().copy(), c.counters(0, 1))
+        assert c.access(0, np.array([1, 9], dtype=np.int32), 1)[0] == -2
+        assert np.array_equal(c.states(), before[0]) and c.counters(0, 1) == before[1]
+        out = c.access(0, np.array([3], dtype=np.int32), 1)
+        assert out[6] == (0,), kind            # lru is still expert 0, not 2
