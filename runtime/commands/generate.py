@@ -24,6 +24,7 @@ _FMT = argparse.ArgumentDefaultsHelpFormatter
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
+    from runtime.engine.stats_file import add_stats_json_arg  # noqa: PLC0415
 
     comp = subparsers.add_parser(
         "complete", help="complete a prompt (text to stdout)", formatter_class=_FMT,
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
     add_engine_args(comp)
     add_sampling_args(comp)
+    add_stats_json_arg(comp)
     comp.set_defaults(func=run_complete)
 
     chat = subparsers.add_parser(
@@ -79,14 +81,17 @@ def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; the timings line to stderr."""
     from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
     from runtime.engine.engine import Engine  # noqa: PLC0415
+    from runtime.engine.stats_file import check_stats_json_path, write_stats_json  # noqa: PLC0415
 
     prompt = _prompt_text(args)
     params = sampling_from_args(args)
+    check_stats_json_path(args.stats_json)
     with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
         last = None
         for chunk in engine.generate(prompt, params):
             _write(chunk.text)
             last = chunk
+        write_stats_json(args.stats_json, engine)
     _write("\n") if sys.stdout.isatty() else None
     if last is not None and last.timings is not None:
         sys.stderr.write(last.timings.summary() + "\n")

@@ -4,7 +4,9 @@
         (--policy NAME | --config FILE) [--policy ... / --config ...]
         [--cost FILE] [--json] [--plot OUT.png]
 
-SIZE is bytes with units (``6GiB``) or a share of the trace model's expert bytes (``20%``).
+SIZE is bytes with units (``6GiB``), a share of the trace model's expert bytes (``20%``), or
+``recorded``: the pools (layers and capacities) of the device a live run recorded the trace
+with (``trace record --config ...``), which replays that run's decisions exactly.
 Each policy / config is a row, each capacity a column; every cell also gets the Belady ceiling
 of its trace and capacity. Output: the markdown matrix (default) or a JSON list of cells.
 """
@@ -29,8 +31,12 @@ class Capacity:
     label: str
     bytes: int | None = None
     share: float | None = None
+    recorded: bool = False       # the trace's recorded device pools
 
-    def resolve(self, total_expert_bytes: int) -> int:
+    def resolve(self, total_expert_bytes: int) -> int | None:
+        """Bytes; None for ``recorded`` (the trace's own pools)."""
+        if self.recorded:
+            return None
         if self.bytes is not None:
             return self.bytes
         return max(1, int(self.share * total_expert_bytes))
@@ -38,6 +44,8 @@ class Capacity:
 
 def parse_capacity(text: str) -> Capacity:
     """``--capacity`` text to a ``Capacity``; UserError on anything else."""
+    if text.strip() == "recorded":
+        return Capacity("recorded", recorded=True)
     try:
         share = parse_percent(text)
         if share is not None:
@@ -63,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and score policies by demand-miss bytes against the Belady ceiling.")
     p.add_argument("traces", nargs="+", metavar="TRACE", help="route_trace v1 CSV or .rtb")
     p.add_argument("--capacity", action="append", required=True, metavar="SIZE",
-                   help="fast-tier expert capacity: bytes with units (6GiB) or a share of "
-                        "the model's expert bytes (20%%); repeat for more columns")
+                   help="fast-tier expert capacity: bytes with units (6GiB), a share of "
+                        "the model's expert bytes (20%%), or 'recorded' (the pools of the "
+                        "device the trace was recorded with); repeat for more columns")
     p.add_argument("--policy", action=_Row, dest="rows", default=[], metavar="NAME",
                    help="eviction policy under demand admission (lru, lfu, lfu-decay, "
                         "phase-weighted), belady (offline, with bypass) or belady-forced; "
@@ -113,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         prep = prepare(trace, name=path)
         preps.append(prep)
         total = trace.header.total_expert_bytes
+        if any(c.recorded for c in capacities) and not trace.header.pools:
+            raise UserError(f"{path}: --capacity recorded: the trace recorded no device pools "
+                            "(record it with `trace record --config FILE` naming a device)")
         for label, config in rows:
             for cap in capacities:
                 cells.append(replay_cell(prep, cap.resolve(total), config, label=label,

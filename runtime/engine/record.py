@@ -1,9 +1,15 @@
 """``moe-offload trace record``: run a model and write every routing decision to a trace.
 
     moe-offload trace record -m MODEL.gguf (-p PROMPT | -f FILE) [-n N] [--chat] [--temp T] -o OUT
+        [--config FILE | --devices.cpu-slots 2MB ...] [--no-residency] [--stats-json FILE]
 
 Every prompt token of every MoE layer is captured (logits are requested for every prompt
 token, so even the last layer routes them all) and every generated token is tagged decode.
+The run takes every placement flag ``complete`` takes: with a residency config the manager
+and its tiers run as in ``complete`` while the routes are recorded, and the trace header
+carries the pools (layers and capacities) of the fastest managed device, so that
+``moe-offload replay TRACE --capacity recorded`` replays the same decisions;
+``--stats-json FILE`` writes the manager's final snapshot (the JSON of ``GET /v1/residency``).
 With ``--chat`` the prompt goes through the model's chat template; with ``--chat -f FILE``
 each non-empty line of FILE is one user turn, answered before the next (trace column
 ``turn``). OUT ending in ``.csv`` is route_trace v1 CSV, anything else the binary format.
@@ -16,6 +22,7 @@ import sys
 from pathlib import Path
 
 from runtime.engine.routing_hook import RouteEvent
+from runtime.engine.stats_file import add_stats_json_arg, check_stats_json_path, write_stats_json
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -56,8 +63,9 @@ def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="trace file to write")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt(s) in the model's chat template")
-    add_engine_args(p, residency=False)
+    add_engine_args(p, residency=True)
     add_sampling_args(p, predict_default=64)
+    add_stats_json_arg(p)
     p.set_defaults(func=run_record)
 
 
@@ -85,13 +93,14 @@ def run_record(args: argparse.Namespace) -> int:
     turns = _turns(args)
     params = sampling_from_args(args)
     settings = settings_from_args(args)
-    settings.manage_residency = False
     settings.capture_all_tokens = True
     out = Path(args.output)
     if not out.parent.is_dir():
         raise UserError(f"{out}: directory {out.parent} does not exist")
+    check_stats_json_path(args.stats_json)
     header = header_from_model(settings.model_path)
     with Engine(settings, progress=True) as engine:
+        header = with_recorded_pools(header, engine)
         with TraceWriter(out, header) as writer:
             recorder = TraceRecorder(writer)
             engine.add_route_observer(recorder)
@@ -105,7 +114,25 @@ def run_record(args: argparse.Namespace) -> int:
                 reply = "".join(chunk.text for chunk in engine.generate(prompt, params))
                 messages.append({"role": "assistant", "content": reply})
             rows = writer.rows_written
+        write_stats_json(args.stats_json, engine)
     sys.stderr.write(f"recorded {rows} routing rows ({recorder.tokens[Phase.PREFILL]} prompt + "
                      f"{recorder.tokens[Phase.DECODE]} generated tokens, {len(turns)} turn(s)) "
                      f"to {out}\n")
     return 0
+
+
+def with_recorded_pools(header, engine):
+    """``header`` with the pools of the engine's fastest managed device (none without a
+    manager or with an unresolved device)."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from runtime.traces.trace import TracePool  # noqa: PLC0415
+
+    manager = engine.manager
+    if manager is None or not engine.residency_devices:
+        return header
+    pools = manager.pools(engine.residency_devices[0])
+    if any(p.capacity_bytes < 0 for p in pools):
+        return header
+    return replace(header, pools=tuple(TracePool(p.layers, p.capacity_bytes) for p in pools))
+
