@@ -2,8 +2,6 @@
 tiers that attach to a loaded engine (see contracts.md, Engine)."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 
 from runtime.engine import llama_lib
@@ -12,8 +10,6 @@ from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.types import EngineSettings
 
 _DEVICE_ORDER = ("cuda", "vulkan", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
-_CACHE_MODULE = "runtime.native.device_cache"
-_RAM_MODULE = "runtime.ramtier"
 
 
 def residency_config(settings: EngineSettings):
@@ -59,15 +55,6 @@ def build_manager(config, facts, *, has_gpu: bool):
     return manager, tuple(names)
 
 
-def module_available(name: str) -> bool:
-    """True when ``name`` can be imported (a package folder without __init__ does not count)."""
-    try:
-        spec = importlib.util.find_spec(name)
-    except ModuleNotFoundError:
-        return False
-    return spec is not None and spec.origin not in (None, "namespace")
-
-
 def library_dir(settings: EngineSettings, config) -> str | None:
     """The libllama directory to load: the settings' own, else $LLAMA_CPP_LIB_PATH, else the
     patched native build when the config names a device-cache device (cuda:N, vulkan:N,
@@ -84,7 +71,7 @@ def cache_library_dir(devices: set[str]) -> str | None:
     native module, or with MOE_OFFLOAD_NATIVE=off."""
     if os.environ.get("MOE_OFFLOAD_NATIVE", "").lower() in ("off", "0", "no"):
         return None
-    if not devices or not module_available(_CACHE_MODULE):
+    if not devices:
         return None
     from runtime.native import preferred_lib_dir  # noqa: PLC0415
 
@@ -130,19 +117,6 @@ def buffer_type(target: str) -> int:
     return llama_lib.device_buffer_type(gpu_devices()[0])
 
 
-def optional_attach(module_name: str, engine):
-    """``module.attach(engine)`` if the module exists, else None."""
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            return None
-        raise
-    if getattr(module, "__file__", None) is None:   # a bare namespace folder: not built yet
-        return None
-    return module.attach(engine)
-
-
 def attach_tiers(engine) -> list[object]:
     """Let the RAM tier / native device cache attach; the engine's ResidencyObserver feeds
     every managed device none of them claimed. Returns the attached objects."""
@@ -151,13 +125,17 @@ def attach_tiers(engine) -> list[object]:
     configured = {b.device for b in engine.config.devices}
     attached, claimed = [], set()
     if "cpu" in configured:
-        tier = optional_attach(_RAM_MODULE, engine)
+        from runtime import ramtier  # noqa: PLC0415
+
+        tier = ramtier.attach(engine)
         if tier is not None:
             attached.append(tier)
             claimed.add("cpu")
     cache_devices = _cache_devices(engine.config)
     if cache_devices:
-        cache = optional_attach(_CACHE_MODULE, engine)
+        from runtime.native import device_cache  # noqa: PLC0415
+
+        cache = device_cache.attach(engine)
         if cache is not None:
             attached.append(cache)
             claimed |= cache_devices

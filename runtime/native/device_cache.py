@@ -140,7 +140,7 @@ class DeviceCache:
             return None
         if not self.free[pool]:              # a dropped key's copy still holds a slot
             for entry in [c for c in self._cancelled if c[0] == pool]:
-                entry[2].result()
+                wait([entry[2]])          # a failed copy frees its slot too
                 self._cancelled.remove(entry)
                 self.free[pool].append(entry[1])
                 break
@@ -287,7 +287,7 @@ def attach(engine) -> DeviceCaches | None:
         notice(f"device expert cache off: {reason}")
         return None
     from gguf_tools.expert_index import ExpertIndex  # noqa: PLC0415
-    from runtime.ramtier.transport_mux import claim_device  # noqa: PLC0415
+    from runtime.residency.transport import claim_device  # noqa: PLC0415
 
     lib = load_shim(lib_dir)
     index = ExpertIndex.open(engine.settings.model_path)

@@ -21,7 +21,7 @@ from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.mapping import FileMapping
 from runtime.ramtier.pager import Pager
 from runtime.ramtier.tier import DEVICE, RamTier, ResidencyTruth, TierStats
-from runtime.ramtier.transport_mux import claim_device
+from runtime.residency.transport import claim_device
 
 __all__ = ["attach", "attach_to", "RamTier", "RamTierOptions", "ResidencyTruth", "TierStats"]
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from runtime.replay.belady import BoundResult, belady_ceiling, cold_miss_bytes, next_use
+from runtime.replay.belady import BoundResult, cold_miss_bytes, next_use
 from runtime.replay.cost_model import CostModel
-from runtime.residency.config import ResidencyConfig
+from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.errors import UserError
 from runtime.residency.manager import ExpertResidencyManager, PoolSpec
 from runtime.residency.types import Phase
@@ -88,10 +88,17 @@ class PreparedTrace:
         return self._next_use
 
     def ceiling(self, capacity_bytes: int) -> BoundResult:
-        """The Belady ceiling (eviction by next use, with bypass) at ``capacity_bytes``."""
+        """The Belady ceiling (eviction by next use, with bypass) at ``capacity_bytes``: the
+        manager's ``belady`` preset through the core (tests hold it equal to belady.py's
+        independent loop, ``belady_ceiling``)."""
         found = self._ceilings.get(capacity_bytes)
         if found is None:
-            found = belady_ceiling(self.trace, capacity_bytes, self.next_use())
+            cell = _run(self, capacity_bytes, preset_config("belady"), "belady", "")
+            found = BoundResult(
+                misses=(cell.prefill.misses, cell.decode.misses),
+                demand_miss_bytes=(cell.prefill.demand_miss_bytes,
+                                   cell.decode.demand_miss_bytes),
+                transient=(cell.prefill.transient_uses, cell.decode.transient_uses))
             self._ceilings[capacity_bytes] = found
         return found
 
@@ -170,7 +177,7 @@ class CellResult:
     cold_miss_bytes: int
     est_ttft_s: float
     est_tpot_s: float
-    # the Belady ceiling of the same trace and capacity (belady.belady_ceiling); None: not run
+    # the Belady ceiling of the same trace and capacity (PreparedTrace.ceiling); None: not run
     belady_prefill_demand_miss_bytes: int | None = None
     belady_decode_demand_miss_bytes: int | None = None
 
@@ -214,9 +221,9 @@ def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: Residen
     """Replay ``prep`` through a simulated manager; with the Belady ceiling when asked.
     ``capacity_bytes`` None: the device pools the trace recorded (a live run's, exactly).
 
-    The ceiling comes from ``belady.belady_ceiling``, an offline loop written apart from the
-    manager that makes the same decisions as the manager's ``belady`` policy (eviction belady,
-    admission belady-bypass; tests compare them on real traces) at a fraction of the cost.
+    The ceiling is the manager's ``belady`` preset (eviction belady, admission belady-bypass)
+    through the same core; tests hold it equal to ``belady.belady_ceiling``, an offline loop
+    written apart from the manager, on real and random traces.
     """
     cell = _run(prep, capacity_bytes, config, label, capacity_label)
     if not with_belady or capacity_bytes is None:

@@ -290,7 +290,7 @@ def mode_churn(args):
     from gguf_tools.expert_index import ExpertIndex
     from runtime.native.device_cache import DeviceCache, ExpertSource
     from runtime.native.shim import PROJ_BY_TENSOR, ShimCache, load_shim
-    from runtime.ramtier.transport_mux import claim_device
+    from runtime.residency.transport import claim_device
     from runtime.residency.config import parse_config
     from runtime.residency.manager import ExpertResidencyManager
     from runtime.residency.types import ExpertKey, Phase
@@ -311,6 +311,16 @@ def mode_churn(args):
     cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index))
     manager.set_pools("cpu-slots", cache.pools())              # as attach() does
     claim_device(manager, "cpu-slots", cache)
+    fail_every = args.get("fail_every", 0)
+    if fail_every:                     # a real failure of the copy path, every Nth copy
+        copy, calls = cache._copy, [0]
+
+        def failing_copy(ticket, slot):
+            calls[0] += 1
+            if calls[0] % fail_every == 0:
+                raise OSError(5, "injected read error")
+            copy(ticket, slot)
+        cache._copy = failing_copy
     rng = np.random.default_rng(args["seed"])
     popularity = 1.0 / np.arange(1, facts.n_expert + 1) ** 1.2
     popularity /= popularity.sum()
@@ -347,6 +357,7 @@ def mode_churn(args):
     out = {"checks": checks, "mismatches": mismatches, "copies": cache.copies,
            "refused": cache.refused, "failures": cache.copy_failures,
            "evictions": sum(p["evictions"] for p in snap["phases"].values()),
+           "resident_experts": snap["resident_experts"],
            "resident": len(cache.resident()),
            "slots": shim.pool_info(0)[0]}
     cache.close()

@@ -78,3 +78,15 @@ def test_tables_follow_the_manager_under_churn(native_build, q8_model, capacity,
     assert res["checks"] == 8 * 4 * 16
     assert res["mismatches"] == 0 and res["failures"] == 0 and res["refused"] == 0
     assert res["copies"] > res["slots"] and res["evictions"] > 0
+
+
+def test_failed_copies_leave_tables_and_manager_in_agreement(native_build, q8_model):
+    """Every 7th copy fails: its expert leaves the manager (its victims stay evicted), so at
+    every checkpoint the tables still equal the manager's residency, and the slots their
+    experts' bytes."""
+    res = run_child("churn", {"model": str(q8_model), "capacity": "400KB", "policy": "lru",
+                              "steps": 200, "seed": 5, "fail_every": 7}, native_build.lib_dir)
+    print(f"churn with failures: { {k: v for k, v in res.items() if k != 'stderr'} }")
+    assert res["failures"] > 10 and res["copies"] > res["failures"]
+    assert res["mismatches"] == 0 and res["checks"] == 8 * 4 * 16
+    assert res["resident"] == res["resident_experts"]
