@@ -26,7 +26,8 @@ from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
-from runtime.engine.routing_hook import RouteAssembler, RouteObserver, RoutingHook
+from runtime.engine.native_hook import NativeHook
+from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
                                   GenerationChunk, Timings, Usage)
@@ -83,7 +84,7 @@ class Engine:
             assembler = RouteAssembler(self.facts.moe_layers, self.facts.n_expert_used,
                                        self.facts.n_layer)
             assembler.strict = settings.capture_all_tokens
-            self.hook = RoutingHook(assembler)
+            self.hook = NativeHook(assembler, self.facts.n_layer)
         params = make_context_params(settings, self.hook)
         try:
             self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
@@ -287,7 +288,7 @@ class Engine:
         try:
             if rc != 0:
                 if self.hook is not None:
-                    self.hook.assembler.abort_batch()
+                    self.hook.abort_batch()
                 raise RuntimeError(f"llama_decode failed (status {rc}) at position {first_pos}")
             if self.hook is not None:
                 self.hook.end_batch()

@@ -30,6 +30,8 @@ from runtime.residency.types import Phase
 class TraceRecorder:
     """A RouteObserver that appends each batch's events to a ``TraceWriter``."""
 
+    synchronous = False    # it only writes at the batch's end: the native hook may buffer
+
     def __init__(self, writer):
         self.writer = writer
         self._pending: list[RouteEvent] = []

@@ -6,7 +6,6 @@ import os
 
 from runtime.engine import llama_lib
 from runtime.engine.placement import Placement, plan_placement
-from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.types import EngineSettings
 
 _DEVICE_ORDER = ("cuda", "vulkan", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
@@ -140,6 +139,6 @@ def attach_tiers(engine) -> list[object]:
             attached.append(cache)
             claimed |= cache_devices
     fed = [d for d in engine.residency_devices if d not in claimed]
-    if fed:
-        engine.add_route_observer(ResidencyObserver(engine.manager, fed))
+    if fed:                          # bookkeeping devices: the routing hook feeds them
+        engine.hook.feed(engine.manager, fed)
     return attached

@@ -188,14 +188,12 @@ class RouteAssembler:
 
 
 class RoutingHook:
-    """The ``cb_eval`` callback. Pass ``hook.callback`` / ``hook.user_data`` as
-    ``llama_context_params.cb_eval`` / ``cb_eval_user_data`` and keep the hook alive as long
-    as the context. ``native_filter``: put the C name pre-filter (route_filter.py) in front
-    of the Python callback when it can be built; results are identical either way."""
+    """The Python side of ``cb_eval``: framing router outputs into RouteEvents for observers
+    (RouteAssembler), called by the C hook (runtime/engine/native_hook.py) for the nodes its
+    name filter forwards. Keep the hook alive as long as the context."""
 
-    def __init__(self, assembler: RouteAssembler, *, native_filter: bool = True):
+    def __init__(self, assembler: RouteAssembler):
         from runtime.engine import llama_lib  # noqa: PLC0415 - loads llama.cpp
-        from runtime.engine.route_filter import RouteFilter, load_filter_library  # noqa: PLC0415
 
         self._lib = llama_lib
         self.assembler = assembler
@@ -216,17 +214,8 @@ class RoutingHook:
         self._name_offset = self._lib.NAME_OFFSET
         callback_type = self._lib.bindings().ggml_backend_sched_eval_callback
         self._py_callback = callback_type(self._on_eval)
-        self.callback, self.user_data, self._filter = self._py_callback, None, None
-        library = load_filter_library() if native_filter else None
-        if library is not None:
-            self._filter = RouteFilter(library, self._py_callback, list(_FILTER_PREFIXES),
-                                       self._name_offset, callback_type)
-            self.callback, self.user_data = self._filter.callback, self._filter.user_data
-
-    @property
-    def native_filter(self) -> bool:
-        """True when the C pre-filter is in front of the Python callback."""
-        return self._filter is not None
+        self.callback, self.user_data = self._py_callback, None
+        self._filter = None          # the C hook's name filter, when one is in front
 
     def watch(self, name: str, fn: Callable[[str, np.ndarray], None]) -> None:
         """Also read node ``name`` (exact match, e.g. ``"ffn_moe_probs-3"``; it must start with
@@ -243,6 +232,10 @@ class RoutingHook:
     def begin_batch(self, phase, first_step: int, n_tokens: int, n_outputs: int) -> None:
         self.error = None
         self.assembler.begin_batch(phase, first_step, n_tokens, n_outputs)
+
+    def abort_batch(self) -> None:
+        """The decode failed: observers still end the batch (leases get released)."""
+        self.assembler.abort_batch()
 
     def end_batch(self) -> None:
         """After ``llama_decode``: raise what went wrong inside the graph, else finish."""

@@ -517,6 +517,12 @@ class ExpertResidencyManager:
     def devices(self) -> tuple[str, ...]:
         return tuple(self._devices)
 
+    def core_handle(self, device: str):
+        """The C core of ``device`` (a cffi pointer the routing hook feeds directly), or None
+        when the manager runs the Python reference."""
+        core = self._device(device).core
+        return getattr(core, "_c", None)
+
     @property
     def n_expert(self) -> int:
         return self._n_expert

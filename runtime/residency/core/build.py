@@ -1,7 +1,8 @@
-"""Build and load the residency core (``residency_core.c``) with the system C compiler.
+"""Build and load moe-offload's C library: the residency core (``residency_core.c``) and the
+routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``).
 
 Compiled on first use (``$CC``, else ``cc``; plain C, no Python headers) into the cache's
-``residency/`` folder, named by a hash of the source, and opened with cffi in ABI mode. A
+``residency/`` folder, named by a hash of the sources, and opened with cffi in ABI mode. A
 machine without a compiler gets one clear line (``UserError``) naming what is missing.
 
     lib, ffi = load_core()
@@ -24,20 +25,21 @@ from runtime.cache import cache_dir
 from runtime.errors import UserError
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "residency_core.c"
-HEADER = HERE / "residency_core.h"
+ENGINE = HERE.parents[1] / "engine"
+SOURCES = (HERE / "residency_core.c", ENGINE / "route_hook.c")
+HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 
 
 def _cdef() -> str:
-    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    text = "\n".join(re.sub(r"/\*.*?\*/", "", h.read_text(), flags=re.S) for h in HEADERS)
     return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes()).hexdigest()[:16]
-    return cache_dir("residency") / f"residency_core-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)))
+    return cache_dir("residency") / f"moe_offload_native-{digest.hexdigest()[:16]}.so"
 
 
 def _compile(target: Path) -> None:
@@ -50,14 +52,16 @@ def _compile(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm",
+               "-lpthread"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         except OSError as exc:
             raise UserError(f"the residency core could not be compiled ({cc[0]}: "
                             f"{exc.strerror})") from None
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            lines = done.stderr.strip().splitlines() or ["?"]
+            last = next((ln for ln in lines if "error" in ln), lines[-1]).strip()
             raise UserError(f"the residency core could not be compiled: {last}")
         os.replace(tmp, target)
     finally:

@@ -18,6 +18,7 @@
 #include "residency_core.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -79,6 +80,8 @@ typedef struct {
 } ticket;
 
 struct rc_core {
+    pthread_mutex_t mu;           /* every public entry point holds it: the routing hook calls
+                                     from the graph thread while Python reads counters */
     int32_t n_layer, n_expert, n_flat, n_pool, is_static;
     int64_t *bytes_flat;          /* (n_flat,) bytes of one expert */
     int32_t *pool_of_layer;       /* (n_layer,) -1: dense */
@@ -334,6 +337,10 @@ static void finish(rc_core *c, ticket *t) {
 
 /* ---- lifetime -------------------------------------------------------------------------- */
 
+static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
+                             const int64_t *capacity);
+static void rc_release_impl(rc_core *c, int64_t lease_id);
+
 rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_bytes,
                    const rc_policy *policy) {
     if (n_layer <= 0 || n_expert <= 0 || policy == NULL || policy->n_orders < 1 ||
@@ -381,8 +388,9 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (c->next_use) c->next_use[i] = NEVER;
     }
     c->next_ticket = 1;
+    pthread_mutex_init(&c->mu, NULL);
     int64_t unresolved = -1;
-    if (rc_set_pools(c, 1, c->pool_of_layer, &unresolved) != RC_OK) {
+    if (rc_set_pools_impl(c, 1, c->pool_of_layer, &unresolved) != RC_OK) {
         rc_free(c);
         return NULL;
     }
@@ -402,6 +410,7 @@ static void free_pools(rc_core *c) {
 
 void rc_free(rc_core *c) {
     if (c == NULL) return;
+    pthread_mutex_destroy(&c->mu);
     free_pools(c);
     for (int32_t i = 0; i < c->n_tickets; i++) {
         free(c->tickets[i].victims);
@@ -426,7 +435,7 @@ void rc_free(rc_core *c) {
 
 void rc_set_inline(rc_core *c, int32_t inline_transport) { c->pol.inline_transport = inline_transport; }
 
-int rc_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
+static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
                  const int64_t *capacity) {
     if (n_pool < 1) return RC_ERR_POOL;
     if (c->pools != NULL) {
@@ -467,7 +476,7 @@ int rc_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
     return RC_OK;
 }
 
-int rc_set_capacity(rc_core *c, int32_t pool_id, int64_t capacity) {
+static int rc_set_capacity_impl(rc_core *c, int32_t pool_id, int64_t capacity) {
     if (pool_id < 0 || pool_id >= c->n_pool) return RC_ERR_POOL;
     pool *p = &c->pools[pool_id];
     if (p->pending_tickets) return RC_ERR_PENDING;
@@ -500,7 +509,7 @@ static int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *exper
     return 0;
 }
 
-void rc_release(rc_core *c, int64_t lease_id) {
+static void rc_release_impl(rc_core *c, int64_t lease_id) {
     for (int32_t i = 0; i < c->n_leases; i++) {
         lease *l = &c->leases[i];
         if (l->id != lease_id) continue;
@@ -667,7 +676,7 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
     return prefetch_flats(c, plan->v, plan->n, phase, seq0);
 }
 
-int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out) {
+static int rc_prefetch_impl(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out) {
     result_reset(c);
     memset(out, 0, sizeof *out);
     if (phase == 2 || c->is_static) return RC_OK;
@@ -805,13 +814,13 @@ static int handle_misses(rc_core *c, int32_t base, int32_t phase, int64_t seq0) 
     return RC_OK;
 }
 
-int rc_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase,
+static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase,
               const int64_t *next_use, int32_t up_layer, const int32_t *up_experts,
               const int64_t *up_index, int32_t n_up, int64_t lease_id, int64_t release_id,
               rc_result *out) {
     result_reset(c);
     memset(out, 0, sizeof *out);
-    if (release_id > 0) rc_release(c, release_id);
+    if (release_id > 0) rc_release_impl(c, release_id);
     /* 1. checks: nothing changes on a rejected call */
     if (layer < 0 || layer >= c->n_layer || c->pool_of_layer[layer] < 0) {
         out->bad_value = layer;
@@ -907,7 +916,7 @@ int rc_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t p
     return rc;
 }
 
-int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
+static int rc_replay_impl(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
               int32_t with_upcoming, int8_t *miss_kind) {
     rc_result r;
@@ -928,7 +937,7 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
                 up_layer = layers[b];   /* none after the last: an empty upcoming step */
             }
         }
-        int rc = rc_access(c, layers[b], experts + s, (int32_t) (e - s), phases[b],
+        int rc = rc_access_impl(c, layers[b], experts + s, (int32_t) (e - s), phases[b],
                            next_use ? next_use + s : NULL, up_layer, up_e, up_i, n_up, 0, 0, &r);
         free(up_i);
         if (rc != RC_OK) return rc;
@@ -943,7 +952,7 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
 
 /* ---- tickets --------------------------------------------------------------------------- */
 
-int rc_ticket(const rc_core *c, int64_t id, rc_ticket_info *out) {
+static int rc_ticket_impl(const rc_core *c, int64_t id, rc_ticket_info *out) {
     const ticket *t = find_ticket(c, id);
     if (t == NULL) return RC_ERR_STATE;
     out->id = t->id; out->flat = t->flat; out->phase = t->phase; out->prefetch = t->prefetch;
@@ -954,7 +963,7 @@ int rc_ticket(const rc_core *c, int64_t id, rc_ticket_info *out) {
 int rc_ticket_pending(const rc_core *c, int64_t id) { return find_ticket(c, id) != NULL; }
 int32_t rc_pending_tickets(const rc_core *c) { return c->n_tickets; }
 
-int rc_commit(rc_core *c, int64_t id) {
+static int rc_commit_impl(rc_core *c, int64_t id) {
     ticket *t = find_ticket(c, id);
     if (t == NULL) return 0;
     const int32_t f = t->flat, phase = t->phase, prefetch = t->prefetch;
@@ -971,7 +980,7 @@ int rc_commit(rc_core *c, int64_t id) {
     return 1;
 }
 
-int rc_abort(rc_core *c, int64_t id) {
+static int rc_abort_impl(rc_core *c, int64_t id) {
     ticket *t = find_ticket(c, id);
     if (t == NULL) return 0;
     pool *p = pool_of(c, t->flat);
@@ -988,7 +997,7 @@ int rc_abort(rc_core *c, int64_t id) {
     return 1;
 }
 
-int rc_forget(rc_core *c, int32_t f) {
+static int rc_forget_impl(rc_core *c, int32_t f) {
     if (f < 0 || f >= c->n_flat || c->state[f] > RESIDENT_MAX) return RC_ERR_STATE;
     pool *p = pool_of(c, f);
     p->resident_bytes -= c->bytes_flat[f];
@@ -1002,7 +1011,7 @@ int rc_forget(rc_core *c, int32_t f) {
     return RC_OK;
 }
 
-int rc_pin_static(rc_core *c, const int32_t *flats, int32_t n) {
+static int rc_pin_static_impl(rc_core *c, const int32_t *flats, int32_t n) {
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
         if (f < 0 || f >= c->n_flat || c->pool_of_layer[f / c->n_expert] < 0 ||
@@ -1039,7 +1048,7 @@ static int heap_ok(const rc_core *c, int32_t o, const heap *h) {
     return 1;
 }
 
-int rc_verify(const rc_core *c) {
+static int rc_verify_impl(const rc_core *c) {
     for (int32_t pi = 0; pi < c->n_pool; pi++) {
         const pool *p = &c->pools[pi];
         int64_t bytes = 0, count = 0, claims = 0;
@@ -1080,4 +1089,46 @@ int rc_verify(const rc_core *c) {
     }
     if (n_pf != c->n_pf_unused) return 10;
     return 0;
+}
+
+/* ---- the public entry points: each holds the core's mutex --------------------------------- */
+
+#define LOCKED(call) do { pthread_mutex_lock(&c->mu); int rc_ = (call); pthread_mutex_unlock(&c->mu); return rc_; } while (0)
+
+int rc_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer, const int64_t *capacity) {
+    LOCKED(rc_set_pools_impl(c, n_pool, pool_of_layer, capacity));
+}
+int rc_set_capacity(rc_core *c, int32_t pool, int64_t capacity) { LOCKED(rc_set_capacity_impl(c, pool, capacity)); }
+void rc_release(rc_core *c, int64_t lease_id) {
+    pthread_mutex_lock(&c->mu);
+    rc_release_impl(c, lease_id);
+    pthread_mutex_unlock(&c->mu);
+}
+int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out) {
+    LOCKED(rc_prefetch_impl(c, flats, n, phase, out));
+}
+int rc_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase,
+              const int64_t *next_use, int32_t up_layer, const int32_t *up_experts,
+              const int64_t *up_index, int32_t n_up, int64_t lease_id, int64_t release_id,
+              rc_result *out) {
+    LOCKED(rc_access_impl(c, layer, el, n, phase, next_use, up_layer, up_experts, up_index, n_up,
+                          lease_id, release_id, out));
+}
+int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
+              const int8_t *phases, const int32_t *experts, const int64_t *next_use,
+              int32_t with_upcoming, int8_t *miss_kind) {
+    LOCKED(rc_replay_impl(c, n_batches, starts, layers, phases, experts, next_use, with_upcoming,
+                          miss_kind));
+}
+int rc_ticket(const rc_core *cc, int64_t id, rc_ticket_info *out) {
+    rc_core *c = (rc_core *) cc;
+    LOCKED(rc_ticket_impl(c, id, out));
+}
+int rc_commit(rc_core *c, int64_t id) { LOCKED(rc_commit_impl(c, id)); }
+int rc_abort(rc_core *c, int64_t id) { LOCKED(rc_abort_impl(c, id)); }
+int rc_forget(rc_core *c, int32_t flat) { LOCKED(rc_forget_impl(c, flat)); }
+int rc_pin_static(rc_core *c, const int32_t *flats, int32_t n) { LOCKED(rc_pin_static_impl(c, flats, n)); }
+int rc_verify(const rc_core *cc) {
+    rc_core *c = (rc_core *) cc;
+    LOCKED(rc_verify_impl(c));
 }

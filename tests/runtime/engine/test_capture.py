@@ -85,28 +85,30 @@ def test_every_prompt_token_of_every_layer_and_decode_tags(tiny_model, make_sett
     assert {e.turn for e in seen.events} == {0}
 
 
-def _events(make_settings, model, prompt, **kw):
-    engine = Engine(make_settings(model, manage_residency=False, capture_all_tokens=True,
-                                  n_batch=64, n_ubatch=4, **kw), progress=False)
-    seen = Collect()
-    engine.add_route_observer(seen)
+class CollectAtBatchEnd(Collect):
+    synchronous = False        # lets the C hook run native: events handed over per batch
+
+
+def _events(make_settings, model, prompt, observer, **kw):
+    engine = Engine(make_settings(model, n_batch=64, n_ubatch=4, **kw), progress=False)
+    engine.add_route_observer(observer)
+    native = engine.hook.native
     for text in (prompt, prompt + " and more"):      # the second call reuses the KV prefix
         list(engine.generate(text, SamplingParams(max_tokens=10, temperature=0)))
-    native = engine.hook.native_filter
+    snap = engine.manager.snapshot() if engine.manager is not None else None
     engine.close()
-    return native, seen
+    return native, observer, snap
 
 
-def test_c_prefilter_and_pure_python_hook_agree(tiny_model, make_settings, prompt, monkeypatch):
-    """The fast path (C name filter, one sync per layer once the applied weight stage is
-    known) against the slow reference (Python sees every node, reads every stage)."""
-    import runtime.engine.route_filter as route_filter
-
-    if route_filter.load_filter_library() is None:
-        pytest.skip("no C compiler: only the Python hook exists here")
-    fast_native, fast = _events(make_settings, tiny_model, prompt)
-    monkeypatch.setattr(route_filter, "load_filter_library", lambda: None)
-    slow_native, slow = _events(make_settings, tiny_model, prompt)
+@pytest.mark.parametrize("recording", [True, False])
+def test_native_hook_equals_the_python_hook(tiny_model, make_settings, prompt, recording):
+    """The C hook's native mode (framing, the manager fed from C, events handed over at the
+    batch's end) against its reference, the Python RouteAssembler path (forward mode): the
+    same events, batches and residency counters, recording or live."""
+    kw = dict(manage_residency=False, capture_all_tokens=True) if recording else {}
+    fast_native, fast, fast_snap = _events(make_settings, tiny_model, prompt,
+                                           CollectAtBatchEnd(), **kw)
+    slow_native, slow, slow_snap = _events(make_settings, tiny_model, prompt, Collect(), **kw)
     assert fast_native and not slow_native
     assert len(fast.events) == len(slow.events) > 0
     for a, b in zip(fast.events, slow.events):
@@ -115,6 +117,9 @@ def test_c_prefilter_and_pure_python_hook_agree(tiny_model, make_settings, promp
         np.testing.assert_array_equal(a.weights, b.weights)
     assert fast.batches == slow.batches
     assert {e.turn for e in fast.events} == {0, 1}
+    assert fast_snap == slow_snap
+    if not recording:
+        assert fast_snap.device("cpu").total.accesses == sum(e.experts.size for e in fast.events)
 
 
 def test_live_mode_last_layer_routes_only_the_output_token(tiny_model, make_settings, prompt):

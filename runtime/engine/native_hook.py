@@ -1,0 +1,173 @@
+"""The routing hook in C (route_hook.c): ``cb_eval`` without a Python call per layer-step.
+
+``NativeHook`` is a ``RoutingHook`` whose callback is the C hook. Per decode call it runs in
+one of two modes:
+
+  native   every observer can wait for the batch's end (``synchronous = False``: the trace
+           recorder) and the devices the engine feeds are bookkeeping only: the C hook reads
+           each MoE layer's router output, frames it as RouteAssembler does, calls the residency
+           core of every fed device (one access per layer-step, the previous one's lease
+           released in the same call), and buffers the event; ``end_batch`` hands the buffered
+           events to the observers once per decode call;
+  forward  an observer must run between a layer's router and its experts (the RAM tier and
+           the native device cache move bytes there, and any observer that does not say
+           otherwise): the C hook only filters node names and calls the Python callback,
+           which works as RoutingHook always did, and the fed devices get a ResidencyObserver.
+
+Both modes make the same decisions and the same events (tests compare them).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from runtime.engine.residency_observer import ResidencyObserver
+from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, RoutingHook
+from runtime.residency.types import Phase
+
+RH_FORWARD, RH_NATIVE = 0, 1
+
+
+class _CFilter:
+    """The C hook's name filter, as RoutingHook drives its route filter."""
+
+    def __init__(self, hook: NativeHook):
+        self._hook = hook
+        self.prefixes: list[bytes] = []
+
+    def _apply(self, prefixes: list[bytes]) -> None:
+        h = self._hook
+        keep = [h.ffi.new("char[]", p) for p in prefixes]
+        arr = h.ffi.new("char *[]", keep)
+        if h.lib.rh_set_prefixes(h.handle, arr, len(prefixes)) != 0:
+            raise ValueError("too many or too long prefixes for the route filter")
+        self.prefixes = list(prefixes)
+
+    def add_prefix(self, prefix: bytes) -> None:
+        if prefix not in self.prefixes:
+            self._apply([*self.prefixes, prefix])
+
+    def set_prefixes(self, prefixes: list[bytes]) -> None:
+        self._apply(list(prefixes))
+
+
+class NativeHook(RoutingHook):
+    """See the module docstring. ``feed(manager, devices)`` takes the devices the engine's
+    ResidencyObserver would feed."""
+
+    def __init__(self, assembler: RouteAssembler, n_layer: int):
+        from runtime.engine import llama_lib  # noqa: PLC0415
+        from runtime.engine.routing_hook import _FILTER_PREFIXES  # noqa: PLC0415
+        from runtime.residency.core.build import load_core  # noqa: PLC0415
+
+        super().__init__(assembler)
+        lib, ffi = load_core()
+        self.lib, self.ffi = lib, ffi
+        is_moe = ffi.new("uint8_t[]", [1 if i in set(assembler.moe_layers) else 0
+                                       for i in range(n_layer)])
+        get = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_get, ctypes.c_void_p).value
+        t = llama_lib.GgmlTensor
+        handle = lib.rh_create(n_layer, is_moe, assembler.n_expert_used,
+                               ffi.cast("rh_tensor_get", get), t.type.offset, t.ne.offset,
+                               t.nb.offset, t.name.offset)
+        if handle == ffi.NULL:
+            raise MemoryError("rh_create failed")
+        self.handle = ffi.gc(handle, lib.rh_free)
+        forward = ctypes.cast(self._py_callback, ctypes.c_void_p).value
+        lib.rh_set_forward(self.handle, ffi.cast("rh_eval_cb", forward), ffi.NULL)
+        self._filter = _CFilter(self)
+        self._filter.set_prefixes(list(_FILTER_PREFIXES))
+        callback_type = llama_lib.bindings().ggml_backend_sched_eval_callback
+        self.callback = callback_type(int(ffi.cast("uintptr_t", lib.rh_eval)))
+        self.user_data = ctypes.c_void_p(int(ffi.cast("uintptr_t", self.handle)))
+        self._feed: ResidencyObserver | None = None
+        self._cores: list = []
+        self._native_batch = False
+        self._phase = Phase.PREFILL
+        self._n_tokens = 0
+
+    # -- wiring ---------------------------------------------------------------------------
+    def feed(self, manager, devices) -> None:
+        """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
+        self._feed = ResidencyObserver(manager, devices)
+        self._cores = [manager.core_handle(d) for d in devices]
+        self.lib.rh_clear_cores(self.handle)
+        if all(c is not None for c in self._cores):
+            for c in self._cores:
+                self.lib.rh_add_core(self.handle, c)
+
+    def _can_run_native(self) -> bool:
+        if any(c is None for c in self._cores):
+            return False                          # a reference core: forward mode only
+        if self.watchers:
+            return False                          # watched nodes go to Python callbacks
+        observers = [o for o in self.assembler.observers if o is not self._feed]
+        return all(getattr(o, "synchronous", True) is False for o in observers)
+
+    @property
+    def native_filter(self) -> bool:
+        """The C name filter is in front of the Python callback (always, here)."""
+        return True
+
+    @property
+    def native(self) -> bool:
+        """True when the next decode call runs in native mode."""
+        return self._can_run_native()
+
+    # -- framing --------------------------------------------------------------------------
+    def begin_batch(self, phase, first_step: int, n_tokens: int, n_outputs: int) -> None:
+        self.error = None
+        self._phase, self._n_tokens = Phase(phase), n_tokens
+        self._native_batch = self._can_run_native()
+        observers = self.assembler.observers
+        if self._native_batch:
+            if self._feed is not None and self._feed in observers:
+                observers.remove(self._feed)
+            self.lib.rh_set_mode(self.handle, RH_NATIVE)
+            self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
+                                    self.assembler.turn, int(self.assembler.strict))
+        else:
+            if self._feed is not None and self._feed not in observers:
+                observers.insert(0, self._feed)
+            self.lib.rh_set_mode(self.handle, RH_FORWARD)
+            super().begin_batch(phase, first_step, n_tokens, n_outputs)
+
+    def abort_batch(self) -> None:
+        if self._native_batch:
+            self.lib.rh_abort_batch(self.handle)
+        super().abort_batch()
+
+    def end_batch(self) -> None:
+        if not self._native_batch:
+            super().end_batch()
+            return
+        lib, ffi, h = self.lib, self.ffi, self.handle
+        if lib.rh_end_batch(h) != 0:
+            message = ffi.string(lib.rh_error(h)).decode()
+            self.assembler.abort_batch()
+            raise RouteCaptureError(message)
+        a = self.assembler
+        for layer in a.moe_layers:
+            stage = lib.rh_final_stage(h, layer)
+            if stage >= 0:
+                a.final_stage.setdefault(layer, stage)
+        k = a.n_expert_used
+        n_events = lib.rh_n_events(h)
+        meta = np.empty((n_events, 6), dtype=np.int64)
+        n = lib.rh_events_elems(h)
+        experts = np.empty(max(n, 1), dtype=np.int32)
+        weights = np.empty(max(n, 1), dtype=np.float32)
+        lib.rh_copy_events(h, ffi.from_buffer("int64_t[]", meta),
+                           ffi.from_buffer("int32_t[]", experts),
+                           ffi.from_buffer("float[]", weights))
+        phases = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
+        events = [RouteEvent(layer=layer, phase=phases[phase], first_step=first, turn=turn,
+                             experts=experts[at:at + rows * k].reshape(rows, k),
+                             weights=weights[at:at + rows * k].reshape(rows, k))
+                  for layer, phase, first, turn, rows, at in meta.tolist()]
+        for observer in a.observers:
+            for event in events:
+                observer.on_route(event)
+        for observer in a.observers:
+            observer.on_batch_end(self._phase, self._n_tokens)

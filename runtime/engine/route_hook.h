@@ -1,0 +1,67 @@
+/* route_hook: llama.cpp's eval callback (cb_eval) in C, built into the residency core's
+ * library (runtime/residency/core/build.py) so that it calls the core directly.
+ *
+ * Two modes, switched between decode calls:
+ *   forward  only nodes whose names start with one of the prefixes reach the Python callback
+ *            (runtime/engine/routing_hook.py, which assembles RouteEvents for observers that
+ *            must run between a layer's router and its experts: the RAM tier, the device cache);
+ *   native   the hook itself reads each MoE layer's router output (ffn_moe_topk, the applied
+ *            weight stage), frames it into events exactly as RouteAssembler does, feeds every
+ *            bookkeeping device's residency core (rc_access, one lease per layer-step) and
+ *            appends the event to a buffer that Python drains once per decode call: no Python
+ *            call on a layer-step.
+ *
+ *     rh_hook *h = rh_create(n_layer, is_moe, n_expert_used, tensor_get, offsets...);
+ *     rh_add_core(h, core);  rh_set_mode(h, RH_NATIVE);
+ *     ... cb_eval = rh_eval, cb_eval_user_data = h ...
+ *     rh_begin_batch(h, phase, first_step, n_tokens, n_outputs, turn, strict);
+ *     llama_decode(...);
+ *     if (rh_end_batch(h) != 0) ... rh_error(h) ...; rh_get_event(h, i, &ev) for i < rh_n_events(h)
+ */
+#ifndef ROUTE_HOOK_H
+#define ROUTE_HOOK_H
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct rh_hook rh_hook;
+typedef bool (*rh_eval_cb)(void *tensor, bool ask, void *user_data);
+typedef void (*rh_tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
+
+typedef struct {
+    int32_t layer, phase, first_step, turn, n_rows;
+    const int32_t *experts;      /* (n_rows, k) routing order */
+    const float *weights;        /* (n_rows, k) the applied weights */
+} rh_event;
+
+enum { RH_FORWARD = 0, RH_NATIVE = 1 };
+
+rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used,
+                   rh_tensor_get tensor_get, size_t type_off, size_t ne_off, size_t nb_off,
+                   size_t name_off);
+void rh_free(rh_hook *h);
+bool rh_eval(void *tensor, bool ask, void *user_data);
+
+/* forward mode: the Python callback and the name prefixes it wants (at most 16, < 32 bytes) */
+void rh_set_forward(rh_hook *h, rh_eval_cb cb, void *cb_user_data);
+int rh_set_prefixes(rh_hook *h, const char *const *prefixes, int32_t n);
+void rh_set_mode(rh_hook *h, int32_t mode);
+
+/* native mode: residency cores fed with every event (at most 8) */
+int rh_add_core(rh_hook *h, void *core);
+void rh_clear_cores(rh_hook *h);
+
+void rh_begin_batch(rh_hook *h, int32_t phase, int64_t first_step, int32_t n_tokens,
+                    int32_t n_outputs, int32_t turn, int32_t strict);
+int rh_end_batch(rh_hook *h);                /* 0, or an error: rh_error says which */
+void rh_abort_batch(rh_hook *h);             /* a failed decode: release leases, drop events */
+const char *rh_error(const rh_hook *h);
+int32_t rh_n_events(const rh_hook *h);
+int rh_get_event(const rh_hook *h, int32_t i, rh_event *out);
+/* every event of the batch at once: (n_events, 6) int64 rows (layer, phase, first_step, turn,
+ * n_rows, offset into the arrays) into `meta`, and the (n_elems,) experts / weights arrays */
+int64_t rh_events_elems(const rh_hook *h);
+int rh_copy_events(const rh_hook *h, int64_t *meta, int32_t *experts, float *weights);
+int32_t rh_final_stage(const rh_hook *h, int32_t layer);   /* -1 until the layer has routed */
+
+#endif
