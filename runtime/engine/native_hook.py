@@ -83,6 +83,7 @@ class NativeHook(RoutingHook):
         self.user_data = ctypes.c_void_p(int(ffi.cast("uintptr_t", self.handle)))
         self._feed: ResidencyObserver | None = None
         self._cores: list = []
+        self._caches: list = []
         self._native_batch = False
         self._phase = Phase.PREFILL
         self._n_tokens = 0
@@ -97,12 +98,22 @@ class NativeHook(RoutingHook):
             for c in self._cores:
                 self.lib.rh_add_core(self.handle, c)
 
+    def add_cache(self, cache) -> None:
+        """A native device cache (runtime.native.device_cache.DeviceCache) to drive."""
+        self._caches.append(cache)
+        self.lib.rh_add_cache(self.handle, cache.native_handle)
+
+    def _own(self) -> list:
+        """The observers the hook itself runs natively (or hands to forward mode)."""
+        return [o for o in (self._feed, *self._caches) if o is not None]
+
     def _can_run_native(self) -> bool:
         if any(c is None for c in self._cores):
             return False                          # a reference core: forward mode only
         if self.watchers:
             return False                          # watched nodes go to Python callbacks
-        observers = [o for o in self.assembler.observers if o is not self._feed]
+        own = self._own()
+        observers = [o for o in self.assembler.observers if all(o is not x for x in own)]
         return all(getattr(o, "synchronous", True) is False for o in observers)
 
     @property
@@ -121,15 +132,15 @@ class NativeHook(RoutingHook):
         self._phase, self._n_tokens = Phase(phase), n_tokens
         self._native_batch = self._can_run_native()
         observers = self.assembler.observers
+        own = self._own()
         if self._native_batch:
-            if self._feed is not None and self._feed in observers:
-                observers.remove(self._feed)
+            observers[:] = [o for o in observers if all(o is not x for x in own)]
             self.lib.rh_set_mode(self.handle, RH_NATIVE)
             self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
                                     self.assembler.turn, int(self.assembler.strict))
         else:
-            if self._feed is not None and self._feed not in observers:
-                observers.insert(0, self._feed)
+            missing = [o for o in own if all(o is not x for x in observers)]
+            observers[:0] = missing
             self.lib.rh_set_mode(self.handle, RH_FORWARD)
             super().begin_batch(phase, first_step, n_tokens, n_outputs)
 
@@ -166,6 +177,8 @@ class NativeHook(RoutingHook):
                              experts=experts[at:at + rows * k].reshape(rows, k),
                              weights=weights[at:at + rows * k].reshape(rows, k))
                   for layer, phase, first, turn, rows, at in meta.tolist()]
+        for cache in self._caches:
+            cache.check_failures()
         for observer in a.observers:
             for event in events:
                 observer.on_route(event)

@@ -2,6 +2,7 @@
  * (RoutingHook._on_eval and RouteAssembler) rule for rule; tests run both on the same model
  * and compare the events and the managers' counters. */
 #include "route_hook.h"
+#include "../native/slot_cache.h"
 #include "../residency/core/residency_core.h"
 
 #include <stdio.h>
@@ -54,6 +55,9 @@ struct rh_hook {
     int64_t held[MAX_CORES];
     int32_t n_cores;
     int64_t next_lease;
+    /* native device caches fed in native mode (each holds its own lease) */
+    dc_cache *caches[MAX_CORES];
+    int32_t n_caches;
     /* events of this batch */
     ev_rec *events; int32_t n_events, cap_events;
     int32_t *ev_experts; float *ev_weights; int64_t n_ev_elems, cap_ev_elems;
@@ -130,6 +134,12 @@ int rh_add_core(rh_hook *h, void *core) {
 
 void rh_clear_cores(rh_hook *h) { h->n_cores = 0; }
 
+int rh_add_cache(rh_hook *h, void *cache) {
+    if (h->n_caches >= MAX_CORES) return -1;
+    h->caches[h->n_caches++] = cache;
+    return 0;
+}
+
 const char *rh_error(const rh_hook *h) { return h->msg; }
 int32_t rh_n_events(const rh_hook *h) { return h->n_events; }
 int32_t rh_final_stage(const rh_hook *h, int32_t layer) {
@@ -187,6 +197,7 @@ static void release_all(rh_hook *h) {
         if (h->held[d]) rc_release(h->cores[d], h->held[d]);
         h->held[d] = 0;
     }
+    for (int32_t d = 0; d < h->n_caches; d++) dc_batch_end(h->caches[d]);
 }
 
 static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
@@ -221,6 +232,15 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
         if (rc != 0) {
             char msg[128];
             snprintf(msg, sizeof msg, "residency core refused layer %d (status %d)", layer, rc);
+            fail(h, msg);
+        }
+    }
+    for (int32_t d = 0; d < h->n_caches; d++) {
+        const int rc = dc_route(h->caches[d], layer, p->experts, (int32_t) n, h->phase);
+        if (rc != 0) {
+            char msg[128];
+            snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
+                     "(status %d)", layer, rc);
             fail(h, msg);
         }
     }

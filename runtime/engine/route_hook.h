@@ -50,6 +50,8 @@ void rh_set_mode(rh_hook *h, int32_t mode);
 /* native mode: residency cores fed with every event (at most 8) */
 int rh_add_core(rh_hook *h, void *core);
 void rh_clear_cores(rh_hook *h);
+/* native mode: device caches (slot_cache.h) fed with every event, settled at batch end */
+int rh_add_cache(rh_hook *h, void *cache);
 
 void rh_begin_batch(rh_hook *h, int32_t phase, int64_t first_step, int32_t n_tokens,
                     int32_t n_outputs, int32_t turn, int32_t strict);

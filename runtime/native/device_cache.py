@@ -24,8 +24,9 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+
+import numpy as np
 
 from runtime.native.shim import (PROJ_BY_TENSOR, ShimCache, ShimError, check_same_libllama, ffi,
                                  load_shim)
@@ -81,169 +82,140 @@ class ExpertSource:
 
 class DeviceCache:
     """One device's slot cache: the manager's (inline) Transport for its device, and a
-    RouteObserver.
+    RouteObserver. The mechanism is C (runtime/native/slot_cache.c, one ``dc_cache``): the
+    routing hook's native mode calls it per layer-step without Python (``native_handle``);
+    in forward mode ``on_route`` calls the same C code.
 
-    The manager decides at once (an admitted expert is resident from its admission on); this
-    class moves the bytes: ``drop`` clears a victim's table entry and frees its slot (or
-    cancels its copy still in flight), ``submit`` copies the new expert into a free slot of
-    its pool on a worker thread. A finished copy is published (table entry set) at a safe
-    point; until then the graph computes that expert cold, which changes speed, never the
-    result or the manager's decisions. A copy that fails tells the manager
-    (``transfer_failed``): the expert leaves the device, its victims stay evicted.
+    The manager decides at once (an admitted expert is resident from its admission on); the C
+    side moves the bytes: victims' table entries are cleared and their slots freed (or their
+    copy cancelled), each admitted expert is copied into a free slot of its pool on worker
+    threads and published (table entry set) at a safe point; until then the graph computes it
+    cold, which changes speed, never the result or the manager's decisions. A copy that fails
+    frees its slot and the expert leaves the manager too.
     """
 
     inline = True
+    synchronous = True     # forward mode: runs between a layer's router and its experts
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
                  workers: int = COPY_WORKERS, wait_in_prefill: bool = True):
+        from runtime.residency.core.build import load_core  # noqa: PLC0415
+
         self.manager, self.device, self.cache, self.source = manager, device, cache, source
-        self.wait_in_prefill = wait_in_prefill
-        n_layer = cache.n_layer
-        self.pool_of_layer = [cache.layer_info(layer)[0] for layer in range(n_layer)]
-        self.free: dict[int, list[int]] = {}
-        for pool in range(cache.n_pool):
-            n_slots, _ = cache.pool_info(pool)
-            self.free[pool] = list(range(n_slots - 1, -1, -1))   # pop() hands out slot 0 first
-        self.slot_of: dict[ExpertKey, int] = {}
-        # key -> (ticket, slot, its copy) while the copy runs or waits to be published
-        self._jobs: dict[ExpertKey, tuple[Ticket, int, Future]] = {}
-        self._cancelled: list[tuple[int, int, Future]] = []   # (pool, slot, copy) of dropped keys
-        self._pool = ThreadPoolExecutor(max(workers, 4), thread_name_prefix=f"slots-{device}")
-        self._held: LayerAccess | None = None
-        self.copies = self.copy_failures = self.refused = 0
-        self.copied_bytes = 0
+        self.lib, self.ffi = load_core()
+        n_layer, n_expert = cache.n_layer, manager.n_expert
+        self.n_expert = n_expert
+        pool_of_layer = [cache.layer_info(layer)[0] for layer in range(n_layer)]
+        slots = [cache.pool_info(p)[0] for p in range(cache.n_pool)]
+        shim_ffi = ffi()
+        table_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_table_set))
+        slot_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_slot_set))
+        f = self.ffi
+        handle = self.lib.dc_create(
+            manager.core_handle(device), f.cast("void *", int(shim_ffi.cast("uintptr_t",
+                                                                            cache.handle))),
+            f.cast("dc_table_set_fn", table_set), f.cast("dc_slot_set_fn", slot_set), n_layer,
+            n_expert, f.new("int32_t[]", pool_of_layer), len(slots), f.new("int32_t[]", slots),
+            f.cast("char *", int(shim_ffi.cast("uintptr_t", source.base))), max(workers, 4),
+            int(wait_in_prefill))
+        if handle == f.NULL:
+            raise ShimError(f"{device}: the slot cache could not start")
+        self._dc = handle
+        for layer, parts in source.parts.items():
+            self.lib.dc_set_parts(handle, layer, len(parts),
+                                  f.new("int32_t[]", [p[0] for p in parts]),
+                                  f.new("int64_t[]", [p[1] for p in parts]),
+                                  f.new("int64_t[]", [p[2] for p in parts]))
+        self._failures_seen = 0
+
+    @property
+    def native_handle(self):
+        """The C cache (``dc_cache *``) the routing hook's native mode drives."""
+        return self._dc
 
     # -- Transport ---------------------------------------------------------------------------
     def bind(self, manager) -> None:
         self.manager = manager
 
     def submit(self, ticket: Ticket) -> None:
-        slot = self._claim_slot(ticket.key.layer)
-        if slot is None:                     # no slot of this layer's layout: stays cold
-            self.refused += 1
-            self.manager.transfer_failed(ticket)
-            return
-        self._jobs[ticket.key] = (ticket, slot, self._pool.submit(self._copy, ticket, slot))
+        key = ticket.key
+        self.lib.dc_submit(self._dc, key.layer * self.n_expert + key.expert,
+                           int(ticket.prefetch))
 
     def drop(self, device: str, key: ExpertKey) -> None:
-        slot = self.slot_of.pop(key, None)
-        if slot is not None:
-            self.cache.table_set(key.layer, key.expert, -1)
-            self.free[self.pool_of_layer[key.layer]].append(slot)
-        job = self._jobs.pop(key, None)
-        if job is not None:                  # its copy still runs: the slot frees after it
-            self._cancelled.append((self.pool_of_layer[key.layer], job[1], job[2]))
+        self.lib.dc_drop(self._dc, key.layer * self.n_expert + key.expert)
 
-    def _claim_slot(self, layer: int) -> int | None:
-        pool = self.pool_of_layer[layer] if 0 <= layer < len(self.pool_of_layer) else -1
-        if pool < 0:
-            return None
-        if not self.free[pool]:              # a dropped key's copy still holds a slot
-            for entry in [c for c in self._cancelled if c[0] == pool]:
-                wait([entry[2]])          # a failed copy frees its slot too
-                self._cancelled.remove(entry)
-                self.free[pool].append(entry[1])
-                break
-        return self.free[pool].pop() if self.free[pool] else None
-
-    def _copy(self, ticket: Ticket, slot: int) -> None:
-        """Worker thread: the expert's bytes into ``slot`` (the shim call releases the GIL)."""
-        key = ticket.key
-        for proj, offset, stride in self.source.parts[key.layer]:
-            self.cache.slot_set(key.layer, slot, proj, self.source.base + offset
-                                + key.expert * stride, stride)
-
-    def publish(self) -> int:
-        """At a safe point: finished copies enter the tables. Returns how many."""
-        published = 0
-        for entry in [c for c in self._cancelled if c[2].done()]:
-            self._cancelled.remove(entry)
-            self.free[entry[0]].append(entry[1])
-        for key, (ticket, slot, fut) in list(self._jobs.items()):
-            if not fut.done():
-                continue
-            del self._jobs[key]
-            error = fut.exception()
-            if error is not None:
-                self.copy_failures += 1
-                self.free[self.pool_of_layer[key.layer]].append(slot)
-                self.manager.transfer_failed(ticket)
-                notice(f"{self.device}: an expert copy failed ({error}); it stays cold")
-                continue
-            self.cache.table_set(key.layer, key.expert, slot)
-            self.slot_of[key] = slot
-            self.copies += 1
-            self.copied_bytes += ticket.bytes
-            published += 1
-        return published
-
-    def settle(self) -> None:
-        """Wait for every copy in flight, then publish: tables and manager agree after it."""
-        futures = [job[2] for job in self._jobs.values()] + [c[2] for c in self._cancelled]
-        if futures:
-            wait(futures)
-        self.publish()
-
-    def wait_copies(self, tickets) -> None:
-        """Block until the copies of ``tickets`` (submitted here) are done, then publish."""
-        futures = [job[2] for t in tickets if (job := self._jobs.get(t.key)) is not None]
-        if futures:
-            wait(futures)
-        self.publish()
-
-    # -- RouteObserver ------------------------------------------------------------------------
+    # -- RouteObserver (forward mode) --------------------------------------------------------
     def on_route(self, event) -> None:
-        self.publish()
-        held, self._held = self._held, None
-        access = self.manager.access_layer(self.device, event.layer, event.experts.reshape(-1),
-                                           event.phase, release=held)
-        self._held = access
-        if access.tickets and self.wait_in_prefill and event.phase != Phase.DECODE:
-            self.wait_copies(access.tickets)
+        experts = np.ascontiguousarray(event.experts, dtype=np.int32).reshape(-1)
+        rc = self.lib.dc_route(self._dc, event.layer, self.ffi.from_buffer("int32_t[]", experts),
+                               len(experts), int(event.phase))
+        if rc != 0:
+            raise RuntimeError(f"{self.device}: the residency core refused layer {event.layer} "
+                               f"(status {rc})")
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
         # copies started in a batch complete before the next batch's decisions: the tables
         # hold exactly the manager's resident set between batches
-        self.settle()
-        held, self._held = self._held, None
-        if held is not None:
-            self.manager.release(held)
+        self.lib.dc_batch_end(self._dc)
+        self.check_failures()
 
-    # -- lifetime ------------------------------------------------------------------------------
+    def check_failures(self) -> None:
+        """Say once that copies failed (the experts concerned stay cold)."""
+        failures = self.copy_failures
+        if failures > self._failures_seen:
+            self._failures_seen = failures
+            reason = self.ffi.string(self.lib.dc_error(self._dc)).decode()
+            notice(f"{self.device}: an expert copy failed ({reason}); it stays cold")
+
+    # -- state ---------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Wait for every copy in flight, then publish: tables and manager agree after it."""
+        self.lib.dc_settle(self._dc)
+
+    def publish(self) -> None:
+        self.lib.dc_publish(self._dc)
+
+    def fail_every(self, n: int) -> None:
+        """Tests: make every nth copy fail (the real failure path, without a broken disk)."""
+        self.lib.dc_fail_every(self._dc, n)
+
+    def _stat(self, which: int) -> int:
+        return int(self.lib.dc_stat(self._dc, which))
+
+    copies = property(lambda self: self._stat(0))
+    copy_failures = property(lambda self: self._stat(1))
+    refused = property(lambda self: self._stat(2))
+    copied_bytes = property(lambda self: self._stat(3))
+
     def resident(self) -> dict[ExpertKey, int]:
-        """A copy of expert -> slot for what is resident (published) now."""
-        return dict(self.slot_of)
-
-    def pools(self) -> list:
-        """The manager's pools for this cache: one per layout that has slots (capacity = its
-        slots' bytes; the sinks are not charged), plus one of capacity 0 for layers whose
-        layout got no slot."""
-        from runtime.residency.manager import PoolSpec  # noqa: PLC0415
-
-        out = []
-        by_pool: dict[int, list[int]] = {}
-        for layer, pool in enumerate(self.pool_of_layer):
-            if pool >= 0:
-                by_pool.setdefault(pool, []).append(layer)
-        moe = set(self.manager.moe_layers)
-        for pool in sorted(by_pool):
-            n_slots, slot_bytes = self.cache.pool_info(pool)
-            out.append(PoolSpec(tuple(by_pool[pool]), n_slots * slot_bytes))
-        covered = {layer for layers in by_pool.values() for layer in layers}
-        none = sorted(moe - covered)
-        if none:
-            out.append(PoolSpec(tuple(none), 0))
+        """Expert -> slot for what is resident (published) now."""
+        out = {}
+        for layer in self.source.parts:
+            for e in range(self.n_expert):
+                slot = self.lib.dc_slot_of(self._dc, layer * self.n_expert + e)
+                if slot >= 0:
+                    out[ExpertKey(layer, e)] = slot
         return out
 
+    @property
+    def slot_of(self) -> dict[ExpertKey, int]:
+        return self.resident()
+
+    def pools(self) -> list:
+        """The manager's pools for this cache (runtime/native/pools.py)."""
+        from runtime.native.pools import pools_of  # noqa: PLC0415
+
+        return pools_of(self.cache, self.manager.moe_layers)
+
+    # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish the copies in flight, then free the slots (before the model is freed)."""
         if self.cache.handle is None:
             return
-        self._pool.shutdown(wait=True)
-        self.publish()
-        if self._held is not None:
-            self.manager.release(self._held)
-            self._held = None
+        if self._dc is not None:
+            self.lib.dc_free(self._dc)
+            self._dc = None
         self.cache.close()
         self.source.close()
 
@@ -321,6 +293,6 @@ def attach(engine) -> DeviceCaches | None:
         # the budget but are never charged) become the manager's, per pool
         manager.set_pools(device, cache.pools())
         claim_device(manager, device, cache)
-        engine.add_route_observer(cache)
+        engine.hook.add_cache(cache)
         caches.append(cache)
     return DeviceCaches(caches) if caches else None

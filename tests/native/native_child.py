@@ -311,16 +311,8 @@ def mode_churn(args):
     cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index))
     manager.set_pools("cpu-slots", cache.pools())              # as attach() does
     claim_device(manager, "cpu-slots", cache)
-    fail_every = args.get("fail_every", 0)
-    if fail_every:                     # a real failure of the copy path, every Nth copy
-        copy, calls = cache._copy, [0]
-
-        def failing_copy(ticket, slot):
-            calls[0] += 1
-            if calls[0] % fail_every == 0:
-                raise OSError(5, "injected read error")
-            copy(ticket, slot)
-        cache._copy = failing_copy
+    if args.get("fail_every"):         # the real failure path of a copy, every Nth copy
+        cache.fail_every(args["fail_every"])
     rng = np.random.default_rng(args["seed"])
     popularity = 1.0 / np.arange(1, facts.n_expert + 1) ** 1.2
     popularity /= popularity.sum()

@@ -1,5 +1,6 @@
-"""Build and load moe-offload's C library: the residency core (``residency_core.c``) and the
-routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``).
+"""Build and load moe-offload's C library: the residency core (``residency_core.c``), the
+routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``) and the
+device cache's mechanism it drives (``runtime/native/slot_cache.c``).
 
 Compiled on first use (``$CC``, else ``cc``; plain C, no Python headers) into the cache's
 ``residency/`` folder, named by a hash of the sources, and opened with cffi in ABI mode. A
@@ -26,8 +27,9 @@ from runtime.errors import UserError
 
 HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
-SOURCES = (HERE / "residency_core.c", ENGINE / "route_hook.c")
-HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h")
+NATIVE = HERE.parents[1] / "native"
+SOURCES = (HERE / "residency_core.c", ENGINE / "route_hook.c", NATIVE / "slot_cache.c")
+HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 

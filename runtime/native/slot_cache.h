@@ -1,0 +1,52 @@
+/* slot_cache: the mechanism of the native device expert cache, in C (one per cache device).
+ *
+ * The residency core (rc_core, the manager's) decides; this moves bytes: per layer-step
+ * (dc_route) it publishes finished copies into the slot tables (the moe_cache shim's
+ * moe_cache_table_set), asks the core (rc_access: one lease per layer-step, the previous one
+ * released), clears the victims' table entries and frees their slots, and copies each admitted
+ * or prefetched expert from the read-only file mapping into a free slot of its pool on worker
+ * threads (moe_cache_slot_set). A prefill layer waits for its own copies; a decode layer does
+ * not (the expert runs cold until its copy is published). dc_batch_end waits for every copy
+ * the batch started and publishes: between batches the tables hold exactly the core's
+ * resident set. A copy that fails frees its slot and the expert leaves the core (rc_forget).
+ *
+ * Called from the routing hook's native mode (route_hook.c) or from Python
+ * (runtime/native/device_cache.py) in forward mode; the same code either way.
+ */
+#ifndef SLOT_CACHE_H
+#define SLOT_CACHE_H
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct dc_cache dc_cache;
+typedef int (*dc_table_set_fn)(void *cache, int32_t layer, int32_t expert, int32_t slot);
+typedef int (*dc_slot_set_fn)(void *cache, int32_t layer, int32_t slot, int32_t proj,
+                              const void *src, size_t nbytes);
+
+/* pool_of_layer[n_layer]: the shim's pool (-1: none), slots[n_pool]: assignable slots */
+dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
+                    int32_t n_layer, int32_t n_expert, const int32_t *pool_of_layer,
+                    int32_t n_pool, const int32_t *slots, const char *file_base,
+                    int32_t workers, int32_t wait_in_prefill);
+/* where a layer's expert e lives in the file: part i at file_base + offset[i] + e * stride[i] */
+int dc_set_parts(dc_cache *c, int32_t layer, int32_t n, const int32_t *proj,
+                 const int64_t *offset, const int64_t *stride);
+void dc_free(dc_cache *c);                  /* finishes the copies in flight first */
+
+/* transport side (the manager's decisions made elsewhere, e.g. manager.prefetch) */
+int dc_submit(dc_cache *c, int32_t flat, int32_t prefetch);
+void dc_drop(dc_cache *c, int32_t flat);
+
+/* observer side */
+int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
+void dc_batch_end(dc_cache *c);
+void dc_publish(dc_cache *c);
+void dc_settle(dc_cache *c);
+
+int32_t dc_slot_of(const dc_cache *c, int32_t flat);     /* published slot, or -1 */
+int64_t dc_stat(const dc_cache *c, int32_t which);        /* 0 copies, 1 failures, 2 refused,
+                                                             3 copied bytes */
+const char *dc_error(const dc_cache *c);                 /* the last failed copy, or "" */
+void dc_fail_every(dc_cache *c, int32_t n);               /* tests: every nth copy fails */
+
+#endif
