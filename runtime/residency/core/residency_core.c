@@ -85,6 +85,7 @@ struct rc_core {
     int32_t n_layer, n_expert, n_flat, n_pool, is_static;
     int64_t *bytes_flat;          /* (n_flat,) bytes of one expert */
     int32_t *pool_of_layer;       /* (n_layer,) -1: dense */
+    int32_t *pool_of_flat;        /* (n_flat,) the same per key */
     int32_t *moe_layers; int32_t n_moe;
     pool *pools;
     uint8_t *state;               /* (n_flat,) 0..2 resident (admitting phase), ABSENT, ... */
@@ -127,7 +128,11 @@ static double score(const rc_core *c, int32_t order, int32_t f) {
 }
 
 /* (score, last seq, flat) of a < b */
-static int key_less(const rc_core *c, int32_t order, int32_t a, int32_t b) {
+static inline int key_less(const rc_core *c, int32_t order, int32_t a, int32_t b) {
+    if (c->pol.order_kind[order] == EV_LRU) {       /* score == last seq */
+        const int64_t la = c->last_seq[a], lb = c->last_seq[b];
+        return la != lb ? la < lb : a < b;
+    }
     const double sa = score(c, order, a), sb = score(c, order, b);
     if (sa != sb) return sa < sb;
     if (c->last_seq[a] != c->last_seq[b]) return c->last_seq[a] < c->last_seq[b];
@@ -189,8 +194,8 @@ static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
     }
 }
 
-static pool *pool_of(rc_core *c, int32_t f) {
-    return &c->pools[c->pool_of_layer[f / c->n_expert]];
+static inline pool *pool_of(rc_core *c, int32_t f) {
+    return &c->pools[c->pool_of_flat[f]];
 }
 
 static int order_add(rc_core *c, int32_t f) {
@@ -355,6 +360,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     c->pol = *policy;
     c->bytes_flat = malloc((size_t) n * sizeof *c->bytes_flat);
     c->pool_of_layer = malloc((size_t) n_layer * sizeof *c->pool_of_layer);
+    c->pool_of_flat = malloc((size_t) n * sizeof *c->pool_of_flat);
     c->moe_layers = malloc((size_t) n_layer * sizeof *c->moe_layers);
     c->state = malloc((size_t) n);
     c->last_seq = malloc((size_t) n * sizeof *c->last_seq);
@@ -369,7 +375,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     int chunk = 0;
     for (int p = 0; p < 3; p++) chunk |= policy->prefetch[p] == PF_CHUNK_PLAN;
     if (chunk) c->last_experts = calloc((size_t) 3 * n_layer, sizeof *c->last_experts);
-    if (!c->bytes_flat || !c->pool_of_layer || !c->moe_layers || !c->state || !c->last_seq ||
+    if (!c->bytes_flat || !c->pool_of_layer || !c->pool_of_flat || !c->moe_layers || !c->state || !c->last_seq ||
         !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen ||
         !c->pins_by_layer || (policy->decay_rate > 0 && !c->decay_log) ||
         (policy->track_next_use && !c->next_use) || (chunk && !c->last_experts)) {
@@ -427,7 +433,7 @@ void rc_free(rc_core *c) {
     for (size_t i = 0; i < sizeof iv / sizeof *iv; i++) free(iv[i]->v);
     free(c->r_tickets.v); free(c->r_new.v); free(c->r_pf_ids.v);
     free(c->tickets); free(c->leases); free(c->pins_by_layer); free(c->last_experts);
-    free(c->bytes_flat); free(c->pool_of_layer); free(c->moe_layers); free(c->state);
+    free(c->bytes_flat); free(c->pool_of_layer); free(c->pool_of_flat); free(c->moe_layers); free(c->state);
     free(c->last_seq); free(c->uses); free(c->decay_log); free(c->next_use); free(c->pinned);
     free(c->pf_unused); free(c->lease_count); free(c->seen);
     free(c);
@@ -473,6 +479,7 @@ static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_
     c->pools = pools;
     c->n_pool = n_pool;
     memmove(c->pool_of_layer, pool_of_layer, (size_t) c->n_layer * sizeof *pool_of_layer);
+    for (int32_t f = 0; f < c->n_flat; f++) c->pool_of_flat[f] = c->pool_of_layer[f / c->n_expert];
     return RC_OK;
 }
 
@@ -1131,4 +1138,19 @@ int rc_pin_static(rc_core *c, const int32_t *flats, int32_t n) { LOCKED(rc_pin_s
 int rc_verify(const rc_core *cc) {
     rc_core *c = (rc_core *) cc;
     LOCKED(rc_verify_impl(c));
+}
+
+int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
+                      int32_t k, int32_t phase) {
+    rc_result r;
+    int64_t held = 0, hits = 0, lease = ((int64_t) 1) << 52;
+    for (int64_t i = 0; i < n_steps; i++) {
+        const int rc = rc_access(c, layers[i], experts + i * k, k, phase, NULL, -1, NULL, NULL, 0,
+                                 lease, held, &r);
+        if (rc != 0) return rc;
+        held = lease++;
+        hits += r.hits;
+    }
+    if (held) rc_release(c, held);
+    return hits;
 }

@@ -101,6 +101,12 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
               int32_t with_upcoming, int8_t *miss_kind);
 
+/* the live hooks' calling pattern, for benchmarks: n_steps layer-steps (layers[i], experts
+ * [i * k, (i + 1) * k)) as rc_access calls with a lease each, the previous one released in
+ * the same call (as route_hook.c and slot_cache.c call it); returns the hits */
+int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
+                      int32_t k, int32_t phase);
+
 /* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
  * committed already; out->evicted lists the victims) */
 int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out);
