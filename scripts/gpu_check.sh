@@ -88,7 +88,6 @@ fi
 rm -rf "$WORK/py" && mkdir -p "$WORK/py"
 tar -xJf "$ARCHIVE" -C "$WORK/py" --strip-components=1 llama_cpp_python-0.3.36/llama_cpp
 export PYTHONPATH=$SITE$REPO:$WORK/py
-export MOE_OFFLOAD_PURE_PYTHON_HOOK=${MOE_OFFLOAD_PURE_PYTHON_HOOK:-0}
 CLI=("$PY" -m runtime.cli)
 
 # (2) the patched libraries from the pruned archive
@@ -194,5 +193,13 @@ else TITLE=""; fi
   echo
   "$PY" -m runtime.native.check "$MODEL" --config "$WORK/lru.toml" \
       --config "$WORK/phase-specific.toml" "${CHECK[@]}"
+  if [[ $VK != 1 ]]; then   # lavapipe crashes intermittently at 48 layers (native/README.md)
+    echo
+    echo "## the cache machinery's cost per token and per MoE layer (48 layers, top-8, tiny widths)"
+    echo
+    if [[ $DRY == 1 ]]; then OVER=(-n 8 --reps 1 --device "$DEVICE" -ngl 0)
+    else OVER=(-n 64 --reps 3 --device "$DEVICE" -ngl 99); fi
+    "$PY" "$REPO/scripts/bench_cache_overhead.py" "${OVER[@]}"
+  fi
 } | tee "$RESULT"
 step "wrote $RESULT"

@@ -1,7 +1,9 @@
 """``moe-offload config check FILE [-m MODEL.gguf]``: validate a residency config.
 
-Prints each device's resolved capacity in bytes (and in experts, with a model) and the
-policies per phase; exit 0. Any problem is one line naming the file and the key, exit 2.
+Prints each device's resolved capacity in bytes (and in experts, with a model), with a model
+the pools of each native-cache device (the layers that share an expert layout and the slots
+each gets at that budget, as the cache allocates them at load), and the policies per phase;
+exit 0. Any problem is one line naming the file and the key, exit 2.
 """
 from __future__ import annotations
 
@@ -27,6 +29,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_config_arguments(check, config_file_flag=False)
     check.set_defaults(func=run_check)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def _pool_lines(model: str, device: str, capacity: int, facts) -> list[str]:
+    """The pools the native cache makes on ``device`` at ``capacity`` (cache devices only);
+    devices without a cache hold one pool of every MoE layer."""
+    from runtime.residency.config import is_cache_device  # noqa: PLC0415
+
+    if not is_cache_device(device):
+        return [f"    pool 0: layers {_layers(facts.moe_layers)}: {capacity} bytes"]
+    from runtime.native.pools import probe_pools  # noqa: PLC0415
+
+    probe = probe_pools(model, device, capacity, facts.moe_layers)
+    if probe.why_not:
+        return [f"    pools: {probe.why_not}"]
+    out = []
+    for i, pool in enumerate(probe.pools):
+        out.append(f"    pool {i}: layers {_layers(pool.layers)}: {pool.slots} slots x "
+                   f"{pool.slot_bytes} bytes = {pool.capacity_bytes} bytes "
+                   f"({format_size(pool.capacity_bytes)})")
+    return out
+
+
+def _layers(layers) -> str:
+    """0-3,5,7-9"""
+    out, run = [], []
+    for layer in layers:
+        if run and layer == run[-1] + 1:
+            run.append(layer)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [layer]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -63,6 +100,8 @@ def run_check(args: argparse.Namespace) -> int:
         if mem is None:
             line += "; device memory unknown here (not checked against it)"
         lines.append(line)
+        if facts is not None:
+            lines.extend(_pool_lines(args.model, budget.device, capacity, facts))
     lines.append(f"  policy.phase_specific = {str(config.phase_specific).lower()}")
     for phase in (Phase.PREFILL, Phase.DECODE):
         pp = config.policies_for(phase)

@@ -54,6 +54,9 @@ def test_dry_run(native_build, tmp_path):
     check_rows = [ln for ln in table.splitlines() if ln.startswith("| lru | cpu-slots")
                   or ln.startswith("| phase-specific | cpu-slots")]
     assert len(check_rows) == 2 and all(ln.rstrip().endswith("| yes |") for ln in check_rows)
+    # the per-layer overhead of the cache machinery, next to the speed table
+    overhead = [ln for ln in table.splitlines() if ln.startswith("| cache ")]
+    assert "+ µs per MoE layer" in table and len(overhead) == 2
 
 
 @pytest.mark.slow

@@ -71,3 +71,25 @@ def test_replay_of_a_live_trace_decides_alike(native_build, q4km_model, tmp_path
     assert want_decode["misses"] > 0 and want_prefill["accesses"] > 0
     if share < 0.5:
         assert want_decode["evictions"] + want_prefill["evictions"] > 0
+
+
+def test_config_check_shows_the_pools_the_cache_makes(native_build, q4km_model, tmp_path):
+    """``config check -m`` reports the pools (layers, slots) the cache allocates at load: the
+    same layers and capacities the live run's manager holds."""
+    from gguf_tools.facts import read_model_facts
+
+    budget = int(read_model_facts(q4km_model).total_expert_bytes * 0.45)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[devices]\n"cpu-slots" = "{budget}B"\n')
+    out = cli("config", "check", str(config), "-m", str(q4km_model),
+              lib_dir=native_build.lib_dir).stdout
+    stats = tmp_path / "live.json"
+    cli("complete", "-m", str(q4km_model), "-p", "hello", "-n", "2", "--config", str(config),
+        "--stats-json", str(stats), lib_dir=native_build.lib_dir)
+    live = json.loads(stats.read_text())["devices"]["cpu-slots"]["pools"]
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("pool ")]
+    assert len(lines) == len(live) == 2, out
+    for line, pool in zip(lines, live):
+        assert f"= {pool['capacity_bytes']} bytes" in line, (line, pool)
+        first, last = pool["layers"][0], pool["layers"][-1]
+        assert f"layers {first}-{last}" in line or f"layers {first}" in line
