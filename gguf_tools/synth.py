@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from gguf_tools import synth_vocab
+from gguf_tools.synth_spec import DTYPES, SynthSpec, SynthSpecError  # noqa: F401 - re-exported
 from gguf_tools.synth_layouts import (DENSE_LEAD_ARCHS, EMBED, LAYOUTS, MERGED_GATE_UP_ARCHS,
                                       NORMAL, ONES, ROUTER, SHARED_EXPERT_ARCHS, UNIFORM, ZEROS,
                                       TensorPlan, Types)
@@ -42,50 +43,9 @@ SIMPLE_DTYPES: dict[str, tuple[Q, Q]] = {
     "q4_1": (Q.Q4_1, Q.Q4_1),
     "mxfp4": (Q.MXFP4, Q.Q8_0),   # gpt-oss style: MXFP4 experts, 8-bit everything else
 }
-DTYPES: tuple[str, ...] = (*SIMPLE_DTYPES, "q4_k", "q6_k", "q4_k_m")
+assert DTYPES == (*SIMPLE_DTYPES, "q4_k", "q6_k", "q4_k_m"), "synth_spec.DTYPES is stale"
 VOCAB = synth_vocab.build_vocab()
 _MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS in llama-hparams.h
-
-
-class SynthSpecError(ValueError):
-    """An impossible synthetic-model shape; ``str()`` is one line for the user."""
-
-
-@dataclass(frozen=True)
-class SynthSpec:
-    """Shape and contents of a synthetic MoE model. Validated on construction."""
-
-    arch: str = "qwen3moe"     # one of LAYOUTS
-    layers: int = 4
-    experts: int = 8
-    top_k: int = 2
-    embd: int = 64             # n_embd
-    ff: int = 32               # expert feed-forward length (n_ff_exp)
-    dtype: str = "f32"         # one of DTYPES
-    seed: int = 0
-    skew: float = 0.0          # Zipf exponent of the per-layer router bias; 0 = even popularity
-    heads: int = 4             # n_head
-    heads_kv: int = 2          # n_head_kv
-    head_dim: int = 0          # 0 = embd // heads
-    context_length: int = 4096
-    expert_scales: bool = False  # add per-expert ffn_*_exps.scale tensors (f32, ~1.0)
-    dense_layers: int = 0      # leading dense (non-MoE) layers (deepseek2)
-    shared_experts: int = 0    # always-on shared experts per MoE layer (deepseek2: >= 1)
-    gate_up_merged: bool = False  # one ffn_gate_up_exps tensor instead of gate + up (deepseek2)
-    name: str = ""             # general.name; "" = "synthetic-<arch>"
-
-    def __post_init__(self) -> None:
-        problem = spec_problem(self)
-        if problem:
-            raise SynthSpecError(problem)
-
-    @property
-    def vocab_size(self) -> int:
-        return VOCAB.size
-
-    @property
-    def n_head_dim(self) -> int:
-        return self.head_dim or self.embd // self.heads
 
 
 def spec_problem(spec: SynthSpec) -> str | None:

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Callable
 
 from gguf import GGMLQuantizationType as Q
 
+from gguf_tools.synth_spec import (ARCHS, DENSE_LEAD_ARCHS, MERGED_GATE_UP_ARCHS,  # noqa: F401
+                                   SHARED_EXPERT_ARCHS)
+
 if TYPE_CHECKING:  # pragma: no cover
     from gguf_tools.synth import SynthSpec
 
@@ -244,6 +247,4 @@ LAYOUTS: dict[str, ArchLayout] = {
     "olmoe": ArchLayout("olmoe", "OLMoE-1B-7B", _olmoe, False, _olmoe_kv),
 }
 # what each arch allows beyond the common shape (checked by synth.spec_problem)
-DENSE_LEAD_ARCHS = frozenset({"deepseek2"})      # leading dense layers
-SHARED_EXPERT_ARCHS = frozenset({"deepseek2"})   # required there: shared_experts >= 1
-MERGED_GATE_UP_ARCHS = frozenset({"deepseek2"})  # ffn_gate_up_exps instead of gate + up
+assert tuple(LAYOUTS) == ARCHS, "synth_spec.ARCHS is stale"

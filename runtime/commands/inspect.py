@@ -9,8 +9,12 @@ import argparse
 import json
 import sys
 
-from gguf_tools.expert_index import ExpertIndex
+from typing import TYPE_CHECKING
+
 from runtime.units import format_size
+
+if TYPE_CHECKING:
+    from gguf_tools.expert_index import ExpertIndex
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,6 +81,8 @@ def _ranges(ids: tuple[int, ...]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gguf_tools.expert_index import ExpertIndex  # noqa: PLC0415
+
     index = ExpertIndex.open(args.model)
     if args.json:
         json.dump(inspect_json(index), sys.stdout, indent=1)

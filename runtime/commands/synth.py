@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tqdm import tqdm
+from dataclasses import fields
+from types import SimpleNamespace
 
-from gguf_tools.synth import (DTYPES, LAYOUTS, SynthSpec, SynthSpecError, planned_data_bytes,
-                              write_synthetic_model)
-from gguf_tools.synth_layouts import SHARED_EXPERT_ARCHS
+from gguf_tools.synth_spec import ARCHS, DTYPES, SHARED_EXPERT_ARCHS, SynthSpec, SynthSpecError
 from runtime.errors import UserError
 from runtime.units import format_size
 
-_DEFAULTS = SynthSpec()
+# SynthSpec's defaults without making one (that would load the writer and gguf-py)
+_DEFAULTS = SimpleNamespace(**{f.name: f.default for f in fields(SynthSpec)})
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and runs, from a few MB up to full real shapes (streamed, bounded RAM).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("out", metavar="OUT.gguf", help="file to write (replaced atomically)")
-    parser.add_argument("--arch", choices=sorted(LAYOUTS), default=_DEFAULTS.arch,
+    parser.add_argument("--arch", choices=sorted(ARCHS), default=_DEFAULTS.arch,
                         help="llama.cpp architecture")
     parser.add_argument("--layers", type=int, default=_DEFAULTS.layers, help="transformer blocks")
     parser.add_argument("--experts", type=int, default=_DEFAULTS.experts,
@@ -83,6 +83,10 @@ def spec_from_args(args: argparse.Namespace) -> SynthSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from gguf_tools.synth import planned_data_bytes, write_synthetic_model  # noqa: PLC0415
+
     spec = spec_from_args(args)
     out = Path(args.out)
     if out.is_dir():

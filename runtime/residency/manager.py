@@ -395,12 +395,23 @@ class ExpertResidencyManager:
         dev = self._device(device)
         if not dev.sim:
             raise RuntimeError(f"replay: {device} is served by a real transport")
+        experts = np.asarray(experts)
+        layers = np.asarray(layers)
+        bad = experts[(experts < 0) | (experts >= self._n_expert)]
+        if bad.size:
+            raise UserError(f"replay: expert id {int(bad[0])} out of range "
+                            f"[0, {self._n_expert})")
+        moe = np.zeros(len(self._expert_bytes), dtype=bool)
+        moe[list(self._moe_layers)] = True
+        bad_layer = layers[(layers < 0) | (layers >= len(moe))]
+        if bad_layer.size or not moe[layers].all():
+            layer = int(bad_layer[0]) if bad_layer.size else int(layers[~moe[layers]][0])
+            raise UserError(f"replay: layer {layer} has no routed experts in the model")
         miss_kind = np.zeros(len(experts), dtype=np.int8)
         with self._lock:
             rc = dev.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind)
             if rc != 0:
-                bad = int(np.asarray(experts).max(initial=0))
-                self._raise_access(dev, rc, int(np.asarray(layers).max(initial=0)))
+                self._raise_access(dev, rc, -1)
         return miss_kind
 
     def release(self, access: LayerAccess) -> None:
