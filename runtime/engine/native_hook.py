@@ -27,6 +27,7 @@ from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, Route
 from runtime.residency.types import Phase
 
 RH_FORWARD, RH_NATIVE = 0, 1
+_PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
 class _CFilter:
@@ -159,23 +160,24 @@ class NativeHook(RoutingHook):
             self.assembler.abort_batch()
             raise RouteCaptureError(message)
         a = self.assembler
-        for layer in a.moe_layers:
-            stage = lib.rh_final_stage(h, layer)
-            if stage >= 0:
-                a.final_stage.setdefault(layer, stage)
+        if len(a.final_stage) < len(a.moe_layers):     # learnt once, for forward mode
+            for layer in a.moe_layers:
+                stage = lib.rh_final_stage(h, layer)
+                if stage >= 0:
+                    a.final_stage.setdefault(layer, stage)
         k = a.n_expert_used
         n_events = lib.rh_n_events(h)
         meta = np.empty((n_events, 6), dtype=np.int64)
         n = lib.rh_events_elems(h)
-        experts = np.empty(max(n, 1), dtype=np.int32)
-        weights = np.empty(max(n, 1), dtype=np.float32)
+        experts = np.empty(max(n, k), dtype=np.int32)
+        weights = np.empty(max(n, k), dtype=np.float32)
         lib.rh_copy_events(h, ffi.from_buffer("int64_t[]", meta),
                            ffi.from_buffer("int32_t[]", experts),
                            ffi.from_buffer("float[]", weights))
-        phases = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
-        events = [RouteEvent(layer=layer, phase=phases[phase], first_step=first, turn=turn,
-                             experts=experts[at:at + rows * k].reshape(rows, k),
-                             weights=weights[at:at + rows * k].reshape(rows, k))
+        experts = experts.reshape(-1, k)                # (rows of every event, k)
+        weights = weights.reshape(-1, k)
+        events = [RouteEvent(layer, _PHASES[phase], first, turn,
+                             experts[at // k:at // k + rows], weights[at // k:at // k + rows])
                   for layer, phase, first, turn, rows, at in meta.tolist()]
         for cache in self._caches:
             cache.check_failures()
