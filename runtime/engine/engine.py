@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 
 from gguf_tools.facts import read_model_facts
-from runtime.engine import llama_lib
+from runtime.engine import interrupt, llama_lib
 from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
@@ -86,9 +86,12 @@ class Engine:
             self.hook = RoutingHook(assembler)
         params = make_context_params(settings, self.hook)
         try:
-            self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
+            with interrupt.deferred():
+                self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
         except RuntimeError as exc:
             raise UserError(f"{settings.model_path}: cannot create a context ({exc})") from None
+        # Ctrl-C inside a decode stops the graph at the next node (see interrupt.py)
+        self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
@@ -283,15 +286,20 @@ class Engine:
         n_outputs = self._batch.fill(tokens, first_pos, all_outputs=all_outputs)
         if self.hook is not None:
             self.hook.begin_batch(phase, first_pos, len(tokens), n_outputs)
-        rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
         try:
-            if rc != 0:
+            # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
+            with interrupt.deferred():
+                rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
+                if rc != 0:
+                    if self.hook is not None:
+                        self.hook.assembler.abort_batch()
+                    raise RuntimeError(f"llama_decode failed (status {rc}) at position "
+                                       f"{first_pos}")
                 if self.hook is not None:
-                    self.hook.assembler.abort_batch()
-                raise RuntimeError(f"llama_decode failed (status {rc}) at position {first_pos}")
-            if self.hook is not None:
-                self.hook.end_batch()
+                    self.hook.end_batch()
         except BaseException:
+            if self.hook is not None and self.hook.assembler.in_batch:
+                self.hook.assembler.abort_batch()
             self._forget_from(first_pos)
             raise
         self._kv.extend(tokens)

@@ -288,7 +288,8 @@ def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None 
                 progress(float(fraction))
             except Exception:  # a progress bar must never abort a load
                 pass
-            return True
+            from runtime.engine.interrupt import requested  # noqa: PLC0415
+            return not requested()     # Ctrl-C came (interrupt.deferred): cancel the load
         callback = ll.llama_progress_callback(on_progress)
         params.progress_callback = callback
     if not use_mmap:

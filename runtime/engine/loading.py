@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from runtime.engine import llama_lib
+from runtime.engine import interrupt, llama_lib
 from runtime.engine.types import FLASH_ATTN, EngineSettings
 from runtime.errors import UserError
 
@@ -23,8 +23,11 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
         bar.update(max(0, int(fraction * 100) - bar.n))
 
     try:
-        return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
-                                    overrides=overrides, progress=on_progress, repack=repack)
+        # Ctrl-C while loading: the progress callback cancels the load, then it is raised
+        with interrupt.deferred():
+            return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
+                                        overrides=overrides, progress=on_progress,
+                                        repack=repack)
     except RuntimeError as exc:
         raise UserError(f"{settings.model_path}: llama.cpp cannot load it ({exc})") from None
     finally:
