@@ -89,13 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
     from gguf_tools.facts import read_model_facts
     from runtime.engine.cli_args import settings_from_args
-    from runtime.engine.engine import Engine
+    from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
 
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
-    if not model_path.is_file():
-        raise UserError(f"{model_path}: no such model file")
+    check_model_path(str(model_path))
     read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
     if args.queue_size < 0:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")

@@ -49,8 +49,7 @@ class Engine:
         self._batch = None
         self._attached: list[object] = []
         path = settings.model_path
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: no such model file")
+        check_model_path(path)
         self.facts = read_model_facts(path)
         self.model_name = os.path.basename(path)
         self.config = wiring.residency_config(settings)
@@ -322,6 +321,14 @@ class Engine:
         if before is None or after is None:
             return None, None
         return after[0] - before[0], after[1] - before[1]
+
+
+def check_model_path(path: str) -> None:
+    """UserError unless ``path`` is an existing file (a directory is named as such)."""
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a directory; -m wants a GGUF model file")
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such model file")
 
 
 def ctypes_buffer(size: int):
