@@ -86,7 +86,6 @@ class RamTier:
         def finished(fut: Future) -> None:
             stats: PageInStats = fut.result()
             with self._guard:
-                self._inflight.pop(ticket.id, None)
                 if stats.error is None:
                     self._held.add(ticket.key)
                     if ticket.prefetch:
@@ -98,11 +97,14 @@ class RamTier:
             try:
                 if stats.error is None:
                     self._lock_if_allowed(ticket.key)
-                    self.manager.commit(ticket)
+                    self.manager.commit(ticket)      # drops the victims' pages
                 else:
                     log.warning("page-in of %s failed: %s", ticket.key, stats.error)
                     self.manager.abort(ticket)
             finally:
+                # in flight until its victims are gone: inflight_bytes() bounds the overlap
+                with self._guard:
+                    self._inflight.pop(ticket.id, None)
                 done.set_result(stats)
 
         read.add_done_callback(finished)
@@ -117,6 +119,20 @@ class RamTier:
         if key in keep:
             return
         self.pager.drop(self.layout.droppable(key, keep.__contains__))
+
+    def inflight_bytes(self) -> int:
+        """Bytes of transfers in flight (read, or being read, while their victims stay).
+
+        The bound on what the tier holds: a transfer's victims leave only when it commits
+        (the manager keeps them usable until then), so expert bytes resident in the page
+        cache stay <= budget + the running layer's experts + ``inflight_bytes()``. Demand
+        transfers end before their layer's matmul; prefetches stream in the background
+        lane, so under load a probe can catch one half-read next to its victims. After a
+        cold page cache the refiller's reads count too: an expert evicted while its refill
+        read ran is dropped again as soon as that read is done (refill.py)."""
+        with self._guard:
+            transfers = sum(t.bytes for t, _ in self._inflight.values())
+        return transfers + (self.refiller.in_flight_bytes if self.refiller is not None else 0)
 
     # ---- queries for the refiller -------------------------------------------------------
     def held_keys(self) -> list[ExpertKey]:
