@@ -50,15 +50,19 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise UserError(f"chat template: cannot parse ({exc})") from None
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt for ``messages`` (each ``{"role": ..., "content": ...}``)."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt for ``messages`` (each ``{"role": ..., "content": ...}``, plus
+        ``tool_calls`` / ``tool_call_id`` where present); ``tools`` reaches the template as
+        the variable ``tools`` (None: undefined, as Hugging Face renders without tools)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES \
                     or not isinstance(m.get("content"), str):
                 raise UserError(f"messages[{i}]: needs a role in {ROLES} and string content")
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                **extra, messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token,
                 raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f))
         except jinja2.TemplateError as exc:

@@ -29,7 +29,7 @@ from runtime.engine.placement import Placement
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver, RoutingHook
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, Timings, Usage)
+                                  GenerationChunk, Timings, TokenLogprob, Usage)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -92,6 +92,7 @@ class Engine:
         # Ctrl-C inside a decode stops the graph at the next node (see interrupt.py)
         self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
+        self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
         self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
@@ -144,15 +145,23 @@ class Engine:
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore")
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The prompt for ``messages`` by the model's chat template (ChatML if it has none)."""
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt for ``messages`` by the model's chat template (ChatML if it has none);
+        ``tools`` (OpenAI's tool list) is passed to the template as ``tools``."""
+        return self.chat_template.render(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's compiled chat template (``.source``; ``.builtin`` when ChatML)."""
         if self._template is None:
             text = lambda tok: self.token_bytes(tok, special=True).decode("utf-8", "ignore")  # noqa: E731
             bos, eos = (self._ll.llama_vocab_bos(self._vocab), self._ll.llama_vocab_eos(self._vocab))
             self._template = ChatTemplate(model_template_source(self.model_ptr),
                                           bos_token=text(bos) if bos >= 0 else "",
                                           eos_token=text(eos) if eos >= 0 else "")
-        return self._template.render(messages)
+        return self._template
 
     def generate(self, prompt: str | list[int], params: SamplingParams, *,
                  cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
@@ -217,20 +226,23 @@ class Engine:
             t1 = time.perf_counter()
             room = self.n_ctx - len(tokens)
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
-            sampler = Sampler(params, self.n_vocab)
+            sampler = Sampler(params, self.n_vocab, self._vocab)
             stream = TextStream(params.stop)
             generated, finish = 0, "length"
             while generated < max_new:
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
+                logits = self._last_logits() if params.logprobs is not None else None
                 token = sampler.sample(self.ctx_ptr, -1)
                 if self._ll.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
                 generated += 1
-                text = stream.feed(self.token_bytes(token))
-                yield GenerationChunk(text=text, token=token)
+                piece = self.token_bytes(token)
+                text = stream.feed(piece)
+                yield GenerationChunk(text=text, token=token, logprob=None if logits is None
+                                      else self._logprob(logits, token, piece, params.logprobs))
                 if stream.stopped:
                     finish = "stop"
                     break
@@ -249,6 +261,25 @@ class Engine:
             if sampler is not None:
                 sampler.close()
             self._busy.release()
+
+    def _last_logits(self):
+        """(n_vocab,) float32 copy of the last output row's raw logits."""
+        import numpy as np  # noqa: PLC0415
+
+        ptr = self._ll.llama_get_logits_ith(self.ctx_ptr, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def _logprob(self, logits, token: int, piece: bytes, k: int) -> TokenLogprob:
+        import numpy as np  # noqa: PLC0415
+
+        shifted = logits.astype(np.float64) - float(logits.max())
+        logp = shifted - np.log(np.exp(shifted).sum())          # (n_vocab,) log-softmax
+        top: tuple = ()
+        if k > 0:
+            best = np.argpartition(-logp, k - 1)[:k]
+            best = best[np.argsort(-logp[best], kind="stable")]
+            top = tuple((int(t), self.token_bytes(int(t)), float(logp[t])) for t in best)
+        return TokenLogprob(token, piece, float(logp[token]), top)
 
     def _prefill(self, tokens: list[int], cancel: threading.Event | None) -> int | None:
         """Bring the KV cache to ``tokens`` (reusing the longest common prefix); returns the

@@ -99,6 +99,17 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its raw logits,
+    before any sampler), and the ``k`` most likely tokens at that step, most likely first."""
+
+    token: int
+    piece: bytes                            # the token's bytes (control tokens: b"")
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()   # (token, piece, logprob)
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """One generated token's text (may be "" while UTF-8 or a possible stop string is held
     back). The last chunk has ``token=None``, ``finish_reason``, ``usage`` and ``timings``.
@@ -110,6 +121,7 @@ class GenerationChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    logprob: TokenLogprob | None = None     # with SamplingParams.logprobs (token chunks)
 
 
 class ContextLengthError(UserError):

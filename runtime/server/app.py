@@ -30,6 +30,18 @@ from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.queue import RequestQueue
 
 
+def _fingerprint() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return f"moe-offload-{version('moe-offload')}"
+    except PackageNotFoundError:
+        return "moe-offload-dev"
+
+
+FINGERPRINT = _fingerprint()   # system_fingerprint: this server's build
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """What the server needs beyond the engine."""
@@ -151,6 +163,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.state.metrics = ServerMetrics()
     app.state.queue = None
     app.state.started = int(time.time())
+    app.state.fingerprint = FINGERPRINT
     install_error_handlers(app)
 
     @app.get("/health")

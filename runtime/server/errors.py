@@ -41,10 +41,13 @@ class APIError(Exception):
         self.param = param
         self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
         self.headers = headers
+        self.extra: dict = {}       # more fields of the error object (llama-server's numbers)
 
     def body(self) -> dict:
-        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return error_body(self.message, self.error_type, self.code, self.param)
+        """The JSON body: ``{"error": {"message", "type", "param", "code", ...extra}}``."""
+        body = error_body(self.message, self.error_type, self.code, self.param)
+        body["error"].update(self.extra)
+        return body
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -75,6 +78,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "The request body must be a JSON object, sent with "
                              "Content-Type: application/json.", code="invalid_json")
     param = _field_path(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"{param}: this field is not supported by this server (it would "
+                             "be ignored, so the request is refused)",
+                        code="unsupported_parameter", param=param)
     msg = str(first.get("msg", "invalid value"))
     # pydantic prefixes custom errors with "Value error, "; the client needs only the reason.
     msg = msg.removeprefix("Value error, ")

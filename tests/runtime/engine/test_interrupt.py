@@ -76,8 +76,10 @@ def test_ctrl_c_at_start_up_is_one_line(model, delay):
 
 def test_ctrl_c_stops_trace_record(model, tmp_path):
     out_file = tmp_path / "run.rtb"
-    proc = _start("trace", "record", "-m", model, "-p", "Once upon a time", "-n", "4000",
-                  "-c", "4096", "-o", str(out_file))
+    turns = tmp_path / "turns.txt"          # 40 greedy chat turns: ~20 s uninterrupted
+    turns.write_text("".join(f"tell me story number {i} about the river\n" for i in range(40)))
+    proc = _start("trace", "record", "-m", model, "--chat", "-f", str(turns), "-n", "2000",
+                  "-c", "8192", "--temp", "0", "-o", str(out_file))
     time.sleep(2.0)
     _, err, took = _interrupt(proc)
     assert proc.returncode == 130, err
