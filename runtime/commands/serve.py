@@ -31,7 +31,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.engine.cli_args import add_engine_args
+    from runtime.engine.cli_args import add_engine_args, add_sampling_args
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -39,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "/v1/completions, /v1/models, /v1/residency, /metrics, /health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
+    add_sampling_args(parser, predict_default=-1)
+    parser.set_defaults(temp=0.8)
+    for action in parser._actions:  # noqa: SLF001 - say what the sampling flags mean here
+        if action.dest in ("predict", "temp", "top_p", "top_k", "min_p", "repeat_penalty",
+                           "stop") and action.help:
+            action.help += "; the default of requests that do not set it"
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (0.0.0.0 exposes the server to the network)")
@@ -51,6 +57,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "model file's name without .gguf)")
     group.add_argument("--queue-size", type=int, default=16, metavar="N",
                        help="requests that may wait behind the running one; more get 429")
+    group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                       help="llama-server's slots; this server runs one request at a time "
+                            "(others queue), so N > 1 is refused")
+    group.add_argument("--slots", dest="slots", action="store_true", default=True,
+                       help="serve GET /slots (llama-server's flag; on by default)")
+    group.add_argument("--no-slots", dest="slots", action="store_false",
+                       help="answer GET /slots with 501")
+    group.add_argument("--cors-origin", "--cors-origins", dest="cors_origin", default="*",
+                       metavar="ORIGINS",
+                       help="comma-separated browser origins allowed by CORS ('*' = any; "
+                            "'' = no CORS headers)")
+    group.add_argument("--metrics", action="store_true",
+                       help="accepted for llama-server compatibility: /metrics is always on")
+    group.add_argument("--jinja", dest="jinja", action="store_true", default=True,
+                       help="accepted: chat templates are always rendered with jinja")
+    group.add_argument("--no-jinja", dest="jinja", action="store_false",
+                       help="refused: chat templates are always rendered with jinja")
+    group.add_argument("--chat-template-file", default=None, metavar="FILE",
+                       help="a jinja chat template to use instead of the model's")
     parser.set_defaults(func=run)
 
 
@@ -88,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gguf_tools.facts import read_model_facts
-    from runtime.engine.cli_args import settings_from_args
+    from runtime.engine.cli_args import sampling_from_args, settings_from_args
     from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
 
@@ -98,6 +123,19 @@ def run(args: argparse.Namespace) -> int:
     read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
     if args.queue_size < 0:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
+    if args.parallel != 1:
+        raise UserError(f"--parallel {args.parallel}: this server runs one request at a time "
+                        "(the others wait in the queue, --queue-size); only -np 1 is supported")
+    if not args.jinja:
+        raise UserError("--no-jinja: chat templates are always rendered with jinja here")
+    template = None
+    if args.chat_template_file is not None:
+        try:
+            template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
+    defaults = sampling_from_args(args)
+    origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key: must not be empty")
@@ -118,10 +156,16 @@ def run(args: argparse.Namespace) -> int:
         load_errors.append(message)
         server.should_exit = True
 
+    def load() -> Engine:
+        engine = Engine(settings, progress=True)
+        if template is not None:
+            engine.use_chat_template(template)
+        return engine
+
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
-                                    max_waiting=args.queue_size),
-                     lambda: Engine(settings, progress=True),
-                     on_ready=on_ready, on_load_failure=on_failure)
+                                    max_waiting=args.queue_size, slots_endpoint=args.slots,
+                                    cors_origins=origins, defaults=defaults),
+                     load, on_ready=on_ready, on_load_failure=on_failure)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM

@@ -142,6 +142,20 @@ class Engine:
             n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return bytes(buf[:n])
 
+    def eog_tokens(self) -> list[int]:
+        """End-of-generation token ids (EOS, EOT) the model has."""
+        ids = {self._ll.llama_vocab_eos(self._vocab), self._ll.llama_vocab_eot(self._vocab)}
+        return sorted(t for t in ids if t >= 0)
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle) fill-in-the-middle token ids, or None without them."""
+        ids = (self._ll.llama_vocab_fim_pre(self._vocab), self._ll.llama_vocab_fim_suf(self._vocab),
+               self._ll.llama_vocab_fim_mid(self._vocab))
+        return ids if all(t >= 0 for t in ids) else None
+
+    def has_fim(self) -> bool:
+        return self.fim_tokens() is not None
+
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore")
 
@@ -151,6 +165,12 @@ class Engine:
         ``tools`` (OpenAI's tool list) is passed to the template as ``tools``."""
         return self.chat_template.render(messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt)
+
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` (jinja) instead of the model's own template."""
+        self.chat_template                     # noqa: B018 - builds the special tokens
+        self._template = ChatTemplate(source, bos_token=self._template.bos_token,
+                                      eos_token=self._template.eos_token)
 
     @property
     def chat_template(self) -> ChatTemplate:

@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from runtime.engine.sampling import SamplingParams
 from runtime.server.completions import router as completions_router
+from runtime.server.native import router as native_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.model_host import LoadState, ModelHost
@@ -34,9 +37,10 @@ def _fingerprint() -> str:
     from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
     try:
-        return f"moe-offload-{version('moe-offload')}"
+        # llama-server's form is "b<build>-<commit>": clients test the leading "b"
+        return f"b{version('moe-offload')}-moe-offload"
     except PackageNotFoundError:
-        return "moe-offload-dev"
+        return "b0-moe-offload"
 
 
 FINGERPRINT = _fingerprint()   # system_fingerprint: this server's build
@@ -49,6 +53,9 @@ class ServerSettings:
     model_id: str                      # the name /v1/models lists and answers carry
     api_key: str | None = None         # None: no authentication
     max_waiting: int = 16              # requests that may wait behind the running one (429 beyond)
+    slots_endpoint: bool = True        # GET /slots (llama-server's --slots / --no-slots)
+    cors_origins: tuple[str, ...] = ("*",)   # browsers' origins allowed (CORS)
+    defaults: Any = None               # SamplingParams: the server's own -n/--temp/... defaults
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -64,26 +71,31 @@ class ApiKeyGuard:
     (not even whether its JSON was valid). ``/health`` stays open for load balancers.
     """
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})   # as llama-server
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.OPEN_PATHS:
+        if scope["type"] != "http" or scope.get("path") in self.OPEN_PATHS \
+                or scope.get("method") == "OPTIONS":        # CORS preflights carry no key
             await self.app(scope, receive, send)
             return
-        error = self._check(Headers(scope=scope).get("authorization", ""))
+        headers = Headers(scope=scope)
+        error = self._check(headers.get("authorization", ""), headers.get("x-api-key"))
         if error is None:
             await self.app(scope, receive, send)
         else:
             await error.response()(scope, receive, send)
 
-    def _check(self, header: str) -> APIError | None:
+    def _check(self, header: str, x_api_key: str | None) -> APIError | None:
         scheme, _, token = header.partition(" ")
+        if x_api_key and not (scheme.lower() == "bearer" and token.strip()):
+            scheme, token = "bearer", x_api_key          # Anthropic-style clients' header
         if scheme.lower() != "bearer" or not token.strip():
-            return APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY'.",
+            return APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY' "
+                                 "(or 'X-Api-Key: KEY').",
                             code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), self._key):
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key",
@@ -95,6 +107,7 @@ info_router = APIRouter()
 
 
 @info_router.get("/v1/models")
+@info_router.get("/models")
 async def list_models(request: Request) -> dict:
     """The one model this process serves."""
     host: ModelHost = request.app.state.host
@@ -163,10 +176,13 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.state.metrics = ServerMetrics()
     app.state.queue = None
     app.state.started = int(time.time())
+    app.state.defaults = settings.defaults if settings.defaults is not None else \
+        SamplingParams()
     app.state.fingerprint = FINGERPRINT
     install_error_handlers(app)
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health(request: Request) -> JSONResponse:
         """200 ``{"status": "ok"}`` when the model is loaded, 503 with an error body before."""
         host: ModelHost = request.app.state.host
@@ -181,7 +197,12 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
 
     app.include_router(info_router)
     app.include_router(completions_router)
+    app.include_router(native_router)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+    if settings.cors_origins:            # outside the key guard: preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           allow_credentials="*" not in settings.cors_origins)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)   # outermost: counts 401s too
     return app

@@ -116,6 +116,10 @@ async def _collect(request: Request, job: Job, prep: Prepared) -> list[shapes.Ch
                     result = results[index]
                     result.pieces.append(chunk.text or "")
                     result.completion_tokens += chunk.token is not None
+                    if chunk.token is not None:
+                        result.tokens.append(chunk.token)
+                    if chunk.timings is not None:
+                        result.timings = chunk.timings
                     if chunk.logprob is not None:
                         result.logprobs.append(chunk.logprob)
                     if chunk.finish_reason is not None:
@@ -127,7 +131,7 @@ async def _collect(request: Request, job: Job, prep: Prepared) -> list[shapes.Ch
         job.cancel.set()          # no-op when finished; stops the engine when we bailed out
     if error is not None:
         raise _engine_failure(error) from error
-    if any(r.finish_reason in (None, CANCELLED) for r in results):
+    if prep.n and any(r.finish_reason in (None, CANCELLED) for r in results):
         # cut short: the client left (nobody reads this) or the server is stopping
         raise APIError(503, "The server is shutting down; the answer was cut short.",
                        code="server_shutdown")
@@ -194,7 +198,8 @@ def fingerprint(request: Request) -> str:
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion, streamed or not (``n`` choices, logprobs, tools)."""
-    prep, job = await _submit(request, lambda e: prepare_chat(e, body))
+    defaults = request.app.state.defaults
+    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults))
     cid, created = _ids("chatcmpl")
     base = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
@@ -279,10 +284,10 @@ class ChatFramer:
 
 
 @router.post("/v1/completions")
-@router.post("/completions", include_in_schema=False)
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion, streamed or not (``n`` choices, logprobs, echo)."""
-    prep, job = await _submit(request, lambda e: prepare_completion(e, body))
+    defaults = request.app.state.defaults
+    prep, job = await _submit(request, lambda e: prepare_completion(e, body, defaults))
     cid, created = _ids("cmpl")
     base = {"id": cid, "object": "text_completion", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}

@@ -24,6 +24,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    501: "not_supported_error",
     503: "unavailable_error",
 }
 
@@ -95,13 +96,20 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path of the app through the OpenAI error shape."""
 
+    def answer(request: Request, err: APIError) -> JSONResponse:
+        from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
+
+        if request.url.path in NATIVE_PATHS:      # llama-server's own shape there
+            return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
+        return err.response()
+
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

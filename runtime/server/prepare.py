@@ -62,16 +62,26 @@ def check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: i
     return max_tokens
 
 
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
+                  "frequency_penalty", "presence_penalty")
+
+
 def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | None = None,
-                    logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None,
+                    defaults: SamplingParams | None = None) -> SamplingParams:
+    """The request's sampler fields; unset ones take ``defaults`` (the server's own flags,
+    as llama-server does), else SamplingParams' defaults."""
     fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
                               "logit_bias": req.logit_bias_ids(), "grammar": grammar,
                               "logprobs": logprobs}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
-                 "frequency_penalty", "presence_penalty"):
+    for name in SAMPLER_FIELDS:
         value = getattr(req, name)
+        if value is None and defaults is not None:
+            value = getattr(defaults, name)
         if value is not None:
             fields[name] = value
+    if not fields["stop"] and defaults is not None and defaults.stop:
+        fields["stop"] = list(defaults.stop)
     try:
         return SamplingParams(**fields)
     except UserError as exc:
@@ -98,7 +108,8 @@ def _check_bias(engine: Any, req: _SamplingFields) -> None:
                                 f"(0..{n_vocab - 1})", code="invalid_value", param="logit_bias")
 
 
-def prepare_chat(engine: Any, req: ChatCompletionRequest) -> Prepared:
+def prepare_chat(engine: Any, req: ChatCompletionRequest,
+                 defaults: SamplingParams | None = None) -> Prepared:
     tools = req.tool_dicts()
     choice = req.tool_choice_value()
     if choice == "none":
@@ -125,12 +136,13 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest) -> Prepared:
     max_tokens = check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages")
     _check_bias(engine, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs=logprobs,
+    params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt)
 
 
-def prepare_completion(engine: Any, req: CompletionRequest) -> Prepared:
+def prepare_completion(engine: Any, req: CompletionRequest,
+                       defaults: SamplingParams | None = None) -> Prepared:
     prompt = req.prompt_input()
     if isinstance(prompt, list):
         n_vocab = getattr(engine, "n_vocab", None)
@@ -144,7 +156,7 @@ def prepare_completion(engine: Any, req: CompletionRequest) -> Prepared:
                                DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
     _check_bias(engine, req)
     grammar = structured.grammar_for_output(req.response_format, req.json_schema, req.grammar)
-    params = sampling_params(req, max_tokens, logprobs=req.logprobs,
+    params = sampling_params(req, max_tokens, logprobs=req.logprobs, defaults=defaults,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     echo = "" if not req.echo else (prompt if isinstance(prompt, str)
                                     else engine.detokenize(prompt))

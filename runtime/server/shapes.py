@@ -44,6 +44,8 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    timings: Any = None
 
     @property
     def text(self) -> str:
