@@ -25,8 +25,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" only where there is a value to show (not None, not False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
+        if action.default is None or action.default is False or action.nargs == 0:
+            return action.help          # switches: their help says what they do
         return super()._get_help_string(action)
 
 
@@ -35,8 +35,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve one model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
-                    "/v1/completions, /v1/models, /v1/residency, /metrics, /health.",
+        description="Serve one model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, with structured output, tools and logprobs) "
+                    "and llama-server's own routes (/completion, /tokenize, /detokenize, "
+                    "/apply-template, /props, /slots, /infill), plus /v1/residency, /metrics, "
+                    "/health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
@@ -50,8 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="address to listen on (0.0.0.0 exposes the server to the network)")
     group.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
     group.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: the MOE_OFFLOAD_API_KEY environment variable, if set)")
+                       help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every "
+                            "route but /health and /models, as llama-server (default: the "
+                            "MOE_OFFLOAD_API_KEY environment variable, if set)")
     group.add_argument("--alias", default=None, metavar="NAME",
                        help="model name shown by /v1/models and in answers (default: the "
                             "model file's name without .gguf)")
