@@ -24,7 +24,7 @@ VALUE_FLAGS = {
     "--threads": "-t", "-t": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
     "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
     "--chat-template-file": None, "--top-k": None, "--top-p": None, "--min-p": None,
-    "--repeat-penalty": None,
+    "--repeat-penalty": None, "--parallel": "-np", "-np": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja"}
@@ -40,8 +40,6 @@ DROPPED = {
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
     "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "one slot"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
-    "--parallel": (True, "one request at a time (others queue)"),
-    "-np": (True, "one request at a time (others queue)"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
     "--pooling": (True, "no embeddings"), "--tags": (True, "no model tags"),
     "--slot-save-path": (True, "no slot save"), "--grp-attn-n": (True, "no self-extend"),

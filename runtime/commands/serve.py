@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--queue-size", type=int, default=16, metavar="N",
                        help="requests that may wait behind the running one; more get 429")
     group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                       help="llama-server's slots; this server runs one request at a time "
-                            "(others queue), so N > 1 is refused")
+                       help="requests generated at once, in one batch per step (continuous "
+                            "batching; each gets ctx-size / N tokens, as llama-server)")
     group.add_argument("--slots", dest="slots", action="store_true", default=True,
                        help="serve GET /slots (llama-server's flag; on by default)")
     group.add_argument("--no-slots", dest="slots", action="store_false",
@@ -127,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
     read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
     if args.queue_size < 0:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
-    if args.parallel != 1:
-        raise UserError(f"--parallel {args.parallel}: this server runs one request at a time "
-                        "(the others wait in the queue, --queue-size); only -np 1 is supported")
+    if not 1 <= args.parallel <= 64:
+        raise UserError(f"--parallel: {args.parallel} must be in 1..64")
     if not args.jinja:
         raise UserError("--no-jinja: chat templates are always rendered with jinja here")
     template = None
@@ -160,15 +159,22 @@ def run(args: argparse.Namespace) -> int:
         load_errors.append(message)
         server.should_exit = True
 
+    settings.n_parallel = args.parallel
+
     def load() -> Engine:
         engine = Engine(settings, progress=True)
         if template is not None:
             engine.use_chat_template(template)
+        if args.parallel > 1:
+            from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
+
+            engine.batcher = BatchScheduler(engine)
         return engine
 
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
                                     max_waiting=args.queue_size, slots_endpoint=args.slots,
-                                    cors_origins=origins, defaults=defaults),
+                                    cors_origins=origins, defaults=defaults,
+                                    parallel=args.parallel),
                      load, on_ready=on_ready, on_load_failure=on_failure)
 
     class Server(uvicorn.Server):

@@ -93,7 +93,8 @@ class Engine:
         self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
-        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
+        # tokens one sequence can hold (the whole context unless it is split into slots)
+        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // max(1, settings.n_parallel)
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
         self._batch = TokenBatch(self.n_batch)
@@ -282,11 +283,11 @@ class Engine:
                 sampler.close()
             self._busy.release()
 
-    def _last_logits(self):
-        """(n_vocab,) float32 copy of the last output row's raw logits."""
+    def _last_logits(self, index: int = -1):
+        """(n_vocab,) float32 copy of output row ``index``'s raw logits (-1: the last)."""
         import numpy as np  # noqa: PLC0415
 
-        ptr = self._ll.llama_get_logits_ith(self.ctx_ptr, -1)
+        ptr = self._ll.llama_get_logits_ith(self.ctx_ptr, index)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def _logprob(self, logits, token: int, piece: bytes, k: int) -> TokenLogprob:

@@ -54,6 +54,9 @@ def make_context_params(settings: EngineSettings, hook) -> object:
     params.n_ubatch = min(n_batch, settings.n_ubatch)
     params.n_threads, params.n_threads_batch = thread_counts(settings)
     params.flash_attn_type = FLASH_ATTN[settings.flash_attn]
+    if settings.n_parallel > 1:         # one KV stream per sequence: a slot sees only itself
+        params.n_seq_max = settings.n_parallel
+        params.kv_unified = False
     if hook is not None:
         params.cb_eval = hook.callback
         params.cb_eval_user_data = hook.user_data

@@ -32,6 +32,8 @@ class EngineSettings:
     lib_dir: str | None = None         # directory of a (patched) libllama.so; None = the wheel's
     config: Any = None                 # a built ResidencyConfig; wins over config_path
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
+    n_parallel: int = 1                # KV sequences (slots) for runtime.engine.batched;
+    #                                    each gets n_ctx / n_parallel tokens, as llama-server
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
     #                                    None: off when a native device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),
@@ -48,6 +50,8 @@ class EngineSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 problems.append(f"{name.replace('n_', '', 1)}={value} must be >= 1")
+        if not 1 <= self.n_parallel <= 64:
+            problems.append(f"parallel={self.n_parallel} must be in 1..64")
         if self.flash_attn not in FLASH_ATTN:
             problems.append(f"flash-attn {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}")
         if problems:

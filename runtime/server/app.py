@@ -56,6 +56,7 @@ class ServerSettings:
     slots_endpoint: bool = True        # GET /slots (llama-server's --slots / --no-slots)
     cors_origins: tuple[str, ...] = ("*",)   # browsers' origins allowed (CORS)
     defaults: Any = None               # SamplingParams: the server's own -n/--temp/... defaults
+    parallel: int = 1                  # requests generated at once (-np; continuous batching)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -161,7 +162,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.queue = RequestQueue(settings.max_waiting)
+        app.state.queue = RequestQueue(settings.max_waiting, workers=settings.parallel)
         app.state.host.start(on_ready=on_ready, on_failure=on_load_failure)
         try:
             yield

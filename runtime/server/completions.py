@@ -46,17 +46,23 @@ def _generation(engine: Any, prep: Prepared,
         t0 = time.perf_counter()
         generated = 0
         finished = 0
+        batcher = getattr(engine, "batcher", None)
+        if batcher is not None:          # -np > 1: the choices decode side by side
+            tokens = prep.prompt if isinstance(prep.prompt, list) else \
+                engine.tokenize(prep.prompt, add_special=True)
+            items = batcher.generate_many(
+                [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel)
+        else:
+            items = ((i, chunk) for i in range(prep.n) if not cancel.is_set()
+                     for chunk in engine.generate(prep.prompt, prep.choice_params(i),
+                                                  cancel=cancel))
         try:
-            for index in range(prep.n):
-                if cancel.is_set():
-                    break
-                for chunk in engine.generate(prep.prompt, prep.choice_params(index),
-                                             cancel=cancel):
-                    if chunk.token is not None:
-                        generated += 1
-                    if chunk.finish_reason not in (None, CANCELLED):
-                        finished += 1
-                    yield index, chunk
+            for index, chunk in items:
+                if chunk.token is not None:
+                    generated += 1
+                if chunk.finish_reason not in (None, CANCELLED):
+                    finished += 1
+                yield index, chunk
         finally:
             metrics.observe_generation(prep.prompt_tokens, generated, time.perf_counter() - t0,
                                        cancelled=cancel.is_set() and finished < prep.n)

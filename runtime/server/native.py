@@ -5,8 +5,8 @@
 Shapes follow llama.cpp's tools/server (server-task.cpp ``to_json_non_oaicompat``): a stream
 is ``data: {...}`` events whose last has ``"stop": true`` (no ``[DONE]``); errors on these
 routes are llama-server's ``{"error": {"code": STATUS, "message", "type"}}``. Generation goes
-through the same queue and engine as the OpenAI routes. This process serves one request at a
-time: there is one slot.
+through the same queue and engine as the OpenAI routes; ``-np N`` gives N slots (continuous
+batching, runtime/engine/batched.py).
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ async def props(request: Request) -> dict:
     template = engine.chat_template
     return {"default_generation_settings": {
                 "n_ctx": engine.n_ctx, "params": generation_settings(request, None, engine.n_ctx)},
-            "total_slots": 1, "model_alias": host.model_id,
+            "total_slots": engine.settings.n_parallel, "model_alias": host.model_id,
             "model_path": engine.settings.model_path, "chat_template": template.source,
             "bos_token": template.bos_token, "eos_token": template.eos_token,
             "modalities": {"vision": False, "audio": False},
@@ -240,10 +240,11 @@ async def slots(request: Request):
         raise APIError(501, "This server does not support slots endpoint (start it with "
                             "--slots).", code="not_supported", error_type="not_supported_error")
     engine = request.app.state.host.engine()
-    queue = request.app.state.queue.stats()
-    return [{"id": 0, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
-             "is_processing": bool(queue.running), "next_token": [{"has_next_token": True,
-             "has_new_line": False, "n_remain": -1, "n_decoded": 0}]}]
+    running = request.app.state.queue.stats().running
+    return [{"id": i, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
+             "is_processing": i < running, "next_token": [{"has_next_token": True,
+             "has_new_line": False, "n_remain": -1, "n_decoded": 0}]}
+            for i in range(engine.settings.n_parallel)]
 
 
 @router.post("/infill")

@@ -72,7 +72,7 @@ class NativeCompletionRequest(BaseModel):
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     ignore_eos: bool = False
     cache_prompt: bool | None = None                    # always on here
-    id_slot: int | None = Field(None, ge=-1, le=0)      # one slot: 0 (or -1, any)
+    id_slot: int | None = Field(None, ge=-1)            # slots are assigned in arrival order
     n_keep: int | None = None                           # no context shift here: no effect
     model: str | None = None
 
