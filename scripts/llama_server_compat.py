@@ -90,7 +90,7 @@ def translate(argv: list[str]) -> list[str]:
             out += ["--host", value.split(",")[0].strip()]
             i += 2
         elif flag == "--alias":
-            out += ["--alias", sorted(a.strip() for a in value.split(","))[0]]
+            out += ["--alias", value]
             i += 2
         elif flag in ("--cors-origins", "--cors-origin"):
             out += ["--cors-origin", value]

@@ -57,7 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "route but /health and /models, as llama-server (default: the "
                             "MOE_OFFLOAD_API_KEY environment variable, if set)")
     group.add_argument("--alias", default=None, metavar="NAME",
-                       help="model name shown by /v1/models and in answers (default: the "
+                       help="model name shown by /v1/models and in answers; a,b,c gives "
+                            "several, the first in sorted order is the id (default: the "
                             "model file's name without .gguf)")
     group.add_argument("--queue-size", type=int, default=16, metavar="N",
                        help="requests that may wait behind the running one; more get 429")
@@ -142,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key: must not be empty")
-    model_id = args.alias or model_path.name.removesuffix(".gguf")
+    aliases = tuple(sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()}))
+    model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
 
     _setup_logging()
     sock = _listen(args.host, args.port)
@@ -174,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
                                     max_waiting=args.queue_size, slots_endpoint=args.slots,
                                     cors_origins=origins, defaults=defaults,
-                                    parallel=args.parallel),
+                                    parallel=args.parallel, aliases=aliases),
                      load, on_ready=on_ready, on_load_failure=on_failure)
 
     class Server(uvicorn.Server):

@@ -57,6 +57,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ("*",)   # browsers' origins allowed (CORS)
     defaults: Any = None               # SamplingParams: the server's own -n/--temp/... defaults
     parallel: int = 1                  # requests generated at once (-np; continuous batching)
+    aliases: tuple[str, ...] = ()      # every name of the model (--alias a,b,c); model_id first
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -112,9 +113,10 @@ info_router = APIRouter()
 async def list_models(request: Request) -> dict:
     """The one model this process serves."""
     host: ModelHost = request.app.state.host
+    aliases = request.app.state.settings.aliases or (host.model_id,)
     return {"object": "list", "data": [{
         "id": host.model_id, "object": "model", "created": request.app.state.started,
-        "owned_by": "moe-offload"}]}
+        "owned_by": "moe-offload", "aliases": list(aliases), "tags": []}]}
 
 
 @info_router.get("/v1/residency")
