@@ -93,6 +93,10 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
 @router.post("/completions")
 async def completion(body: NativeCompletionRequest, request: Request):
     """llama-server's native completion, streamed or not."""
+    return await _answer(body, request)
+
+
+async def _answer(body: NativeCompletionRequest, request: Request):
     defaults = request.app.state.defaults
     prep, job = await _submit(request, lambda e: _prepare(e, body, defaults))
     engine = request.app.state.host.engine()
@@ -249,9 +253,26 @@ async def slots(request: Request):
 
 @router.post("/infill")
 async def infill(request: Request):
+    """Fill in the middle: ``input_prefix`` + ``input_suffix`` (+ ``prompt``, the start of the
+    middle) in the model's FIM tokens, then a native completion. 400 without FIM tokens."""
+    body = await _json_object(request)
     engine = request.app.state.host.engine()
-    if not engine.has_fim():
+    fim = engine.fim_tokens()
+    if fim is None:
         raise APIError(400, "This model has no fill-in-the-middle tokens (FIM prefix, suffix "
                             "and middle), so /infill cannot work with it.", code="invalid_value")
-    raise APIError(501, "/infill is not implemented for FIM models yet.", code="not_supported",
-                   error_type="not_supported_error")
+    parts = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        value = body.pop(name, "")
+        if not isinstance(value, str):
+            raise APIError(400, f"{name}: must be a string", code="invalid_value", param=name)
+        parts[name] = value
+    if body.pop("input_extra", None):
+        raise APIError(400, "input_extra: extra context chunks are not supported",
+                       code="unsupported_parameter", param="input_extra")
+    pre, suf, mid = fim
+    tok = lambda text: engine.tokenize(text, add_special=False) if text else []  # noqa: E731
+    tokens = [pre, *tok(parts["input_prefix"]), suf, *tok(parts["input_suffix"]), mid,
+              *tok(parts["prompt"])]
+    native = NativeCompletionRequest.model_validate(body | {"prompt": tokens})
+    return await _answer(native, request)

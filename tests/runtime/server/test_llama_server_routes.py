@@ -94,3 +94,27 @@ def test_no_slots_flag_answers_501(start_server, tiny_model):
     server = start_server(tiny_model, "--no-slots")
     r = httpx.get(f"{server.base_url}/slots", timeout=30)
     assert r.status_code == 501 and "error" in r.json()
+
+
+def test_infill_on_a_model_with_fim_tokens(start_server, tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    fim_model = tmp_path / "fim.gguf"        # the tiny model, with three tokens named FIM
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tiny_model),
+                    str(fim_model), "--special-token-by-id", "fim_pre", "3",
+                    "--special-token-by-id", "fim_suf", "4", "--special-token-by-id",
+                    "fim_mid", "0", "--force"], check=True, capture_output=True)
+    server = start_server(fim_model, "--temp", "0")
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        prefix, suffix = "def add(a, b):\n    return ", "\n"
+        n_prefix = len(http.post("/tokenize", json={"content": prefix}).json()["tokens"])
+        n_suffix = len(http.post("/tokenize", json={"content": suffix}).json()["tokens"])
+        r = http.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix,
+                                       "n_predict": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["tokens_evaluated"] == n_prefix + n_suffix + 3   # + FIM pre, suf, mid
+        assert body["tokens_predicted"] <= 5 and body["stop"] is True
+        r = http.post("/infill", json={"input_prefix": prefix, "input_extra": [{"text": "x"}]})
+        assert r.status_code == 400 and "input_extra" in r.json()["error"]["message"]
