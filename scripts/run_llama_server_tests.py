@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 ARCHIVE = "llama_cpp_python-0.3.36.tar.gz"
 TESTS_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/tools/server/tests"
 LICENSE_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE"
+TEMPLATES_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates"  # tests read
 # the suites about what a single-model llama-server does (router, MCP, vision, embeddings,
 # speculative decoding, LoRA and the Anthropic/Responses APIs are out of scope)
 SUITES = ["test_basic", "test_chat_completion", "test_completion", "test_tokenize",
@@ -67,7 +68,8 @@ def default_sdist() -> Path:
 def extract(sdist: Path, into: Path) -> Path:
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers()
-                   if m.name.startswith(TESTS_IN_ARCHIVE + "/") or m.name == LICENSE_IN_ARCHIVE]
+                   if m.name.startswith((TESTS_IN_ARCHIVE + "/", TEMPLATES_IN_ARCHIVE + "/"))
+                   or m.name == LICENSE_IN_ARCHIVE]
         if not members:
             raise SystemExit(f"{sdist}: no {TESTS_IN_ARCHIVE} inside")
         tar.extractall(into, members=members, filter="data")

@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
                                     max_waiting=args.queue_size, slots_endpoint=args.slots,
                                     cors_origins=origins, defaults=defaults,
-                                    parallel=args.parallel, aliases=aliases),
+                                    parallel=args.parallel, aliases=aliases,
+                                    verbose=args.verbose),
                      load, on_ready=on_ready, on_load_failure=on_failure)
 
     class Server(uvicorn.Server):

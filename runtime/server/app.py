@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
 from runtime.server.completions import router as completions_router
+from runtime.server.cors import CorsMiddleware
 from runtime.server.native import router as native_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
@@ -58,6 +58,7 @@ class ServerSettings:
     defaults: Any = None               # SamplingParams: the server's own -n/--temp/... defaults
     parallel: int = 1                  # requests generated at once (-np; continuous batching)
     aliases: tuple[str, ...] = ()      # every name of the model (--alias a,b,c); model_id first
+    verbose: bool = False              # answers carry "__verbose" (the prompt), as llama-server -v
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -204,8 +205,6 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["*"], allow_headers=["*"],
-                           allow_credentials="*" not in settings.cors_origins)
+        app.add_middleware(CorsMiddleware, origins=settings.cors_origins)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)   # outermost: counts 401s too
     return app

@@ -226,10 +226,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                     "refusal": None} if prep.params.logprobs is not None else None
         choices.append({"index": r.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish})
-    return JSONResponse(base | {
-        "object": "chat.completion", "choices": choices,
-        "usage": shapes.usage(prep.prompt_tokens, sum(r.completion_tokens for r in results)),
-    })
+    answer = base | {"object": "chat.completion", "choices": choices,
+                     "usage": _usage_with_cache(prep, results)}
+    if request.app.state.settings.verbose:       # llama-server --verbose: the prompt too
+        answer["__verbose"] = {"prompt": prep.prompt}
+    return JSONResponse(answer)
+
+
+def _usage_with_cache(prep: Prepared, results: list) -> dict:
+    """OpenAI usage, with the prompt tokens served from the KV cache (llama-server's)."""
+    usage = shapes.usage(prep.prompt_tokens, sum(r.completion_tokens for r in results))
+    timings = results[0].timings if results else None
+    if timings is not None:
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": max(0, prep.prompt_tokens - timings.prompt_tokens)}
+    return usage
+
+
+@router.post("/chat/completions/input_tokens")
+@router.post("/v1/chat/completions/input_tokens")
+async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
+    """How many prompt tokens the request would take (llama-server's)."""
+    engine = request.app.state.host.engine()
+    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body)
+    return {"input_tokens": prep.prompt_tokens}
 
 
 class ChatFramer:
@@ -247,8 +267,9 @@ class ChatFramer:
         return self.base | {"choices": [{"index": index, "delta": delta, "logprobs": lp,
                                          "finish_reason": finish}]}
 
-    def opening(self) -> list[dict]:
-        return [self._frame(i, {"role": "assistant", "content": ""}) for i in range(self.prep.n)]
+    def opening(self) -> list[dict]:     # as llama-server: the role, content null
+        return [self._frame(i, {"role": "assistant", "content": None})
+                for i in range(self.prep.n)]
 
     def chunk(self, index: int, chunk: Any) -> list[dict]:
         want_lp = self.prep.params.logprobs is not None
@@ -306,10 +327,7 @@ async def completions(body: CompletionRequest, request: Request):
     choices = [{"index": r.index, "text": prep.echo_text + r.text,
                 "logprobs": shapes.completion_logprobs(r.logprobs, len(prep.echo_text))
                 if want_lp else None, "finish_reason": r.finish_reason} for r in results]
-    return JSONResponse(base | {
-        "choices": choices,
-        "usage": shapes.usage(prep.prompt_tokens, sum(r.completion_tokens for r in results)),
-    })
+    return JSONResponse(base | {"choices": choices, "usage": _usage_with_cache(prep, results)})
 
 
 class CompletionFramer:

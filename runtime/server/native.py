@@ -83,7 +83,13 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
     max_tokens = check_context(engine, n_prompt, n_predict if n_predict else None,
                                None, "prompt") if n_predict != 0 else 0
     grammar = structured.grammar_for_output(None, req.json_schema, req.grammar)
-    params = sampling_params(req.as_fields(defaults, engine.eog_tokens()), max(max_tokens, 1),
+    fields = req.as_fields(defaults, engine.eog_tokens(),
+                           lambda text: engine.tokenize(text, add_special=False))
+    bad = [t for t in fields.bias if not 0 <= t < engine.n_vocab]
+    if bad:
+        raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{engine.n_vocab - 1})", code="invalid_value", param="logit_bias")
+    params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1)

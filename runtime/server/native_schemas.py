@@ -52,7 +52,7 @@ class _Fields:
 class NativeCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | list[Any]
+    prompt: str | list[Any] | dict[str, Any]       # dict: {"prompt_string": ...}
     n_predict: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=0)          # accepted alias of n_predict
     temperature: float | None = Field(None, ge=0.0)
@@ -80,7 +80,17 @@ class NativeCompletionRequest(BaseModel):
         return self.n_predict if self.n_predict is not None else self.max_tokens
 
     def prompt_tokens_or_text(self, engine: Any) -> str | list[int]:
-        """llama-server's prompt forms: a string, token ids, or a mix of both."""
+        """llama-server's prompt forms: a string, token ids, or a mix of both, or
+        ``{"prompt_string": ...}`` (multimodal data is refused: text only)."""
+        from runtime.server.errors import APIError  # noqa: PLC0415
+
+        if isinstance(self.prompt, dict):
+            extra = set(self.prompt) - {"prompt_string"}
+            if extra or not isinstance(self.prompt.get("prompt_string"), str):
+                raise APIError(400, f"prompt.{sorted(extra)[0] if extra else 'prompt_string'}: "
+                                    "only a text prompt_string is supported (no multimodal "
+                                    "data)", code="invalid_value", param="prompt")
+            return self.prompt["prompt_string"]
         if isinstance(self.prompt, str):
             return self.prompt
         if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
@@ -88,8 +98,6 @@ class NativeCompletionRequest(BaseModel):
         tokens: list[int] = []
         for i, part in enumerate(self.prompt):
             if isinstance(part, bool) or not isinstance(part, (int, str)):
-                from runtime.server.errors import APIError  # noqa: PLC0415
-
                 raise APIError(400, f"prompt[{i}]: must be a token id or a string (one prompt "
                                     "per request)", code="invalid_value", param="prompt")
             if isinstance(part, str):
@@ -98,7 +106,11 @@ class NativeCompletionRequest(BaseModel):
                 tokens.append(part)
         return tokens
 
-    def as_fields(self, defaults: Any, eog: list[int] = ()) -> _Fields:
+    def as_fields(self, defaults: Any, eog: list[int] = (), tokenize=None) -> _Fields:
+        """``tokenize(text) -> ids``: llama-server's string keys bias every token of the
+        string."""
+        from runtime.server.errors import APIError  # noqa: PLC0415
+
         bias: dict[int, float] = {}
         items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \
             (tuple(pair) for pair in (self.logit_bias or []))
@@ -106,12 +118,20 @@ class NativeCompletionRequest(BaseModel):
             token, value = item[0], item[1] if len(item) > 1 else None
             if value is False:
                 value = -100.0                   # llama-server: false bans the token
-            if not isinstance(value, (int, float)):
-                from runtime.server.errors import APIError  # noqa: PLC0415
-
-                raise APIError(400, "logit_bias: each entry is [token id, bias] (or false)",
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise APIError(400, "logit_bias: each entry is [token id or string, bias] "
+                                    "(or false to ban)", code="invalid_value", param="logit_bias")
+            if isinstance(token, str) and token.lstrip("-").isdigit():
+                token = int(token)
+            if isinstance(token, str):
+                ids = tokenize(token) if tokenize is not None else []
+            elif isinstance(token, int) and not isinstance(token, bool):
+                ids = [token]
+            else:
+                raise APIError(400, f"logit_bias: {token!r} is neither a token id nor a string",
                                code="invalid_value", param="logit_bias")
-            bias[int(token)] = float(value)
+            for t in ids:
+                bias[int(t)] = float(value)
         for token in eog if self.ignore_eos else ():
             bias[int(token)] = -100.0
         pick = lambda v, d: d if v is None else v  # noqa: E731

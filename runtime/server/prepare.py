@@ -127,8 +127,15 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
                             "with response_format, json_schema or grammar",
                        code="invalid_value", param="tool_choice")
     grammar = structured.call_grammar(functions, fmt) if functions is not None else output_grammar
+    # a last assistant message is the start of the answer (prefill): the model continues it
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     try:
-        prompt = engine.chat_prompt(messages, tools=tools if template_tools else None)
+        prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
+                                    add_generation_prompt=not prefill)
+        if prefill:     # templates close every turn; the prefill must stay open
+            end = prompt.rfind(messages[-1]["content"])
+            if messages[-1]["content"] and end >= 0:
+                prompt = prompt[:end + len(messages[-1]["content"])]
     except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

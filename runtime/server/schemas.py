@@ -45,6 +45,7 @@ class _SamplingFields(BaseModel):
     grammar: str | None = None                    # GBNF
     json_schema: dict[str, Any] | None = None
     cache_prompt: bool | None = None              # always on here
+    id_slot: int | None = Field(None, ge=-1)      # slots are assigned in arrival order
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,6 +161,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
+        roles = [m.role for m in self.messages]
+        if roles[-2:] == ["assistant", "assistant"]:
+            raise ValueError("messages: two assistant messages at the end (the last one may "
+                             "be a prefill of the answer, one is enough)")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
