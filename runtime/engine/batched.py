@@ -68,6 +68,7 @@ class BatchScheduler:
         self._closed = False
         self.steps = 0
         self.max_rows = 0                          # most sequences seen in one batch
+        self._rows_total = 0                       # sequences summed over steps
         self._thread = threading.Thread(target=self._run, name="moe-offload-batch",
                                         daemon=True)
         self._thread.start()
@@ -93,6 +94,10 @@ class BatchScheduler:
                 remaining -= 1
                 continue
             yield item
+
+    def busy_per_step(self) -> float:
+        """Mean sequences sampled per decode step."""
+        return self._rows_total / self.steps if self.steps else 0.0
 
     def close(self) -> None:
         self._closed = True
@@ -163,7 +168,9 @@ class BatchScheduler:
         phase = kinds.pop() if len(kinds) == 1 else Phase.MIXED
         self._decode(phase)
         self.steps += 1
-        self.max_rows = max(self.max_rows, len({s.seq for s, _ in rows}))
+        busy = len({s.seq for s, _ in rows})
+        self._rows_total += busy
+        self.max_rows = max(self.max_rows, busy)
         for slot, index in rows:
             self._sample(slot, index)
 

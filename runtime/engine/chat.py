@@ -64,7 +64,8 @@ class ChatTemplate:
             return self._template.render(
                 **extra, messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token,
-                raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f))
+                raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f),
+                date_string=datetime.now().strftime("%d %b %Y"))   # as llama.cpp passes it
         except jinja2.TemplateError as exc:
             raise UserError(f"chat template: {exc}") from None
 

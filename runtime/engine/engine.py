@@ -46,6 +46,7 @@ class Engine:
         self.settings = settings
         self._progress = progress
         self.model_ptr = self.ctx_ptr = 0
+        self.decode_calls = 0               # llama_decode calls so far (metrics)
         self._batch = None
         self._attached: list[object] = []
         path = settings.model_path
@@ -340,6 +341,7 @@ class Engine:
         try:
             # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
             with interrupt.deferred():
+                self.decode_calls += 1
                 rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
                 if rc != 0:
                     if self.hook is not None:

@@ -28,6 +28,7 @@ from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
 from runtime.server.native import router as native_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
+from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.queue import RequestQueue
@@ -146,7 +147,12 @@ async def metrics(request: Request) -> Response:
                                   if hasattr(tier, "to_prometheus"))
     queue = state.queue.stats() if state.queue is not None else None
     text = state.metrics.render(queue, engine is not None, residency_text)
-    return Response(text, media_type=CONTENT_TYPE)
+    batcher = getattr(engine, "batcher", None)
+    decodes = batcher.steps if batcher is not None else getattr(engine, "decode_calls", 0)
+    busy = batcher.busy_per_step() if batcher is not None else float(bool(decodes))
+    text += state.llamacpp.render(queue, decodes, busy)
+    return Response(text, media_type=CONTENT_TYPE,
+                    headers={"Process-Start-Time-Unix": str(state.started)})
 
 
 def begin_shutdown(app: FastAPI) -> None:
@@ -178,6 +184,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.state.settings = settings
     app.state.host = ModelHost(load_engine, settings.model_id)
     app.state.metrics = ServerMetrics()
+    app.state.llamacpp = LlamaCppCounters()
     app.state.queue = None
     app.state.started = int(time.time())
     app.state.defaults = settings.defaults if settings.defaults is not None else \

@@ -37,8 +37,8 @@ router = APIRouter()
 CANCELLED = "cancelled"              # the engine's finish_reason when the cancel event stopped it
 
 
-def _generation(engine: Any, prep: Prepared,
-                metrics: Any) -> Callable[[threading.Event], Iterator[Any]]:
+def _generation(engine: Any, prep: Prepared, metrics: Any,
+                llamacpp: Any = None) -> Callable[[threading.Event], Iterator[Any]]:
     """The job run on the worker thread: ``(choice index, chunk)`` for each of the ``n``
     choices in turn (one KV sequence: each choice reuses the prompt's cached prefix), with
     metrics kept on the way."""
@@ -62,6 +62,8 @@ def _generation(engine: Any, prep: Prepared,
                     generated += 1
                 if chunk.finish_reason not in (None, CANCELLED):
                     finished += 1
+                if chunk.timings is not None and llamacpp is not None:
+                    llamacpp.observe(chunk.timings, prep.prompt_tokens)
                 yield index, chunk
         finally:
             metrics.observe_generation(prep.prompt_tokens, generated, time.perf_counter() - t0,
@@ -92,7 +94,8 @@ async def _submit(request: Request,
     except Exception as exc:  # noqa: BLE001 - tokenizer/template trouble is answered, not fatal
         raise _engine_failure(exc) from exc
     try:
-        job = state.queue.submit(_generation(engine, prep, state.metrics))
+        job = state.queue.submit(_generation(engine, prep, state.metrics,
+                                             getattr(state, "llamacpp", None)))
     except QueueClosed as exc:
         raise APIError(503, "The server is shutting down.", code="server_shutdown") from exc
     except QueueFull as exc:

@@ -65,7 +65,9 @@ def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> 
             "repeat_last_n": 64, "n_predict": p.max_tokens, "max_tokens": p.max_tokens,
             "stop": list(p.stop), "n_probs": p.logprobs or 0, "stream": False,
             "grammar": p.grammar or "", "ignore_eos": False, "n_keep": 0,
-            "logit_bias": [[t, b] for t, b in p.logit_bias.items()],
+            # llama-server's form; a ban (-100 here) is its -inf, null in JSON
+            "logit_bias": [{"token": t, "bias": None if b <= -100 else b}
+                           for t, b in p.logit_bias.items()],
             "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
             "adaptive_target": 0.0, "adaptive_decay": 0.0}
 
@@ -210,10 +212,14 @@ async def apply_template(request: Request) -> dict:
     messages = structured.history_messages(
         req.message_dicts(), structured.tool_format(template.source),
         template_tools=structured.template_knows_tools(template.source), tools=req.tool_dicts())
+    add = body.get("add_generation_prompt", True)
+    if not isinstance(add, bool):
+        raise APIError(400, "add_generation_prompt: must be true or false",
+                       code="invalid_value", param="add_generation_prompt")
     try:
         return {"prompt": engine.chat_prompt(messages, tools=req.tool_dicts()
                                              if structured.template_knows_tools(template.source)
-                                             else None)}
+                                             else None, add_generation_prompt=add)}
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

@@ -38,7 +38,8 @@ def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = 
     asked = "" if n_predict is None else (
         f" However, you requested {n_prompt + n_predict} tokens ({n_prompt} in the {what}, "
         f"{n_predict} in the completion).")
-    err = APIError(400, f"This model's maximum context length is {n_ctx} tokens.{asked} "
+    err = APIError(400, f"The request exceeds the available context size: this model's "
+                        f"maximum context length is {n_ctx} tokens.{asked} "
                         f"The {what} has {n_prompt} tokens; please reduce its length or the "
                         "completion's.", code="context_length_exceeded",
                    param="messages" if what == "messages" else "prompt",

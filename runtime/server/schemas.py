@@ -46,6 +46,13 @@ class _SamplingFields(BaseModel):
     json_schema: dict[str, Any] | None = None
     cache_prompt: bool | None = None              # always on here
     id_slot: int | None = Field(None, ge=-1)      # slots are assigned in arrival order
+    n_predict: int | None = Field(None, ge=1)     # llama.cpp's name for max_tokens
+
+    @model_validator(mode="after")
+    def _n_predict(self):
+        if self.n_predict is not None and self.max_tokens is None:
+            self.max_tokens = self.n_predict
+        return self
 
     @field_validator("logit_bias")
     @classmethod
