@@ -23,7 +23,7 @@ VALUE_FLAGS = {
     "--batch-size": "-b", "-b": None, "--ubatch-size": "-ub", "-ub": None,
     "--threads": "-t", "-t": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
     "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
-    "--chat-template-file": None, "--top-k": None, "--top-p": None, "--min-p": None,
+    "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
     "--repeat-penalty": None, "--parallel": "-np", "-np": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
@@ -49,7 +49,6 @@ DROPPED = {
     "--spec-draft-n-min": (True, "no speculative decoding"),
     "--model-draft": (True, "no speculative decoding"),
     "--reasoning-format": (True, "no reasoning parser"), "--reasoning": (True, "no reasoning"),
-    "--chat-template": (True, "the model's (or --chat-template-file's) template is used"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
     "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
     "--cache-reuse-hybrid": (True, "no prompt cache"),

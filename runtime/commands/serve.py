@@ -79,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="accepted: chat templates are always rendered with jinja")
     group.add_argument("--no-jinja", dest="jinja", action="store_false",
                        help="refused: chat templates are always rendered with jinja")
+    group.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                       help="one of llama.cpp's built-in templates by name (chatml, llama3, "
+                            "mistral-v7 ...) or a jinja template, instead of the model's")
     group.add_argument("--chat-template-file", default=None, metavar="FILE",
                        help="a jinja chat template to use instead of the model's")
     parser.set_defaults(func=run)
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--parallel: {args.parallel} must be in 1..64")
     if not args.jinja:
         raise UserError("--no-jinja: chat templates are always rendered with jinja here")
-    template = None
+    template = args.chat_template
     if args.chat_template_file is not None:
         try:
             template = Path(args.chat_template_file).read_text(encoding="utf-8")

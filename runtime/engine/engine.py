@@ -169,10 +169,16 @@ class Engine:
                                          add_generation_prompt=add_generation_prompt)
 
     def use_chat_template(self, source: str) -> None:
-        """Render chats with ``source`` (jinja) instead of the model's own template."""
+        """Render chats with ``source`` instead of the model's own template: one of
+        llama.cpp's built-in template names (``chatml``, ``llama3`` ...), else jinja."""
+        from runtime.engine.chat import BuiltinChatTemplate, builtin_template_names  # noqa: PLC0415
+
         self.chat_template                     # noqa: B018 - builds the special tokens
-        self._template = ChatTemplate(source, bos_token=self._template.bos_token,
-                                      eos_token=self._template.eos_token)
+        tokens = dict(bos_token=self._template.bos_token, eos_token=self._template.eos_token)
+        if source.strip() in builtin_template_names():
+            self._template = BuiltinChatTemplate(source.strip(), **tokens)
+        else:
+            self._template = ChatTemplate(source, **tokens)
 
     @property
     def chat_template(self) -> ChatTemplate:

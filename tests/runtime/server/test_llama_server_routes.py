@@ -90,10 +90,14 @@ def test_unsupported_native_field_is_a_400_naming_it(http):
     assert error["code"] == 400 and "mirostat" in error["message"]
 
 
-def test_no_slots_flag_answers_501(start_server, tiny_model):
-    server = start_server(tiny_model, "--no-slots")
+def test_no_slots_flag_and_a_builtin_chat_template(start_server, tiny_model):
+    server = start_server(tiny_model, "--no-slots", "--chat-template", "llama3")
     r = httpx.get(f"{server.base_url}/slots", timeout=30)
     assert r.status_code == 501 and "error" in r.json()
+    prompt = httpx.post(f"{server.base_url}/apply-template", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}]}).json()["prompt"]
+    assert prompt.endswith("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+                           "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_infill_on_a_model_with_fim_tokens(start_server, tiny_model, tmp_path):
