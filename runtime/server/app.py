@@ -151,8 +151,10 @@ async def metrics(request: Request) -> Response:
     decodes = batcher.steps if batcher is not None else getattr(engine, "decode_calls", 0)
     busy = batcher.busy_per_step() if batcher is not None else float(bool(decodes))
     text += state.llamacpp.render(queue, decodes, busy)
-    return Response(text, media_type=CONTENT_TYPE,
-                    headers={"Process-Start-Time-Unix": str(state.started)})
+    response = Response(text, media_type=CONTENT_TYPE)
+    # raw, in llama-server's casing (Starlette lowercases header names it is given)
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(state.started).encode()))
+    return response
 
 
 def begin_shutdown(app: FastAPI) -> None:

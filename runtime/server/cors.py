@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from starlette.datastructures import Headers, MutableHeaders
+from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,13 +40,18 @@ class CorsMiddleware:
         headers = {"Access-Control-Allow-Origin": origin, "Access-Control-Allow-Credentials":
                    "true", "Access-Control-Allow-Methods": ALLOW_METHODS,
                    "Access-Control-Allow-Headers": "*"} if allow else {}
+        # raw, in llama-server's casing: Starlette would lowercase them, and some clients
+        # (llama.cpp's own tests among them) read the names case-sensitively
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         if scope["method"] == "OPTIONS":
-            await Response(status_code=200, headers=headers)(scope, receive, send)
+            response = Response(status_code=200)
+            response.raw_headers.extend(raw)
+            await response(scope, receive, send)
             return
 
         async def send_with_cors(message: Message) -> None:
-            if message["type"] == "http.response.start" and allow:
-                MutableHeaders(scope=message).update(headers)
+            if message["type"] == "http.response.start" and raw:
+                message["headers"] = [*message.get("headers", []), *raw]
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
