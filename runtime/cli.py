@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from runtime.errors import UserError
@@ -52,21 +53,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
+    """Run one command; Ctrl-C at any point (imports included) is ``moe-offload: interrupted``
+    and exit status 130, never a traceback."""
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return 2
         return int(args.func(args) or 0)
     except UserError as err:
         sys.stderr.write(f"moe-offload: error: {err}\n")
         return err.exit_code
     except KeyboardInterrupt:
-        sys.stderr.write("moe-offload: interrupted\n")
-        return 130
+        return _interrupted()
     except BrokenPipeError:
         return 0
+
+
+def _interrupted() -> int:
+    # a second Ctrl-C while the interpreter shuts down must not print a traceback either
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stderr.write("moe-offload: interrupted\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    return 130
 
 
 if __name__ == "__main__":

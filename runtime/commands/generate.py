@@ -19,10 +19,10 @@ from pathlib import Path
 
 from runtime.errors import UserError
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from runtime.engine.cli_args import HelpFormatter as _FMT  # noqa: PLC0415
     from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
     from runtime.engine.stats_file import add_stats_json_arg  # noqa: PLC0415
 
@@ -40,8 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     chat = subparsers.add_parser(
         "chat", help="chat with a model in the terminal", formatter_class=_FMT,
-        description="Multi-turn chat using the model's chat template. Type /exit to quit, "
-                    "/reset to forget the conversation; Ctrl-C stops the current reply.")
+        description="Multi-turn chat using the model's chat template, with line editing and "
+                    "history. /help lists the commands (/exit quits, /reset forgets the "
+                    "conversation); Ctrl-C stops the current reply.")
     chat.add_argument("--system", default=None, metavar="TEXT", help="system message")
     add_engine_args(chat)
     add_sampling_args(chat, predict_default=512)
@@ -87,12 +88,14 @@ def run_complete(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     check_stats_json_path(args.stats_json)
     with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
-        last = None
+        last, tail = None, ""
         for chunk in engine.generate(prompt, params):
             _write(chunk.text)
+            tail = chunk.text[-1:] or tail
             last = chunk
         write_stats_json(args.stats_json, engine)
-    _write("\n") if sys.stdout.isatty() else None
+    if tail != "\n":       # a file or pipe gets whole lines; a terminal a clean prompt
+        _write("\n")
     if last is not None and last.timings is not None:
         sys.stderr.write(last.timings.summary() + "\n")
     return 0
@@ -111,16 +114,50 @@ def _sigint_sets(event: threading.Event):
         signal.signal(signal.SIGINT, previous)
 
 
+CHAT_HELP = """commands:
+  /help    this list
+  /reset   forget the conversation (the system message stays)
+  /exit    quit (also Ctrl-D, or Ctrl-C at the prompt)
+Ctrl-C while a reply is written stops that reply. Up/down arrows recall earlier lines."""
+
+
+def _line_editing() -> None:
+    """Line editing and history at the ``>`` prompt (readline, when Python has it)."""
+    try:
+        import readline  # noqa: F401, PLC0415 - importing it makes input() use it
+    except ImportError:
+        pass
+
+
 def _read_turn(interactive: bool) -> str | None:
     """The next user line; None at end of input (Ctrl-D, Ctrl-C, end of the pipe)."""
     try:
         if interactive:
-            sys.stderr.write("\n> ")
+            if sys.stdout.isatty():     # readline draws the prompt (editing, history)
+                return input("\n> ")
+            sys.stderr.write("\n> ")   # stdout is a file: it carries replies only
             sys.stderr.flush()
+            return input()
         line = sys.stdin.readline()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, EOFError):
         return None
     return None if line == "" else line.rstrip("\n")
+
+
+def _chat_command(line: str) -> str | None:
+    """What a ``/command`` line means: "exit", "reset", "help", or None for a message.
+    An unknown command is answered here, never sent to the model."""
+    word = line.strip()
+    if not word.startswith("/") or word.startswith("//"):
+        return None
+    name = word.split()[0]
+    if name in ("/exit", "/quit", "/bye"):
+        return "exit"
+    if name in ("/reset", "/clear"):
+        return "reset"
+    if name in ("/help", "/?"):
+        return "help"
+    return "unknown"
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -135,16 +172,28 @@ def run_chat(args: argparse.Namespace) -> int:
     totals: list[Timings] = []
     with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
         if interactive:
-            sys.stderr.write(f"{engine.model_name}: chat ready. /exit quits, /reset forgets, "
-                             "Ctrl-C stops a reply.\n")
+            sys.stderr.write(f"{engine.model_name}: chat ready. /help lists the commands; "
+                             "/exit quits, Ctrl-C stops a reply.\n")
         messages = list(system)
+        if interactive:
+            _line_editing()
         while True:
             line = _read_turn(interactive)
-            if line is None or line.strip() == "/exit":
+            command = None if line is None else _chat_command(line)
+            if line is None or command == "exit":
                 break
-            if line.strip() == "/reset":
+            if command == "reset":
                 messages = list(system)
+                sys.stderr.write("(conversation forgotten)\n")
                 continue
+            if command in ("help", "unknown"):
+                if command == "unknown":
+                    sys.stderr.write(f"unknown command {line.strip().split()[0]}; "
+                                     "start a message with // to send a leading /\n")
+                sys.stderr.write(CHAT_HELP + "\n")
+                continue
+            if line.startswith("//"):
+                line = line[1:]
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})

@@ -25,32 +25,65 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" only where there is a value to show (not None, not False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
+        if action.default is None or action.default is False or action.nargs == 0:
+            return action.help          # switches: their help says what they do
         return super()._get_help_string(action)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.engine.cli_args import add_engine_args
+    from runtime.engine.cli_args import add_engine_args, add_sampling_args
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve one model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
-                    "/v1/completions, /v1/models, /v1/residency, /metrics, /health.",
+        description="Serve one model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, with structured output, tools and logprobs) "
+                    "and llama-server's own routes (/completion, /tokenize, /detokenize, "
+                    "/apply-template, /props, /slots, /infill), plus /v1/residency, /metrics, "
+                    "/health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
+    add_sampling_args(parser, predict_default=-1)
+    parser.set_defaults(temp=0.8)
+    for action in parser._actions:  # noqa: SLF001 - say what the sampling flags mean here
+        if action.dest in ("predict", "temp", "top_p", "top_k", "min_p", "repeat_penalty",
+                           "stop") and action.help:
+            action.help += "; the default of requests that do not set it"
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (0.0.0.0 exposes the server to the network)")
     group.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
     group.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on every route but /health "
-                            "(default: the MOE_OFFLOAD_API_KEY environment variable, if set)")
+                       help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every "
+                            "route but /health and /models, as llama-server (default: the "
+                            "MOE_OFFLOAD_API_KEY environment variable, if set)")
     group.add_argument("--alias", default=None, metavar="NAME",
-                       help="model name shown by /v1/models and in answers (default: the "
+                       help="model name shown by /v1/models and in answers; a,b,c gives "
+                            "several, the first in sorted order is the id (default: the "
                             "model file's name without .gguf)")
     group.add_argument("--queue-size", type=int, default=16, metavar="N",
                        help="requests that may wait behind the running one; more get 429")
+    group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
+                       help="requests generated at once, in one batch per step (continuous "
+                            "batching; each gets ctx-size / N tokens, as llama-server)")
+    group.add_argument("--slots", dest="slots", action="store_true", default=True,
+                       help="serve GET /slots (llama-server's flag; on by default)")
+    group.add_argument("--no-slots", dest="slots", action="store_false",
+                       help="answer GET /slots with 501")
+    group.add_argument("--cors-origin", "--cors-origins", dest="cors_origin", default="*",
+                       metavar="ORIGINS",
+                       help="comma-separated browser origins allowed by CORS ('*' = any; "
+                            "'' = no CORS headers)")
+    group.add_argument("--metrics", action="store_true",
+                       help="accepted for llama-server compatibility: /metrics is always on")
+    group.add_argument("--jinja", dest="jinja", action="store_true", default=True,
+                       help="accepted: chat templates are always rendered with jinja")
+    group.add_argument("--no-jinja", dest="jinja", action="store_false",
+                       help="refused: chat templates are always rendered with jinja")
+    group.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
+                       help="one of llama.cpp's built-in templates by name (chatml, llama3, "
+                            "mistral-v7 ...) or a jinja template, instead of the model's")
+    group.add_argument("--chat-template-file", default=None, metavar="FILE",
+                       help="a jinja chat template to use instead of the model's")
     parser.set_defaults(func=run)
 
 
@@ -88,21 +121,33 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gguf_tools.facts import read_model_facts
-    from runtime.engine.cli_args import settings_from_args
-    from runtime.engine.engine import Engine
+    from runtime.engine.cli_args import sampling_from_args, settings_from_args
+    from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
 
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
-    if not model_path.is_file():
-        raise UserError(f"{model_path}: no such model file")
+    check_model_path(str(model_path))
     read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
     if args.queue_size < 0:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
+    if not 1 <= args.parallel <= 64:
+        raise UserError(f"--parallel: {args.parallel} must be in 1..64")
+    if not args.jinja:
+        raise UserError("--no-jinja: chat templates are always rendered with jinja here")
+    template = args.chat_template
+    if args.chat_template_file is not None:
+        try:
+            template = Path(args.chat_template_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
+    defaults = sampling_from_args(args)
+    origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key: must not be empty")
-    model_id = args.alias or model_path.name.removesuffix(".gguf")
+    aliases = tuple(sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()}))
+    model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
 
     _setup_logging()
     sock = _listen(args.host, args.port)
@@ -119,10 +164,24 @@ def run(args: argparse.Namespace) -> int:
         load_errors.append(message)
         server.should_exit = True
 
+    settings.n_parallel = args.parallel
+
+    def load() -> Engine:
+        engine = Engine(settings, progress=True)
+        if template is not None:
+            engine.use_chat_template(template)
+        if args.parallel > 1:
+            from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
+
+            engine.batcher = BatchScheduler(engine)
+        return engine
+
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
-                                    max_waiting=args.queue_size),
-                     lambda: Engine(settings, progress=True),
-                     on_ready=on_ready, on_load_failure=on_failure)
+                                    max_waiting=args.queue_size, slots_endpoint=args.slots,
+                                    cors_origins=origins, defaults=defaults,
+                                    parallel=args.parallel, aliases=aliases,
+                                    verbose=args.verbose),
+                     load, on_ready=on_ready, on_load_failure=on_failure)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM

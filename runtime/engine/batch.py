@@ -41,3 +41,48 @@ class TokenBatch:
         if self.batch is not None:
             self._ll.llama_batch_free(self.batch)
             self.batch = None
+
+
+class MultiBatch:
+    """``llama_batch_init(capacity, 0, 1)`` holding rows of several sequences (continuous
+    batching): ``add(token, pos, seq, output)`` row by row, ``clear()`` between decodes."""
+
+    def __init__(self, capacity: int):
+        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+        self._ll = bindings()
+        self.capacity = int(capacity)
+        self.batch = self._ll.llama_batch_init(self.capacity, 0, 1)
+        b = self.batch
+        self._token = np.ctypeslib.as_array(b.token, shape=(self.capacity,))     # int32
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.capacity,))         # int32
+        self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.capacity,))  # int32
+        self._output = np.ctypeslib.as_array(b.logits, shape=(self.capacity,))   # int8
+        self._n_seq[:] = 1
+        self.n = 0
+        self.n_outputs = 0
+
+    def clear(self) -> None:
+        self.n = self.n_outputs = 0
+        self.batch.n_tokens = 0
+
+    @property
+    def room(self) -> int:
+        return self.capacity - self.n
+
+    def add(self, token: int, pos: int, seq: int, output: bool) -> int:
+        """Append one row; returns its output index (-1 when it requests no logits)."""
+        i = self.n
+        self._token[i], self._pos[i], self._output[i] = token, pos, int(output)
+        self.batch.seq_id[i][0] = seq
+        self.n += 1
+        self.batch.n_tokens = self.n
+        if not output:
+            return -1
+        self.n_outputs += 1
+        return i
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self._ll.llama_batch_free(self.batch)
+            self.batch = None

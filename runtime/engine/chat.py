@@ -50,17 +50,22 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise UserError(f"chat template: cannot parse ({exc})") from None
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt for ``messages`` (each ``{"role": ..., "content": ...}``)."""
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """The prompt for ``messages`` (each ``{"role": ..., "content": ...}``, plus
+        ``tool_calls`` / ``tool_call_id`` where present); ``tools`` reaches the template as
+        the variable ``tools`` (None: undefined, as Hugging Face renders without tools)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES \
                     or not isinstance(m.get("content"), str):
                 raise UserError(f"messages[{i}]: needs a role in {ROLES} and string content")
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                **extra, messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token, eos_token=self.eos_token,
-                raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f))
+                raise_exception=_raise, strftime_now=lambda f: datetime.now().strftime(f),
+                date_string=datetime.now().strftime("%d %b %Y"))   # as llama.cpp passes it
         except jinja2.TemplateError as exc:
             raise UserError(f"chat template: {exc}") from None
 
@@ -71,3 +76,55 @@ def model_template_source(model: int) -> str | None:
 
     raw = bindings().llama_model_chat_template(model, None)
     return raw.decode("utf-8") if raw else None
+
+
+class BuiltinChatTemplate:
+    """One of llama.cpp's built-in chat templates by name (``chatml``, ``llama3``,
+    ``command-r`` ...; llama_chat_apply_template), as llama-server's ``--chat-template NAME``.
+    Tools are not part of these templates."""
+
+    builtin = True
+
+    def __init__(self, name: str, *, bos_token: str, eos_token: str):
+        self.name, self.source = name, name
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.render([{"role": "user", "content": "x"}])     # UserError for an unknown name
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        import ctypes  # noqa: PLC0415
+
+        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+        ll = bindings()
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES \
+                    or not isinstance(m.get("content"), str):
+                raise UserError(f"messages[{i}]: needs a role in {ROLES} and string content")
+        chat = (ll.llama_chat_message * len(messages))(
+            *[ll.llama_chat_message(m["role"].encode(), m["content"].encode()) for m in messages])
+        size = 1024 + 2 * sum(len(m["content"].encode()) for m in messages)
+        buf = ctypes.create_string_buffer(size)
+        n = ll.llama_chat_apply_template(self.name.encode(), chat, len(messages),
+                                         add_generation_prompt, buf, size)
+        if n < 0:
+            raise UserError(f"chat template: {self.name!r} is not one of llama.cpp's built-in "
+                            "templates")
+        if n > size:
+            buf = ctypes.create_string_buffer(n + 1)
+            n = ll.llama_chat_apply_template(self.name.encode(), chat, len(messages),
+                                             add_generation_prompt, buf, n + 1)
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+
+def builtin_template_names() -> list[str]:
+    """The names llama.cpp knows (llama_chat_builtin_templates)."""
+    import ctypes  # noqa: PLC0415
+
+    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+    ll = bindings()
+    n = ll.llama_chat_builtin_templates(None, 0)
+    out = (ctypes.c_char_p * n)()
+    ll.llama_chat_builtin_templates(out, n)
+    return [name.decode() for name in out]

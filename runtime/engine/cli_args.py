@@ -46,6 +46,59 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
     if residency:
         add_config_arguments(parser)
+        show_residency_defaults(parser)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with "(default: X)" only where there is a value to show (not None/False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def residency_defaults() -> dict[str, str]:
+    """Dotted residency key -> its built-in default as ``--help`` shows it."""
+    from dataclasses import fields  # noqa: PLC0415
+
+    from runtime.residency.config import ResidencyConfig  # noqa: PLC0415
+    from runtime.residency.config_cli import config_keys  # noqa: PLC0415
+    from runtime.residency.policies.factory import param_defaults, policy_names  # noqa: PLC0415
+
+    base = ResidencyConfig()
+    out: dict[str, str] = {"policy.phase_specific": str(base.phase_specific).lower()}
+    for f in fields(base.cost):
+        out[f"cost.{f.name}"] = f"{getattr(base.cost, f.name):g}"
+    for phase in ("prefill", "decode"):
+        policies = getattr(base, phase)
+        for role in ("admission", "prefetch", "eviction"):
+            spec = getattr(policies, role)
+            out[f"policy.{phase}.{role}"] = spec.name
+            chosen = dict(getattr(spec, "params", ()) or ())
+            for name in policy_names(role):       # a parameter's default, by its policy
+                for param, value in param_defaults(role, name).items():
+                    value = chosen.get(param, value) if name == spec.name else value
+                    out.setdefault(f"policy.{phase}.{role}_params.{param}",
+                                   f"{value:g}, for {name}")
+    for key in config_keys():
+        if key.startswith("devices."):
+            out[key] = "not set"
+    return out
+
+
+def show_residency_defaults(parser: argparse.ArgumentParser) -> None:
+    """Put each residency flag's real default in its help (the flags default to None so that
+    only the given ones override the file)."""
+    from runtime.residency.config_cli import config_keys  # noqa: PLC0415
+
+    defaults = residency_defaults()
+    by_flag = {f"--{key}": key for key in config_keys()}
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public accessor
+        key = next((by_flag[o] for o in action.option_strings if o in by_flag), None)
+        if key is None or action.help in (None, argparse.SUPPRESS):
+            continue
+        action.help = f"{action.help} (default: {defaults.get(key, 'built-in')})"
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int = 128) -> None:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 
 from gguf_tools.facts import read_model_facts
-from runtime.engine import llama_lib
+from runtime.engine import interrupt, llama_lib
 from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
@@ -30,7 +30,7 @@ from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, Timings, Usage)
+                                  GenerationChunk, Timings, TokenLogprob, Usage)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -47,11 +47,11 @@ class Engine:
         self.settings = settings
         self._progress = progress
         self.model_ptr = self.ctx_ptr = 0
+        self.decode_calls = 0               # llama_decode calls so far (metrics)
         self._batch = None
         self._attached: list[object] = []
         path = settings.model_path
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: no such model file")
+        check_model_path(path)
         self.facts = read_model_facts(path)
         self.model_name = os.path.basename(path)
         self.config = wiring.residency_config(settings)
@@ -87,11 +87,16 @@ class Engine:
             self.hook = NativeHook(assembler, self.facts.n_layer)
         params = make_context_params(settings, self.hook)
         try:
-            self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
+            with interrupt.deferred():
+                self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
         except RuntimeError as exc:
             raise UserError(f"{settings.model_path}: cannot create a context ({exc})") from None
+        # Ctrl-C inside a decode stops the graph at the next node (see interrupt.py)
+        self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
-        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
+        self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
+        # tokens one sequence can hold (the whole context unless it is split into slots)
+        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // max(1, settings.n_parallel)
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
         self._batch = TokenBatch(self.n_batch)
@@ -140,18 +145,52 @@ class Engine:
             n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         return bytes(buf[:n])
 
+    def eog_tokens(self) -> list[int]:
+        """End-of-generation token ids (EOS, EOT) the model has."""
+        ids = {self._ll.llama_vocab_eos(self._vocab), self._ll.llama_vocab_eot(self._vocab)}
+        return sorted(t for t in ids if t >= 0)
+
+    def fim_tokens(self) -> tuple[int, int, int] | None:
+        """(prefix, suffix, middle) fill-in-the-middle token ids, or None without them."""
+        ids = (self._ll.llama_vocab_fim_pre(self._vocab), self._ll.llama_vocab_fim_suf(self._vocab),
+               self._ll.llama_vocab_fim_mid(self._vocab))
+        return ids if all(t >= 0 for t in ids) else None
+
+    def has_fim(self) -> bool:
+        return self.fim_tokens() is not None
+
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore")
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The prompt for ``messages`` by the model's chat template (ChatML if it has none)."""
+    def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt for ``messages`` by the model's chat template (ChatML if it has none);
+        ``tools`` (OpenAI's tool list) is passed to the template as ``tools``."""
+        return self.chat_template.render(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt)
+
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` instead of the model's own template: one of
+        llama.cpp's built-in template names (``chatml``, ``llama3`` ...), else jinja."""
+        from runtime.engine.chat import BuiltinChatTemplate, builtin_template_names  # noqa: PLC0415
+
+        self.chat_template                     # noqa: B018 - builds the special tokens
+        tokens = dict(bos_token=self._template.bos_token, eos_token=self._template.eos_token)
+        if source.strip() in builtin_template_names():
+            self._template = BuiltinChatTemplate(source.strip(), **tokens)
+        else:
+            self._template = ChatTemplate(source, **tokens)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The model's compiled chat template (``.source``; ``.builtin`` when ChatML)."""
         if self._template is None:
             text = lambda tok: self.token_bytes(tok, special=True).decode("utf-8", "ignore")  # noqa: E731
             bos, eos = (self._ll.llama_vocab_bos(self._vocab), self._ll.llama_vocab_eos(self._vocab))
             self._template = ChatTemplate(model_template_source(self.model_ptr),
                                           bos_token=text(bos) if bos >= 0 else "",
                                           eos_token=text(eos) if eos >= 0 else "")
-        return self._template.render(messages)
+        return self._template
 
     def generate(self, prompt: str | list[int], params: SamplingParams, *,
                  cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
@@ -216,20 +255,23 @@ class Engine:
             t1 = time.perf_counter()
             room = self.n_ctx - len(tokens)
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
-            sampler = Sampler(params, self.n_vocab)
+            sampler = Sampler(params, self.n_vocab, self._vocab)
             stream = TextStream(params.stop)
             generated, finish = 0, "length"
             while generated < max_new:
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
+                logits = self._last_logits() if params.logprobs is not None else None
                 token = sampler.sample(self.ctx_ptr, -1)
                 if self._ll.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
                 generated += 1
-                text = stream.feed(self.token_bytes(token))
-                yield GenerationChunk(text=text, token=token)
+                piece = self.token_bytes(token)
+                text = stream.feed(piece)
+                yield GenerationChunk(text=text, token=token, logprob=None if logits is None
+                                      else self._logprob(logits, token, piece, params.logprobs))
                 if stream.stopped:
                     finish = "stop"
                     break
@@ -248,6 +290,25 @@ class Engine:
             if sampler is not None:
                 sampler.close()
             self._busy.release()
+
+    def _last_logits(self, index: int = -1):
+        """(n_vocab,) float32 copy of output row ``index``'s raw logits (-1: the last)."""
+        import numpy as np  # noqa: PLC0415
+
+        ptr = self._ll.llama_get_logits_ith(self.ctx_ptr, index)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def _logprob(self, logits, token: int, piece: bytes, k: int) -> TokenLogprob:
+        import numpy as np  # noqa: PLC0415
+
+        shifted = logits.astype(np.float64) - float(logits.max())
+        logp = shifted - np.log(np.exp(shifted).sum())          # (n_vocab,) log-softmax
+        top: tuple = ()
+        if k > 0:
+            best = np.argpartition(-logp, k - 1)[:k]
+            best = best[np.argsort(-logp[best], kind="stable")]
+            top = tuple((int(t), self.token_bytes(int(t)), float(logp[t])) for t in best)
+        return TokenLogprob(token, piece, float(logp[token]), top)
 
     def _prefill(self, tokens: list[int], cancel: threading.Event | None) -> int | None:
         """Bring the KV cache to ``tokens`` (reusing the longest common prefix); returns the
@@ -284,15 +345,21 @@ class Engine:
         n_outputs = self._batch.fill(tokens, first_pos, all_outputs=all_outputs)
         if self.hook is not None:
             self.hook.begin_batch(phase, first_pos, len(tokens), n_outputs)
-        rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
         try:
-            if rc != 0:
+            # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
+            with interrupt.deferred():
+                self.decode_calls += 1
+                rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
+                if rc != 0:
+                    if self.hook is not None:
+                        self.hook.abort_batch()
+                    raise RuntimeError(f"llama_decode failed (status {rc}) at position "
+                                       f"{first_pos}")
                 if self.hook is not None:
-                    self.hook.abort_batch()
-                raise RuntimeError(f"llama_decode failed (status {rc}) at position {first_pos}")
-            if self.hook is not None:
-                self.hook.end_batch()
+                    self.hook.end_batch()
         except BaseException:
+            if self.hook is not None and self.hook.in_batch:
+                self.hook.abort_batch()
             self._forget_from(first_pos)
             raise
         self._kv.extend(tokens)
@@ -315,6 +382,14 @@ class Engine:
         if before is None or after is None:
             return None, None
         return after[0] - before[0], after[1] - before[1]
+
+
+def check_model_path(path: str) -> None:
+    """UserError unless ``path`` is an existing file (a directory is named as such)."""
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a directory; -m wants a GGUF model file")
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such model file")
 
 
 def ctypes_buffer(size: int):

@@ -122,6 +122,11 @@ def bindings() -> ModuleType:
     """The ``llama_cpp.llama_cpp`` ctypes module (imported once; backend initialised)."""
     global _bindings
     if _bindings is None:
+        # llama.cpp's CPU backend runs on OpenMP, whose threads spin at every barrier between
+        # graph ops: on a busy machine a spinning thread takes the core from the one doing
+        # the work (prefill 9x slower on a 2-core box with one busy core, measured). Passive
+        # waiting was faster here without the busy core too. libgomp reads it when it loads.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import llama_cpp.llama_cpp as ll  # noqa: PLC0415 - must follow select_library_dir
         ll.llama_backend_init()
         _bindings = ll
@@ -288,7 +293,8 @@ def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None 
                 progress(float(fraction))
             except Exception:  # a progress bar must never abort a load
                 pass
-            return True
+            from runtime.engine.interrupt import requested  # noqa: PLC0415
+            return not requested()     # Ctrl-C came (interrupt.deferred): cancel the load
         callback = ll.llama_progress_callback(on_progress)
         params.progress_callback = callback
     if not use_mmap:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from runtime.engine import llama_lib
+from runtime.engine import interrupt, llama_lib
 from runtime.engine.types import FLASH_ATTN, EngineSettings
 from runtime.errors import UserError
 
@@ -23,8 +23,11 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
         bar.update(max(0, int(fraction * 100) - bar.n))
 
     try:
-        return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
-                                    overrides=overrides, progress=on_progress, repack=repack)
+        # Ctrl-C while loading: the progress callback cancels the load, then it is raised
+        with interrupt.deferred():
+            return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
+                                        overrides=overrides, progress=on_progress,
+                                        repack=repack)
     except RuntimeError as exc:
         raise UserError(f"{settings.model_path}: llama.cpp cannot load it ({exc})") from None
     finally:
@@ -51,6 +54,9 @@ def make_context_params(settings: EngineSettings, hook) -> object:
     params.n_ubatch = min(n_batch, settings.n_ubatch)
     params.n_threads, params.n_threads_batch = thread_counts(settings)
     params.flash_attn_type = FLASH_ATTN[settings.flash_attn]
+    if settings.n_parallel > 1:         # one KV stream per sequence: a slot sees only itself
+        params.n_seq_max = settings.n_parallel
+        params.kv_unified = False
     if hook is not None:
         params.cb_eval = hook.callback
         params.cb_eval_user_data = hook.user_data

@@ -86,6 +86,7 @@ class NativeHook(RoutingHook):
         self._cores: list = []
         self._caches: list = []
         self._native_batch = False
+        self._in_native_batch = False
         self._phase = Phase.PREFILL
         self._n_tokens = 0
 
@@ -137,6 +138,7 @@ class NativeHook(RoutingHook):
         if self._native_batch:
             observers[:] = [o for o in observers if all(o is not x for x in own)]
             self.lib.rh_set_mode(self.handle, RH_NATIVE)
+            self._in_native_batch = True
             self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
                                     self.assembler.turn, int(self.assembler.strict))
         else:
@@ -145,9 +147,14 @@ class NativeHook(RoutingHook):
             self.lib.rh_set_mode(self.handle, RH_FORWARD)
             super().begin_batch(phase, first_step, n_tokens, n_outputs)
 
+    @property
+    def in_batch(self) -> bool:
+        return self._in_native_batch or self.assembler.in_batch
+
     def abort_batch(self) -> None:
-        if self._native_batch:
+        if self._in_native_batch:
             self.lib.rh_abort_batch(self.handle)
+            self._in_native_batch = False
         super().abort_batch()
 
     def end_batch(self) -> None:
@@ -155,6 +162,7 @@ class NativeHook(RoutingHook):
             super().end_batch()
             return
         lib, ffi, h = self.lib, self.ffi, self.handle
+        self._in_native_batch = False
         if lib.rh_end_batch(h) != 0:
             message = ffi.string(lib.rh_error(h)).decode()
             self.assembler.abort_batch()

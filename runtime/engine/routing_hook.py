@@ -237,6 +237,11 @@ class RoutingHook:
         """The decode failed: observers still end the batch (leases get released)."""
         self.assembler.abort_batch()
 
+    @property
+    def in_batch(self) -> bool:
+        """Between begin_batch and the end (or abort) of a decode call."""
+        return self.assembler.in_batch
+
     def end_batch(self) -> None:
         """After ``llama_decode``: raise what went wrong inside the graph, else finish."""
         error, self.error = self.error, None

@@ -14,6 +14,7 @@ from runtime.errors import UserError
 
 PENALTY_LAST_N = 64          # tokens the repeat penalty looks back over (llama-cpp-python's)
 DEFAULT_SEED = 0xFFFFFFFF    # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
+MAX_TOP_LOGPROBS = 20        # OpenAI's limit on top_logprobs
 
 
 @dataclass
@@ -28,12 +29,21 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     seed: int = -1
     stop: list[str] = field(default_factory=list)
+    frequency_penalty: float = 0.0     # OpenAI's, over the penalty window (0 = off)
+    presence_penalty: float = 0.0
+    grammar: str | None = None         # GBNF (root rule "root"): llama.cpp's grammar sampler
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to logit
+    logprobs: int | None = None        # None: off; k >= 0: each token's logprob + top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
         problems = []
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"logprobs={self.logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.grammar is not None and not self.grammar.strip():
+            problems.append("grammar must not be empty")
         if not self.temperature >= 0:
             problems.append(f"temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -44,6 +54,9 @@ class SamplingParams:
             problems.append(f"min_p={self.min_p} must be in [0, 1]")
         if not self.repeat_penalty > 0:
             problems.append(f"repeat_penalty={self.repeat_penalty} must be > 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                problems.append(f"{name}={getattr(self, name)} must be in [-2, 2]")
         if problems:
             raise UserError("sampling: " + "; ".join(problems))
 
@@ -59,14 +72,32 @@ class SamplingParams:
 class Sampler:
     """A ``llama_sampler`` chain built from ``SamplingParams``; ``close()`` frees it."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int):
+    def __init__(self, params: SamplingParams, n_vocab: int, vocab: int | None = None):
+        """``vocab``: the model's ``llama_vocab *`` (needed by a grammar)."""
         from runtime.engine.llama_lib import bindings  # noqa: PLC0415
 
         ll = self._ll = bindings()
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        self._chain = chain
         add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
         add(ll.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty,
-                                            0.0, 0.0))
+                                            params.frequency_penalty, params.presence_penalty))
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < n_vocab]
+            if bad:
+                self.close()
+                raise UserError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                f"(0..{n_vocab - 1})")
+            items = (ll.llama_logit_bias * len(params.logit_bias))(
+                *[ll.llama_logit_bias(int(t), float(b)) for t, b in params.logit_bias.items()])
+            add(ll.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), items))
+        if params.grammar is not None:
+            grammar = ll.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"),
+                                                    b"root")
+            if not grammar:
+                self.close()
+                raise UserError("grammar: llama.cpp cannot parse it (GBNF with a 'root' rule)")
+            add(grammar)
         if params.greedy:
             add(ll.llama_sampler_init_greedy())
         else:
@@ -75,7 +106,6 @@ class Sampler:
             add(ll.llama_sampler_init_min_p(params.min_p, 1))
             add(ll.llama_sampler_init_temp(params.temperature))
             add(ll.llama_sampler_init_dist(params.chain_seed))
-        self._chain = chain
 
     def sample(self, ctx: int, idx: int = -1) -> int:
         """Pick a token from the logits of output ``idx`` (-1: the last) and accept it."""
@@ -134,3 +164,14 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+def check_grammar(vocab: int, grammar: str) -> None:
+    """UserError unless llama.cpp's grammar sampler accepts ``grammar`` (built and freed)."""
+    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+
+    ll = bindings()
+    sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+    if not sampler:
+        raise UserError("grammar: llama.cpp cannot parse it (GBNF with a 'root' rule)")
+    ll.llama_sampler_free(sampler)

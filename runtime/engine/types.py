@@ -32,6 +32,8 @@ class EngineSettings:
     lib_dir: str | None = None         # directory of a (patched) libllama.so; None = the wheel's
     config: Any = None                 # a built ResidencyConfig; wins over config_path
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
+    n_parallel: int = 1                # KV sequences (slots) for runtime.engine.batched;
+    #                                    each gets n_ctx / n_parallel tokens, as llama-server
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
     #                                    None: off when a native device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),
@@ -48,6 +50,8 @@ class EngineSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 problems.append(f"{name.replace('n_', '', 1)}={value} must be >= 1")
+        if not 1 <= self.n_parallel <= 64:
+            problems.append(f"parallel={self.n_parallel} must be in 1..64")
         if self.flash_attn not in FLASH_ATTN:
             problems.append(f"flash-attn {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}")
         if problems:
@@ -99,6 +103,17 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its raw logits,
+    before any sampler), and the ``k`` most likely tokens at that step, most likely first."""
+
+    token: int
+    piece: bytes                            # the token's bytes (control tokens: b"")
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()   # (token, piece, logprob)
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """One generated token's text (may be "" while UTF-8 or a possible stop string is held
     back). The last chunk has ``token=None``, ``finish_reason``, ``usage`` and ``timings``.
@@ -110,6 +125,7 @@ class GenerationChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    logprob: TokenLogprob | None = None     # with SamplingParams.logprobs (token chunks)
 
 
 class ContextLengthError(UserError):

@@ -250,9 +250,12 @@ def attach(engine) -> DeviceCaches | None:
         return None
     lib_dir = _loaded_lib_dir()
     if lib_dir is None or not (lib_dir / "libmoe_cache.so").is_file():
+        backends = sorted({d.split(":")[0].replace("cpu-slots", "cpu") for d in devices})
+        build = " && ".join(f"moe-offload native build --backend {b}" for b in backends)
         notice(f"{', '.join(devices)}: the device expert cache needs the patched llama.cpp "
-               "(`moe-offload native build`, then EngineSettings.lib_dir / LLAMA_CPP_LIB_PATH); "
-               "running on the stock libraries, where these devices are bookkeeping only")
+               f"built for {'/'.join(b.upper() for b in backends)}, which is missing; "
+               f"`{build}` makes it (it then loads by itself); running on the stock CPU "
+               "libraries, where these devices are bookkeeping only")
         return None
     reason = check_same_libllama(lib_dir)
     if reason:

@@ -34,6 +34,7 @@ class Refiller:
         self._last_check = 0.0
         self.runs = 0
         self.refilled_bytes = 0
+        self.in_flight_bytes = 0   # refill reads queued and not yet settled (see _settle)
 
     @property
     def active(self) -> bool:
@@ -66,8 +67,7 @@ class Refiller:
         """WILLNEED each expert in order with ``WINDOW_BYTES`` in flight at most, so a layer's
         demand reads never queue behind more than that."""
         tier = self.tier
-        window: list[list[tuple[int, int]]] = []
-        in_flight = 0
+        window: list[tuple[object, list[tuple[int, int]], int]] = []   # (key, spans, bytes)
         try:
             # dense weights first: a fault on a dropped dense page reads around it (up to
             # read_ahead_kb) into neighbouring experts nobody asked for
@@ -78,24 +78,38 @@ class Refiller:
                 spans = tier.missing_spans(key)
                 if not spans:
                     continue
+                with self._guard:             # counted before the reads are queued
+                    self.in_flight_bytes += sum(m for _, m in spans)
                 n = tier.pager.advise(spans)
-                window.append(spans)
-                in_flight += n
+                window.append((key, spans, sum(m for _, m in spans)))
                 with self._guard:
                     self.refilled_bytes += n
-                while in_flight > WINDOW_BYTES and window:
-                    done = window.pop(0)
-                    tier.pager.wait_for(done)
-                    in_flight -= sum(m for _, m in done)
-            for spans in window:
-                tier.pager.wait_for(spans)
+                while self.in_flight_bytes > WINDOW_BYTES and window:
+                    self._settle(window.pop(0))
+            while window:
+                self._settle(window.pop(0))
             tier.scrub()                       # drop what faults pulled in meanwhile
             tier.fill_spare()                  # room for everything: bring the rest too
         except OSError:
             pass                               # demand reads bring what is needed
         finally:
+            for item in window:
+                self._settle(item, wait=False)
             with self._guard:
                 self._pending = 0
+
+    def _settle(self, item, *, wait: bool = True) -> None:
+        """A key's refill reads are done: if the manager evicted it meanwhile (its drop ran
+        while the reads were in flight), drop what they brought back, now."""
+        key, spans, nbytes = item
+        try:
+            if wait:
+                self.tier.pager.wait_for(spans)
+            if not self.tier.is_held(key):
+                self.tier.drop_pages(key)
+        finally:
+            with self._guard:
+                self.in_flight_bytes -= nbytes
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -129,6 +129,19 @@ class RamTier:
             return
         self.pager.drop(self.layout.droppable(key, keep.__contains__))
 
+    def inflight_bytes(self) -> int:
+        """Bytes of transfers in flight (read, or being read, while their victims stay).
+
+        A bound on what the tier holds: the manager decides inline (a transfer's victims
+        leave before its read starts, and the expert read is already inside the budget), so
+        expert bytes resident in the page cache stay <= budget + the running layer's experts
+        + ``inflight_bytes()``, the last term being conservative. After a cold page cache the
+        refiller's reads count too: an expert evicted while its refill read ran is dropped
+        again as soon as that read is done (refill.py)."""
+        with self._guard:
+            transfers = sum(t.bytes for t, _ in self._inflight.values())
+        return transfers + (self.refiller.in_flight_bytes if self.refiller is not None else 0)
+
     # ---- queries for the refiller -------------------------------------------------------
     def held_keys(self) -> list[ExpertKey]:
         with self._guard:

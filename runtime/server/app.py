@@ -23,11 +23,28 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from runtime.engine.sampling import SamplingParams
 from runtime.server.completions import router as completions_router
+from runtime.server.cors import CorsMiddleware
+from runtime.server.native import router as native_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
+from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.queue import RequestQueue
+
+
+def _fingerprint() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        # llama-server's form is "b<build>-<commit>": clients test the leading "b"
+        return f"b{version('moe-offload')}-moe-offload"
+    except PackageNotFoundError:
+        return "b0-moe-offload"
+
+
+FINGERPRINT = _fingerprint()   # system_fingerprint: this server's build
 
 
 @dataclass(frozen=True)
@@ -37,6 +54,12 @@ class ServerSettings:
     model_id: str                      # the name /v1/models lists and answers carry
     api_key: str | None = None         # None: no authentication
     max_waiting: int = 16              # requests that may wait behind the running one (429 beyond)
+    slots_endpoint: bool = True        # GET /slots (llama-server's --slots / --no-slots)
+    cors_origins: tuple[str, ...] = ("*",)   # browsers' origins allowed (CORS)
+    defaults: Any = None               # SamplingParams: the server's own -n/--temp/... defaults
+    parallel: int = 1                  # requests generated at once (-np; continuous batching)
+    aliases: tuple[str, ...] = ()      # every name of the model (--alias a,b,c); model_id first
+    verbose: bool = False              # answers carry "__verbose" (the prompt), as llama-server -v
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -52,26 +75,31 @@ class ApiKeyGuard:
     (not even whether its JSON was valid). ``/health`` stays open for load balancers.
     """
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})   # as llama-server
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.OPEN_PATHS:
+        if scope["type"] != "http" or scope.get("path") in self.OPEN_PATHS \
+                or scope.get("method") == "OPTIONS":        # CORS preflights carry no key
             await self.app(scope, receive, send)
             return
-        error = self._check(Headers(scope=scope).get("authorization", ""))
+        headers = Headers(scope=scope)
+        error = self._check(headers.get("authorization", ""), headers.get("x-api-key"))
         if error is None:
             await self.app(scope, receive, send)
         else:
             await error.response()(scope, receive, send)
 
-    def _check(self, header: str) -> APIError | None:
+    def _check(self, header: str, x_api_key: str | None) -> APIError | None:
         scheme, _, token = header.partition(" ")
+        if x_api_key and not (scheme.lower() == "bearer" and token.strip()):
+            scheme, token = "bearer", x_api_key          # Anthropic-style clients' header
         if scheme.lower() != "bearer" or not token.strip():
-            return APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY'.",
+            return APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY' "
+                                 "(or 'X-Api-Key: KEY').",
                             code="missing_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), self._key):
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key",
@@ -83,12 +111,14 @@ info_router = APIRouter()
 
 
 @info_router.get("/v1/models")
+@info_router.get("/models")
 async def list_models(request: Request) -> dict:
     """The one model this process serves."""
     host: ModelHost = request.app.state.host
+    aliases = request.app.state.settings.aliases or (host.model_id,)
     return {"object": "list", "data": [{
         "id": host.model_id, "object": "model", "created": request.app.state.started,
-        "owned_by": "moe-offload"}]}
+        "owned_by": "moe-offload", "aliases": list(aliases), "tags": []}]}
 
 
 @info_router.get("/v1/residency")
@@ -117,7 +147,14 @@ async def metrics(request: Request) -> Response:
                                   if hasattr(tier, "to_prometheus"))
     queue = state.queue.stats() if state.queue is not None else None
     text = state.metrics.render(queue, engine is not None, residency_text)
-    return Response(text, media_type=CONTENT_TYPE)
+    batcher = getattr(engine, "batcher", None)
+    decodes = batcher.steps if batcher is not None else getattr(engine, "decode_calls", 0)
+    busy = batcher.busy_per_step() if batcher is not None else float(bool(decodes))
+    text += state.llamacpp.render(queue, decodes, busy)
+    response = Response(text, media_type=CONTENT_TYPE)
+    # raw, in llama-server's casing (Starlette lowercases header names it is given)
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(state.started).encode()))
+    return response
 
 
 def begin_shutdown(app: FastAPI) -> None:
@@ -136,7 +173,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.queue = RequestQueue(settings.max_waiting)
+        app.state.queue = RequestQueue(settings.max_waiting, workers=settings.parallel)
         app.state.host.start(on_ready=on_ready, on_failure=on_load_failure)
         try:
             yield
@@ -149,11 +186,16 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.state.settings = settings
     app.state.host = ModelHost(load_engine, settings.model_id)
     app.state.metrics = ServerMetrics()
+    app.state.llamacpp = LlamaCppCounters()
     app.state.queue = None
     app.state.started = int(time.time())
+    app.state.defaults = settings.defaults if settings.defaults is not None else \
+        SamplingParams()
+    app.state.fingerprint = FINGERPRINT
     install_error_handlers(app)
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health(request: Request) -> JSONResponse:
         """200 ``{"status": "ok"}`` when the model is loaded, 503 with an error body before."""
         host: ModelHost = request.app.state.host
@@ -168,7 +210,10 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
 
     app.include_router(info_router)
     app.include_router(completions_router)
+    app.include_router(native_router)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+    if settings.cors_origins:            # outside the key guard: preflights need no key
+        app.add_middleware(CorsMiddleware, origins=settings.cors_origins)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)   # outermost: counts 401s too
     return app

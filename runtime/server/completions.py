@@ -22,120 +22,52 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import ContextLengthError
 from runtime.errors import UserError
+from runtime.server import shapes, structured
 from runtime.server.errors import APIError
+from runtime.server.prepare import Prepared, context_error, prepare_chat, prepare_completion
 from runtime.server.queue import Job, QueueClosed, QueueFull
-from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("moe_offload.server")
 
 router = APIRouter()
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 CANCELLED = "cancelled"              # the engine's finish_reason when the cancel event stopped it
 
 
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A request ready for the engine."""
-
-    prompt: str | list[int]
-    prompt_tokens: int
-    params: SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a finished generation produced (a non-streamed answer)."""
-
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
-    fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list()}
-    for name in ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed"):
-        value = getattr(req, name)
-        if value is not None:
-            fields[name] = value
-    return SamplingParams(**fields)
-
-
-def _check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: int | None,
-                   param: str) -> int:
-    """Resolve max_tokens and refuse a request that cannot fit the context window (tokens)."""
-    n_ctx = int(engine.n_ctx)
-    if max_tokens is None:
-        max_tokens = default if default is not None else n_ctx - n_prompt
-    if n_prompt + max_tokens > n_ctx or max_tokens < 1:
-        what = "messages" if param == "messages" else "prompt"
-        raise APIError(
-            400,
-            f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-            f"{n_prompt + max(max_tokens, 1)} tokens ({n_prompt} in the {what}, "
-            f"{max(max_tokens, 1)} in the completion). Please reduce the length of the "
-            f"{what} or completion.",
-            code="context_length_exceeded", param=param)
-    return max_tokens
-
-
-def _prepare_chat(engine: Any, req: ChatCompletionRequest) -> Prepared:
-    try:
-        prompt = engine.chat_prompt(req.message_dicts())
-    except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's
-        raise APIError(400, f"messages: the chat template rejected them: {exc}",
-                       code="invalid_value", param="messages") from exc
-    n_prompt = len(engine.tokenize(prompt, add_special=True))
-    max_tokens = _check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages")
-    return Prepared(prompt, n_prompt, _sampling_params(req, max_tokens))
-
-
-def _prepare_completion(engine: Any, req: CompletionRequest) -> Prepared:
-    prompt = req.prompt_input()
-    if isinstance(prompt, list):
-        n_vocab = getattr(engine, "n_vocab", None)
-        if n_vocab is not None and any(not 0 <= t < n_vocab for t in prompt):
-            raise APIError(400, f"prompt: token ids must be in [0, {n_vocab})",
-                           code="invalid_value", param="prompt")
-        n_prompt = len(prompt)
-    else:
-        n_prompt = len(engine.tokenize(prompt, add_special=True))
-    max_tokens = _check_context(engine, n_prompt, req.max_tokens,
-                                DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-    return Prepared(prompt, n_prompt, _sampling_params(req, max_tokens))
-
-
-def _generation(engine: Any, prep: Prepared,
-                metrics: Any) -> Callable[[threading.Event], Iterator[Any]]:
-    """The job run on the worker thread: the engine's chunks, with metrics kept on the way."""
+def _generation(engine: Any, prep: Prepared, metrics: Any,
+                llamacpp: Any = None) -> Callable[[threading.Event], Iterator[Any]]:
+    """The job run on the worker thread: ``(choice index, chunk)`` for each of the ``n``
+    choices in turn (one KV sequence: each choice reuses the prompt's cached prefix), with
+    metrics kept on the way."""
     def work(cancel: threading.Event) -> Iterator[Any]:
         t0 = time.perf_counter()
         generated = 0
-        usage = None
-        finished = False
+        finished = 0
+        batcher = getattr(engine, "batcher", None)
+        if batcher is not None:          # -np > 1: the choices decode side by side
+            tokens = prep.prompt if isinstance(prep.prompt, list) else \
+                engine.tokenize(prep.prompt, add_special=True)
+            items = batcher.generate_many(
+                [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel)
+        else:
+            items = ((i, chunk) for i in range(prep.n) if not cancel.is_set()
+                     for chunk in engine.generate(prep.prompt, prep.choice_params(i),
+                                                  cancel=cancel))
         try:
-            for chunk in engine.generate(prep.prompt, prep.params, cancel=cancel):
+            for index, chunk in items:
                 if chunk.token is not None:
                     generated += 1
-                if chunk.usage is not None:
-                    usage = chunk.usage
                 if chunk.finish_reason not in (None, CANCELLED):
-                    finished = True
-                yield chunk
+                    finished += 1
+                if chunk.timings is not None and llamacpp is not None:
+                    llamacpp.observe(chunk.timings, prep.prompt_tokens)
+                yield index, chunk
         finally:
-            completion = usage.completion_tokens if usage is not None else generated
-            prompt_tokens = usage.prompt_tokens if usage is not None else prep.prompt_tokens
-            metrics.observe_generation(prompt_tokens, completion, time.perf_counter() - t0,
-                                       cancelled=cancel.is_set() and not finished)
+            metrics.observe_generation(prep.prompt_tokens, generated, time.perf_counter() - t0,
+                                       cancelled=cancel.is_set() and finished < prep.n)
     return work
 
 
@@ -143,8 +75,7 @@ def _engine_failure(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextLengthError):
-        return APIError(400, f"This model's maximum context length is {exc.n_ctx} tokens; the "
-                             f"prompt has {exc.prompt_tokens}.", code="context_length_exceeded")
+        return context_error(exc.prompt_tokens, exc.n_ctx, "prompt")
     if isinstance(exc, UserError):
         return APIError(400, str(exc), code="invalid_request")
     log.error("generation failed: %s: %s", type(exc).__name__, exc)
@@ -163,7 +94,8 @@ async def _submit(request: Request,
     except Exception as exc:  # noqa: BLE001 - tokenizer/template trouble is answered, not fatal
         raise _engine_failure(exc) from exc
     try:
-        job = state.queue.submit(_generation(engine, prep, state.metrics))
+        job = state.queue.submit(_generation(engine, prep, state.metrics,
+                                             getattr(state, "llamacpp", None)))
     except QueueClosed as exc:
         raise APIError(503, "The server is shutting down.", code="server_shutdown") from exc
     except QueueFull as exc:
@@ -173,12 +105,10 @@ async def _submit(request: Request,
     return prep, job
 
 
-async def _collect(request: Request, job: Job, prep: Prepared) -> Outcome:
-    """Gather a whole answer; stop the generation if the client disconnects meanwhile."""
-    pieces: list[str] = []
-    finish_reason = None
-    usage = None
-    generated = 0
+async def _collect(request: Request, job: Job, prep: Prepared) -> list[shapes.ChoiceResult]:
+    """Gather every choice of a whole answer; stop the generation if the client disconnects
+    meanwhile."""
+    results = [shapes.ChoiceResult(i) for i in range(prep.n)]
 
     async def watch_disconnect(scope: anyio.CancelScope) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -191,13 +121,18 @@ async def _collect(request: Request, job: Job, prep: Prepared) -> Outcome:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_disconnect, tg.cancel_scope)
             try:
-                async for chunk in job:
-                    pieces.append(chunk.text or "")
-                    generated += chunk.token is not None
+                async for index, chunk in job:
+                    result = results[index]
+                    result.pieces.append(chunk.text or "")
+                    result.completion_tokens += chunk.token is not None
+                    if chunk.token is not None:
+                        result.tokens.append(chunk.token)
+                    if chunk.timings is not None:
+                        result.timings = chunk.timings
+                    if chunk.logprob is not None:
+                        result.logprobs.append(chunk.logprob)
                     if chunk.finish_reason is not None:
-                        finish_reason = chunk.finish_reason
-                    if chunk.usage is not None:
-                        usage = chunk.usage
+                        result.finish_reason = chunk.finish_reason
             except Exception as exc:  # noqa: BLE001 - kept out of the task group's error group
                 error = exc
             tg.cancel_scope.cancel()
@@ -205,13 +140,11 @@ async def _collect(request: Request, job: Job, prep: Prepared) -> Outcome:
         job.cancel.set()          # no-op when finished; stops the engine when we bailed out
     if error is not None:
         raise _engine_failure(error) from error
-    if finish_reason in (None, CANCELLED):
+    if prep.n and any(r.finish_reason in (None, CANCELLED) for r in results):
         # cut short: the client left (nobody reads this) or the server is stopping
         raise APIError(503, "The server is shutting down; the answer was cut short.",
                        code="server_shutdown")
-    return Outcome("".join(pieces), finish_reason,
-                   usage.prompt_tokens if usage is not None else prep.prompt_tokens,
-                   usage.completion_tokens if usage is not None else generated)
+    return results
 
 
 def _sse(payload: dict) -> str:
@@ -221,41 +154,33 @@ def _sse(payload: dict) -> str:
 SHUTDOWN_GRACE_S = 2.0   # a stream's time to end cleanly on shutdown (< uvicorn's 3 s drain)
 
 
-async def _stream(job: Job, prep: Prepared, include_usage: bool,
-                  frame: Callable[[str | None, str | None], dict], opening: dict | None,
+async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
                   shutdown: anyio.Event) -> AsyncIterator[str]:
-    """SSE payloads: optional opening frame, one frame per text piece, the finish frame, an
-    optional usage frame, ``[DONE]``. An engine error, or a server shutdown that cuts the
-    answer short, becomes an OpenAI error frame instead of the end."""
-    usage = None
+    """SSE payloads: the framer's opening frames, its frames per chunk and per finished
+    choice, an optional usage frame, ``[DONE]``. An engine error, or a server shutdown that
+    cuts the answer short, becomes an OpenAI error frame instead of the end."""
     generated = 0
-    finished = False
+    finished = 0
     extra = {"usage": None} if include_usage else {}
     try:
-        if opening is not None:
-            yield _sse(opening | extra)
-        async for chunk in job:
+        for frame in framer.opening():
+            yield _sse(frame | extra)
+        async for index, chunk in job:
             if shutdown.is_set():
                 job.cancel.set()      # the worker stops this generation
             generated += chunk.token is not None
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if chunk.text:
-                yield _sse(frame(chunk.text, None) | extra)
+            for frame in framer.chunk(index, chunk):
+                yield _sse(frame | extra)
             if chunk.finish_reason not in (None, CANCELLED):
-                finished = True
-                yield _sse(frame(None, chunk.finish_reason) | extra)
-        if not finished:
+                finished += 1
+        if finished < prep.n:
             # cancelled while the client is still here: only a shutdown does that
             yield _sse(APIError(503, "The server is shutting down; the answer was cut short.",
                                 code="server_shutdown").body())
             return
         if include_usage:
-            last = frame(None, None)
-            last["choices"] = []
-            last["usage"] = _usage(usage.prompt_tokens if usage else prep.prompt_tokens,
-                                   usage.completion_tokens if usage else generated)
-            yield _sse(last)
+            yield _sse(framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
+                                                                           generated)})
         yield "[DONE]"
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, end the stream
         yield _sse(_engine_failure(exc).body())
@@ -264,10 +189,9 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool,
 
 
 def _event_source(job: Job, prep: Prepared, include_usage: bool,
-                  frame: Callable[[str | None, str | None], dict],
-                  opening: dict | None = None) -> EventSourceResponse:
+                  framer: Any) -> EventSourceResponse:
     shutdown = anyio.Event()     # set by sse-starlette when the server begins to stop
-    return EventSourceResponse(_stream(job, prep, include_usage, frame, opening, shutdown),
+    return EventSourceResponse(_stream(job, prep, include_usage, framer, shutdown),
                                shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
 
 
@@ -275,51 +199,164 @@ def _ids(prefix: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
 
+def fingerprint(request: Request) -> str:
+    return request.app.state.fingerprint
+
+
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    """OpenAI chat completion, streamed or not."""
-    prep, job = await _submit(request, lambda e: _prepare_chat(e, body))
-    model = request.app.state.host.model_id
+    """OpenAI chat completion, streamed or not (``n`` choices, logprobs, tools)."""
+    defaults = request.app.state.defaults
+    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults))
     cid, created = _ids("chatcmpl")
-    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None}
-
+    base = {"id": cid, "object": "chat.completion.chunk", "created": created,
+            "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
     if body.stream:
-        def frame(text: str | None, finish: str | None) -> dict:
-            delta = {} if text is None else {"content": text}
-            return base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                        "finish_reason": finish}]}
-        opening = base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]}
-        return _event_source(job, prep, body.include_usage_in_stream(), frame, opening)
+        return _event_source(job, prep, body.include_usage_in_stream(), ChatFramer(base, prep))
+    results = await _collect(request, job, prep)
+    choices = []
+    for r in results:
+        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        finish = r.finish_reason
+        if prep.tool_format is not None:
+            content, calls = structured.parse_tool_calls(r.text, prep.tool_format)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [c.to_openai() for c in calls]}
+                finish = "tool_calls"
+        logprobs = {"content": [shapes.chat_logprob(lp) for lp in r.logprobs],
+                    "refusal": None} if prep.params.logprobs is not None else None
+        choices.append({"index": r.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish})
+    answer = base | {"object": "chat.completion", "choices": choices,
+                     "usage": _usage_with_cache(prep, results)}
+    if request.app.state.settings.verbose:       # llama-server --verbose: the prompt too
+        answer["__verbose"] = {"prompt": prep.prompt}
+    return JSONResponse(answer)
 
-    out = await _collect(request, job, prep)
-    return JSONResponse(base | {
-        "object": "chat.completion",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                     "logprobs": None, "finish_reason": out.finish_reason}],
-        "usage": _usage(out.prompt_tokens, out.completion_tokens),
-    })
+
+def _usage_with_cache(prep: Prepared, results: list) -> dict:
+    """OpenAI usage, with the prompt tokens served from the KV cache (llama-server's)."""
+    usage = shapes.usage(prep.prompt_tokens, sum(r.completion_tokens for r in results))
+    timings = results[0].timings if results else None
+    if timings is not None:
+        usage["prompt_tokens_details"] = {
+            "cached_tokens": max(0, prep.prompt_tokens - timings.prompt_tokens)}
+    return usage
+
+
+@router.post("/chat/completions/input_tokens")
+@router.post("/v1/chat/completions/input_tokens")
+async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
+    """How many prompt tokens the request would take (llama-server's)."""
+    engine = request.app.state.host.engine()
+    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body)
+    return {"input_tokens": prep.prompt_tokens}
+
+
+class ChatFramer:
+    """Stream frames of a chat answer. With tools in play a choice's text is held until it
+    ends, then sent as ``tool_calls`` deltas (id and name, then the arguments) or as content."""
+
+    def __init__(self, base: dict, prep: Prepared):
+        self.base, self.prep = base, prep
+        self._held: dict[int, list[str]] = {}
+        self._held_lp: dict[int, list] = {}
+
+    def _frame(self, index: int, delta: dict, finish: str | None = None,
+               logprobs: list | None = None) -> dict:
+        lp = None if logprobs is None else {"content": logprobs, "refusal": None}
+        return self.base | {"choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                         "finish_reason": finish}]}
+
+    def opening(self) -> list[dict]:     # as llama-server: the role, content null
+        return [self._frame(i, {"role": "assistant", "content": None})
+                for i in range(self.prep.n)]
+
+    def chunk(self, index: int, chunk: Any) -> list[dict]:
+        want_lp = self.prep.params.logprobs is not None
+        entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
+        if self.prep.tool_format is not None:
+            self._held.setdefault(index, []).append(chunk.text or "")
+            self._held_lp.setdefault(index, []).extend(entry)
+            if chunk.finish_reason in (None, CANCELLED):
+                return []
+            return self._release(index, chunk.finish_reason)
+        frames = []
+        if chunk.text or entry:
+            frames.append(self._frame(index, {"content": chunk.text or ""},
+                                      logprobs=entry if want_lp else None))
+        if chunk.finish_reason not in (None, CANCELLED):
+            frames.append(self._frame(index, {}, chunk.finish_reason))
+        return frames
+
+    def _release(self, index: int, finish: str) -> list[dict]:
+        text = "".join(self._held.pop(index, []))
+        entries = self._held_lp.pop(index, [])
+        lp = entries if self.prep.params.logprobs is not None else None
+        content, calls = structured.parse_tool_calls(text, self.prep.tool_format)
+        if not calls:
+            frames = [self._frame(index, {"content": text}, logprobs=lp)] if text or lp else []
+            return frames + [self._frame(index, {}, finish)]
+        frames = []
+        if content:
+            frames.append(self._frame(index, {"content": content}, logprobs=lp))
+            lp = None
+        for i, call in enumerate(calls):
+            frames.append(self._frame(index, {"tool_calls": [{
+                "index": i, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": ""}}]}, logprobs=lp))
+            lp = None
+            frames.append(self._frame(index, {"tool_calls": [{
+                "index": i, "function": {"arguments": call.arguments}}]}))
+        return frames + [self._frame(index, {}, "tool_calls")]
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    """OpenAI text completion, streamed or not."""
-    prep, job = await _submit(request, lambda e: _prepare_completion(e, body))
-    model = request.app.state.host.model_id
+    """OpenAI text completion, streamed or not (``n`` choices, logprobs, echo)."""
+    defaults = request.app.state.defaults
+    prep, job = await _submit(request, lambda e: prepare_completion(e, body, defaults))
     cid, created = _ids("cmpl")
-    base = {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": None}
+    base = {"id": cid, "object": "text_completion", "created": created,
+            "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
+    want_lp = prep.params.logprobs is not None
 
     if body.stream:
-        def frame(text: str | None, finish: str | None) -> dict:
-            return base | {"choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                        "finish_reason": finish}]}
-        return _event_source(job, prep, body.include_usage_in_stream(), frame)
+        return _event_source(job, prep, body.include_usage_in_stream(),
+                             CompletionFramer(base, prep))
+    results = await _collect(request, job, prep)
+    choices = [{"index": r.index, "text": prep.echo_text + r.text,
+                "logprobs": shapes.completion_logprobs(r.logprobs, len(prep.echo_text))
+                if want_lp else None, "finish_reason": r.finish_reason} for r in results]
+    return JSONResponse(base | {"choices": choices, "usage": _usage_with_cache(prep, results)})
 
-    out = await _collect(request, job, prep)
-    return JSONResponse(base | {
-        "choices": [{"index": 0, "text": out.text, "logprobs": None,
-                     "finish_reason": out.finish_reason}],
-        "usage": _usage(out.prompt_tokens, out.completion_tokens),
-    })
+
+class CompletionFramer:
+    """Stream frames of a text completion (the echoed prompt first, when asked)."""
+
+    def __init__(self, base: dict, prep: Prepared):
+        self.base, self.prep = base, prep
+        self._offset = {i: len(prep.echo_text) for i in range(prep.n)}
+
+    def _frame(self, index: int, text: str, finish: str | None, logprobs) -> dict:
+        return self.base | {"choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": finish}]}
+
+    def opening(self) -> list[dict]:
+        if not self.prep.echo_text:
+            return []
+        return [self._frame(i, self.prep.echo_text, None, None) for i in range(self.prep.n)]
+
+    def chunk(self, index: int, chunk: Any) -> list[dict]:
+        frames = []
+        if chunk.text or chunk.logprob is not None:
+            lp = None
+            if chunk.logprob is not None:
+                lp = shapes.completion_logprobs([chunk.logprob], self._offset[index])
+                self._offset[index] += len(lp["tokens"][0])
+            frames.append(self._frame(index, chunk.text or "", None, lp))
+        if chunk.finish_reason not in (None, CANCELLED):
+            frames.append(self._frame(index, "", chunk.finish_reason, None))
+        return frames

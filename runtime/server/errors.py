@@ -24,6 +24,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    501: "not_supported_error",
     503: "unavailable_error",
 }
 
@@ -41,10 +42,13 @@ class APIError(Exception):
         self.param = param
         self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
         self.headers = headers
+        self.extra: dict = {}       # more fields of the error object (llama-server's numbers)
 
     def body(self) -> dict:
-        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return error_body(self.message, self.error_type, self.code, self.param)
+        """The JSON body: ``{"error": {"message", "type", "param", "code", ...extra}}``."""
+        body = error_body(self.message, self.error_type, self.code, self.param)
+        body["error"].update(self.extra)
+        return body
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -75,6 +79,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "The request body must be a JSON object, sent with "
                              "Content-Type: application/json.", code="invalid_json")
     param = _field_path(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"{param}: this field is not supported by this server (it would "
+                             "be ignored, so the request is refused)",
+                        code="unsupported_parameter", param=param)
     msg = str(first.get("msg", "invalid value"))
     # pydantic prefixes custom errors with "Value error, "; the client needs only the reason.
     msg = msg.removeprefix("Value error, ")
@@ -88,13 +96,20 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path of the app through the OpenAI error shape."""
 
+    def answer(request: Request, err: APIError) -> JSONResponse:
+        from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
+
+        if request.url.path in NATIVE_PATHS:      # llama-server's own shape there
+            return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
+        return err.response()
+
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -18,7 +18,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Paths counted by name; everything else (404s, scanners) is one "other" series so that a
 # client cannot grow the label set without bound.
 COUNTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/residency",
-                 "/health", "/metrics")
+                 "/health", "/metrics", "/chat/completions", "/completion", "/completions",
+                 "/models", "/tokenize", "/detokenize", "/apply-template", "/props", "/slots",
+                 "/infill")
 
 
 def _escape(value: str) -> str:

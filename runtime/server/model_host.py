@@ -105,6 +105,9 @@ class ModelHost:
 
 def _close(engine: Any) -> None:
     try:
+        batcher = getattr(engine, "batcher", None)
+        if batcher is not None:        # its thread drives the engine: stop it first
+            batcher.close()
         engine.close()
     except Exception:  # noqa: BLE001 - shutting down: log and go on
         log.exception("closing the engine failed")

@@ -88,21 +88,28 @@ class Job:
 class RequestQueue:
     """FIFO of jobs with one worker thread. Create and submit from the event loop thread."""
 
-    def __init__(self, max_waiting: int, *, name: str = "moe-offload-worker") -> None:
+    def __init__(self, max_waiting: int, *, name: str = "moe-offload-worker",
+                 workers: int = 1) -> None:
+        """``workers``: jobs run at once (the engine's batch slots; 1 = strictly in turn)."""
         if max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
         self.max_waiting = max_waiting
+        self.workers = workers
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
     def stats(self) -> QueueStats:
         with self._lock:
-            return QueueStats(running=int(self._running is not None),
+            return QueueStats(running=len(self._running),
                               waiting=len(self._waiting), max_waiting=self.max_waiting)
 
     def submit(self, work: Work) -> Job:
@@ -124,21 +131,23 @@ class RequestQueue:
         """Refuse new jobs and cancel every job, waiting or running; does not block."""
         with self._lock:
             self._closed = True
-            jobs = list(self._waiting) + ([self._running] if self._running else [])
-            self._ready.notify()
+            jobs = list(self._waiting) + list(self._running)
+            self._ready.notify_all()
         for job in jobs:
             job.cancel.set()
 
     def close(self, timeout: float | None = 5.0) -> None:
         """``cancel_all()``, then wait up to ``timeout`` seconds for the worker to stop."""
         self.cancel_all()
-        self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
 
     def _has_room(self) -> bool:
-        # Waiting slots are counted as if the worker had already taken the head job when it is
-        # idle: the worker may not have woken up yet, and that job is not really waiting.
-        waiting = len(self._waiting) - (1 if self._running is None and self._waiting else 0)
-        return waiting < self.max_waiting or (self._running is None and not self._waiting)
+        # Jobs that idle workers are about to take are not really waiting (a worker may not
+        # have woken up yet): only those beyond the idle workers count.
+        idle = self.workers - len(self._running)
+        waiting = max(0, len(self._waiting) - idle)
+        return waiting < self.max_waiting or len(self._waiting) < idle
 
     def _next(self) -> Job | None:
         with self._lock:
@@ -150,7 +159,7 @@ class RequestQueue:
                 self._waiting.clear()
                 return None
             job = self._waiting.popleft()
-            self._running = job
+            self._running.add(job)
             return job
 
     def _serve(self) -> None:
@@ -163,7 +172,7 @@ class RequestQueue:
                 error = exc
             finally:
                 with self._lock:
-                    self._running = None
+                    self._running.discard(job)
                 job._deliver(_End(error))
 
     @staticmethod

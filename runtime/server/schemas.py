@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic models).
 
-Only what the engine can honour is accepted with meaning; fields OpenAI clients commonly send
-but that change nothing here (``user``, ``presence_penalty`` ...) are ignored, and a few that
-would silently change the answer's meaning (``n > 1``, ``logprobs``, ``echo``) are refused.
+Every field is either honoured or refused: an unknown field is a 400 naming it (it would
+otherwise be silently ignored). ``user`` and ``metadata`` are accepted as labels, and
+``cache_prompt`` (llama-server's) as what this server always does (reuse the KV prefix).
 """
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_CHOICES = 16        # n
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None                      # any name is accepted: one model per process
     max_tokens: int | None = Field(None, ge=1)    # tokens to generate
@@ -27,20 +29,50 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None    # token id (as a string) -> bias
+    response_format: dict[str, Any] | None = None
+    user: str | None = None                       # a label; changes nothing
+    metadata: dict[str, str] | None = None        # a label; changes nothing
     # llama.cpp server extensions
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(None, gt=0.0)
+    grammar: str | None = None                    # GBNF
+    json_schema: dict[str, Any] | None = None
+    cache_prompt: bool | None = None              # always on here
+    id_slot: int | None = Field(None, ge=-1)      # slots are assigned in arrival order
+    n_predict: int | None = Field(None, ge=1)     # llama.cpp's name for max_tokens
 
-    @field_validator("n")
+    @model_validator(mode="after")
+    def _n_predict(self):
+        if self.n_predict is not None and self.max_tokens is None:
+            self.max_tokens = self.n_predict
+        return self
+
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {value}")
+        return bias
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
+        return fmt
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -59,10 +91,27 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None     # a list of text parts arrives joined into one string
+    name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None     # assistant turns that called tools
+    tool_call_id: str | None = None                  # tool turns: which call this answers
+    refusal: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -81,33 +130,93 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: dict[str, str]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, fn: dict[str, str]) -> dict[str, str]:
+        if not isinstance(fn.get("name"), str) or set(fn) != {"name"}:
+            raise ValueError("must be {\"name\": FUNCTION}")
+        return fn
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)   # newer name for max_tokens
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
+        roles = [m.role for m in self.messages]
+        if roles[-2:] == ["assistant", "assistant"]:
+            raise ValueError("messages: two assistant messages at the end (the last one may "
+                             "be a prefill of the answer, one is enough)")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
         return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        """Messages as the engine's chat template takes them (``developer`` counts as system)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages as the engine's chat template takes them (``developer`` counts as system);
+        tool calls and tool results keep their OpenAI fields."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_value(self) -> Any:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice if self.tool_choice is not None else \
+            ("auto" if self.tools else None)
 
 
 class CompletionRequest(_SamplingFields):
     # One prompt: a string or a list of token ids (a list holding one string is unwrapped).
     prompt: str | list[int]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -128,12 +237,12 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
         return self
 
     def prompt_input(self) -> str | list[int]:

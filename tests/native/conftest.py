@@ -24,7 +24,10 @@ def native_build():
     """The current patched CPU build (built here if missing: a few minutes on 2 cores)."""
     from runtime.native.build import BuildRequest, build
 
-    return build(BuildRequest(backend="cpu"), log=lambda s: print(s, file=sys.stderr))
+    def say(line: str) -> None:          # past pytest's capture: a build takes minutes
+        print(f"\n[tests/native, once per cache] {line}", file=sys.__stderr__, flush=True)
+
+    return build(BuildRequest(backend="cpu"), log=say)
 
 
 @pytest.fixture(scope="session")

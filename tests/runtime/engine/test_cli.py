@@ -28,7 +28,7 @@ def test_complete_streams_only_text_to_stdout(tiny_model, prompt, cli, make_sett
     with Engine(make_settings(tiny_model, manage_residency=False), progress=False) as engine:
         want = "".join(c.text for c in engine.generate(
             prompt, SamplingParams(max_tokens=16, temperature=0)))
-    assert proc.stdout == want
+    assert proc.stdout == want + "\n"       # a pipe gets whole lines
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("prompt: ")   # quiet llama.cpp, one line
     assert "t/s" in lines[0] and "expert hit rate:" in lines[0]
@@ -39,12 +39,14 @@ def test_complete_prompt_file_and_stop_string(tiny_model, prompt, cli, tmp_path)
     f.write_text(prompt, encoding="utf-8")
     full = cli("complete", "-m", str(tiny_model), "-f", str(f), "-n", "24", *COMMON)
     assert full.returncode == 0, full.stderr
-    stop = full.stdout[len(full.stdout) // 2:][:3]
+    assert full.stdout.endswith("\n")
+    text = full.stdout[:-1]
+    stop = text[len(text) // 2:][:3]
     assert stop.strip(), "need a visible stop string"
     cut = cli("complete", "-m", str(tiny_model), "-f", str(f), "-n", "24", "--stop", stop,
               *COMMON)
     assert cut.returncode == 0, cut.stderr
-    assert cut.stdout == full.stdout[:full.stdout.index(stop)]
+    assert cut.stdout == text[:text.index(stop)] + "\n"
 
 
 def test_chat_piped_stdin_keeps_history(tiny_model, cli, make_settings):
@@ -63,6 +65,32 @@ def test_chat_exit_command(tiny_model, cli):
                stdin="first\n/exit\nnever answered\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("\n") == 1
+
+
+def test_chat_answers_help_and_unknown_commands_itself(tiny_model, cli):
+    proc = cli("chat", "-m", str(tiny_model), "-n", "4", *COMMON,
+               stdin="/help\n/nonsense x\nhello\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("\n") == 1              # one reply: only "hello" reached the model
+    assert "unknown command /nonsense" in proc.stderr
+    assert proc.stderr.count("/reset   forget the conversation") == 2
+
+
+def test_help_shows_residency_defaults_not_none(cli):
+    proc = cli("complete", "--help")
+    assert proc.returncode == 0
+    assert "(default: None)" not in proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert "--policy.decode.eviction NAME lru, lfu, lfu-decay, phase-weighted, belady " \
+           "(default: lru)" in text
+    assert "--cost.link_gbps X number (default: 25)" in text
+
+
+def test_model_directory_is_named_as_such(cli, tmp_path):
+    proc = cli("complete", "-m", str(tmp_path), "-p", "x")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"moe-offload: error: {tmp_path}: is a directory; -m wants " \
+                                  "a GGUF model file"
 
 
 def test_help_shows_defaults(cli):

@@ -93,3 +93,13 @@ def test_bench_with_config_files_runs_mmap_and_each_file(synth_model_factory, tm
         ("mmap", "kernel (all)", "pp8"), ("mmap", "kernel (all)", "tg2"),
         ("small-lfu", "128KiB", "pp8"), ("small-lfu", "128KiB", "tg2")]
     assert out["cold_start_ratio_vs_mmap"] == {}
+
+
+def test_cold_line_never_calls_a_slowdown_faster():
+    rows = [_row("mmap", "cold8", 2.0), _row("lru", "cold8", 1.0), _row("lfu", "cold8", 4.0),
+            _row("fifo", "cold8", 2.0)]
+    result = bench.BenchResult(rows, bench.cold_ratios(rows, 8), [], {})
+    line = bench.cold_line(result, 8)
+    assert "lru 1.00 s (2.00x faster than mmap)" in line
+    assert "lfu 4.00 s (2.00x slower than mmap)" in line
+    assert "fifo 2.00 s (as fast as mmap)" in line

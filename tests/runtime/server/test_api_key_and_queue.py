@@ -23,12 +23,25 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_health_needs_no_key(server) -> None:
+def test_health_and_model_list_need_no_key(server) -> None:   # as llama-server
     r = httpx.get(f"{server.base_url}/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    for path in ("/v1/models", "/models"):
+        assert httpx.get(f"{server.base_url}{path}").status_code == 200
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
+def test_x_api_key_header_and_cors_preflight(server) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", headers={"X-Api-Key": KEY},
+                   json={"prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = httpx.options(f"{server.base_url}/v1/chat/completions", headers={
+        "Origin": "http://example.test", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] in ("*", "http://example.test")
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/completions"),
                                          ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
                                          ("GET", "/v1/residency")])
 def test_missing_or_wrong_key_is_401(server, method: str, path: str) -> None:
@@ -51,7 +64,8 @@ def test_official_client_with_the_key_is_served(server, tiny_model: Path) -> Non
     assert reply.choices[0].message.role == "assistant"
     wrong = openai.OpenAI(base_url=server.api_url, api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        wrong.models.list()
+        wrong.chat.completions.create(model="any", max_tokens=2,
+                                      messages=[{"role": "user", "content": "hello"}])
 
 
 def test_queue_full_is_429_and_clears(server) -> None:

@@ -158,7 +158,10 @@ def test_body_that_is_not_an_object_is_400(http: httpx.Client) -> None:
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "frobnicate": 1}, "frobnicate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "functions": []}, "functions"),
     ("/v1/completions", {"prompt": PROMPT, "stop": [""]}, "stop"),
     ("/v1/completions", {"max_tokens": 4}, "prompt"),
 ])
@@ -176,7 +179,8 @@ def test_prompt_plus_max_tokens_beyond_context_is_400(http: httpx.Client) -> Non
     long_prompt = " ".join(["water"] * (N_CTX + 10))
     r = http.post("/v1/chat/completions",
                   json={"messages": [{"role": "user", "content": long_prompt}], "stream": True})
-    _assert_openai_error(r, 400, "invalid_request_error", "context_length_exceeded")
+    error = _assert_openai_error(r, 400, "exceed_context_size_error", "context_length_exceeded")
+    assert error["n_ctx"] == N_CTX and error["n_prompt_tokens"] > N_CTX   # llama-server's
 
 
 def test_unknown_route_is_404(http: httpx.Client) -> None:

@@ -133,8 +133,3 @@ def test_max_tokens_bounds_the_answer(client: openai.OpenAI) -> None:
         assert reply.usage.completion_tokens == 3
 
 
-def test_n_above_one_is_refused(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=3, n=2)
-    assert info.value.status_code == 400
-    assert info.value.body["type"] == "invalid_request_error"

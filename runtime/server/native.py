@@ -1,0 +1,290 @@
+"""llama-server's own routes and shapes, for clients of a single-model llama-server:
+``/completion`` (and ``/completions``, its alias there), ``/tokenize``, ``/detokenize``,
+``/apply-template``, ``/props``, ``/slots``, ``/infill``.
+
+Shapes follow llama.cpp's tools/server (server-task.cpp ``to_json_non_oaicompat``): a stream
+is ``data: {...}`` events whose last has ``"stop": true`` (no ``[DONE]``); errors on these
+routes are llama-server's ``{"error": {"code": STATUS, "message", "type"}}``. Generation goes
+through the same queue and engine as the OpenAI routes; ``-np N`` gives N slots (continuous
+batching, runtime/engine/batched.py).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from runtime.server import shapes, structured
+from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
+from runtime.server.errors import APIError
+from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
+from runtime.server.prepare import Prepared, check_context, sampling_params, _checked_grammar
+
+router = APIRouter()
+
+NATIVE_PATHS = frozenset({"/completion", "/completions", "/tokenize", "/detokenize",
+                          "/apply-template", "/props", "/slots", "/infill"})
+
+
+def _stop_type(finish: str | None, stopping_word: str) -> str:
+    if finish == "length":
+        return "limit"
+    if finish == "stop":
+        return "word" if stopping_word else "eos"
+    return "none"
+
+
+def _timings(t: Any) -> dict:
+    if t is None:
+        return {}
+    prompt_ms, predicted_ms = t.prompt_s * 1e3, t.generation_s * 1e3
+    return {"cache_n": 0, "prompt_n": t.prompt_tokens, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / t.prompt_tokens if t.prompt_tokens else 0.0,
+            "prompt_per_second": t.prompt_tps, "predicted_n": t.completion_tokens,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms":
+                predicted_ms / t.completion_tokens if t.completion_tokens else 0.0,
+            "predicted_per_second": t.generation_tps}
+
+
+def _probs(lp: Any) -> dict:
+    text = lp.piece.decode("utf-8", errors="ignore")
+    return {"id": lp.token, "token": text, "bytes": list(lp.piece), "logprob": lp.logprob,
+            "top_logprobs": [{"id": t, "token": p.decode("utf-8", errors="ignore"),
+                              "bytes": list(p), "logprob": v} for t, p, v in lp.top]}
+
+
+def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> dict:
+    p = prep.params if prep is not None else request.app.state.defaults
+    return {"n_ctx": n_ctx, "seed": p.seed, "temperature": p.temperature, "top_k": p.top_k,
+            "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repeat_penalty,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "repeat_last_n": 64, "n_predict": p.max_tokens, "max_tokens": p.max_tokens,
+            "stop": list(p.stop), "n_probs": p.logprobs or 0, "stream": False,
+            "grammar": p.grammar or "", "ignore_eos": False, "n_keep": 0,
+            # llama-server's form; a ban (-100 here) is its -inf, null in JSON
+            "logit_bias": [{"token": t, "bias": None if b <= -100 else b}
+                           for t, b in p.logit_bias.items()],
+            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            "adaptive_target": 0.0, "adaptive_decay": 0.0}
+
+
+def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepared:
+    prompt = req.prompt_tokens_or_text(engine)
+    n_prompt = len(prompt) if isinstance(prompt, list) else \
+        len(engine.tokenize(prompt, add_special=True))
+    n_predict = req.n_predict_value()
+    if n_predict is None or n_predict < 0:
+        n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None
+    elif defaults.max_tokens > 0:
+        n_predict = min(n_predict, defaults.max_tokens)    # the server's -n caps requests
+    # None: up to the end of the context (-1)
+    max_tokens = check_context(engine, n_prompt, n_predict if n_predict else None,
+                               None, "prompt") if n_predict != 0 else 0
+    grammar = structured.grammar_for_output(None, req.json_schema, req.grammar)
+    fields = req.as_fields(defaults, engine.eog_tokens(),
+                           lambda text: engine.tokenize(text, add_special=False))
+    bad = [t for t in fields.bias if not 0 <= t < engine.n_vocab]
+    if bad:
+        raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{engine.n_vocab - 1})", code="invalid_value", param="logit_bias")
+    params = sampling_params(fields, max(max_tokens, 1),
+                             logprobs=req.n_probs or None,
+                             grammar=_checked_grammar(engine, grammar, "grammar"))
+    return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1)
+
+
+@router.post("/completion")
+@router.post("/completions")
+async def completion(body: NativeCompletionRequest, request: Request):
+    """llama-server's native completion, streamed or not."""
+    return await _answer(body, request)
+
+
+async def _answer(body: NativeCompletionRequest, request: Request):
+    defaults = request.app.state.defaults
+    prep, job = await _submit(request, lambda e: _prepare(e, body, defaults))
+    engine = request.app.state.host.engine()
+    model = request.app.state.host.model_id
+    prompt_text = prep.prompt if isinstance(prep.prompt, str) else engine.detokenize(prep.prompt)
+    settings = generation_settings(request, prep, engine.n_ctx) | {"stream": body.stream}
+
+    def final(text: str, tokens: list[int], finish: str | None, timings: Any, n: int,
+              probs: list | None) -> dict:
+        out = {"index": 0, "content": text, "tokens": tokens if body.return_tokens else [],
+               "id_slot": 0, "stop": True, "model": model, "tokens_predicted": n,
+               "tokens_evaluated": prep.prompt_tokens, "generation_settings": settings,
+               "prompt": prompt_text, "has_new_line": "\n" in text, "truncated": False,
+               "stop_type": _stop_type(finish, ""), "stopping_word": "",
+               "tokens_cached": prep.prompt_tokens + n, "timings": _timings(timings)}
+        if probs:
+            out["completion_probabilities"] = probs
+        return out
+
+    if body.stream:
+        async def events():
+            n, timings, finish, all_text = 0, None, None, []
+            try:
+                async for _, chunk in job:
+                    if chunk.token is not None:
+                        n += 1
+                        event = {"index": 0, "content": chunk.text, "tokens": [chunk.token],
+                                 "stop": False, "id_slot": 0, "tokens_predicted": n,
+                                 "tokens_evaluated": prep.prompt_tokens}
+                        if chunk.logprob is not None:
+                            event["completion_probabilities"] = [_probs(chunk.logprob)]
+                        all_text.append(chunk.text)
+                        yield json.dumps(event)
+                    elif chunk.text:
+                        all_text.append(chunk.text)
+                        yield json.dumps({"index": 0, "content": chunk.text, "tokens": [],
+                                          "stop": False, "id_slot": 0, "tokens_predicted": n,
+                                          "tokens_evaluated": prep.prompt_tokens})
+                    if chunk.finish_reason is not None:
+                        finish, timings = chunk.finish_reason, chunk.timings
+                if finish in (None, CANCELLED):
+                    yield json.dumps(llama_error(APIError(503, "The server is shutting down.",
+                                                          code="server_shutdown")))
+                    return
+                last = final("", [], finish, timings, n, None)
+                yield json.dumps(last)
+            except Exception as exc:  # noqa: BLE001 - in-band, as llama-server does
+                yield json.dumps(llama_error(_engine_failure(exc)))
+            finally:
+                job.cancel.set()
+        return EventSourceResponse(events())
+
+    results = await _collect(request, job, prep)
+    r = results[0]
+    tokens = [lp.token for lp in r.logprobs]
+    return JSONResponse(final(r.text, tokens or r.tokens, r.finish_reason, r.timings,
+                              r.completion_tokens,
+                              [_probs(lp) for lp in r.logprobs] if body.n_probs else None))
+
+
+def llama_error(err: APIError) -> dict:
+    """llama-server's error object: the HTTP status as ``code``."""
+    return {"error": {"code": err.status, "message": err.message, "type": err.error_type}
+            | err.extra}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    engine = request.app.state.host.engine()
+    tokens = engine.tokenize(body.content, add_special=body.add_special)
+    if not body.with_pieces:
+        return {"tokens": tokens}
+    out = []
+    for t in tokens:
+        piece = engine.token_bytes(t, special=True)
+        try:
+            shown: Any = piece.decode("utf-8")
+        except UnicodeDecodeError:
+            shown = list(piece)            # llama-server: bytes when not valid UTF-8
+        out.append({"id": t, "piece": shown})
+    return {"tokens": out}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict:
+    body = await _json_object(request)
+    tokens = body.get("tokens", [])
+    engine = request.app.state.host.engine()
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < engine.n_vocab
+                                               for t in tokens):
+        raise APIError(400, f"tokens: must be a list of token ids in [0, {engine.n_vocab})",
+                       code="invalid_value", param="tokens")
+    return {"content": engine.detokenize(tokens)}
+
+
+@router.post("/apply-template")
+async def apply_template(request: Request) -> dict:
+    from runtime.server.schemas import ChatCompletionRequest  # noqa: PLC0415
+
+    body = await _json_object(request)
+    req = ChatCompletionRequest.model_validate({"messages": body.get("messages"),
+                                                "tools": body.get("tools")})
+    engine = request.app.state.host.engine()
+    template = engine.chat_template
+    messages = structured.history_messages(
+        req.message_dicts(), structured.tool_format(template.source),
+        template_tools=structured.template_knows_tools(template.source), tools=req.tool_dicts())
+    add = body.get("add_generation_prompt", True)
+    if not isinstance(add, bool):
+        raise APIError(400, "add_generation_prompt: must be true or false",
+                       code="invalid_value", param="add_generation_prompt")
+    try:
+        return {"prompt": engine.chat_prompt(messages, tools=req.tool_dicts()
+                                             if structured.template_knows_tools(template.source)
+                                             else None, add_generation_prompt=add)}
+    except Exception as exc:  # noqa: BLE001
+        raise APIError(400, f"messages: the chat template rejected them: {exc}",
+                       code="invalid_value", param="messages") from exc
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request ({exc}).",
+                       code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+@router.get("/props")
+async def props(request: Request) -> dict:
+    host = request.app.state.host
+    engine = host.engine()
+    template = engine.chat_template
+    return {"default_generation_settings": {
+                "n_ctx": engine.n_ctx, "params": generation_settings(request, None, engine.n_ctx)},
+            "total_slots": engine.settings.n_parallel, "model_alias": host.model_id,
+            "model_path": engine.settings.model_path, "chat_template": template.source,
+            "bos_token": template.bos_token, "eos_token": template.eos_token,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": request.app.state.fingerprint, "is_sleeping": False}
+
+
+@router.get("/slots")
+async def slots(request: Request):
+    if not request.app.state.settings.slots_endpoint:
+        raise APIError(501, "This server does not support slots endpoint (start it with "
+                            "--slots).", code="not_supported", error_type="not_supported_error")
+    engine = request.app.state.host.engine()
+    running = request.app.state.queue.stats().running
+    return [{"id": i, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
+             "is_processing": i < running, "next_token": [{"has_next_token": True,
+             "has_new_line": False, "n_remain": -1, "n_decoded": 0}]}
+            for i in range(engine.settings.n_parallel)]
+
+
+@router.post("/infill")
+async def infill(request: Request):
+    """Fill in the middle: ``input_prefix`` + ``input_suffix`` (+ ``prompt``, the start of the
+    middle) in the model's FIM tokens, then a native completion. 400 without FIM tokens."""
+    body = await _json_object(request)
+    engine = request.app.state.host.engine()
+    fim = engine.fim_tokens()
+    if fim is None:
+        raise APIError(400, "This model has no fill-in-the-middle tokens (FIM prefix, suffix "
+                            "and middle), so /infill cannot work with it.", code="invalid_value")
+    parts = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        value = body.pop(name, "")
+        if not isinstance(value, str):
+            raise APIError(400, f"{name}: must be a string", code="invalid_value", param=name)
+        parts[name] = value
+    if body.pop("input_extra", None):
+        raise APIError(400, "input_extra: extra context chunks are not supported",
+                       code="unsupported_parameter", param="input_extra")
+    pre, suf, mid = fim
+    tok = lambda text: engine.tokenize(text, add_special=False) if text else []  # noqa: E731
+    tokens = [pre, *tok(parts["input_prefix"]), suf, *tok(parts["input_suffix"]), mid,
+              *tok(parts["prompt"])]
+    native = NativeCompletionRequest.model_validate(body | {"prompt": tokens})
+    return await _answer(native, request)

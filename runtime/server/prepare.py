@@ -1,0 +1,171 @@
+"""Requests made ready for the engine: prompt, sampling parameters (grammar, bias, logprobs),
+length checked against the context, tool handling decided. Runs off the event loop (it
+tokenizes and renders templates)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from runtime.engine.sampling import SamplingParams, check_grammar
+from runtime.errors import UserError
+from runtime.server import structured
+from runtime.server.errors import APIError
+from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready for the engine: ``n`` choices of ``prompt`` with ``params``."""
+
+    prompt: str | list[int]
+    prompt_tokens: int
+    params: SamplingParams
+    n: int = 1
+    tool_format: structured.ToolFormat | None = None   # parse tool calls from the answers
+    echo_text: str = ""                               # completions' echo: the prompt text
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters: a given seed moves on by one per choice."""
+        if index == 0 or self.params.seed < 0:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + index) & 0x7FFFFFFF)
+
+
+def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = None) -> APIError:
+    """The context-overflow answer: OpenAI's code, llama-server's type and numbers."""
+    asked = "" if n_predict is None else (
+        f" However, you requested {n_prompt + n_predict} tokens ({n_prompt} in the {what}, "
+        f"{n_predict} in the completion).")
+    err = APIError(400, f"The request exceeds the available context size: this model's "
+                        f"maximum context length is {n_ctx} tokens.{asked} "
+                        f"The {what} has {n_prompt} tokens; please reduce its length or the "
+                        "completion's.", code="context_length_exceeded",
+                   param="messages" if what == "messages" else "prompt",
+                   # the prompt itself does not fit: llama-server's type, with its numbers
+                   error_type="exceed_context_size_error" if n_predict is None else None)
+    err.extra = {"n_prompt_tokens": n_prompt, "n_ctx": n_ctx}
+    return err
+
+
+def check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: int | None,
+                  param: str) -> int:
+    """Resolve max_tokens and refuse a request that cannot fit the context window (tokens)."""
+    n_ctx = int(engine.n_ctx)
+    if n_prompt >= n_ctx:
+        raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt")
+    if max_tokens is None:
+        max_tokens = default if default is not None else n_ctx - n_prompt
+    if n_prompt + max_tokens > n_ctx:
+        raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt",
+                            max_tokens)
+    return max_tokens
+
+
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
+                  "frequency_penalty", "presence_penalty")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | None = None,
+                    logprobs: int | None = None,
+                    defaults: SamplingParams | None = None) -> SamplingParams:
+    """The request's sampler fields; unset ones take ``defaults`` (the server's own flags,
+    as llama-server does), else SamplingParams' defaults."""
+    fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
+                              "logit_bias": req.logit_bias_ids(), "grammar": grammar,
+                              "logprobs": logprobs}
+    for name in SAMPLER_FIELDS:
+        value = getattr(req, name)
+        if value is None and defaults is not None:
+            value = getattr(defaults, name)
+        if value is not None:
+            fields[name] = value
+    if not fields["stop"] and defaults is not None and defaults.stop:
+        fields["stop"] = list(defaults.stop)
+    try:
+        return SamplingParams(**fields)
+    except UserError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def _checked_grammar(engine: Any, grammar: str | None, param: str) -> str | None:
+    if grammar is None:
+        return None
+    vocab = getattr(engine, "vocab_ptr", None)
+    if vocab is not None:
+        try:
+            check_grammar(vocab, grammar)
+        except UserError as exc:
+            raise APIError(400, f"{param}: {exc}", code="invalid_value", param=param) from exc
+    return grammar
+
+
+def _check_bias(engine: Any, req: _SamplingFields) -> None:
+    n_vocab = getattr(engine, "n_vocab", None)
+    for token in req.logit_bias_ids():
+        if n_vocab is not None and not 0 <= token < n_vocab:
+            raise APIError(400, f"logit_bias: token id {token} is outside the vocabulary "
+                                f"(0..{n_vocab - 1})", code="invalid_value", param="logit_bias")
+
+
+def prepare_chat(engine: Any, req: ChatCompletionRequest,
+                 defaults: SamplingParams | None = None) -> Prepared:
+    tools = req.tool_dicts()
+    choice = req.tool_choice_value()
+    if choice == "none":
+        tools = None
+    source = engine.chat_template.source
+    fmt = structured.tool_format(source) if tools else None
+    template_tools = structured.template_knows_tools(source)
+    messages = structured.history_messages(req.message_dicts(), fmt or structured.ToolFormat.HERMES,
+                                           template_tools=template_tools, tools=tools)
+    output_grammar = structured.grammar_for_output(req.response_format, req.json_schema,
+                                                   req.grammar)
+    functions = structured.selected_functions(tools, choice) if tools else None
+    if functions is not None and output_grammar is not None:
+        raise APIError(400, "tool_choice: a required or named tool call cannot be combined "
+                            "with response_format, json_schema or grammar",
+                       code="invalid_value", param="tool_choice")
+    grammar = structured.call_grammar(functions, fmt) if functions is not None else output_grammar
+    # a last assistant message is the start of the answer (prefill): the model continues it
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    try:
+        prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
+                                    add_generation_prompt=not prefill)
+        if prefill:     # templates close every turn; the prefill must stay open
+            end = prompt.rfind(messages[-1]["content"])
+            if messages[-1]["content"] and end >= 0:
+                prompt = prompt[:end + len(messages[-1]["content"])]
+    except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's
+        raise APIError(400, f"messages: the chat template rejected them: {exc}",
+                       code="invalid_value", param="messages") from exc
+    n_prompt = len(engine.tokenize(prompt, add_special=True))
+    max_tokens = check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages")
+    _check_bias(engine, req)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
+                             grammar=_checked_grammar(engine, grammar, "grammar"))
+    return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt)
+
+
+def prepare_completion(engine: Any, req: CompletionRequest,
+                       defaults: SamplingParams | None = None) -> Prepared:
+    prompt = req.prompt_input()
+    if isinstance(prompt, list):
+        n_vocab = getattr(engine, "n_vocab", None)
+        if n_vocab is not None and any(not 0 <= t < n_vocab for t in prompt):
+            raise APIError(400, f"prompt: token ids must be in [0, {n_vocab})",
+                           code="invalid_value", param="prompt")
+        n_prompt = len(prompt)
+    else:
+        n_prompt = len(engine.tokenize(prompt, add_special=True))
+    max_tokens = check_context(engine, n_prompt, req.max_tokens,
+                               DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+    _check_bias(engine, req)
+    grammar = structured.grammar_for_output(req.response_format, req.json_schema, req.grammar)
+    params = sampling_params(req, max_tokens, logprobs=req.logprobs, defaults=defaults,
+                             grammar=_checked_grammar(engine, grammar, "grammar"))
+    echo = "" if not req.echo else (prompt if isinstance(prompt, str)
+                                    else engine.detokenize(prompt))
+    return Prepared(prompt, n_prompt, params, req.n, echo_text=echo)

@@ -1,0 +1,52 @@
+"""The JSON shapes of answers: OpenAI's logprobs (chat and completions), choices, usage."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.engine.types import TokenLogprob
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One entry of ``choices[].logprobs.content``."""
+    return {"token": _text(lp.piece), "logprob": lp.logprob, "bytes": list(lp.piece),
+            "top_logprobs": [{"token": _text(p), "logprob": v, "bytes": list(p)}
+                             for _, p, v in lp.top]}
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """``choices[].logprobs`` of a text completion; ``offset``: text before the first token."""
+    offsets, at = [], offset
+    for lp in items:
+        offsets.append(at)
+        at += len(_text(lp.piece))
+    return {"tokens": [_text(lp.piece) for lp in items],
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{_text(p): v for _, p, v in lp.top} for lp in items],
+            "text_offset": offsets}
+
+
+@dataclass
+class ChoiceResult:
+    """One finished choice of a non-streamed answer."""
+
+    index: int
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    timings: Any = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)

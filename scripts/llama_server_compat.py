@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Run ``moe-offload serve`` in place of llama.cpp's ``llama-server``, taking its flags.
+
+llama.cpp's server tests (tools/server/tests) start ``$LLAMA_SERVER_BIN_PATH`` with
+llama-server's flags. This maps them onto ``moe-offload serve``: the flags with a meaning here
+are translated, the ones about llama-server internals (KV types, draft models, the web UI,
+context shift ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
+``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
+once into ``~/.cache/moe-offload/llama-server-compat/``. Tests whose assertions depend on the
+text of llama.cpp's own test models cannot pass against it; the others can.
+
+    LLAMA_SERVER_BIN_PATH=scripts/llama-server  pytest tools/server/tests/unit/...
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# flag -> our flag (None: same name), for flags that take a value
+VALUE_FLAGS = {
+    "--port": None, "--temp": None, "--seed": "-s", "--ctx-size": "-c", "-c": None,
+    "--batch-size": "-b", "-b": None, "--ubatch-size": "-ub", "-ub": None,
+    "--threads": "-t", "-t": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
+    "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
+    "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
+    "--repeat-penalty": None, "--parallel": "-np", "-np": None,
+}
+SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
+            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja"}
+# llama-server flags with no counterpart here: (takes a value, why it is dropped)
+DROPPED = {
+    "--offline": (False, "nothing is downloaded here anyway"),
+    "--no-jinja": (False, "templates are always jinja here"),
+    "--cont-batching": (False, "one request at a time"),
+    "--kv-unified": (False, "one sequence"), "--swa-full": (False, "one sequence"),
+    "--context-shift": (False, "no context shift"), "--no-ui": (False, "no web UI"),
+    "--embedding": (False, "no embeddings (those tests fail)"),
+    "--reranking": (False, "no reranking (those tests fail)"),
+    "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
+    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "one slot"),
+    "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
+    "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
+    "--pooling": (True, "no embeddings"), "--tags": (True, "no model tags"),
+    "--slot-save-path": (True, "no slot save"), "--grp-attn-n": (True, "no self-extend"),
+    "--grp-attn-w": (True, "no self-extend"), "--lora": (True, "no LoRA"),
+    "--spec-type": (True, "no speculative decoding"),
+    "--spec-draft-n-max": (True, "no speculative decoding"),
+    "--spec-draft-n-min": (True, "no speculative decoding"),
+    "--model-draft": (True, "no speculative decoding"),
+    "--reasoning-format": (True, "no reasoning parser"), "--reasoning": (True, "no reasoning"),
+    "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
+    "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
+    "--cache-reuse-hybrid": (True, "no prompt cache"),
+    "--cache-reuse-hybrid-min-share": (True, "no prompt cache"),
+    "--models-dir": (True, "one model"), "--models-max": (True, "one model"),
+    "--models-preset": (True, "one model"), "--tools": (True, "no built-in tools"),
+    "--tools-runtime": (True, "no built-in tools"),
+    "--mcp-servers-config": (True, "no MCP"), "--mcp-servers-json": (True, "no MCP"),
+}
+
+
+def synthetic_model(name: str) -> Path:
+    """A small synthetic MoE model standing in for ``name`` (written once)."""
+    from gguf_tools.synth import SynthSpec, write_synthetic_model
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    path = cache / "moe-offload" / "llama-server-compat" / "stand-in.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        spec = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
+                         dtype="f32", seed=0, skew=1.0, context_length=8192)
+        write_synthetic_model(path, spec)
+    return path
+
+
+def translate(argv: list[str]) -> list[str]:
+    """llama-server's argv (without the program) -> ``moe-offload serve``'s."""
+    out: list[str] = []
+    model: str | None = None
+    wanted: str | None = None
+    i = 0
+    while i < len(argv):
+        flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        if flag in VALUE_FLAGS:
+            out += [VALUE_FLAGS[flag] or flag, value]
+            i += 2
+        elif flag == "--host":
+            out += ["--host", value.split(",")[0].strip()]
+            i += 2
+        elif flag == "--alias":
+            out += ["--alias", value]
+            i += 2
+        elif flag in ("--cors-origins", "--cors-origin"):
+            out += ["--cors-origin", value]
+            i += 2
+        elif flag in ("--model", "-m"):
+            model = value
+            i += 2
+        elif flag in ("--hf-repo", "--hf-file", "--model-url", "-hf", "-hff", "-mu"):
+            wanted = wanted or value
+            i += 2
+        elif flag in SWITCHES:
+            out.append(SWITCHES[flag])
+            i += 1
+        elif flag in DROPPED:
+            takes_value, why = DROPPED[flag]
+            sys.stderr.write(f"llama-server-compat: {flag} dropped ({why})\n")
+            i += 2 if takes_value else 1
+        else:
+            sys.stderr.write(f"llama-server-compat: unknown llama-server flag {flag}\n")
+            sys.exit(2)
+    if model is None or not Path(model).is_file():
+        model = str(synthetic_model(model or wanted or "model"))
+    return ["serve", "-m", model, *out]
+
+
+def main() -> None:
+    args = translate(sys.argv[1:])
+    sys.stderr.write("llama-server-compat: moe-offload " + " ".join(args) + "\n")
+    os.execv(sys.executable, [sys.executable, "-m", "runtime.cli", *args])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Run llama.cpp's own server tests (tools/server/tests) against ``moe-offload serve``.
+
+The tests come from the llama-cpp-python 0.3.36 source archive this project already keeps
+(``moe-offload native build`` caches it in ~/.cache/moe-offload/native/sdist/), so they match
+the llama.cpp our runtime links, and nothing is downloaded: the models the tests name are
+replaced by a synthetic MoE model (scripts/llama_server_compat.py maps llama-server's flags).
+The tests are extracted into a temporary directory, run, and the counts printed:
+
+    python scripts/run_llama_server_tests.py [--sdist FILE | --tests DIR] [-k EXPR] [--json]
+
+The llama.cpp files keep their MIT license (LICENSE is extracted next to them); none is
+copied into this repository.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ARCHIVE = "llama_cpp_python-0.3.36.tar.gz"
+TESTS_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/tools/server/tests"
+LICENSE_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE"
+TEMPLATES_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates"  # tests read
+# the suites about what a single-model llama-server does (router, MCP, vision, embeddings,
+# speculative decoding, LoRA and the Anthropic/Responses APIs are out of scope)
+SUITES = ["test_basic", "test_chat_completion", "test_completion", "test_tokenize",
+          "test_infill", "test_security", "test_template", "test_ctx_shift", "test_stream",
+          "test_ignore_eos", "test_metrics", "test_tool_call", "test_slot_save",
+          "test_kv_keep_only_active"]
+
+STUB_WGET = '''"""Stand-in for the wget package: this run downloads nothing."""
+def download(url, out=None):
+    raise RuntimeError(f"download refused (offline run): {url}")
+'''
+STUB_FILELOCK = '''"""Stand-in for the filelock package (an flock on the path)."""
+import fcntl
+
+
+class FileLock:
+    def __init__(self, path, timeout=-1):
+        self._path, self._fh = path, None
+
+    def __enter__(self):
+        self._fh = open(self._path, "w")
+        fcntl.flock(self._fh, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._fh, fcntl.LOCK_UN)
+        self._fh.close()
+'''
+
+
+def default_sdist() -> Path:
+    cache = Path(os.environ.get("MOE_OFFLOAD_CACHE") or
+                 Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-offload")
+    return cache / "native" / "sdist" / ARCHIVE
+
+
+def extract(sdist: Path, into: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith((TESTS_IN_ARCHIVE + "/", TEMPLATES_IN_ARCHIVE + "/"))
+                   or m.name == LICENSE_IN_ARCHIVE]
+        if not members:
+            raise SystemExit(f"{sdist}: no {TESTS_IN_ARCHIVE} inside")
+        tar.extractall(into, members=members, filter="data")
+    tests = into / TESTS_IN_ARCHIVE
+    (tests / "LICENSE.llama.cpp").write_bytes((into / LICENSE_IN_ARCHIVE).read_bytes())
+    return tests
+
+
+def run(tests: Path, work: Path, select: str | None, timeout: float) -> dict:
+    stubs = work / "stubs"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "wget.py").write_text(STUB_WGET)
+    (stubs / "filelock.py").write_text(STUB_FILELOCK)
+    launcher = work / "llama-server"
+    launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {REPO / 'scripts/llama_server_compat.py'}"
+                        ' "$@"\n')
+    launcher.chmod(0o755)
+    env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(launcher),
+               PYTHONPATH=os.pathsep.join([str(stubs), str(REPO)]), PYTHONUNBUFFERED="1")
+    files = [f"unit/{name}.py" for name in SUITES if (tests / "unit" / f"{name}.py").is_file()]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
+           "-o", "addopts=", "--tb=line", *files]
+    if select:
+        cmd += ["-k", select]
+    proc = subprocess.run(cmd, cwd=tests, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|"
+                                               r"deselected|xfailed|xpassed)", tail)}
+    return {"command": " ".join(cmd), "summary": tail, "counts": counts,
+            "passed": counts.get("passed", 0), "output": proc.stdout[-20000:],
+            "stderr": proc.stderr[-4000:]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sdist", type=Path, default=None, help=f"the {ARCHIVE} to read")
+    parser.add_argument("--tests", type=Path, default=None,
+                        help="an already extracted tools/server/tests directory")
+    parser.add_argument("-k", dest="select", default=None, help="pytest -k expression")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds for the run")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="llama-server-tests-") as tmp:
+        work = Path(tmp)
+        if args.tests is not None:
+            tests = args.tests
+        else:
+            sdist = args.sdist or default_sdist()
+            if not sdist.is_file():
+                sys.stderr.write(f"{sdist}: not found (`moe-offload native build` caches it; or "
+                                 "give --sdist / --tests)\n")
+                return 2
+            tests = extract(sdist, work)
+        result = run(tests, work, args.select, args.timeout)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "output"}))
+    else:
+        print(result["output"])
+        print(f"llama.cpp server tests against moe-offload serve: {result['summary']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
