@@ -25,18 +25,23 @@ NEVER = 2**62  # next_use of an access whose key is never used again
 
 
 def next_use(trace: RouteTrace) -> np.ndarray:
-    """(n,) int64: index of the next access to the same key, ``NEVER`` for the last one."""
-    keys = trace.keys()
-    order = np.argsort(keys, kind="stable")   # accesses grouped by key, in time order
-    same = keys[order[1:]] == keys[order[:-1]]
-    out = np.full(len(keys), NEVER, dtype=np.int64)
-    out[order[:-1][same]] = order[1:][same]
+    """(n,) int64: index of the next access to the same key, ``NEVER`` for the last one.
+    One backward pass in the residency core's library (``rc_next_use``)."""
+    from runtime.residency.core.build import load_core  # noqa: PLC0415
+
+    lib, ffi = load_core()
+    keys = np.ascontiguousarray(trace.keys(), dtype=np.int64)
+    out = np.empty(len(keys), dtype=np.int64)
+    n_keys = trace.header.n_layer * trace.header.n_expert
+    lib.rc_next_use(ffi.from_buffer("int64_t[]", keys), len(keys), n_keys, NEVER,
+                    ffi.from_buffer("int64_t[]", out))
     return out
 
 
 def cold_miss_bytes(trace: RouteTrace) -> int:
     """Bytes of the distinct keys in ``trace``: the first touch of each must miss."""
-    keys = np.unique(trace.keys())
+    seen = np.bincount(trace.keys(), minlength=trace.header.n_layer * trace.header.n_expert)
+    keys = np.flatnonzero(seen)
     layer = keys // trace.header.n_expert
     return int(np.asarray(trace.header.expert_bytes, dtype=np.int64)[layer].sum())
 

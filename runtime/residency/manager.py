@@ -95,7 +95,7 @@ class ExpertResidencyManager:
         self._n_expert = 0
         self._expert_bytes: np.ndarray | None = None
         self._moe_layers: tuple[int, ...] = ()
-        self._keys: list[ExpertKey] = []
+        self._key_list: list[ExpertKey] | None = None   # ExpertKey per flat key (lazy)
         self._next_lease = 1
         self._next_job = 1 << 40          # ids of inline transfer notices (never core ids)
         self._tickets: dict[int, Ticket] = {}   # pending tickets (ticket transports)
@@ -132,10 +132,17 @@ class ExpertResidencyManager:
             self._expert_bytes = eb
             self._n_expert = int(n_expert)
             self._moe_layers = tuple(i for i, b in enumerate(eb.tolist()) if b > 0)
-            self._keys = [ExpertKey(layer, e) for layer in range(len(eb))
-                          for e in range(n_expert)]
             for budget in self.config.devices:
                 self._add_device(budget.device)
+
+    @property
+    def _keys(self) -> list[ExpertKey]:
+        """ExpertKey of every flat key (built on first use: replay never needs them)."""
+        if self._key_list is None:
+            ne = self._n_expert
+            self._key_list = [ExpertKey(layer, e) for layer in range(len(self._expert_bytes))
+                              for e in range(ne)]
+        return self._key_list
 
     def _served_by(self, device: str) -> tuple[bool, bool]:
         """(inline, simulated) for the transport serving ``device`` (a mux serves several)."""

@@ -1154,3 +1154,17 @@ int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const 
     if (held) rc_release(c, held);
     return hits;
 }
+
+void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, int64_t *out) {
+    int64_t *last = malloc((size_t) (n_keys > 0 ? n_keys : 1) * sizeof *last);
+    if (last == NULL) {
+        for (int64_t i = 0; i < n; i++) out[i] = never;
+        return;
+    }
+    for (int64_t k = 0; k < n_keys; k++) last[k] = never;
+    for (int64_t i = n - 1; i >= 0; i--) {
+        out[i] = last[keys[i]];
+        last[keys[i]] = i;
+    }
+    free(last);
+}

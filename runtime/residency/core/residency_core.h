@@ -107,6 +107,10 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase);
 
+/* offline: for each of n accesses to flat keys (0 <= key < n_keys), the index of the next
+ * access to the same key, or `never` */
+void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, int64_t *out);
+
 /* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
  * committed already; out->evicted lists the victims) */
 int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out);

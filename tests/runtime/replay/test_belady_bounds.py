@@ -108,3 +108,13 @@ def test_belady_by_hand():
     from runtime.replay.harness import prepare
     cell = replay_cell(prepare(t), 2, preset_config("belady"), label="belady")
     assert (cell.decode.misses, cell.decode.hits, cell.decode.transient_uses) == (4, 4, 2)
+
+
+def test_next_use_equals_a_sort_by_key(real_prep):
+    """belady.next_use (one backward pass in C) against a plain stable sort by key."""
+    keys = real_prep.trace.keys()
+    order = np.argsort(keys, kind="stable")
+    same = keys[order[1:]] == keys[order[:-1]]
+    want = np.full(len(keys), NEVER, dtype=np.int64)
+    want[order[:-1][same]] = order[1:][same]
+    np.testing.assert_array_equal(next_use(real_prep.trace), want)
