@@ -27,16 +27,12 @@ import math
 
 import numpy as np
 
-from runtime.residency.core import (ABSENT, ERR_EXPERT, ERR_LAYER, ERR_NEXT_USE,
+from runtime.residency.core import (ABSENT, COUNTERS, ERR_EXPERT, ERR_LAYER, ERR_NEXT_USE,
                                     ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
                                     ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
                                     RESIDENT_MAX, CorePolicy)
 
-C = {name: i for i, name in enumerate((
-    "accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
-    "transient_uses", "transient_bytes", "evictions", "evicted_bytes", "prefetch_issued",
-    "prefetch_issued_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
-    "transition_hits"))}
+C = {name: i for i, name in enumerate(COUNTERS)}   # counter name -> index, the core's order
 
 
 class _Pool:
