@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 
@@ -82,5 +83,21 @@ def _interrupted() -> int:
     return 130
 
 
+def run() -> None:
+    """The console script (and ``python -m runtime.cli``): exit with ``main()``'s status.
+    After Ctrl-C the process ends right there, output flushed, without the interpreter's
+    shutdown: on a loaded machine CPython was seen to end such a run by SIGINT (status -2)
+    after ``main`` had returned 130 and said so."""
+    code = main()
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
