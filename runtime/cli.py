@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted() -> int:
-    # a second Ctrl-C while the interpreter shuts down must not print a traceback either
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         sys.stderr.write("moe-offload: interrupted\n")
         sys.stderr.flush()
@@ -90,6 +88,7 @@ def run() -> None:
     after ``main`` had returned 130 and said so."""
     code = main()
     if code == 130:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C: nothing to print
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
