@@ -163,7 +163,12 @@ def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        stdout, _ = proc.communicate(job)
+        try:
+            stdout, _ = proc.communicate(job)
+        except BaseException:       # Ctrl-C (or any error) here: the worker stops too
+            proc.kill()
+            proc.wait()
+            raise
         reader.join()
         peak = group.peak_bytes() if group is not None else None
     finally:

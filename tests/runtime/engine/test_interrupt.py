@@ -29,8 +29,11 @@ def model(synth_model_factory):
 
 def _start(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    # SIGINT at its default in the child, as in a shell, whatever this process did with it
+    # (an ignored SIGINT is inherited, and Python then installs no handler)
     return subprocess.Popen([sys.executable, "-m", "runtime.cli", *args], cwd=REPO_ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _interrupt(proc: subprocess.Popen) -> tuple[bytes, str, float]:
