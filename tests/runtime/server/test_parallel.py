@@ -61,11 +61,15 @@ def test_four_streams_at_once_match_each_run_alone(start_server, model):
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    shortest_alone = min(s for _, s, _ in alone.values())
+    # a request alone that ran its whole length (one that met EOS early proves nothing)
+    full = [s for _, s, n in alone.values() if n == N_TOKENS] or [s for _, s, _ in alone.values()]
+    shortest_alone = min(full)
     for i in range(len(PROMPTS)):
         first, text, _ = out[i]
         assert text == alone[i][0], i                       # greedy: as when run alone
-        assert first is not None and first < shortest_alone / 2, (first, shortest_alone)
+        # served at once, not queued: queued, the last stream's first token would come after
+        # three whole requests; at once, every first token comes before one request alone ends
+        assert first is not None and first < shortest_alone, (first, shortest_alone)
     aggregate_tps = sum(n for *_, n in alone.values()) / wall
     if aggregate_tps < one_slot_tps:       # the machine's load moves: one slot's rate now
         one_slot_tps = min(one_slot_tps, run_alone()[1])
