@@ -1,4 +1,5 @@
-"""A reusable single-sequence ``llama_batch`` with numpy views over its arrays."""
+"""Reusable ``llama_batch``es with numpy views over their arrays: one sequence
+(``TokenBatch``) or rows of several (``MultiBatch``, continuous batching)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -6,8 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class TokenBatch:
-    """``llama_batch_init(capacity, 0, 1)`` filled in place: tokens, positions, outputs."""
+class _Batch:
+    """``llama_batch_init(capacity, 0, 1)`` and numpy views of its per-row arrays."""
 
     def __init__(self, capacity: int):
         from runtime.engine.llama_lib import bindings  # noqa: PLC0415
@@ -20,9 +21,21 @@ class TokenBatch:
         self._pos = np.ctypeslib.as_array(b.pos, shape=(self.capacity,))         # int32
         self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.capacity,))  # int32
         self._output = np.ctypeslib.as_array(b.logits, shape=(self.capacity,))   # int8
-        for i in range(self.capacity):
-            b.seq_id[i][0] = 0                 # one sequence, id 0, for every slot
         self._n_seq[:] = 1
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self._ll.llama_batch_free(self.batch)
+            self.batch = None
+
+
+class TokenBatch(_Batch):
+    """One sequence (id 0) filled in place: tokens, positions, outputs."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        for i in range(self.capacity):
+            self.batch.seq_id[i][0] = 0            # one sequence, id 0, for every slot
 
     def fill(self, tokens: Sequence[int], first_pos: int, *, all_outputs: bool) -> int:
         """Load ``tokens`` at positions ``first_pos..``; returns how many logits rows are
@@ -37,28 +50,13 @@ class TokenBatch:
         self.batch.n_tokens = n
         return n if all_outputs else 1
 
-    def close(self) -> None:
-        if self.batch is not None:
-            self._ll.llama_batch_free(self.batch)
-            self.batch = None
 
-
-class MultiBatch:
-    """``llama_batch_init(capacity, 0, 1)`` holding rows of several sequences (continuous
-    batching): ``add(token, pos, seq, output)`` row by row, ``clear()`` between decodes."""
+class MultiBatch(_Batch):
+    """Rows of several sequences (continuous batching): ``add(token, pos, seq, output)`` row
+    by row, ``clear()`` between decodes."""
 
     def __init__(self, capacity: int):
-        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
-
-        self._ll = bindings()
-        self.capacity = int(capacity)
-        self.batch = self._ll.llama_batch_init(self.capacity, 0, 1)
-        b = self.batch
-        self._token = np.ctypeslib.as_array(b.token, shape=(self.capacity,))     # int32
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.capacity,))         # int32
-        self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(self.capacity,))  # int32
-        self._output = np.ctypeslib.as_array(b.logits, shape=(self.capacity,))   # int8
-        self._n_seq[:] = 1
+        super().__init__(capacity)
         self.n = 0
         self.n_outputs = 0
 
@@ -81,8 +79,3 @@ class MultiBatch:
             return -1
         self.n_outputs += 1
         return i
-
-    def close(self) -> None:
-        if self.batch is not None:
-            self._ll.llama_batch_free(self.batch)
-            self.batch = None
