@@ -146,16 +146,6 @@ int32_t rh_final_stage(const rh_hook *h, int32_t layer) {
     return layer >= 0 && layer < h->n_layer ? h->final_stage[layer] : -1;
 }
 
-int rh_get_event(const rh_hook *h, int32_t i, rh_event *out) {
-    if (i < 0 || i >= h->n_events) return -1;
-    const ev_rec *e = &h->events[i];
-    out->layer = e->layer; out->phase = e->phase; out->first_step = e->first_step;
-    out->turn = e->turn; out->n_rows = e->n_rows;
-    out->experts = h->ev_experts + e->at;
-    out->weights = h->ev_weights + e->at;
-    return 0;
-}
-
 int64_t rh_events_elems(const rh_hook *h) { return h->n_ev_elems; }
 
 int rh_copy_events(const rh_hook *h, int64_t *meta, int32_t *experts, float *weights) {

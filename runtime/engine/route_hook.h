@@ -16,7 +16,8 @@
  *     ... cb_eval = rh_eval, cb_eval_user_data = h ...
  *     rh_begin_batch(h, phase, first_step, n_tokens, n_outputs, turn, strict);
  *     llama_decode(...);
- *     if (rh_end_batch(h) != 0) ... rh_error(h) ...; rh_get_event(h, i, &ev) for i < rh_n_events(h)
+ *     if (rh_end_batch(h) != 0) ... rh_error(h) ...;
+ *     rh_copy_events(h, meta, experts, weights);       // the batch's events, once
  */
 #ifndef ROUTE_HOOK_H
 #define ROUTE_HOOK_H
@@ -27,12 +28,6 @@
 typedef struct rh_hook rh_hook;
 typedef bool (*rh_eval_cb)(void *tensor, bool ask, void *user_data);
 typedef void (*rh_tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
-
-typedef struct {
-    int32_t layer, phase, first_step, turn, n_rows;
-    const int32_t *experts;      /* (n_rows, k) routing order */
-    const float *weights;        /* (n_rows, k) the applied weights */
-} rh_event;
 
 enum { RH_FORWARD = 0, RH_NATIVE = 1 };
 
@@ -59,7 +54,6 @@ int rh_end_batch(rh_hook *h);                /* 0, or an error: rh_error says wh
 void rh_abort_batch(rh_hook *h);             /* a failed decode: release leases, drop events */
 const char *rh_error(const rh_hook *h);
 int32_t rh_n_events(const rh_hook *h);
-int rh_get_event(const rh_hook *h, int32_t i, rh_event *out);
 /* every event of the batch at once: (n_events, 6) int64 rows (layer, phase, first_step, turn,
  * n_rows, offset into the arrays) into `meta`, and the (n_elems,) experts / weights arrays */
 int64_t rh_events_elems(const rh_hook *h);

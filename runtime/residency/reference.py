@@ -478,9 +478,6 @@ class ReferenceCore:
         self.pinned.discard(t["flat"])
         return True
 
-    def pending(self, tid: int) -> bool:
-        return tid in self.tickets
-
     @property
     def n_pending(self) -> int:
         return len(self.tickets)

@@ -23,7 +23,7 @@ PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3}
 _ADMISSION_PARAM = {"reuse-threshold": "break_even", "transient-on-pressure": "window"}
 _PREFETCH_PARAM = {"chunk-plan": "depth", "popularity": "top_n"}
 
-# counter order of the core (telemetry.PhaseTally's fields, hits left out)
+# counter order of the core (telemetry.PhaseCounters' fields, hits left out: derived)
 COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
             "transient_uses", "transient_bytes", "evictions", "evicted_bytes", "prefetch_issued",
             "prefetch_issued_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",

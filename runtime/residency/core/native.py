@@ -173,9 +173,6 @@ class NativeCore:
     def abort(self, ticket_id: int) -> bool:
         return self.lib.rc_abort(self._c, ticket_id) == 1
 
-    def pending(self, ticket_id: int) -> bool:
-        return bool(self.lib.rc_ticket_pending(self._c, ticket_id))
-
     @property
     def n_pending(self) -> int:
         return self.lib.rc_pending_tickets(self._c)
@@ -211,10 +208,6 @@ class NativeCore:
     @property
     def n_leases(self) -> int:
         return self.lib.rc_n_leases(self._c)
-
-    @property
-    def seq(self) -> int:
-        return self.lib.rc_seq(self._c)
 
     def verify(self) -> int:
         return self.lib.rc_verify(self._c)

@@ -967,7 +967,6 @@ static int rc_ticket_impl(const rc_core *c, int64_t id, rc_ticket_info *out) {
     return RC_OK;
 }
 
-int rc_ticket_pending(const rc_core *c, int64_t id) { return find_ticket(c, id) != NULL; }
 int32_t rc_pending_tickets(const rc_core *c) { return c->n_tickets; }
 
 static int rc_commit_impl(rc_core *c, int64_t id) {
@@ -1045,7 +1044,6 @@ int32_t rc_pool_pending_tickets(const rc_core *c, int32_t p) { return c->pools[p
 int64_t rc_counter(const rc_core *c, int32_t p, int32_t phase, int32_t k) {
     return c->pools[p].counters[phase][k];
 }
-int64_t rc_seq(const rc_core *c) { return c->seq; }
 
 static int heap_ok(const rc_core *c, int32_t o, const heap *h) {
     for (int32_t i = 0; i < h->n; i++) {

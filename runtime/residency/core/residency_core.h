@@ -22,7 +22,7 @@
 #include <stdint.h>
 
 #define RC_N_COUNTERS 14
-/* counter order (PhaseTally): accesses misses demand_miss_bytes admissions admitted_bytes
+/* counter order (telemetry.PhaseCounters, without the derived hits): accesses misses demand_miss_bytes admissions admitted_bytes
  * transient_uses transient_bytes evictions evicted_bytes prefetch_issued
  * prefetch_issued_bytes prefetch_used_bytes prefetch_wasted_bytes transition_hits */
 
@@ -126,7 +126,6 @@ int rc_ticket(const rc_core *c, int64_t id, rc_ticket_info *out);   /* RC_ERR_ST
 int rc_commit(rc_core *c, int64_t id);   /* 1 committed, 0 already finished */
 int rc_abort(rc_core *c, int64_t id);    /* 1 aborted, 0 already finished */
 int32_t rc_pending_tickets(const rc_core *c);
-int rc_ticket_pending(const rc_core *c, int64_t id);
 
 /* a resident key leaves (the mechanism lost it: a failed copy); counts nothing */
 int rc_forget(rc_core *c, int32_t flat);
@@ -144,7 +143,6 @@ int64_t rc_pool_resident_count(const rc_core *c, int32_t pool);
 int64_t rc_pool_pending_bytes(const rc_core *c, int32_t pool);
 int32_t rc_pool_pending_tickets(const rc_core *c, int32_t pool);
 int64_t rc_counter(const rc_core *c, int32_t pool, int32_t phase, int32_t counter);
-int64_t rc_seq(const rc_core *c);
 int32_t rc_n_leases(const rc_core *c);
 int rc_verify(const rc_core *c);                             /* 0 ok, else which check */
 
