@@ -36,46 +36,18 @@ class PreparedTrace:
 
     name: str
     trace: RouteTrace
-    starts: list[int]            # (n_batches,) first row of each layer batch
-    stops: list[int]             # (n_batches,) one past its last row
-    layers: list[int]            # (n_batches,)
-    phases: list[Phase]          # (n_batches,)
-    steps: list[int]             # (n_batches,) step of the batch's first token
-    multi_token: list[bool]      # (n_batches,) more than one token (prefill chunks)
+    bounds: np.ndarray           # (n_batches + 1,) int64 row offsets of the layer batches
+    layer_arr: np.ndarray        # (n_batches,) int32 layer of each batch
+    phase_arr: np.ndarray        # (n_batches,) int8 phase of each batch
+    multi_token: np.ndarray      # (n_batches,) bool: more than one token (prefill chunks)
     experts: np.ndarray          # (n,) int64 expert id per row, routing order
+    expert_i32: np.ndarray       # (n,) the same as the core takes them
     cold_miss_bytes: int
     prefill_turns: int           # turns that have prefill rows
     decode_tokens: int           # decode (and mixed) tokens
     runs: int = 0                # manager runs so far (one per cell)
     _next_use: np.ndarray | None = field(default=None, repr=False)
     _ceilings: dict[int, BoundResult] = field(default_factory=dict, repr=False)
-
-    @property
-    def bounds(self) -> np.ndarray:
-        """(n_batches + 1,) int64 row offsets of the layer batches."""
-        return self._arrays()[0]
-
-    @property
-    def layer_arr(self) -> np.ndarray:
-        return self._arrays()[1]
-
-    @property
-    def phase_arr(self) -> np.ndarray:
-        return self._arrays()[2]
-
-    @property
-    def expert_i32(self) -> np.ndarray:
-        return self._arrays()[3]
-
-    def _arrays(self) -> tuple[np.ndarray, ...]:
-        cached = self.__dict__.get("_arr")
-        if cached is None:
-            cached = (np.asarray(self.starts + self.stops[-1:], dtype=np.int64),
-                      np.asarray(self.layers, dtype=np.int32),
-                      np.asarray([int(p) for p in self.phases], dtype=np.int8),
-                      self.experts.astype(np.int32))
-            self.__dict__["_arr"] = cached
-        return cached
 
     @property
     def accesses(self) -> int:
@@ -105,21 +77,18 @@ class PreparedTrace:
 
 def prepare(trace: RouteTrace, name: str | None = None) -> PreparedTrace:
     """Cut ``trace`` into layer batches and gather the per-trace facts cells share."""
-    bounds = trace.batch_bounds()
+    bounds = trace.batch_bounds().astype(np.int64)
     starts = bounds[:-1]
-    k = trace.header.n_expert_used
-    sizes = np.diff(bounds)
-    multi = sizes > k
     t = trace
     prefill_turns = len(np.unique(t.turn[t.phase == PHASE_PREFILL]))
     decode_tokens = t.token_count(1) + t.token_count(2)
+    experts = t.expert.astype(np.int64)
     return PreparedTrace(
-        name=name or trace.source, trace=trace, starts=starts.tolist(),
-        stops=bounds[1:].tolist(), layers=t.layer[starts].tolist(),
-        phases=[PHASES[p] for p in t.phase[starts].tolist()], steps=t.step[starts].tolist(),
-        multi_token=multi.tolist(), experts=t.expert.astype(np.int64),
-        cold_miss_bytes=cold_miss_bytes(t), prefill_turns=prefill_turns,
-        decode_tokens=decode_tokens)
+        name=name or trace.source, trace=trace, bounds=bounds,
+        layer_arr=t.layer[starts].astype(np.int32), phase_arr=t.phase[starts].astype(np.int8),
+        multi_token=np.diff(bounds) > t.header.n_expert_used, experts=experts,
+        expert_i32=experts.astype(np.int32), cold_miss_bytes=cold_miss_bytes(t),
+        prefill_turns=prefill_turns, decode_tokens=decode_tokens)
 
 
 @dataclass(frozen=True)
@@ -284,7 +253,7 @@ def _price(cost: CostModel, prep: PreparedTrace, miss_kind: np.ndarray) -> None:
     batch_of = np.repeat(np.arange(len(sizes)), sizes)
     missed = np.bincount(batch_of, weights=(miss_kind != 0), minlength=len(sizes))
     admitted = np.bincount(batch_of, weights=(miss_kind == 1), minlength=len(sizes))
-    multi = np.asarray(prep.multi_token, dtype=bool)
+    multi = prep.multi_token
     k = prep.trace.header.n_expert_used
     for b in np.flatnonzero(multi).tolist():
         s, e = int(bounds[b]), int(bounds[b + 1])
