@@ -45,12 +45,15 @@ def _context(ll, model, n_ctx=256, flash_attn=None):
 _KEEP: list = []      # ctypes objects llama.cpp points to while the model lives
 
 
-def _load(ll, path, ngl: int = 0, experts_on_cpu: bool = False):
+def _load(ll, path, ngl: int = 0, experts_on_cpu: bool = False, extra_bufts: bool = True):
     """The model; ``ngl`` layers on the first GPU-like device, with ``experts_on_cpu`` every
-    routed-expert tensor in a host buffer (how the engine loads for a device cache)."""
+    routed-expert tensor in a host buffer (how the engine loads for a device cache);
+    ``extra_bufts=False``: no AMX / repacked CPU weights (llama.cpp's --no-repack)."""
     ll.llama_backend_init()
     mp = ll.llama_model_default_params()
     mp.n_gpu_layers = ngl
+    if not extra_bufts:
+        mp.use_extra_bufts = False
     if experts_on_cpu:
         from runtime.engine import llama_lib
         overrides = llama_lib.BuftOverrides([(llama_lib.EXPERT_PATTERN,
@@ -83,8 +86,10 @@ def _prompt_and_greedy(ll, ctx, model, tokens, n_greedy):
 
 
 def mode_logits(args):
-    import llama_cpp.llama_cpp as ll
-    model = _load(ll, args["model"], args.get("ngl", 0), args.get("experts_on_cpu", False))
+    from runtime.engine.llama_lib import bindings
+    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    model = _load(ll, args["model"], args.get("ngl", 0), args.get("experts_on_cpu", False),
+                  args.get("extra_bufts", True))
     ctx = _context(ll, model, flash_attn=args.get("flash_attn"))
     cache, resident = None, 0
     if args.get("capacity") is not None:
@@ -130,7 +135,8 @@ def mode_logits(args):
 
 
 def mode_capi(args):
-    import llama_cpp.llama_cpp as ll
+    from runtime.engine.llama_lib import bindings
+    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from runtime.native.shim import ShimCache, ShimError, ffi, load_shim
     model = _load(ll, args["model"])
     lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
@@ -200,7 +206,7 @@ def mode_engine(args):
                               n_threads_batch=1, n_batch=64, n_ubatch=64,
                               n_gpu_layers=args.get("n_gpu_layers", 0),
                               manage_residency=config is not None, config=config,
-                              lib_dir=args.get("lib_dir"))
+                              lib_dir=args.get("lib_dir"), repack=args.get("repack"))
     engine = Engine(settings, progress=False)
     params = SamplingParams(max_tokens=args["max_tokens"], temperature=0.0, seed=1)
     tokens = [c.token for c in engine.generate(args["prompt"], params) if c.token is not None]
@@ -246,7 +252,8 @@ def mode_placement(args):
 
 
 def mode_ids(args):
-    import llama_cpp.llama_cpp as ll
+    from runtime.engine.llama_lib import bindings
+    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from runtime.engine import llama_lib
     from runtime.native.shim import ShimCache, load_shim
 
@@ -285,7 +292,8 @@ def mode_ids(args):
 
 
 def mode_churn(args):
-    import llama_cpp.llama_cpp as ll
+    from runtime.engine.llama_lib import bindings
+    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from types import SimpleNamespace
     from gguf_tools.expert_index import ExpertIndex
     from runtime.native.device_cache import DeviceCache, ExpertSource

@@ -19,7 +19,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
                                                "0002-moe-cold-path-anchors.patch",
                                                "0003-moe-distinct-cold-ids-and-biases.patch",
-                                               "0004-moe-cache-graph-nodes.patch"]
+                                               "0004-moe-cache-graph-nodes.patch",
+                                               "0005-ggml-cpu-amx-tile-config.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
