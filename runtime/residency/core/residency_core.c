@@ -38,24 +38,24 @@ enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_T
 typedef struct { int32_t *v; int32_t n, cap; } ivec;
 typedef struct { int64_t *v; int32_t n, cap; } lvec;
 
+/* room for one more element of ``size`` bytes in ``*v`` (``n`` used of ``*cap``) */
+static int vec_room(void **v, int32_t n, int32_t *cap, size_t size) {
+    if (n < *cap) return 0;
+    const int32_t c = *cap ? 2 * *cap : 16;
+    void *grown = realloc(*v, (size_t) c * size);
+    if (grown == NULL) return -1;
+    *v = grown; *cap = c;
+    return 0;
+}
+
 static int ivec_push(ivec *a, int32_t x) {
-    if (a->n == a->cap) {
-        int32_t cap = a->cap ? 2 * a->cap : 16;
-        int32_t *v = realloc(a->v, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        a->v = v; a->cap = cap;
-    }
+    if (vec_room((void **) &a->v, a->n, &a->cap, sizeof *a->v)) return -1;
     a->v[a->n++] = x;
     return 0;
 }
 
 static int lvec_push(lvec *a, int64_t x) {
-    if (a->n == a->cap) {
-        int32_t cap = a->cap ? 2 * a->cap : 16;
-        int64_t *v = realloc(a->v, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        a->v = v; a->cap = cap;
-    }
+    if (vec_room((void **) &a->v, a->n, &a->cap, sizeof *a->v)) return -1;
     a->v[a->n++] = x;
     return 0;
 }
