@@ -31,6 +31,7 @@ from runtime.residency.core import (ABSENT, COUNTERS, ERR_EXPERT, ERR_LAYER, ERR
                                     ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
                                     ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
                                     RESIDENT_MAX, CorePolicy)
+from runtime.residency.reference_next_visit import NextVisitModel
 
 C = {name: i for i, name in enumerate(COUNTERS)}   # counter name -> index, the core's order
 
@@ -63,6 +64,8 @@ class ReferenceCore:
         self.uses = [[0] * n for _ in range(3)]
         self.decay = [-math.inf] * n
         self.next_use = [NEVER] * n
+        self.nv = (NextVisitModel(n_layer, n_expert, self.moe_layers, policy.nv_learning_rate)
+                   if any(o[0] == "next-visit" for o in policy.orders) else None)
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
@@ -129,6 +132,8 @@ class ReferenceCore:
             return self.decay[f]
         if name == "phase-weighted":
             return p1 * float(u[0][f]) + p2 * float(u[1][f] + u[2][f])
+        if name == "next-visit":
+            return -self.nv.expected(f)
         return -float(self.next_use[f])                         # belady
 
     def _key(self, order: int, f: int) -> tuple:
@@ -222,6 +227,8 @@ class ReferenceCore:
         self.seq += len(el)
         missed: list[int] = []
         tr = 0
+        if self.nv is not None:
+            self.nv.visit(layer, el, phase)
         for i, e in enumerate(el):
             f = base + e
             if self.state[f] > RESIDENT_MAX:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from runtime.residency.types import Phase
 
-EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4}
+EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4,
+                  "next-visit": 5}
 ADMISSION_KINDS = {"always": 0, "reuse-threshold": 1, "transient-on-pressure": 2,
                    "belady-bypass": 3}
 PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3}
@@ -48,6 +49,7 @@ class CorePolicy:
     admission: tuple[tuple[str, float], ...]       # per phase: (name, parameter)
     prefetch: tuple[tuple[str, float], ...]        # per phase: (name, parameter); MIXED none
     track_next_use: bool                           # an offline policy: accesses need next_use
+    nv_learning_rate: float = 0.0                  # next-visit's model; 0: none
 
     @classmethod
     def from_config(cls, config) -> CorePolicy:
@@ -60,15 +62,21 @@ class CorePolicy:
             if pp.eviction not in specs:
                 specs.append(pp.eviction)
         rates = set()
+        nv_rates = set()
         orders = []
         for spec in specs:
             kw = spec.kwargs()
             if spec.name == "lfu-decay":
                 rates.add(math.log(2.0) / kw["half_life"])
+            if spec.name == "next-visit":
+                nv_rates.add(kw["learning_rate"])
             orders.append((spec.name, kw.get("w_prefill", 0.0), kw.get("w_decode", 0.0)))
         if len(rates) > 1:
             raise UserError(f"{config.source}: lfu-decay half_life must be the same in every "
                             "phase")
+        if len(nv_rates) > 1:
+            raise UserError(f"{config.source}: next-visit learning_rate must be the same in "
+                            "every phase")
         admission = tuple((pp.admission.name,
                            pp.admission.kwargs().get(_ADMISSION_PARAM.get(pp.admission.name, ""),
                                                      0.0)) for pp in phases)
@@ -80,7 +88,8 @@ class CorePolicy:
                       for pp in phases)
         return cls(orders=tuple(orders), decay_rate=rates.pop() if rates else 0.0,
                    phase_order=tuple(specs.index(pp.eviction) for pp in phases),
-                   admission=admission, prefetch=tuple(prefetch), track_next_use=offline)
+                   admission=admission, prefetch=tuple(prefetch), track_next_use=offline,
+                   nv_learning_rate=nv_rates.pop() if nv_rates else 0.0)
 
     def needs_upcoming(self, phase: int) -> bool:
         return self.prefetch[phase][0] == "belady"

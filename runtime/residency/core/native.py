@@ -41,6 +41,7 @@ class NativeCore:
             p.order_kind[i] = EVICTION_KINDS[name]
             p.order_p1[i], p.order_p2[i] = p1, p2
         p.decay_rate = policy.decay_rate
+        p.nv_learning_rate = policy.nv_learning_rate
         for ph in range(3):
             p.phase_order[ph] = policy.phase_order[ph]
             p.admission[ph] = ADMISSION_KINDS[policy.admission[ph][0]]

@@ -16,6 +16,7 @@
  *     touched, then brought in while victims rank strictly below it.
  */
 #include "residency_core.h"
+#include "next_visit.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -28,7 +29,7 @@
 #define EVICTING 10
 #define NEVER (((int64_t) 1) << 62)
 
-enum { EV_LRU, EV_LFU, EV_LFU_DECAY, EV_PHASE_WEIGHTED, EV_BELADY };
+enum { EV_LRU, EV_LFU, EV_LFU_DECAY, EV_PHASE_WEIGHTED, EV_BELADY, EV_NEXT_VISIT };
 enum { AD_ALWAYS, AD_REUSE, AD_TOP, AD_BELADY_BYPASS };
 enum { PF_NONE, PF_CHUNK_PLAN, PF_POPULARITY, PF_BELADY };
 enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_TRANSIENT,
@@ -93,6 +94,7 @@ struct rc_core {
     int64_t *uses;                /* (3, n_flat) routed count per phase */
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
+    nv_model *nv;                 /* eviction next-visit's model, or NULL */
     uint8_t *pinned, *pf_unused;  /* (n_flat,) */
     int32_t *lease_count;         /* (n_flat,) */
     int64_t *seen;                /* (n_flat,) call stamp: first occurrence within a call */
@@ -123,6 +125,7 @@ static double score(const rc_core *c, int32_t order, int32_t f) {
     case EV_PHASE_WEIGHTED:
         return c->pol.order_p1[order] * (double) u[f]
              + c->pol.order_p2[order] * (double) (u[n + f] + u[2 * n + f]);
+    case EV_NEXT_VISIT: return -nv_expected(c->nv, f);
     default: return -(double) c->next_use[f];
     }
 }
@@ -139,6 +142,16 @@ static inline int key_less(const rc_core *c, int32_t order, int32_t a, int32_t b
     return a < b;
 }
 
+/* the order a heap keeps: the policy's, except next-visit, whose score moves with the layer
+ * cycle: its heap is only the pool's resident set (kept in lru order) and pop_victim scans it */
+static inline int heap_less(const rc_core *c, int32_t order, int32_t a, int32_t b) {
+    if (c->pol.order_kind[order] == EV_NEXT_VISIT) {
+        const int64_t la = c->last_seq[a], lb = c->last_seq[b];
+        return la != lb ? la < lb : a < b;
+    }
+    return key_less(c, order, a, b);
+}
+
 static void heap_swap(heap *h, int32_t i, int32_t j) {
     int32_t a = h->items[i], b = h->items[j];
     h->items[i] = b; h->items[j] = a;
@@ -148,7 +161,7 @@ static void heap_swap(heap *h, int32_t i, int32_t j) {
 static void sift_up(const rc_core *c, int32_t o, heap *h, int32_t i) {
     while (i > 0) {
         int32_t p = (i - 1) / 2;
-        if (!key_less(c, o, h->items[i], h->items[p])) break;
+        if (!heap_less(c, o, h->items[i], h->items[p])) break;
         heap_swap(h, i, p);
         i = p;
     }
@@ -157,8 +170,8 @@ static void sift_up(const rc_core *c, int32_t o, heap *h, int32_t i) {
 static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
     for (;;) {
         int32_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < h->n && key_less(c, o, h->items[l], h->items[m])) m = l;
-        if (r < h->n && key_less(c, o, h->items[r], h->items[m])) m = r;
+        if (l < h->n && heap_less(c, o, h->items[l], h->items[m])) m = l;
+        if (r < h->n && heap_less(c, o, h->items[r], h->items[m])) m = r;
         if (m == i) return;
         heap_swap(h, i, m);
         i = m;
@@ -218,6 +231,16 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
  * met on the way wait in r_aside until settle() */
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* a scan: the lowest unprotected key */
+        int32_t best = -1;
+        for (int32_t i = 0; i < h->n; i++) {
+            const int32_t f = h->items[i];
+            if (protected_key(c, f, seq0)) continue;
+            if (best < 0 || key_less(c, o, f, best)) best = f;
+        }
+        if (best >= 0) heap_remove(c, o, h, best);
+        return best;
+    }
     while (h->n > 0) {
         int32_t f = h->items[0];
         if (c->pol.order_kind[o] == EV_LRU && c->last_seq[f] >= seq0) return -1;  /* the rest
@@ -388,6 +411,15 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (expert_bytes[l] > 0) c->moe_layers[c->n_moe++] = l;
     }
     memset(c->state, ABSENT, (size_t) n);
+    for (int32_t o = 0; o < policy->n_orders; o++)
+        if (policy->order_kind[o] == EV_NEXT_VISIT && c->nv == NULL) {
+            c->nv = nv_create(n_layer, n_expert, c->moe_layers, c->n_moe,
+                              policy->nv_learning_rate);
+            if (c->nv == NULL) {
+                rc_free(c);
+                return NULL;
+            }
+        }
     for (int32_t i = 0; i < n; i++) {
         c->last_seq[i] = -1;
         if (c->decay_log) c->decay_log[i] = -INFINITY;
@@ -418,6 +450,7 @@ void rc_free(rc_core *c) {
     if (c == NULL) return;
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
+    nv_free(c->nv);
     for (int32_t i = 0; i < c->n_tickets; i++) {
         free(c->tickets[i].victims);
         free(c->tickets[i].before);
@@ -850,6 +883,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     const int64_t call = c->call;
     const double rate = c->pol.decay_rate;
     int32_t tr = 0;
+    if (c->nv != NULL) nv_visit(c->nv, layer, el, n, phase);
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = base + el[i];
@@ -1048,7 +1082,7 @@ int64_t rc_counter(const rc_core *c, int32_t p, int32_t phase, int32_t k) {
 static int heap_ok(const rc_core *c, int32_t o, const heap *h) {
     for (int32_t i = 0; i < h->n; i++) {
         if (h->pos[h->items[i]] != i) return 0;
-        if (i > 0 && key_less(c, o, h->items[i], h->items[(i - 1) / 2])) return 0;
+        if (i > 0 && heap_less(c, o, h->items[i], h->items[(i - 1) / 2])) return 0;
     }
     return 1;
 }

@@ -32,10 +32,12 @@ typedef struct rc_core rc_core;
  * admission and a prefetch policy (kind + one parameter each) */
 typedef struct {
     int32_t n_orders;             /* 1..3 */
-    int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady */
+    int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady,
+                                     5 next-visit */
     double order_p1[3];           /* phase-weighted: w_prefill */
     double order_p2[3];           /* phase-weighted: w_decode */
     double decay_rate;            /* lfu-decay: ln 2 / half_life (0: no decayed counts) */
+    double nv_learning_rate;      /* next-visit: the model's learning rate (next_visit.h) */
     int32_t phase_order[3];       /* phase -> order index */
     int32_t admission[3];         /* 0 always, 1 reuse-threshold, 2 transient-on-pressure,
                                      3 belady-bypass */

@@ -8,6 +8,10 @@ Python reference); what each one does:
     lfu-decay       exponentially decayed count: a use ``half_life`` accesses ago counts half
     phase-weighted  w_prefill * prefill uses + w_decode * (decode + mixed) uses
     belady          offline: -(next use)
+    next-visit      -(expected layer-steps to the next use): the layer's distance in the cycle
+                    + n_moe_layers * (1/p - 1), p = P(routed at its layer's next visit) from
+                    a logistic model over age and frequency at three time scales, learned
+                    online at decode layer-steps (core/next_visit.h); ``learning_rate``
   admission (a demand miss is admitted, or used transiently)
     always                 admit whenever victims exist
     reuse-threshold        decode: admit once routed >= break_even times (prefill: always)
@@ -34,6 +38,7 @@ _REGISTRY: dict[str, dict[str, dict[str, float]]] = {
         "lfu-decay": {"half_life": 4096.0},
         "phase-weighted": {"w_prefill": 1.0, "w_decode": 4.0},
         "belady": {},
+        "next-visit": {"learning_rate": 0.002},
     },
     "admission": {
         "always": {},
@@ -49,7 +54,7 @@ _REGISTRY: dict[str, dict[str, dict[str, float]]] = {
     },
 }
 # parameters that must be > 0 (the rest must be >= 0)
-_POSITIVE = {"half_life", "depth"}
+_POSITIVE = {"half_life", "depth", "learning_rate"}
 OFFLINE_ONLY = {("eviction", "belady"), ("admission", "belady-bypass"), ("prefetch", "belady")}
 
 

@@ -13,6 +13,7 @@ from runtime.residency.core import CorePolicy, make_core
 from runtime.residency.policies.factory import make_spec
 
 EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
+             ("next-visit", {"learning_rate": 0.05}),
              ("phase-weighted", {"w_prefill": 1.0, "w_decode": 3.0})]
 ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
               ("transient-on-pressure", {"window": 20.0})]
