@@ -76,6 +76,7 @@ class ReferenceCore:
         self.next_ticket = 1
         self.is_static = False
         self.last_bad = 0
+        self.pf_event_of: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------
     def set_inline(self, inline: bool) -> None:
@@ -420,8 +421,10 @@ class ReferenceCore:
             self._prefetch_flats(flats, phase, self.seq, res)
         return (0, 0, 0, 0, 0, (), (), (), (), tuple(res["new"]), tuple(res["prefetched"]))
 
-    def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind):
+    def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind,
+               pf_event=None):
         n_b = len(starts) - 1
+        self.log = []                       # (batch, flat) of each prefetch, issue order
         for b in range(n_b):
             s, e = int(starts[b]), int(starts[b + 1])
             up = None
@@ -430,10 +433,14 @@ class ReferenceCore:
                        np.arange(e, int(starts[b + 2]))) if b + 1 < n_b
                       else (int(layers[b]), experts[e:e], np.arange(e, e)))
             el = experts[s:e]
+            unused = set(self.pf_unused)
             res = self.access(int(layers[b]), el, int(phases[b]),
                               None if next_use is None else next_use[s:e], up)
             if res[0] != 0:
                 return res[0]
+            for _tid, f, _victims in res[10]:
+                self.pf_event_of[f] = len(self.log)
+                self.log.append((b, f))
             miss_kind[s:e] = 0
             admitted, transient, tickets = set(res[5]), set(res[7]), res[8]
             base = int(layers[b]) * self.n_expert
@@ -448,7 +455,16 @@ class ReferenceCore:
                                                  for t in tickets):
                     kind = 3
                 miss_kind[s + i] = kind
+                if f in unused:             # its first use since it was prefetched: a hit
+                    miss_kind[s + i] = 4
+                    if pf_event is not None:
+                        pf_event[s + i] = self.pf_event_of[f]
         return 0
+
+    def replay_prefetches(self) -> tuple[np.ndarray, np.ndarray]:
+        log = getattr(self, "log", [])
+        return (np.array([b for b, _ in log], dtype=np.int64),
+                np.array([f for _, f in log], dtype=np.int32))
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, tid: int):

@@ -144,8 +144,9 @@ class NativeCore:
 
     def replay(self, starts: np.ndarray, layers: np.ndarray, phases: np.ndarray,
                experts: np.ndarray, next_use: np.ndarray | None, with_upcoming: bool,
-               miss_kind: np.ndarray) -> int:
-        """Every batch of a trace through access() (no leases); see rc_replay."""
+               miss_kind: np.ndarray, pf_event: np.ndarray | None = None) -> int:
+        """Every batch of a trace through access() (no leases); see rc_replay. ``pf_event``
+        (n rows, int64) gets the prefetch log index at the rows of kind 4."""
         ffi = self.ffi
         starts = np.ascontiguousarray(starts, dtype=np.int64)
         layers = np.ascontiguousarray(layers, dtype=np.int32)
@@ -157,7 +158,18 @@ class NativeCore:
                                   ffi.from_buffer("int32_t[]", layers),
                                   ffi.from_buffer("int8_t[]", phases),
                                   ffi.from_buffer("int32_t[]", experts), nu, int(with_upcoming),
-                                  ffi.from_buffer("int8_t[]", miss_kind))
+                                  ffi.from_buffer("int8_t[]", miss_kind),
+                                  ffi.NULL if pf_event is None else
+                                  ffi.from_buffer("int64_t[]", pf_event))
+
+    def replay_prefetches(self) -> tuple[np.ndarray, np.ndarray]:
+        """(batch (n,) int64, flat (n,) int32) of every prefetch the latest replay issued."""
+        b, f = self.ffi.new("int64_t **"), self.ffi.new("int32_t **")
+        n = self.lib.rc_replay_prefetches(self._c, b, f)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        return (np.frombuffer(self.ffi.buffer(b[0], 8 * n), dtype=np.int64).copy(),
+                np.frombuffer(self.ffi.buffer(f[0], 4 * n), dtype=np.int32).copy())
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, ticket_id: int):

@@ -95,6 +95,11 @@ struct rc_core {
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
     nv_model *nv;                 /* eviction next-visit's model, or NULL */
+    /* replay's prefetch log (rc_replay_prefetches): the batch and key of every prefetch
+     * issued during the latest rc_replay, in issue order; pf_event_of[f]: f's entry */
+    int64_t replay_batch;         /* the batch rc_replay runs, -1 outside it */
+    lvec log_batch; ivec log_flat;
+    int64_t *pf_event_of;         /* (n_flat,) */
     uint8_t *pinned, *pf_unused;  /* (n_flat,) */
     int32_t *lease_count;         /* (n_flat,) */
     int64_t *seen;                /* (n_flat,) call stamp: first occurrence within a call */
@@ -108,7 +113,7 @@ struct rc_core {
     ticket *tickets; int32_t n_tickets, cap_tickets;
     /* results of the last call (valid until the next one) */
     ivec r_touched, r_missed, r_missed_row, r_miss_kind, r_admitted, r_evicted, r_transient, r_victims,
-         r_aside, r_plan, r_pf_flats, r_pf_nv, r_pf_victims;
+         r_aside, r_plan, r_pf_flats, r_pf_nv, r_pf_victims, r_pf_used_row;
     lvec r_tickets, r_new, r_pf_ids;
     int32_t cur_order;            /* the order heap_less compares by */
 };
@@ -392,6 +397,8 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     c->pf_unused = calloc((size_t) n, 1);
     c->lease_count = calloc((size_t) n, sizeof *c->lease_count);
     c->seen = calloc((size_t) n, sizeof *c->seen);
+    c->pf_event_of = calloc((size_t) n, sizeof *c->pf_event_of);
+    c->replay_batch = -1;
     c->pins_by_layer = calloc((size_t) n_layer, sizeof *c->pins_by_layer);
     if (policy->decay_rate > 0) c->decay_log = malloc((size_t) n * sizeof *c->decay_log);
     if (policy->track_next_use) c->next_use = malloc((size_t) n * sizeof *c->next_use);
@@ -399,7 +406,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     for (int p = 0; p < 3; p++) chunk |= policy->prefetch[p] == PF_CHUNK_PLAN;
     if (chunk) c->last_experts = calloc((size_t) 3 * n_layer, sizeof *c->last_experts);
     if (!c->bytes_flat || !c->pool_of_layer || !c->pool_of_flat || !c->moe_layers || !c->state || !c->last_seq ||
-        !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen ||
+        !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen || !c->pf_event_of ||
         !c->pins_by_layer || (policy->decay_rate > 0 && !c->decay_log) ||
         (policy->track_next_use && !c->next_use) || (chunk && !c->last_experts)) {
         rc_free(c);
@@ -462,9 +469,10 @@ void rc_free(rc_core *c) {
         for (int32_t i = 0; i < 3 * c->n_layer; i++) free(c->last_experts[i].v);
     ivec *iv[] = {&c->r_touched, &c->r_missed, &c->r_missed_row, &c->r_miss_kind, &c->r_admitted,
                   &c->r_evicted, &c->r_transient, &c->r_victims, &c->r_aside, &c->r_plan,
-                  &c->r_pf_flats, &c->r_pf_nv, &c->r_pf_victims};
+                  &c->r_pf_flats, &c->r_pf_nv, &c->r_pf_victims, &c->r_pf_used_row, &c->log_flat};
     for (size_t i = 0; i < sizeof iv / sizeof *iv; i++) free(iv[i]->v);
-    free(c->r_tickets.v); free(c->r_new.v); free(c->r_pf_ids.v);
+    free(c->r_tickets.v); free(c->r_new.v); free(c->r_pf_ids.v); free(c->log_batch.v);
+    free(c->pf_event_of);
     free(c->tickets); free(c->leases); free(c->pins_by_layer); free(c->last_experts);
     free(c->bytes_flat); free(c->pool_of_layer); free(c->pool_of_flat); free(c->moe_layers); free(c->state);
     free(c->last_seq); free(c->uses); free(c->decay_log); free(c->next_use); free(c->pinned);
@@ -568,7 +576,7 @@ static void result_reset(rc_core *c) {
     c->r_touched.n = c->r_missed.n = c->r_missed_row.n = c->r_miss_kind.n = 0;
     c->r_admitted.n = c->r_evicted.n = c->r_transient.n = 0;
     c->r_victims.n = c->r_aside.n = 0;
-    c->r_pf_flats.n = c->r_pf_nv.n = c->r_pf_victims.n = 0;
+    c->r_pf_flats.n = c->r_pf_nv.n = c->r_pf_victims.n = c->r_pf_used_row.n = 0;
     c->r_tickets.n = c->r_new.n = c->r_pf_ids.n = 0;
 }
 
@@ -615,6 +623,11 @@ static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t p
         int64_t *t = p->counters[phase];
         t[C_PF_ISSUED]++;
         t[C_PF_ISSUED_BYTES] += b;
+        if (c->replay_batch >= 0) {
+            c->pf_event_of[f] = c->log_batch.n;
+            if (lvec_push(&c->log_batch, c->replay_batch) < 0 || ivec_push(&c->log_flat, f) < 0)
+                return RC_ERR_NOMEM;
+        }
         c->pinned[f] = 1;
         if (ivec_push(&c->pins_by_layer[f / c->n_expert], f) < 0) return RC_ERR_NOMEM;
         for (int32_t j = 0; j < c->r_victims.n; j++)
@@ -934,6 +947,8 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
             if (c->pf_unused[f]) {
                 c->pf_unused[f] = 0;
                 used++;
+                if (c->replay_batch >= 0 && ivec_push(&c->r_pf_used_row, i) < 0)
+                    return RC_ERR_NOMEM;
             }
         }
         if (used) {
@@ -959,9 +974,11 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
 
 static int rc_replay_impl(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
-              int32_t with_upcoming, int8_t *miss_kind) {
+              int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event) {
     rc_result r;
+    c->log_batch.n = c->log_flat.n = 0;
     for (int64_t b = 0; b < n_batches; b++) {
+        c->replay_batch = b;
         const int64_t s = starts[b], e = starts[b + 1];
         int32_t up_layer = -1, n_up = 0;
         const int32_t *up_e = NULL;
@@ -981,13 +998,23 @@ static int rc_replay_impl(rc_core *c, int64_t n_batches, const int64_t *starts, 
         int rc = rc_access_impl(c, layers[b], experts + s, (int32_t) (e - s), phases[b],
                            next_use ? next_use + s : NULL, up_layer, up_e, up_i, n_up, 0, 0, &r);
         free(up_i);
-        if (rc != RC_OK) return rc;
+        if (rc != RC_OK) {
+            c->replay_batch = -1;
+            return rc;
+        }
         if (miss_kind != NULL) {
             memset(miss_kind + s, 0, (size_t) (e - s));
             for (int32_t i = 0; i < c->r_missed.n; i++)
                 miss_kind[s + c->r_missed_row.v[i]] = (int8_t) c->r_miss_kind.v[i];
+            for (int32_t i = 0; i < c->r_pf_used_row.n; i++) {
+                const int32_t row = c->r_pf_used_row.v[i];
+                miss_kind[s + row] = 4;
+                if (pf_event != NULL)
+                    pf_event[s + row] = c->pf_event_of[layers[b] * c->n_expert + experts[s + row]];
+            }
         }
     }
+    c->replay_batch = -1;
     return RC_OK;
 }
 
@@ -1155,9 +1182,14 @@ int rc_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t p
 }
 int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
-              int32_t with_upcoming, int8_t *miss_kind) {
+              int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event) {
     LOCKED(rc_replay_impl(c, n_batches, starts, layers, phases, experts, next_use, with_upcoming,
-                          miss_kind));
+                          miss_kind, pf_event));
+}
+int64_t rc_replay_prefetches(const rc_core *c, const int64_t **batch, const int32_t **flat) {
+    *batch = c->log_batch.v;
+    *flat = c->log_flat.v;
+    return c->log_batch.n;
 }
 int rc_ticket(const rc_core *cc, int64_t id, rc_ticket_info *out) {
     rc_core *c = (rc_core *) cc;

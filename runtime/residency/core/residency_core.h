@@ -97,11 +97,17 @@ void rc_release(rc_core *c, int64_t lease_id);
 
 /* replay: n_batches layer-steps over rows experts[starts[b] .. starts[b+1]) with no leases;
  * miss_kind[row] (n rows) gets 1 admitted, 2 transient, 3 joined a pending transfer for the
- * first row of each missed key, else 0. next_use (n rows) or NULL; upcoming: the next
- * batch (belady prefetch) when with_upcoming. Stops at the first error (its code). */
+ * first row of each missed key, 4 the first use (a hit) of a prefetched key, else 0;
+ * pf_event[row] (n rows, or NULL) gets, at the rows of kind 4, the index of that prefetch in
+ * the replay's prefetch log (rc_replay_prefetches; other rows are left as they are).
+ * next_use (n rows) or NULL; upcoming: the next batch (belady prefetch) when with_upcoming.
+ * Stops at the first error (its code). */
 int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
-              int32_t with_upcoming, int8_t *miss_kind);
+              int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event);
+/* the latest rc_replay's prefetches in issue order: batch[i] issued flat[i]; returns their
+ * number (the arrays stay valid until the next rc_replay or rc_free) */
+int64_t rc_replay_prefetches(const rc_core *c, const int64_t **batch, const int32_t **flat);
 
 /* the live hooks' calling pattern, for benchmarks: n_steps layer-steps (layers[i], experts
  * [i * k, (i + 1) * k)) as rc_access calls with a lease each, the previous one released in
