@@ -31,6 +31,7 @@ from runtime.residency.core import (ABSENT, COUNTERS, ERR_EXPERT, ERR_LAYER, ERR
                                     ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
                                     ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
                                     RESIDENT_MAX, CorePolicy)
+from runtime.residency.reference_affinity import AffinityModel
 from runtime.residency.reference_next_visit import NextVisitModel
 
 C = {name: i for i, name in enumerate(COUNTERS)}   # counter name -> index, the core's order
@@ -66,6 +67,11 @@ class ReferenceCore:
         self.next_use = [NEVER] * n
         self.nv = (NextVisitModel(n_layer, n_expert, self.moe_layers, policy.nv_learning_rate)
                    if any(o[0] == "next-visit" for o in policy.orders) else None)
+        self.af = None
+        if any(p[0] == "affinity" for p in policy.prefetch):
+            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
+                                    float(max(int(b) for b in expert_bytes)))
+            self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
@@ -230,6 +236,8 @@ class ReferenceCore:
         tr = 0
         if self.nv is not None:
             self.nv.visit(layer, el, phase)
+        if self.af is not None:
+            self.af.observe(layer, el, phase)
         for i, e in enumerate(el):
             f = base + e
             if self.state[f] > RESIDENT_MAX:
@@ -367,12 +375,29 @@ class ReferenceCore:
                 return
             ul, ue, _ = upcoming
             plan = list(dict.fromkeys(int(ul) * ne + int(e) for e in ue))
+        elif name == "affinity":
+            if phase != 1:
+                return
+            got = self.af.plan(layer, lambda f: self.state[f] == ABSENT)
+            if not got:
+                return
+            spent = 0.0
+            for f, _ in got:
+                if self.state[f] == ABSENT:
+                    spent = spent + float(self.nbytes[f])
+            before = len(res["prefetched"])
+            mine = [-(1.0 + float(len(self.moe_layers)) * (1.0 / q - 1.0)) for _, q in got]
+            self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
+            for _, f, _ in res["prefetched"][before:]:
+                spent = spent - float(self.nbytes[f])
+            self.af.refund(spent)
+            return
         if plan:
             self._prefetch_flats(plan, phase, seq0, res)
 
-    def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict) -> None:
+    def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict, mine=None) -> None:
         order = self.policy.phase_order[phase]
-        for f in flats:
+        for i, f in enumerate(flats):
             if self.state[f] != ABSENT:
                 continue
             pool = self._pool(f)
@@ -381,12 +406,14 @@ class ReferenceCore:
             b = self.nbytes[f]
             self.last[f] = self.seq
             self.seq += 1
-            mine = self._key(order, f)
+            own = self._key(order, f)
+            if mine is not None and self.policy.orders[order][0] == "next-visit":
+                own = (mine[i], self.last[f], f)
             free = pool.capacity - pool.resident_bytes - pool.pending_bytes
             victims: list[int] = []
             freed = 0
             for v in self._candidates(pool, order, seq0):
-                if free + freed >= b or self._key(order, v) >= mine:
+                if free + freed >= b or self._key(order, v) >= own:
                     break
                 victims.append(v)
                 freed += self.nbytes[v]

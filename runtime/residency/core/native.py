@@ -48,6 +48,8 @@ class NativeCore:
             p.admission_p1[ph] = policy.admission[ph][1]
             p.prefetch[ph] = PREFETCH_KINDS[policy.prefetch[ph][0]]
             p.prefetch_p1[ph] = policy.prefetch[ph][1]
+            if policy.prefetch[ph][0] == "affinity":
+                p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.affinity
         p.track_next_use = int(policy.track_next_use)
         p.inline_transport = int(inline)
         self._eb = ffi.new("int64_t[]", [int(b) for b in expert_bytes])

@@ -17,6 +17,7 @@
  */
 #include "residency_core.h"
 #include "next_visit.h"
+#include "affinity.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -31,7 +32,7 @@
 
 enum { EV_LRU, EV_LFU, EV_LFU_DECAY, EV_PHASE_WEIGHTED, EV_BELADY, EV_NEXT_VISIT };
 enum { AD_ALWAYS, AD_REUSE, AD_TOP, AD_BELADY_BYPASS };
-enum { PF_NONE, PF_CHUNK_PLAN, PF_POPULARITY, PF_BELADY };
+enum { PF_NONE, PF_CHUNK_PLAN, PF_POPULARITY, PF_BELADY, PF_AFFINITY };
 enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_TRANSIENT,
        C_TRANSIENT_BYTES, C_EVICTIONS, C_EVICTED_BYTES, C_PF_ISSUED, C_PF_ISSUED_BYTES,
        C_PF_USED_BYTES, C_PF_WASTED_BYTES, C_TRANSITION_HITS };
@@ -95,6 +96,9 @@ struct rc_core {
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
     nv_model *nv;                 /* eviction next-visit's model, or NULL */
+    af_model *af;                 /* prefetch affinity's model, or NULL */
+    int32_t *af_plan;             /* (n_expert,) scratch: its plan */
+    double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
     /* replay's prefetch log (rc_replay_prefetches): the batch and key of every prefetch
      * issued during the latest rc_replay, in issue order; pf_event_of[f]: f's entry */
     int64_t replay_batch;         /* the batch rc_replay runs, -1 outside it */
@@ -427,6 +431,20 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
                 return NULL;
             }
         }
+    for (int32_t ph = 0; ph < 3; ph++)
+        if (policy->prefetch[ph] == PF_AFFINITY && c->af == NULL) {
+            double max_b = 0.0;
+            for (int32_t l = 0; l < n_layer; l++)
+                if ((double) expert_bytes[l] > max_b) max_b = (double) expert_bytes[l];
+            c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
+                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], max_b);
+            c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
+            c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
+            if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
+                rc_free(c);
+                return NULL;
+            }
+        }
     for (int32_t i = 0; i < n; i++) {
         c->last_seq[i] = -1;
         if (c->decay_log) c->decay_log[i] = -INFINITY;
@@ -458,6 +476,9 @@ void rc_free(rc_core *c) {
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
     nv_free(c->nv);
+    af_free(c->af);
+    free(c->af_plan);
+    free(c->af_q);
     for (int32_t i = 0; i < c->n_tickets; i++) {
         free(c->tickets[i].victims);
         free(c->tickets[i].before);
@@ -592,8 +613,20 @@ static void result_out(rc_core *c, rc_result *out) {
 }
 
 /* bring `flats` in (priority order) where victims rank strictly below each one */
+/* v ranks strictly below f, whose score is `mine` (NAN: its own) */
+static int ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, double mine) {
+    if (mine != mine) return key_less(c, o, v, f);
+    const double sv = score(c, o, v);
+    if (sv != mine) return sv < mine;
+    if (c->last_seq[v] != c->last_seq[f]) return c->last_seq[v] < c->last_seq[f];
+    return v < f;
+}
+
+/* bring `flats` in (priority order) where victims rank strictly below each one; mine[i]
+ * (or NULL) overrides flats[i]'s own score under next-visit (prefetch affinity: its
+ * predicted expected time) */
 static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase,
-                          int64_t seq0) {
+                          int64_t seq0, const double *mine) {
     const int32_t o = c->pol.phase_order[phase];
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
@@ -608,7 +641,9 @@ static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t p
         while (free_b + freed < b) {
             int32_t v = pop_victim(c, p, o, seq0);
             if (v < 0) break;
-            if (!key_less(c, o, v, f)) {          /* worth as much as what we would bring */
+            const double own = mine != NULL && c->pol.order_kind[o] == EV_NEXT_VISIT ? mine[i]
+                                                                                     : NAN;
+            if (!ranks_below(c, o, v, f, own)) {  /* worth as much as what we would bring */
                 heap_push(c, o, &p->h[o], v);
                 break;
             }
@@ -724,9 +759,26 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
             c->seen[f] = c->call;
             if (ivec_push(plan, f) < 0) return RC_ERR_NOMEM;
         }
+    } else if (kind == PF_AFFINITY) {
+        if (phase != 1) return RC_OK;
+        const int32_t np = af_plan(c->af, layer, c->state, ABSENT, c->bytes_flat, c->af_plan,
+                                   c->af_q);
+        if (np == 0) return RC_OK;
+        double spent = 0.0;
+        for (int32_t i = 0; i < np; i++)
+            if (c->state[c->af_plan[i]] == ABSENT) spent = spent + (double) c->bytes_flat[c->af_plan[i]];
+        const int32_t before = c->r_pf_flats.n;
+        double mine[np];
+        for (int32_t i = 0; i < np; i++)           /* next layer: 1 + n_moe (1 / q - 1) */
+            mine[i] = -(1.0 + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
+        const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
+        for (int32_t i = before; i < c->r_pf_flats.n; i++)
+            spent = spent - (double) c->bytes_flat[c->r_pf_flats.v[i]];
+        af_refund(c->af, spent);
+        return rc;
     }
     if (plan->n == 0) return RC_OK;
-    return prefetch_flats(c, plan->v, plan->n, phase, seq0);
+    return prefetch_flats(c, plan->v, plan->n, phase, seq0, NULL);
 }
 
 static int rc_prefetch_impl(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out) {
@@ -736,7 +788,7 @@ static int rc_prefetch_impl(rc_core *c, const int32_t *flats, int32_t n, int32_t
     for (int32_t i = 0; i < n; i++)
         if (flats[i] < 0 || flats[i] >= c->n_flat || c->pool_of_layer[flats[i] / c->n_expert] < 0)
             return RC_ERR_EXPERT;
-    int rc = prefetch_flats(c, flats, n, phase, c->seq);
+    int rc = prefetch_flats(c, flats, n, phase, c->seq, NULL);
     result_out(c, out);
     return rc;
 }
@@ -897,6 +949,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     const double rate = c->pol.decay_rate;
     int32_t tr = 0;
     if (c->nv != NULL) nv_visit(c->nv, layer, el, n, phase);
+    if (c->af != NULL) af_observe(c->af, layer, el, n, phase);
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = base + el[i];

@@ -42,8 +42,10 @@ typedef struct {
     int32_t admission[3];         /* 0 always, 1 reuse-threshold, 2 transient-on-pressure,
                                      3 belady-bypass */
     double admission_p1[3];       /* break_even | window */
-    int32_t prefetch[3];          /* 0 none, 1 chunk-plan, 2 popularity, 3 belady */
+    int32_t prefetch[3];          /* 0 none, 1 chunk-plan, 2 popularity, 3 belady, 4 affinity */
     double prefetch_p1[3];        /* depth | top_n */
+    double prefetch_p2[3];        /* affinity: min_precision */
+    double prefetch_p3[3];        /* affinity: link bytes per layer-step (affinity.h) */
     int32_t track_next_use;       /* an offline policy: access() needs next_use */
     int32_t inline_transport;     /* admissions commit inside access() (no tickets) */
 } rc_policy;

@@ -21,6 +21,12 @@ Python reference); what each one does:
     chunk-plan   prefill: the next ``depth`` layers' experts of the previous chunk
     popularity   the next layer's ``top_n`` most routed experts
     belady       offline: the next layer-step's experts
+    affinity     decode: the next layer's experts most often routed after this layer's for the
+                 same token (an online cross-layer table), at most ``top_n``, each predicted
+                 at >= ``min_precision``, issued only while the measured precision of the
+                 predictions stays >= min_precision and the link has credit (what it carries
+                 in ``layer_us`` of compute per layer-step at [cost] link_gbps); ranked
+                 against victims by its expected next use (core/affinity.h)
 """
 from __future__ import annotations
 
@@ -51,10 +57,11 @@ _REGISTRY: dict[str, dict[str, dict[str, float]]] = {
         "chunk-plan": {"depth": 1.0},
         "popularity": {"top_n": 4.0},
         "belady": {},
+        "affinity": {"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
     },
 }
 # parameters that must be > 0 (the rest must be >= 0)
-_POSITIVE = {"half_life", "depth", "learning_rate"}
+_POSITIVE = {"half_life", "depth", "learning_rate", "layer_us"}
 OFFLINE_ONLY = {("eviction", "belady"), ("admission", "belady-bypass"), ("prefetch", "belady")}
 
 

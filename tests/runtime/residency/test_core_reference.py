@@ -17,7 +17,9 @@ EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
              ("phase-weighted", {"w_prefill": 1.0, "w_decode": 3.0})]
 ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
               ("transient-on-pressure", {"window": 20.0})]
-PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0})]
+PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0}),
+              # the link carries 125 bytes per layer-step at the default 25 GB/s
+              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.005})]
 N_LAYER, N_EXPERT = 4, 6
 EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes
 MOE = [0, 2, 3]
@@ -172,10 +174,11 @@ def test_rejected_call_changes_nothing():
 
 
 @pytest.mark.parametrize("ev", [("lru", {}), ("next-visit", {"learning_rate": 0.05})])
-def test_replay_prefetch_log_equals_reference(zipf_stream, ev):
+@pytest.mark.parametrize("pf", [PREFETCHES[2], PREFETCHES[3]], ids=["popularity", "affinity"])
+def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
     """replay's per-row kinds (4: first use of a prefetched key), the prefetch each such row
     used, and the prefetch log (batch, key) are the same in both cores."""
-    pol = policy(ev, ("always", {}), ("popularity", {"top_n": 2.0}))
+    pol = policy(ev, ("always", {}), pf)
     s = zipf_stream(40, 3, N_EXPERT, 2, seed=5)
     batches = [(MOE[layer], 0 if t < 3 else 1, s[t, layer]) for t in range(40) for layer in range(3)]
     experts = np.concatenate([b[2] for b in batches]).astype(np.int32)
