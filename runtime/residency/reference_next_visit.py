@@ -10,6 +10,7 @@ import math
 
 RATES = (0.5, 0.125, 0.03125)
 W0 = (-3.0, 2.0, 1.0, 2.0, 3.0)
+STRIDE = 8
 
 
 class NextVisitModel:
@@ -44,8 +45,8 @@ class NextVisitModel:
     def visit(self, layer: int, experts: list[int], phase: int) -> None:
         base = layer * self.n_expert
         routed = set(experts)
-        if phase != 0:
-            for e in range(self.n_expert):
+        if phase != 0:                   # every STRIDE-th expert, in rotation
+            for e in range(self.steps % STRIDE, self.n_expert, STRIDE):
                 x = self._features(layer, base + e)
                 p = 1.0 / (1.0 + math.exp(-self._dot(x)))
                 err = (1.0 if e in routed else 0.0) - p

@@ -4,6 +4,8 @@
 #include <math.h>
 #include <stdlib.h>
 
+#define NV_STRIDE 8     /* learn from one expert in NV_STRIDE per layer-step */
+
 static const double NV_RATES[3] = {0.5, 0.125, 0.03125};
 static const double NV_W0[NV_F] = {-3.0, 2.0, 1.0, 2.0, 3.0};   /* p ~ 0.05 for an unseen key */
 
@@ -58,14 +60,24 @@ static double dot(const double *w, const double *x) {
     return z;
 }
 
+/* exp(-w . x) of f (x its features), computed once per (model version, layer visit) */
+static double cached_exp(nv_model *m, int32_t layer, int32_t f, const double *x) {
+    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) return m->e_cache[f];
+    const double e = exp(-dot(m->w, x));
+    m->e_cache[f] = e;
+    m->e_version[f] = m->version;
+    m->e_vis[f] = m->vis[layer];
+    return e;
+}
+
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, nf = m->n_layer * m->n_expert, base = layer * ne;
     for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 1;
-    if (phase != 0) {                             /* learn: every expert of the layer */
+    if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation */
         double x[NV_F];
-        for (int32_t e = 0; e < ne; e++) {
+        for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
             features(m, layer, base + e, x);
-            const double p = 1.0 / (1.0 + exp(-dot(m->w, x)));
+            const double p = 1.0 / (1.0 + cached_exp(m, layer, base + e, x));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
             for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
         }
@@ -100,10 +112,7 @@ double nv_expected(nv_model *m, int32_t f) {
     } else {
         double x[NV_F];
         features(m, layer, f, x);
-        e = exp(-dot(m->w, x));
-        m->e_cache[f] = e;
-        m->e_version[f] = m->version;
-        m->e_vis[f] = m->vis[layer];
+        e = cached_exp(m, layer, f, x);
     }
     const int32_t L = m->n_moe;
     const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;

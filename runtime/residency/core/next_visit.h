@@ -5,14 +5,15 @@
  *   x = (1, 1/age, h_fast, h_mid, h_slow)
  *   age    visits of its layer from its last routed use to the next visit (0 feature: never)
  *   h_k    EMAs of "routed at a visit of its layer", rates NV_RATES (h = (1 - a) h + a x)
- * At every decode (or mixed) visit of a layer, every expert of that layer is one sample
+ * At every decode (or mixed) visit of a layer, every 8th expert of that layer (in rotation:
+ * experts e with e % 8 == decode layer-steps so far % 8) is one sample
  * (features before the visit, label routed or not); the gradient sum is applied once every
  * n_moe such visits (w += learning_rate * g), so the model changes once per token's worth of
  * layer-steps. The expected time to its next use, in layer-steps, is
  *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-w . x)
  * with dist in 1..n_moe (the current layer itself is n_moe away). Eviction `next-visit`
  * takes the largest first. Every operation is written in the order the Python reference
- * (runtime/residency/reference.py, _NextVisit) performs it, so both give the same doubles.
+ * (runtime/residency/reference_next_visit.py) performs it, so both give the same doubles.
  */
 #ifndef NEXT_VISIT_H
 #define NEXT_VISIT_H

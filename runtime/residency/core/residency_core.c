@@ -96,6 +96,12 @@ struct rc_core {
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
     nv_model *nv;                 /* eviction next-visit's model, or NULL */
+    /* next-visit's victim search: per layer, its best victim ignoring protection (the lowest
+     * (score, last seq, flat) of the layer's keys in the order), valid while the layer's
+     * keys did not move in the order (dirty) and the model did not change for the layer */
+    int32_t *nvb_f;               /* (n_layer,) -1: none */
+    int64_t *nvb_ver, *nvb_vis;   /* (n_layer,) model version and layer visits it was found at */
+    uint8_t *nvb_dirty;           /* (n_layer,) */
     af_model *af;                 /* prefetch affinity's model, or NULL */
     int32_t *af_plan;             /* (n_expert,) scratch: its plan */
     double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
@@ -189,6 +195,7 @@ static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
 
 static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
     if (h->pos[f] >= 0) return 0;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
     if (h->n == h->cap) {
         int32_t cap = h->cap ? 2 * h->cap : 64;
         int32_t *v = realloc(h->items, (size_t) cap * sizeof *v);
@@ -204,6 +211,7 @@ static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
 static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
     int32_t i = h->pos[f];
     if (i < 0) return;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
     h->n--;
     if (i != h->n) {
         const int32_t moved = h->items[h->n];
@@ -238,14 +246,66 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
 
 /* the lowest unprotected key of the order (taken out of that heap), or -1; protected keys
  * met on the way wait in r_aside until settle() */
+/* next-visit: the lowest unprotected key of `layer` in order o, or -1. Within one layer the
+ * layer distance is common, so the layer's best changes only when its keys move in the order
+ * or the model changes for it: cached per layer (ignoring protection; a protected cached best
+ * means a scan of the layer) */
+/* (s, flat) below (bs, best) in the total order (score, last seq, flat) */
+static inline int nv_below(const rc_core *c, double s, int32_t f, double bs, int32_t best) {
+    if (best < 0) return 1;
+    if (s != bs) return s < bs;
+    if (c->last_seq[f] != c->last_seq[best]) return c->last_seq[f] < c->last_seq[best];
+    return f < best;
+}
+
+/* the layer's lowest key in the order (skipping protected keys when `unprotected`); its
+ * score in *out_s */
+static int32_t nv_scan_layer(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
+                             int unprotected, double *out_s) {
+    const int32_t base = layer * c->n_expert;
+    int32_t f = -1;
+    double bs = 0.0;
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        const int32_t g = base + e;
+        if (h->pos[g] < 0 || (unprotected && protected_key(c, g, seq0))) continue;
+        const double s = -nv_expected(c->nv, g);
+        if (nv_below(c, s, g, bs, f)) { f = g; bs = s; }
+    }
+    *out_s = bs;
+    return f;
+}
+
+static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t o, int32_t layer,
+                             int64_t seq0, double *out_s) {
+    (void) o;
+    const nv_model *m = c->nv;
+    int32_t f = c->nvb_f[layer];
+    if (c->nvb_dirty[layer] || c->nvb_ver[layer] != m->version ||
+        c->nvb_vis[layer] != m->vis[layer]) {
+        f = nv_scan_layer(c, h, layer, seq0, 0, out_s);
+        c->nvb_f[layer] = f;
+        c->nvb_dirty[layer] = 0;
+        c->nvb_ver[layer] = m->version;
+        c->nvb_vis[layer] = m->vis[layer];
+    } else if (f >= 0) {
+        *out_s = -nv_expected(c->nv, f);
+    }
+    if (f < 0 || !protected_key(c, f, seq0)) return f;
+    return nv_scan_layer(c, h, layer, seq0, 1, out_s);
+}
+
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* a scan: the lowest unprotected key */
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* the lowest of the layers' best */
+        const int32_t pi = (int32_t) (p - c->pools);
         int32_t best = -1;
-        for (int32_t i = 0; i < h->n; i++) {
-            const int32_t f = h->items[i];
-            if (protected_key(c, f, seq0)) continue;
-            if (best < 0 || key_less(c, o, f, best)) best = f;
+        double bs = 0.0;
+        for (int32_t k = 0; k < c->n_moe; k++) {
+            const int32_t l = c->moe_layers[k];
+            if (c->pool_of_layer[l] != pi) continue;
+            double s;
+            const int32_t f = nv_layer_best(c, h, o, l, seq0, &s);
+            if (f >= 0 && nv_below(c, s, f, bs, best)) { best = f; bs = s; }
         }
         if (best >= 0) heap_remove(c, o, h, best);
         return best;
@@ -426,7 +486,12 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (policy->order_kind[o] == EV_NEXT_VISIT && c->nv == NULL) {
             c->nv = nv_create(n_layer, n_expert, c->moe_layers, c->n_moe,
                               policy->nv_learning_rate);
-            if (c->nv == NULL) {
+            c->nvb_f = malloc((size_t) n_layer * sizeof *c->nvb_f);
+            c->nvb_ver = malloc((size_t) n_layer * sizeof *c->nvb_ver);
+            c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
+            c->nvb_dirty = malloc((size_t) n_layer);
+            if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
+            if (c->nv == NULL || !c->nvb_f || !c->nvb_ver || !c->nvb_vis || !c->nvb_dirty) {
                 rc_free(c);
                 return NULL;
             }
@@ -476,6 +541,7 @@ void rc_free(rc_core *c) {
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
     nv_free(c->nv);
+    free(c->nvb_f); free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
     af_free(c->af);
     free(c->af_plan);
     free(c->af_q);

@@ -44,7 +44,7 @@ _REGISTRY: dict[str, dict[str, dict[str, float]]] = {
         "lfu-decay": {"half_life": 4096.0},
         "phase-weighted": {"w_prefill": 1.0, "w_decode": 4.0},
         "belady": {},
-        "next-visit": {"learning_rate": 0.002},
+        "next-visit": {"learning_rate": 0.016},
     },
     "admission": {
         "always": {},
