@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "runtime.commands.config",
     "runtime.commands.trace",
     "runtime.commands.replay",
+    "runtime.commands.profile",
     "runtime.commands.generate",
     "runtime.commands.serve",
     "runtime.commands.native",

@@ -204,15 +204,17 @@ def offline_needs(config: ResidencyConfig) -> tuple[bool, bool]:
 
 
 def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, *,
-                label: str, capacity_label: str = "", with_belady: bool = True) -> CellResult:
+                label: str, capacity_label: str = "", with_belady: bool = True,
+                profile=None) -> CellResult:
     """Replay ``prep`` through a simulated manager; with the Belady ceiling when asked.
     ``capacity_bytes`` None: the device pools the trace recorded (a live run's, exactly).
 
     The ceiling is the manager's ``belady`` preset (eviction belady, admission belady-bypass)
     through the same core; tests hold it equal to ``belady.belady_ceiling``, an offline loop
-    written apart from the manager, on real and random traces.
+    written apart from the manager, on real and random traces. ``profile``: a RoutingProfile
+    that warm-starts the learned policies (never the ceiling).
     """
-    cell = _run(prep, capacity_bytes, config, label, capacity_label)
+    cell = _run(prep, capacity_bytes, config, label, capacity_label, profile)
     if not with_belady or capacity_bytes is None:
         return cell
     ceiling = prep.ceiling(capacity_bytes)
@@ -221,10 +223,12 @@ def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: Residen
 
 
 def _run(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, label: str,
-         capacity_label: str) -> CellResult:
+         capacity_label: str, profile=None) -> CellResult:
     h = prep.trace.header
     prep.runs += 1
     mgr = simulated_manager(h, capacity_bytes, config)
+    if profile is not None:
+        mgr.warm_start(DEVICE, profile)
     outcome = mgr.replay(DEVICE, prep.bounds, prep.layer_arr, prep.phase_arr, prep.expert_i32,
                          prep.next_use() if offline_needs(config)[0] else None,
                          offline_needs(config)[1])

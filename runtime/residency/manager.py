@@ -517,6 +517,17 @@ class ExpertResidencyManager:
         dev = self._devices.get(device)
         return dev is not None and dev.static
 
+    def warm_start(self, device: str, profile) -> None:
+        """Seed the device's learned policies (eviction next-visit, prefetch affinity) from a
+        RoutingProfile (runtime/residency/profile.py); UserError for another model's."""
+        if self._expert_bytes is None:
+            raise UserError("residency manager: no model bound yet (call bind_model first)")
+        profile.check_model(len(self._expert_bytes), self._n_expert, self._expert_bytes,
+                            "profile")
+        dev = self._device(device)
+        with self._lock:
+            dev.core.warm_start(profile.frequency, profile.pair, profile.count)
+
     # ---- queries -------------------------------------------------------------------------
     def is_resident(self, device: str, key: ExpertKey) -> bool:
         dev = self._device(device)

@@ -493,6 +493,19 @@ class ReferenceCore:
         return (np.array([b for b, _ in log], dtype=np.int64),
                 np.array([f for _, f in log], dtype=np.int32))
 
+    def warm_start(self, frequency, pair, count) -> None:
+        freq = np.asarray(frequency, dtype=np.float64).reshape(-1).tolist()
+        if self.nv is not None:
+            self.nv.h = [list(freq) for _ in self.nv.h]
+        pair, count = np.asarray(pair), np.asarray(count)
+        if self.af is not None and self.af.n_moe >= 2 and pair.size:
+            for i, e, x in zip(*np.nonzero(pair)):
+                key = (int(i), int(e), int(x))
+                self.af.pair[key] = self.af.pair.get(key, 0) + int(pair[i, e, x])
+            for i, e in zip(*np.nonzero(count)):
+                key = (int(i), int(e))
+                self.af.count[key] = self.af.count.get(key, 0) + int(count[i, e])
+
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, tid: int):
         t = self.tickets.get(tid)

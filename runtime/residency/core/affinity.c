@@ -133,3 +133,10 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
 void af_refund(af_model *m, double bytes) {
     m->credit = m->credit + bytes;
 }
+
+void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count) {
+    if (m->n_moe < 2) return;
+    const int64_t ne = m->n_expert, np = m->n_moe - 1;
+    for (int64_t i = 0; i < np * ne * ne; i++) m->pair[i] += pair[i];
+    for (int64_t i = 0; i < np * ne; i++) m->count[i] += count[i];
+}

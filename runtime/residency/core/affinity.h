@@ -46,6 +46,8 @@ void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_
  * transfer (only those spend credit) */
 int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent_state,
                 const int64_t *bytes_flat, int32_t *out, double *out_q);
+/* add a routing profile's table: pair ((n_moe - 1) * E * E,), count ((n_moe - 1) * E,) */
+void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count);
 /* give back the credit of planned prefetches that were not issued */
 void af_refund(af_model *m, double bytes);
 

@@ -119,3 +119,10 @@ double nv_expected(nv_model *m, int32_t f) {
     const int32_t d = ((m->moe_index[layer] - cur - 1) % L + L) % L + 1;
     return (double) d + (double) L * e;
 }
+
+void nv_warm_start(nv_model *m, const double *frequency) {
+    const int32_t n = m->n_layer * m->n_expert;
+    for (int32_t k = 0; k < 3; k++)
+        for (int32_t f = 0; f < n; f++) m->h[k * n + f] = frequency[f];
+    m->version++;                                 /* every cached exp is stale */
+}

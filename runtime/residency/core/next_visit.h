@@ -41,6 +41,8 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
 void nv_free(nv_model *m);
 /* one visit of `layer` with the routed experts el[n]; learns when phase != prefill */
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);
+/* frequency (n_flat,): every h_k of every key (a routing profile's decode shares) */
+void nv_warm_start(nv_model *m, const double *frequency);
 /* expected layer-steps until flat's next use, seen from the latest visit */
 double nv_expected(nv_model *m, int32_t flat);
 

@@ -1305,6 +1305,16 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
     LOCKED(rc_replay_impl(c, n_batches, starts, layers, phases, experts, next_use, with_upcoming,
                           miss_kind, pf_event));
 }
+int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair,
+                  const int32_t *count) {
+    pthread_mutex_lock(&c->mu);
+    if (c->nv != NULL && frequency != NULL) nv_warm_start(c->nv, frequency);
+    if (c->af != NULL && pair != NULL && count != NULL) af_warm_start(c->af, pair, count);
+    if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) c->n_layer);
+    pthread_mutex_unlock(&c->mu);
+    return RC_OK;
+}
+
 int64_t rc_replay_prefetches(const rc_core *c, const int64_t **batch, const int32_t **flat) {
     *batch = c->log_batch.v;
     *flat = c->log_flat.v;

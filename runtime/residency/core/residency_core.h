@@ -121,6 +121,12 @@ int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const 
  * access to the same key, or `never` */
 void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, int64_t *out);
 
+/* warm start from a routing profile (runtime/residency/profile.py): frequency (n_flat,) the
+ * share of decode tokens routed to each key seeds next-visit's frequency estimates (every
+ * time scale); pair ((n_moe - 1) * E * E,) and count ((n_moe - 1) * E,) seed affinity's
+ * table (added to it). NULL: leave that part; a policy without the model ignores it. */
+int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair, const int32_t *count);
+
 /* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
  * committed already; out->evicted lists the victims) */
 int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out);
