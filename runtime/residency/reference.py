@@ -69,8 +69,7 @@ class ReferenceCore:
                    if any(o[0] == "next-visit" for o in policy.orders) else None)
         self.af = None
         if any(p[0] == "affinity" for p in policy.prefetch):
-            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
-                                    float(max(int(b) for b in expert_bytes)))
+            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity)
             self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}

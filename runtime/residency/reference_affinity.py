@@ -11,7 +11,7 @@ WARMUP = 8.0
 
 class AffinityModel:
     def __init__(self, n_layer: int, n_expert: int, moe_layers: list[int], top_n: float,
-                 min_precision: float, link_bytes: float, max_bytes: float):
+                 min_precision: float, link_bytes: float):
         self.n_expert = n_expert
         self.moe_layers = list(moe_layers)
         self.n_moe = len(moe_layers)
@@ -28,7 +28,7 @@ class AffinityModel:
         self.scored = 0.0
         self.credit = 0.0
         self.top_n, self.min_precision = top_n, min_precision
-        self.link_bytes, self.max_bytes = link_bytes, max_bytes
+        self.link_bytes = link_bytes
 
     def observe(self, layer: int, experts: list[int], phase: int) -> None:
         routed = set(experts)
@@ -55,10 +55,7 @@ class AffinityModel:
         says which keys need a transfer; ``nbytes(flat)`` via self.bytes_of."""
         ne = self.n_expert
         idx = self.moe_index[layer]
-        cap = self.link_bytes + self.max_bytes
-        self.credit = self.credit + self.link_bytes
-        if self.credit > cap:
-            self.credit = cap
+        self.credit = self.link_bytes
         if self.prev_layer != layer or idx < 0 or idx + 1 >= self.n_moe:
             return []
         q = [0.0] * ne

@@ -7,13 +7,12 @@
 #define AF_WARMUP 8.0
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
-                    double top_n, double min_precision, double link_bytes, double max_bytes) {
+                    double top_n, double min_precision, double link_bytes) {
     af_model *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
     const int32_t np = n_moe > 1 ? n_moe - 1 : 1;
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
-    m->max_bytes = max_bytes;
     m->prev_layer = m->pred_layer = -1;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) (n_moe ? n_moe : 1) * sizeof *m->moe_layers);
@@ -80,9 +79,7 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
                 const int64_t *bytes_flat, int32_t *out, double *out_q) {
     const int32_t ne = m->n_expert;
     const int32_t idx = m->moe_index[layer];
-    double cap = m->link_bytes + m->max_bytes;
-    m->credit = m->credit + m->link_bytes;
-    if (m->credit > cap) m->credit = cap;
+    m->credit = m->link_bytes;                   /* what can arrive before the next layer */
     if (m->prev_layer != layer || idx < 0 || idx + 1 >= m->n_moe) return 0;
     int32_t n_known = 0;
     for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;

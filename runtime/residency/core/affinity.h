@@ -9,10 +9,10 @@
  * and the plan is the top_n experts by q (ties: lower id) with q >= min_precision.
  * Precision is measured on every plan, issued or not, at the next layer's visit (decayed
  * tallies, AF_DECAY per plan); the plan is issued only while the measured precision is at
- * least min_precision (or fewer than AF_WARMUP predictions were scored), and only while the
- * link has credit: each decode layer-step adds link_bytes (what the link carries in one
- * layer-step's compute), credit is capped at link_bytes + the largest expert's bytes, a
- * prefetch of an absent key spends its bytes (given back if it is not issued).
+ * least min_precision (or fewer than AF_WARMUP predictions were scored), and at most what
+ * can arrive before layer i + 1 runs: link_bytes (what the link carries in one layer-step's
+ * compute) per plan, spent by each prefetch of an absent key (given back if it is not
+ * issued); an expert larger than link_bytes is never prefetched.
  * Operations are in the order of the Python reference (runtime/residency/reference_affinity.py).
  */
 #ifndef AFFINITY_H
@@ -33,11 +33,11 @@ typedef struct {
     double *q;                    /* (E,) scratch */
     double hits, scored;          /* decayed precision tallies */
     double credit;                /* link bytes available for prefetch */
-    double top_n, min_precision, link_bytes, max_bytes;   /* max_bytes: the largest expert */
+    double top_n, min_precision, link_bytes;
 } af_model;
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
-                    double top_n, double min_precision, double link_bytes, double max_bytes);
+                    double top_n, double min_precision, double link_bytes);
 void af_free(af_model *m);
 /* a layer-step (every phase): scores the latest plan, learns pairs in decode */
 void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);

@@ -498,11 +498,8 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         }
     for (int32_t ph = 0; ph < 3; ph++)
         if (policy->prefetch[ph] == PF_AFFINITY && c->af == NULL) {
-            double max_b = 0.0;
-            for (int32_t l = 0; l < n_layer; l++)
-                if ((double) expert_bytes[l] > max_b) max_b = (double) expert_bytes[l];
             c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
-                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], max_b);
+                              policy->prefetch_p2[ph], policy->prefetch_p3[ph]);
             c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
             c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
             if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {

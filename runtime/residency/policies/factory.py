@@ -24,9 +24,9 @@ Python reference); what each one does:
     affinity     decode: the next layer's experts most often routed after this layer's for the
                  same token (an online cross-layer table), at most ``top_n``, each predicted
                  at >= ``min_precision``, issued only while the measured precision of the
-                 predictions stays >= min_precision and the link has credit (what it carries
-                 in ``layer_us`` of compute per layer-step at [cost] link_gbps); ranked
-                 against victims by its expected next use (core/affinity.h)
+                 predictions stays >= min_precision, and no more bytes than the link
+                 carries in ``layer_us`` (one layer-step's compute) at [cost] link_gbps;
+                 ranked against victims by its expected next use (core/affinity.h)
 """
 from __future__ import annotations
 
