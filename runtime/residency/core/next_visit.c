@@ -116,7 +116,8 @@ double nv_expected(nv_model *m, int32_t f) {
     }
     const int32_t L = m->n_moe;
     const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;
-    const int32_t d = ((m->moe_index[layer] - cur - 1) % L + L) % L + 1;
+    int32_t d = m->moe_index[layer] - cur;       /* 1..L: ((index - cur - 1) mod L) + 1 */
+    if (d <= 0) d += L;
     return (double) d + (double) L * e;
 }
 

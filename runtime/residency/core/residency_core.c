@@ -102,6 +102,9 @@ struct rc_core {
     int32_t *nvb_f;               /* (n_layer,) -1: none */
     int64_t *nvb_ver, *nvb_vis;   /* (n_layer,) model version and layer visits it was found at */
     uint8_t *nvb_dirty;           /* (n_layer,) */
+    double *nvb_s;                /* (n_layer,) the score of nvb_s_f[l] in call nvb_s_call[l] */
+    int32_t *nvb_s_f;
+    int64_t *nvb_s_call;
     af_model *af;                 /* prefetch affinity's model, or NULL */
     int32_t *af_plan;             /* (n_expert,) scratch: its plan */
     double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
@@ -287,8 +290,13 @@ static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t o, int32_t layer
         c->nvb_dirty[layer] = 0;
         c->nvb_ver[layer] = m->version;
         c->nvb_vis[layer] = m->vis[layer];
-    } else if (f >= 0) {
-        *out_s = -nv_expected(c->nv, f);
+    } else if (f >= 0) {                          /* scores hold within one call */
+        if (c->nvb_s_call[layer] != c->call || c->nvb_s_f[layer] != f) {
+            c->nvb_s[layer] = -nv_expected(c->nv, f);
+            c->nvb_s_f[layer] = f;
+            c->nvb_s_call[layer] = c->call;
+        }
+        *out_s = c->nvb_s[layer];
     }
     if (f < 0 || !protected_key(c, f, seq0)) return f;
     return nv_scan_layer(c, h, layer, seq0, 1, out_s);
@@ -490,8 +498,13 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
             c->nvb_ver = malloc((size_t) n_layer * sizeof *c->nvb_ver);
             c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
             c->nvb_dirty = malloc((size_t) n_layer);
+            c->nvb_s = malloc((size_t) n_layer * sizeof *c->nvb_s);
+            c->nvb_s_f = malloc((size_t) n_layer * sizeof *c->nvb_s_f);
+            c->nvb_s_call = malloc((size_t) n_layer * sizeof *c->nvb_s_call);
+            for (int32_t l = 0; c->nvb_s_call != NULL && l < n_layer; l++) c->nvb_s_call[l] = -1;
             if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
-            if (c->nv == NULL || !c->nvb_f || !c->nvb_ver || !c->nvb_vis || !c->nvb_dirty) {
+            if (c->nv == NULL || !c->nvb_f || !c->nvb_ver || !c->nvb_vis || !c->nvb_dirty ||
+                !c->nvb_s || !c->nvb_s_f || !c->nvb_s_call) {
                 rc_free(c);
                 return NULL;
             }
@@ -539,6 +552,7 @@ void rc_free(rc_core *c) {
     free_pools(c);
     nv_free(c->nv);
     free(c->nvb_f); free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
+    free(c->nvb_s); free(c->nvb_s_f); free(c->nvb_s_call);
     af_free(c->af);
     free(c->af_plan);
     free(c->af_q);
