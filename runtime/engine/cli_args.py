@@ -45,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
                        help="plain llama.cpp placement: no residency manager, no routing hook")
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
     if residency:
+        g.add_argument("--profile", metavar="FILE", default=None,
+                       help="a routing profile of this model (moe-offload profile) that "
+                            "warm-starts eviction next-visit and prefetch affinity")
         add_config_arguments(parser)
         show_residency_defaults(parser)
 
@@ -129,7 +132,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         model_path=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
         n_gpu_layers=args.gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
         seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
-        verbose=args.verbose, config=config, flash_attn=args.flash_attn)
+        verbose=args.verbose, config=config, flash_attn=args.flash_attn,
+        profile_path=getattr(args, "profile", None) if manage else None)
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
