@@ -202,3 +202,27 @@ def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
     batch_of = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
     assert np.array_equal(f0[e0[rows]], layers[batch_of[rows]] * N_EXPERT + experts[rows])
     assert (b0[e0[rows]] < batch_of[rows]).all()
+
+
+def test_warm_start_equals_reference(zipf_stream):
+    """A routing profile's frequencies and affinity table seed both cores alike."""
+    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), PREFETCHES[3])
+    rng = np.random.default_rng(2)
+    freq = rng.uniform(0, 1, (N_LAYER, N_EXPERT))
+    table = rng.integers(0, 5, (len(MOE) - 1, N_EXPERT, N_EXPERT)).astype(np.int32)
+    count = table.sum(axis=2).astype(np.int32) // 2
+    cold, warm = pair(pol, True), pair(pol, True)
+    for c in warm:
+        c.warm_start(freq, table, count)
+    s = zipf_stream(30, 3, N_EXPERT, 2, seed=8)
+    outs = {}
+    for name, cores in (("cold", cold), ("warm", warm)):
+        for c in cores:
+            c.set_capacity(0, 450)
+        for t in range(30):
+            for i, layer in enumerate(MOE):
+                out = [c.access(layer, s[t, i].astype(np.int32), 1) for c in cores]
+                assert out[0] == out[1]
+                outs.setdefault(name, []).append(out[0])
+        same_state(cores)
+    assert outs["cold"] != outs["warm"]            # the profile changed decisions
