@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "runtime.commands.trace",
     "runtime.commands.replay",
     "runtime.commands.profile",
+    "runtime.commands.plan",
     "runtime.commands.generate",
     "runtime.commands.serve",
     "runtime.commands.native",
