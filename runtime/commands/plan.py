@@ -49,41 +49,10 @@ def _stated(values: list[str]) -> dict[str, int]:
     return out
 
 
-def measured_memory(stated: dict[str, int]) -> list:
-    """Every device's (free, total) memory, GPUs first; ``stated`` wins over measurement."""
-    from runtime.residency.capacity import probe_device_memory  # noqa: PLC0415
-    from runtime.residency.planner import DeviceMemory  # noqa: PLC0415
-
-    out = []
-    gpus = [d for d in stated if d != "cpu"]
-    if not gpus and "cpu" not in stated:
-        try:
-            from runtime.engine.residency_setup import gpu_devices  # noqa: PLC0415
-
-            found = gpu_devices()
-        except Exception:           # no usable ggml library: plan for RAM and storage
-            found = []
-        out += [DeviceMemory(f"cuda:{i}" if "CUDA" in d.name.upper() else f"vulkan:{i}",
-                             d.free_bytes, d.total_bytes) for i, d in enumerate(found)]
-    out += [DeviceMemory(d, stated[d], stated[d]) for d in gpus]
-    if "cpu" in stated:
-        out.append(DeviceMemory("cpu", stated["cpu"], stated["cpu"]))
-    else:
-        mem = probe_device_memory("cpu")
-        if mem is not None:
-            out.append(DeviceMemory("cpu", *mem))
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
-    from gguf_tools.facts import read_model_facts  # noqa: PLC0415
-    from runtime.residency.planner import kv_bytes_per_token, plan  # noqa: PLC0415
+    from runtime.residency.planner import plan_model  # noqa: PLC0415
 
-    if args.ctx_size <= 0:
-        raise UserError(f"-c: the context size must be positive, got {args.ctx_size}")
-    facts = read_model_facts(args.model)
-    memory = measured_memory(_stated(args.free))
-    result = plan(facts, memory, ctx=args.ctx_size, kv_per_token=kv_bytes_per_token(args.model))
+    result = plan_model(args.model, args.ctx_size, _stated(args.free))
     text = result.to_toml()
     if args.output:
         try:

@@ -134,3 +134,40 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
         notes.append("no GPU: experts in RAM, the rest on storage")
     return Plan(model=facts.path, devices=tuple(devices), gpu_layers=gpu_layers,
                 notes=tuple(notes))
+
+
+def measured_memory(stated: dict[str, int]) -> list:
+    """Every device's (free, total) memory, GPUs first; ``stated`` wins over measurement."""
+    from runtime.residency.capacity import probe_device_memory  # noqa: PLC0415
+
+    out = []
+    gpus = [d for d in stated if d != "cpu"]
+    if not gpus and "cpu" not in stated:
+        try:
+            from runtime.engine.residency_setup import gpu_devices  # noqa: PLC0415
+
+            found = gpu_devices()
+        except Exception:           # no usable ggml library: plan for RAM and storage
+            found = []
+        out += [DeviceMemory(f"cuda:{i}" if "CUDA" in d.name.upper() else f"vulkan:{i}",
+                             d.free_bytes, d.total_bytes) for i, d in enumerate(found)]
+    out += [DeviceMemory(d, stated[d], stated[d]) for d in gpus]
+    if "cpu" in stated:
+        out.append(DeviceMemory("cpu", stated["cpu"], stated["cpu"]))
+    else:
+        mem = probe_device_memory("cpu")
+        if mem is not None:
+            out.append(DeviceMemory("cpu", *mem))
+    return out
+
+
+def plan_model(path: str, ctx: int, stated: dict[str, int] | None = None) -> Plan:
+    """The plan for the model file at ``path`` on this machine (``stated``: free bytes per
+    device that replace measurement)."""
+    from gguf_tools.facts import read_model_facts  # noqa: PLC0415
+
+    if ctx <= 0:
+        raise UserError(f"-c: the context size must be positive, got {ctx}")
+    facts = read_model_facts(path)
+    return plan(facts, measured_memory(stated or {}), ctx=ctx,
+                kv_per_token=kv_bytes_per_token(path))

@@ -66,3 +66,19 @@ def test_dense_weights_over_free_memory_is_one_line(tiny_model, cli):
     assert "of RAM with its reserve, only 1.00 MiB available" in lines[0]
     bad = cli("plan", "-m", str(tiny_model), "--free", "cpu")
     assert bad.returncode == 2 and "--free: expected DEVICE=SIZE" in bad.stderr
+
+
+def test_complete_auto_plans_at_load(tiny_model, cli, tmp_path):
+    args = ["complete", "-m", str(tiny_model), "-p", "hello", "-n", "4", "-c", "512", "-t", "1",
+            "--temp", "0"]
+    plain = cli(*args)
+    auto = cli(*args, "--auto")
+    assert plain.returncode == 0 and auto.returncode == 0, auto.stderr
+    assert auto.stdout == plain.stdout
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    both = cli(*args, "--auto", "--config", str(cfg))
+    assert both.returncode == 2
+    assert both.stderr.strip().splitlines()[-1] == (
+        "moe-offload: error: --auto plans the residency config itself: give --auto or "
+        "--config, not both")
