@@ -16,6 +16,14 @@ def test_complete_runs_with_a_profile_of_its_model(tiny_model, prompt, cli, tmp_
     assert rec.returncode == 0, rec.stderr
     built = cli("profile", str(trace), "-o", str(prof))
     assert built.returncode == 0, built.stderr
+    again, prof2 = tmp_path / "t2.rtb", tmp_path / "p2.npz"
+    rec2 = cli("trace", "record", "-m", str(tiny_model), "-p", prompt, "-n", "8", "-o",
+               str(again), "--write-profile", str(prof2), *ARGS)
+    assert rec2.returncode == 0, rec2.stderr
+    import numpy as np
+    from runtime.residency.profile import read_profile
+    a, b = read_profile(prof), read_profile(prof2)       # greedy: the same routing
+    assert a.decode_tokens == b.decode_tokens == 7 and np.array_equal(a.pair, b.pair)
     plain = cli("complete", "-m", str(tiny_model), "-p", prompt, "-n", "8", *ARGS)
     warm = cli("complete", "-m", str(tiny_model), "-p", prompt, "-n", "8", "--profile",
                str(prof), "--devices.cpu-slots", "20%", *ARGS)
