@@ -49,12 +49,13 @@ def test_replay_of_a_live_trace_decides_alike(native_build, q4km_model, tmp_path
     facts = read_model_facts(q4km_model)
     budget = int(facts.total_expert_bytes * share)
     config = tmp_path / "c.toml"
-    # an unlimited link: replay times prefetches on the cost model (a late one is a miss
-    # there, a hit live); affinity's budget per layer-step comes from the same [cost]
+    # an unlimited link without latency: replay times prefetches on the cost model (a late
+    # one is a miss there, a hit live); affinity's budget per layer-step comes from [cost]
     config.write_text(f'[devices]\n"cpu-slots" = "{budget}B"\n'
                       f'[policy.prefill]\neviction = "{eviction}"\nprefetch = "chunk-plan"\n'
                       f'[policy.decode]\neviction = "{eviction}"\n'
-                      f'prefetch = "{decode_prefetch}"\n[cost]\nlink_gbps = 1000000\n')
+                      f'prefetch = "{decode_prefetch}"\n[cost]\nlink_gbps = 1000000\n'
+                      'link_latency_us = 0\n')
     trace, stats = tmp_path / "t.rtb", tmp_path / "live.json"
     cli("trace", "record", "-m", str(q4km_model), "-p", "the quick brown fox jumps over the "
         "lazy dog and then runs far away", "-n", "40", "--temp", "0", "--config", str(config),
