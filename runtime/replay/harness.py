@@ -236,9 +236,11 @@ def _run(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfi
     timing = prefetch_timing(cost, prep.bounds, prep.layer_arr, prep.phase_arr,
                              prep.multi_token, prep.experts, outcome, h.n_expert,
                              h.n_expert_used)
-    priced = outcome.miss_kind.copy()        # late first uses are misses, in-time ones hits
-    priced[priced == 4] = 0
-    priced[timing.late_rows] = 2
+    priced = outcome.miss_kind
+    if len(outcome.prefetch_batch):          # late first uses are misses, in-time ones hits
+        priced = priced.copy()
+        priced[priced == 4] = 0
+        priced[timing.late_rows] = 2
     _price(cost, prep, priced)
     snap = mgr.snapshot().device(DEVICE)
     for phase in PHASES:

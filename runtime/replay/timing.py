@@ -37,7 +37,8 @@ class PrefetchTiming:
     late_bytes: np.ndarray       # (3,) int64
     late_rows: np.ndarray        # (n_rows,) bool: the rows of kind 4 that were late
     link_busy_s: float           # seconds the link carried prefetches
-    compute_s: float             # the clock's end: sum of the batch times
+    compute_s: float             # the clock's end: sum of the batch times (0: not run, no
+                                 # prefetch to time)
 
 
 def batch_times(cost: CostModel, bounds: np.ndarray, layers: np.ndarray,
@@ -82,6 +83,11 @@ def prefetch_timing(cost: CostModel, bounds: np.ndarray, layers: np.ndarray,
     """Which first uses of prefetched experts (``outcome.miss_kind == 4``) came too late.
     ``outcome``: the manager's ReplayOutcome of the same batches."""
     kinds = outcome.miss_kind
+    if len(outcome.prefetch_batch) == 0:              # nothing to time
+        zero = np.zeros(3, dtype=np.int64)
+        return PrefetchTiming(late=zero, late_bytes=zero.copy(),
+                              late_rows=np.zeros(len(kinds), dtype=bool), link_busy_s=0.0,
+                              compute_s=0.0)
     dense, total = batch_times(cost, bounds, layers, multi_token, experts, kinds, n_expert_used)
     start = np.concatenate([[0.0], np.cumsum(total)[:-1]])
     ready_at = start + dense                           # routing known / experts start
