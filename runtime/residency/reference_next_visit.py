@@ -58,9 +58,11 @@ class NextVisitModel:
                     self.w[j] = self.w[j] + self.learning_rate * self.g[j]
                     self.g[j] = 0.0
         self.vis[layer] += 1
+        counts = {e: experts.count(e) for e in routed}
+        top = max(counts.values(), default=0)
         for e in range(self.n_expert):
             f = base + e
-            y = 1.0 if e in routed else 0.0
+            y = float(counts[e]) / float(top) if e in routed else 0.0
             for k, a in enumerate(RATES):
                 self.h[k][f] = (1.0 - a) * self.h[k][f] + a * y
             if e in routed:

@@ -22,10 +22,11 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->last_vis = calloc((size_t) n, sizeof *m->last_vis);
     m->h = calloc((size_t) 3 * n, sizeof *m->h);
     m->mark = calloc((size_t) n_expert, 1);
+    m->cnt = calloc((size_t) n_expert, sizeof *m->cnt);
     m->e_cache = calloc((size_t) n, sizeof *m->e_cache);
     m->e_version = malloc((size_t) n * sizeof *m->e_version);
     m->e_vis = malloc((size_t) n * sizeof *m->e_vis);
-    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->e_cache ||
+    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->e_cache ||
         !m->e_version || !m->e_vis) {
         nv_free(m);
         return NULL;
@@ -39,7 +40,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
 
 void nv_free(nv_model *m) {
     if (m == NULL) return;
-    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark);
+    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt);
     free(m->e_cache); free(m->e_version); free(m->e_vis);
     free(m);
 }
@@ -91,9 +92,13 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
         }
     }
     m->vis[layer]++;
+    int32_t top = 0;                              /* a visit's label: the key's share of */
+    for (int32_t e = 0; e < ne; e++) m->cnt[e] = 0;   /* routings relative to the most */
+    for (int32_t i = 0; i < n; i++)                    /* routed key's (one token: 0 or 1) */
+        if (++m->cnt[el[i]] > top) top = m->cnt[el[i]];
     for (int32_t e = 0; e < ne; e++) {
         const int32_t f = base + e;
-        const double y = m->mark[e] ? 1.0 : 0.0;
+        const double y = m->mark[e] ? (double) m->cnt[e] / (double) top : 0.0;
         for (int32_t k = 0; k < 3; k++) {
             double *h = &m->h[k * nf + f];
             *h = (1.0 - NV_RATES[k]) * *h + NV_RATES[k] * y;

@@ -4,7 +4,9 @@
  * from a logistic model over NV_F features, learned online:
  *   x = (1, 1/age, h_fast, h_mid, h_slow)
  *   age    visits of its layer from its last routed use to the next visit (0 feature: never)
- *   h_k    EMAs of "routed at a visit of its layer", rates NV_RATES (h = (1 - a) h + a x)
+ *   h_k    EMAs of "routed at a visit of its layer", rates NV_RATES (h = (1 - a) h + a y);
+ *          y = the key's routings in the visit / the most routed key's (one token: 0 or 1; a
+ *          prefill chunk grades its experts by use)
  * At every decode (or mixed) visit of a layer, every 8th expert of that layer (in rotation:
  * experts e with e % 8 == decode layer-steps so far % 8) is one sample
  * (features before the visit, label routed or not); the gradient sum is applied once every
@@ -28,6 +30,7 @@ typedef struct {
     int64_t *last_vis;            /* (n_flat,) vis of its layer at its last routed use; 0 never */
     double *h;                    /* (3, n_flat) */
     uint8_t *mark;                /* (n_expert,) scratch: routed in this visit */
+    int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
     double w[NV_F], g[NV_F];
     double learning_rate;
     int64_t steps, version;       /* decode visits; weight updates */
