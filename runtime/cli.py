@@ -21,6 +21,8 @@ COMMAND_MODULES = [
     "runtime.commands.config",
     "runtime.commands.trace",
     "runtime.commands.replay",
+    "runtime.commands.profile",
+    "runtime.commands.plan",
     "runtime.commands.generate",
     "runtime.commands.serve",
     "runtime.commands.native",

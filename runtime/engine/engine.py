@@ -61,7 +61,7 @@ class Engine:
         llama_lib.set_logging(settings.verbose)
         has_gpu = bool(wiring.gpu_devices())
         self.manager, self.residency_devices = wiring.build_manager(
-            self.config, self.facts, has_gpu=has_gpu)
+            self.config, self.facts, has_gpu=has_gpu, profile_path=settings.profile_path)
         native_cache = settings.manage_residency and wiring.native_cache_ready(self.config, lib_dir)
         self.placement = placement if placement is not None else wiring.plan(
             settings, self.config, self.facts, self.manager, has_gpu=has_gpu,

@@ -78,7 +78,8 @@ class ResidencyConfig:
     devices: tuple[DeviceBudget, ...] = ()
     phase_specific: bool = True
     prefill: PhasePolicies = PhasePolicies(prefetch=PolicySpec("chunk-plan", (("depth", 1.0),)))
-    decode: PhasePolicies = PhasePolicies()
+    # decode: eviction next-visit (beats lru in every cell of the real traces: README, replay)
+    decode: PhasePolicies = PhasePolicies(eviction=make_spec("eviction", "next-visit"))
     cost: CostParams = field(default_factory=CostParams)
     source: str = "<defaults>"
 
