@@ -66,6 +66,23 @@ def _layers(layers) -> str:
     return ",".join(out)
 
 
+def _remote_lines(config, largest: int | None) -> list[str]:
+    """Each rpc:HOST:PORT device: contacted with a short timeout; its capacity and link, or
+    a UserError (one line naming it) when unreachable or over its memory."""
+    from runtime.rpc.setup import resolve_remotes  # noqa: PLC0415
+
+    lines = []
+    for budget, _dev, info, capacity in resolve_remotes(config, largest_expert=largest):
+        bw = f", {info.bandwidth_bps / 1e9:.2f} GB/s" if info.bandwidth_bps else ""
+        lines.append(f"  devices.{budget.device} = {budget.text!r}: {capacity} bytes "
+                     f"({format_size(capacity)}) of {format_size(info.free_bytes)} free / "
+                     f"{format_size(info.total_bytes)}; reachable, rpc {info.proto}, "
+                     f"rtt {info.rtt_s * 1e3:.2f} ms{bw}")
+    if config.remotes:
+        lines.append(f"  rpc.mode = {config.rpc_mode!r}, rpc.timeout_s = {config.rpc_timeout_s:g}")
+    return lines
+
+
 def run_check(args: argparse.Namespace) -> int:
     config = config_from_args(args, path=args.file)
     facts = None
@@ -102,6 +119,7 @@ def run_check(args: argparse.Namespace) -> int:
         lines.append(line)
         if facts is not None:
             lines.extend(_pool_lines(args.model, budget.device, capacity, facts))
+    lines.extend(_remote_lines(config, largest))
     lines.append(f"  policy.phase_specific = {str(config.phase_specific).lower()}")
     for phase in (Phase.PREFILL, Phase.DECODE):
         pp = config.policies_for(phase)
