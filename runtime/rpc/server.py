@@ -57,6 +57,30 @@ def _check_free(host: str, port: int) -> None:
         s.close()
 
 
+def _line_buffered_c_stdout() -> None:
+    import ctypes  # noqa: PLC0415
+
+    try:
+        libc = ctypes.CDLL(None)
+        stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+        libc.setvbuf(stdout, None, 1, 0)              # _IOLBF
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _wait_listening(host: str, port: int, done: threading.Event, timeout: float = 30.0) -> None:
+    """Until the port accepts a connection (ggml binds after its banner). The connection is
+    one empty client session for ggml: it sees it close and accepts the next."""
+    target = "127.0.0.1" if host == "0.0.0.0" else host
+    deadline = time.monotonic() + timeout
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            socket.create_connection((target, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
 def rpc_library_dir() -> str:
     """The patched build with the RPC backend; UserError (saying how to build it) otherwise."""
     from runtime.engine import llama_lib  # noqa: PLC0415
@@ -112,9 +136,12 @@ def run_server(settings: ServerSettings) -> int:
         finally:
             done.set()
 
+    _line_buffered_c_stdout()             # ggml's own banner and per-client lines, as they come
     thread = threading.Thread(target=serve, name="ggml-rpc-server", daemon=True)
     thread.start()
     try:
+        _wait_listening(host, port, done)
+        print(f"rpc-server: listening on {host}:{port} (Ctrl-C stops it)", flush=True)
         while not done.wait(0.5):
             pass
     except KeyboardInterrupt:
@@ -122,5 +149,4 @@ def run_server(settings: ServerSettings) -> int:
         sys.stderr.write("rpc-server: stopped (Ctrl-C)\n")
         sys.stderr.flush()
         os._exit(130)          # ggml's accept loop has no stop: end the process here
-    time.sleep(0)
     raise UserError(f"rpc-server: ggml-rpc stopped serving {host}:{port} (see its output above)")
