@@ -97,7 +97,7 @@ def run_check(args: argparse.Namespace) -> int:
         lines.append(f"  model {facts.path}: {len(moe_bytes)} MoE layers x {facts.n_expert} "
                      f"experts, largest expert {largest} bytes, all experts "
                      f"{facts.total_expert_bytes} bytes")
-    if not config.devices:
+    if not config.devices and not config.remotes:
         lines.append("  devices: none configured (each device gets 'auto' when used)")
     for budget in config.devices:
         mem = probe_device_memory(budget.device)
