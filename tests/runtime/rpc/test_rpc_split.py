@@ -199,3 +199,31 @@ def _wait_ready(proc: subprocess.Popen, log_path: Path) -> str:
         time.sleep(0.2)
     raise AssertionError("server not ready:\n" + log_path.read_text(errors="replace"))
 
+
+
+def test_a_remote_that_goes_silent_fails_within_the_link_timeout(
+        rpc_build, rpc_servers, split_model, tmp_path):
+    import signal
+
+    a, b = rpc_servers
+    cfg = tmp_path / "silent.toml"
+    cfg.write_text(f'[devices]\n"{a.device}" = "40MiB"\n"{b.device}" = "30MiB"\n'
+                   "[rpc]\ntimeout_s = 3\n")
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "complete", "-m",
+                             str(split_model), "--config", str(cfg), "-p", "the king", "-n",
+                             "100000", "-c", "8192", "--temp", "0"], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(rpc_build.lib_dir))
+    try:
+        assert proc.stdout.read(64)                      # generating
+        b.proc.send_signal(signal.SIGSTOP)               # alive, but silent
+        t0 = time.monotonic()
+        _out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert f"moe-offload: error: {b.device}: remote device lost" in err
+    assert elapsed < 3 + 10, f"took {elapsed:.1f} s with a 3 s link timeout"
