@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Experts on other machines, measured: tokens/s and bytes sent over the RPC links per token.
 
-Starts two ``moe-offload rpc-server`` processes on 127.0.0.1, each behind a counting (and
-optionally delaying) TCP proxy of this script, writes a synthetic MoE model, and runs the
-Engine greedily in a child process for each placement:
+Starts two ``moe-offload rpc-server`` processes on 127.0.0.1, writes a synthetic MoE model, and
+runs the Engine greedily (residency off: no routing hook) in a child process for each
+placement, ``--repeats`` times interleaved (the median tok/s is reported):
 
 - ``local``: everything in this process (no remote);
 - ``ours``: the remote plan at the budgets (``--budget-a``, ``--budget-b``; mode auto: the
@@ -12,9 +12,11 @@ Engine greedily in a child process for each placement:
 - ``default``: llama.cpp's own split over the same two remotes (``[rpc] mode = "llama"``:
   every layer offloaded, split by the free memory each remote reports; budgets not applied).
 
-Bytes are what the proxies forwarded during generation only (load uploads excluded), both
-directions, divided by the generated tokens. ``--delay-ms 0,2`` repeats the remote rows with
-that one-way delay added per forwarded chunk in each direction (round trip + 2x delay).
+Bytes are the servers' socket traffic during generation only (load uploads excluded), both
+directions, as the kernel counts it (``ss -ti`` bytes_sent + bytes_received of the servers'
+established connections), divided by the generated tokens. ``--delay-ms 0,2`` repeats the remote rows through a
+delaying TCP proxy of this script on 127.0.0.1 (each forwarded chunk waits that long, each
+way: a round trip gains 2x the delay; 0 = direct, no proxy).
 
     python scripts/bench_rpc.py [-n 64] [--delay-ms 0,2] [--budget-a 60MiB --budget-b 60MiB]
 
@@ -116,8 +118,22 @@ print(json.dumps({"tokens": toks, "seconds": dt, "plan": plan}), flush=True)
 '''
 
 
+def link_bytes(ports: list[int]) -> int:
+    """Bytes sent + received on the established TCP connections of the rpc-servers' ports, as
+    the kernel counts them (``ss -ti``: bytes_sent, bytes_received of each server socket)."""
+    total = 0
+    for port in ports:
+        out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+                             capture_output=True, text=True, check=True).stdout
+        for key in ("bytes_sent:", "bytes_received:"):
+            for part in out.split():
+                if part.startswith(key):
+                    total += int(part[len(key):])
+    return total
+
+
 def run_child(lib: str, model: str, config: str | None, n: int, threads: int,
-              proxies: list[CountingProxy]) -> dict:
+              ports: list[int]) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), LLAMA_CPP_LIB_PATH=lib)
     args = {"model": model, "config": config, "n": n, "threads": threads,
             "prompt": "the king saw a river and"}
@@ -127,7 +143,7 @@ def run_child(lib: str, model: str, config: str | None, n: int, threads: int,
     marks = {}
     for line in proc.stdout:
         if line.startswith("GEN_"):
-            marks[line.strip()] = sum(p.counters() for p in proxies)
+            marks[line.strip()] = link_bytes(ports)
             proc.stdin.write("\n")
             proc.stdin.flush()
         elif line.startswith("{"):
@@ -164,6 +180,7 @@ def main() -> int:
     ap.add_argument("--budget-a", default="60MiB")
     ap.add_argument("--budget-b", default="60MiB")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads per process")
+    ap.add_argument("-r", "--repeats", type=int, default=3, help="runs per row (median)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -173,43 +190,50 @@ def main() -> int:
 
     info = find_build(rpc=True) or build(BuildRequest(backend="cpu", rpc=True))
     spec = SynthSpec(arch="qwen3moe", layers=16, experts=32, top_k=4, embd=256, ff=128,
-                     dtype="q8_0", seed=5, skew=1.0)
+                     dtype="f16", seed=5, skew=1.0)   # q8_0 hit SIGILL/SIGSEGV in ggml-cpu here (AMX CPU; the stock wheel too)
     model = str(cached_model(spec, progress=False))
     ports = [free_port(), free_port()]
     servers = [start_server(info.lib_dir, p, args.threads) for p in ports]
-    rows = []
+    runs: dict[tuple[str, float], list[dict]] = {}
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_rpc_{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
+    delays = [float(x) for x in args.delay_ms.split(",") if x.strip()]
     try:
-        local = run_child(info.lib_dir, model, None, args.n, args.threads, [])
-        rows.append(("local", 0.0, local))
-        for delay in [float(x) for x in args.delay_ms.split(",") if x.strip()]:
-            for name, mode in (("ours", "auto"), ("experts", "experts"), ("default", "llama")):
-                proxies = [CountingProxy(p, delay / 1e3) for p in ports]
-                cfg = work / f"{name}.toml"
-                cfg.write_text(f'[devices]\n"rpc:127.0.0.1:{proxies[0].port}" = "{args.budget_a}"\n'
-                               f'"rpc:127.0.0.1:{proxies[1].port}" = "{args.budget_b}"\n'
-                               f'[rpc]\nmode = "{mode}"\n')
-                out = run_child(info.lib_dir, model, str(cfg), args.n, args.threads, proxies)
-                rows.append((name, delay, out))
-                for p in proxies:
-                    p.sock.close()
+        for _ in range(max(1, args.repeats)):        # interleaved: drift hits every row alike
+            runs.setdefault(("local", 0.0), []).append(
+                run_child(info.lib_dir, model, None, args.n, args.threads, ports))
+            for delay in delays:
+                for name, mode in (("ours", "auto"), ("experts", "experts"), ("default", "llama")):
+                    proxies = [CountingProxy(p, delay / 1e3) for p in ports] if delay else []
+                    targets = [p.port for p in proxies] if proxies else ports
+                    cfg = work / f"{name}.toml"
+                    cfg.write_text(f'[devices]\n"rpc:127.0.0.1:{targets[0]}" = "{args.budget_a}"\n'
+                                   f'"rpc:127.0.0.1:{targets[1]}" = "{args.budget_b}"\n'
+                                   f'[rpc]\nmode = "{mode}"\n')
+                    runs.setdefault((name, delay), []).append(
+                        run_child(info.lib_dir, model, str(cfg), args.n, args.threads, ports))
+                    for p in proxies:
+                        p.sock.close()
     finally:
         for s in servers:
             s.kill()
+    rows = [(name, delay, outs) for (name, delay), outs in runs.items()]
     result = []
-    for name, delay, out in rows:
-        n = len(out["tokens"])
+    reference = rows[0][2][0]["tokens"]
+    for name, delay, outs in rows:
+        n = len(outs[0]["tokens"])
+        rates = sorted(len(o["tokens"]) / o["seconds"] for o in outs)
         result.append({"run": name, "delay_ms": delay, "tokens": n,
-                       "tok_per_s": n / out["seconds"], "bytes_per_token": out["bytes"] / max(n, 1),
-                       "same_tokens_as_local": out["tokens"] == rows[0][2]["tokens"],
-                       "plan": out["plan"]})
+                       "tok_per_s": rates[len(rates) // 2], "tok_per_s_all": rates,
+                       "bytes_per_token": outs[-1]["bytes"] / max(n, 1),
+                       "same_tokens_as_local": all(o["tokens"] == reference for o in outs),
+                       "plan": outs[0]["plan"]})
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"model: {model} ({spec.layers} layers x {spec.experts} experts, top-{spec.top_k}, "
           f"{spec.dtype}); budgets {args.budget_a} / {args.budget_b}; {args.n} tokens; "
-          f"{args.threads} thread(s) per process")
+          f"{args.threads} thread(s) per process; median of {args.repeats} runs")
     print(f"{'run':<9}{'delay ms':>9}{'tok/s':>9}{'bytes/token':>13}  same tokens  plan")
     for r in result:
         print(f"{r['run']:<9}{r['delay_ms']:>9g}{r['tok_per_s']:>9.1f}{r['bytes_per_token']:>13.0f}"
