@@ -80,6 +80,8 @@ class Engine:
                                             repack=repack, remote=self.remote)
         try:
             self._init_context()
+            if self.remote is not None:     # what llama.cpp really put on each remote
+                self.remote.verify_buffers(llama_lib.set_logging(settings.verbose).buffers)
         except BaseException:
             self.close()
             raise

@@ -148,10 +148,12 @@ def _cost(mode: str, layers: Sequence[LayerBytes], ranges, links: Sequence[Link]
 
 def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: str = "auto",
                  n_expert_used: int, n_embd: int, local_bps: float,
-                 reserve_bytes: int = 0) -> RemotePlan:
+                 reserve_bytes: int | dict[str, int] = 0) -> RemotePlan:
     """The plan for these layers and links (see the module docstring). ``reserve_bytes``: kept
-    free on each remote for its compute buffer. UserError for an unknown mode or when a
-    remote's budget holds nothing at all."""
+    free on each remote for its compute buffer (one figure, or one per shape: {"layers": ..,
+    "experts": ..}). UserError for an unknown mode or when a remote's budget holds nothing."""
+    reserves = reserve_bytes if isinstance(reserve_bytes, dict) else {
+        "layers": reserve_bytes, "experts": reserve_bytes}
     if mode not in MODES:
         raise UserError(f"rpc.mode {mode!r}: unknown (valid: {', '.join(MODES)})")
     act_bytes = 4 * n_embd                          # one token's hidden state, f32
@@ -163,7 +165,7 @@ def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: s
     for shape in ("layers", "experts"):
         sizes = [lb.dense + lb.experts + lb.kv if shape == "layers" else lb.experts
                  for lb in layers]
-        ranges = _fill(sizes, links, reserve_bytes)
+        ranges = _fill(sizes, links, reserves[shape])
         cost = _cost(shape, layers, ranges, links, n_expert_used=n_expert_used,
                      act_bytes=act_bytes, local_bps=local_bps)
         shares = tuple(RemoteShare(lk.device, rng, sum(sizes[i] for i in rng), lk.capacity)
@@ -185,7 +187,7 @@ def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: s
             min(lb.dense + lb.experts + lb.kv for lb in layers)
         raise UserError(f"{empty[0]}: budget {shares[0].capacity} bytes holds no "
                         f"{'layer' if chosen == 'layers' else 'layer of experts'} "
-                        f"(the smallest needs {smallest + reserve_bytes} bytes with the "
+                        f"(the smallest needs {smallest + reserves[chosen]} bytes with the "
                         "compute reserve)")
     remote = {i for s in shares for i in s.layers}
     return RemotePlan(chosen, shares, tuple(i for i in range(len(layers)) if i not in remote),

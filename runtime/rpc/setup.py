@@ -22,7 +22,7 @@ _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 _BLK = re.compile(r"^blk\.(\d+)\.")
 PROBE_TIMEOUT_S = 3.0
 PROBE_BANDWIDTH_BYTES = 4 << 20
-COMPUTE_RESERVE_FLOOR = 16 << 20        # bytes kept free on a remote for its compute buffer
+_BUFFER_LINE = re.compile(r"RPC(\d+)\[([^\]]+)\]\s+(model|KV|compute) buffer size =\s+([\d.]+) MiB")
 
 
 class RemoteDeviceLost(UserError):
@@ -50,7 +50,32 @@ class RemoteSetup:
     devices: object = None                   # ctypes NULL-terminated ggml_backend_dev_t array
     tensor_split: object = None              # ctypes float[llama_max_devices()]
     lost: list[str] = field(default_factory=list)
+    allocated: dict[str, int] = field(default_factory=dict)   # device -> bytes llama.cpp put there
     _failures_seen: int = 0
+
+    def verify_buffers(self, lines) -> None:
+        """Check what llama.cpp allocated on each remote (its "RPCn[host:port] model / KV /
+        compute buffer size" lines) against the budget: UserError naming the device when over."""
+        used: dict[str, dict[str, float]] = {}
+        for line in lines:
+            m = _BUFFER_LINE.search(line)
+            if m:
+                index, endpoint, kind, mib = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+                device = f"rpc:{endpoint}" + (f"/{index}" if index else "")
+                used.setdefault(device, {}).setdefault(kind, 0.0)
+                used[device][kind] += float(mib)
+        self.allocated = {d: int(sum(k.values()) * 2**20) for d, k in used.items()}
+        if self.plan.mode == "llama":
+            return                              # llama.cpp's own split: budgets not applied
+        for share in self.plan.shares:
+            kinds = used.get(share.device, {})
+            total = int(sum(kinds.values()) * 2**20)
+            if total > share.capacity:
+                parts = ", ".join(f"{k} {v:.1f} MiB" for k, v in kinds.items())
+                raise UserError(f"{share.device}: llama.cpp needs {total / 2**20:.1f} MiB there "
+                                f"({parts}), above its budget of {share.capacity / 2**20:.1f} "
+                                "MiB: raise the budget, or lower -c / -ub (the compute buffer "
+                                "grows with both)")
 
     def check(self) -> None:
         """Raise RemoteDeviceLost once any of this model's links failed (and ever after)."""
@@ -79,6 +104,7 @@ class RemoteSetup:
     def to_dict(self) -> dict:
         d = self.plan.to_dict()
         d["devices"] = [{**i.to_dict(), "ggml_name": h.ggml_name,
+                         "allocated_bytes": self.allocated.get(i.device),
                          "status": "down" if i.device in self.lost else "up"}
                         for i, h in zip(self.infos, self.handles)]
         return d
@@ -94,6 +120,10 @@ class RemoteSetup:
         for s in self.plan.shares:
             lines.append(f'moe_rpc_planned_bytes{{device="{s.device}",mode="{self.plan.mode}"}} '
                          f"{s.bytes}")
+        lines += ["# HELP moe_rpc_allocated_bytes Model, KV and compute buffers llama.cpp put "
+                  "on each remote device.", "# TYPE moe_rpc_allocated_bytes gauge"]
+        for dev, n in self.allocated.items():
+            lines.append(f'moe_rpc_allocated_bytes{{device="{dev}"}} {n}')
         lines += ["# HELP moe_rpc_link_rtt_seconds Round trip measured at load.",
                   "# TYPE moe_rpc_link_rtt_seconds gauge"]
         for i in self.infos:
@@ -131,6 +161,24 @@ def layer_bytes(path: str, facts, n_ctx: int) -> list[LayerBytes]:
             for i in range(facts.n_layer)]
 
 
+def compute_reserve(settings, facts, layers: list[LayerBytes]) -> dict[str, int]:
+    """Bytes llama.cpp's compute buffer may take on a remote, per plan shape (an upper estimate;
+    verify_buffers checks the real figure after the context is made). Layers: the attention
+    scores and mask of one ubatch over the whole context (f32) plus activations; experts: the
+    expert matmuls' outputs only. Measured on synthetic qwen3moe (embd 256, 4 heads, ub 512):
+    7.5 MiB at -c 512, 43.5 MiB at -c 4096; this gives 9.5 and 46.5."""
+    from gguf_tools.facts import field_value, open_gguf  # noqa: PLC0415
+
+    reader = open_gguf(settings.model_path)
+    n_head = int(field_value(reader, f"{facts.arch}.attention.head_count", 1) or 1)
+    ub = min(settings.n_ubatch, settings.n_batch)
+    ctx = settings.n_ctx or facts.context_length
+    ffn = facts.n_expert_used * max(facts.n_ff_exp, 1)
+    act = ub * 4 * (8 * facts.n_embd + 3 * ffn)
+    return {"layers": ub * ctx * (4 * n_head + 4) + act + (1 << 20),
+            "experts": ub * 4 * (2 * facts.n_embd + 3 * ffn) + (1 << 20)}
+
+
 def remote_budgets(config) -> tuple:
     return tuple(getattr(config, "remotes", ()) or ()) if config is not None else ()
 
@@ -159,7 +207,7 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
     backend.set_link_timeout(getattr(config, "rpc_timeout_s", None))
     resolved = resolve_remotes(config, largest_expert=max(facts.expert_bytes) or None)
     layers = layer_bytes(settings.model_path, facts, settings.n_ctx)
-    reserve = max(COMPUTE_RESERVE_FLOOR, settings.n_ubatch * facts.n_embd * 4 * 16)
+    reserve = compute_reserve(settings, facts, layers)
     local_bps = config.cost.cpu_mem_gbps * 1e9
     links = [Link(dev.name, cap, info.rtt_s, info.bandwidth_bps or 1e9, local_bps)
              for _b, dev, info, cap in resolved]

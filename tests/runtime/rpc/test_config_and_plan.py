@@ -134,3 +134,23 @@ def test_a_budget_that_holds_nothing_is_one_line():
     with pytest.raises(UserError, match="holds no layer"):
         plan_remotes(LAYERS, _links(100), mode="layers", n_expert_used=2, n_embd=64,
                      local_bps=6e10)
+
+
+def test_buffers_llama_cpp_allocated_are_checked_against_the_budget():
+    from runtime.rpc.plan import RemotePlan, RemoteShare
+    from runtime.rpc.setup import RemoteSetup
+
+    plan = RemotePlan("layers", (RemoteShare("rpc:127.0.0.1:5000", (6, 7), 30 * 2**20,
+                                             40 * 2**20),), tuple(range(6)))
+    setup = RemoteSetup(plan, (), (), None, ())
+    lines = ["load_tensors: RPC0[127.0.0.1:5000] model buffer size =    20.30 MiB",
+             "llama_kv_cache: RPC0[127.0.0.1:5000] KV buffer size =     0.75 MiB",
+             "sched_reserve:        CPU compute buffer size =     8.01 MiB"]
+    setup.verify_buffers(lines + ["sched_reserve: RPC0[127.0.0.1:5000] compute buffer size = "
+                                  "    7.51 MiB"])
+    assert setup.allocated == {"rpc:127.0.0.1:5000": int(28.56 * 2**20)}
+    with pytest.raises(UserError) as err:
+        setup.verify_buffers(lines + ["sched_reserve: RPC0[127.0.0.1:5000] compute buffer "
+                                      "size =    43.51 MiB"])
+    assert str(err.value).startswith("rpc:127.0.0.1:5000: llama.cpp needs 64.6 MiB there")
+    assert "above its budget of 40.0 MiB" in str(err.value)

@@ -46,12 +46,12 @@ def local_tokens(rpc_build, split_model):
     return run_child(rpc_build.lib_dir, {"model": str(split_model)})["tokens"]
 
 
-@pytest.mark.parametrize("mode", ["layers", "experts"])
+@pytest.mark.parametrize("mode, mib_a, mib_b", [("layers", 40, 30), ("experts", 20, 16)])
 def test_split_by_budget_is_token_identical_and_within_budget(
-        rpc_build, rpc_servers, split_model, local_tokens, tmp_path, mode):
+        rpc_build, rpc_servers, split_model, local_tokens, tmp_path, mode, mib_a, mib_b):
     a, b = rpc_servers
     layer = _layer_bytes(split_model)
-    budgets = {a.device: 40 * MiB, b.device: 30 * MiB}          # a few layers each
+    budgets = {a.device: mib_a * MiB, b.device: mib_b * MiB}    # a few layers each
     cfg = write_config(tmp_path / "split.toml",
                        {d: f"{v // MiB}MiB" for d, v in budgets.items()}, mode=mode)
     out = run_child(rpc_build.lib_dir, {"model": str(split_model), "config": str(cfg)})
