@@ -154,3 +154,19 @@ def test_buffers_llama_cpp_allocated_are_checked_against_the_budget():
                                       "size =    43.51 MiB"])
     assert str(err.value).startswith("rpc:127.0.0.1:5000: llama.cpp needs 64.6 MiB there")
     assert "above its budget of 40.0 MiB" in str(err.value)
+
+
+def test_without_an_rpc_build_rpc_server_says_how_to_make_one(tmp_path):
+    import os
+
+    env = dict(os.environ, MOE_OFFLOAD_NATIVE_DIR=str(tmp_path / "no-builds"))
+    env.pop("LLAMA_CPP_LIB_PATH", None)
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "rpc-server", "--port", "0"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "out of range" in r.stderr                  # port 0 is refused first
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "rpc-server", "--port",
+                        str(_free_port())], cwd=REPO_ROOT, capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "moe-offload native build --rpc" in r.stderr and r.stderr.strip().count("\n") == 0
