@@ -104,6 +104,12 @@ def test_config_check_reports_capacity_and_refuses_too_big_a_budget(
                        env=child_env(rpc_build.lib_dir))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "above the device's total memory" in r.stderr and r.stderr.strip().count("\n") == 0
+    third = write_config(tmp_path / "third.toml", {f"{a.device}/3": "1GiB"})
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "config", "check", str(third)],
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                       env=child_env(rpc_build.lib_dir))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert f"{a.device}/3: the server offers 1 device(s) (0..0), not device 3" in r.stderr
 
 
 def test_rpc_server_help_bad_port_and_ctrl_c(rpc_build, tmp_path):
