@@ -90,7 +90,11 @@ class Engine:
         settings = self.settings
         self.hook = None
         if settings.manage_residency or settings.capture_all_tokens:
-            assembler = RouteAssembler(self.facts.moe_layers, self.facts.n_expert_used,
+            moe_layers = self.facts.moe_layers
+            if self.remote is not None:    # whole layers remote: reading their routing would
+                remote = self.remote.remote_whole_layers()   # cost a round trip each
+                moe_layers = tuple(layer for layer in moe_layers if layer not in remote)
+            assembler = RouteAssembler(moe_layers, self.facts.n_expert_used,
                                        self.facts.n_layer)
             assembler.strict = settings.capture_all_tokens
             self.hook = NativeHook(assembler, self.facts.n_layer)

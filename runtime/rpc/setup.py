@@ -85,6 +85,13 @@ class RemoteSetup:
         if self.lost:
             raise RemoteDeviceLost(self.lost)
 
+    def remote_whole_layers(self) -> set[int]:
+        """Layers that run entirely on a remote (layers mode): the routing hook leaves them
+        alone, since reading a remote node costs a network round trip per layer per token."""
+        if self.plan.mode != "layers":
+            return set()
+        return {layer for s in self.plan.shares for layer in s.layers}
+
     def lost_now(self) -> bool:
         """True when a link of this model has failed (check() would raise)."""
         try:
