@@ -76,6 +76,7 @@ class Engine:
         self._overrides = llama_lib.BuftOverrides(remote_rules + [
             (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         repack = settings.repack if settings.repack is not None else not native_cache
+        llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
                                             repack=repack, remote=self.remote)
         try:
