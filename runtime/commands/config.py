@@ -66,13 +66,15 @@ def _layers(layers) -> str:
     return ",".join(out)
 
 
-def _remote_lines(config, largest: int | None) -> list[str]:
+def _remote_lines(config, largest: int | None, facts=None) -> list[str]:
     """Each rpc:HOST:PORT device: contacted with a short timeout; its capacity and link, or
-    a UserError (one line naming it) when unreachable or over its memory."""
-    from runtime.rpc.setup import resolve_remotes  # noqa: PLC0415
+    a UserError (one line naming it) when unreachable or over its memory. With a model, the
+    plan a load with the default context would make."""
+    from runtime.rpc.setup import plan_for, resolve_remotes  # noqa: PLC0415
 
     lines = []
-    for budget, _dev, info, capacity in resolve_remotes(config, largest_expert=largest):
+    resolved = resolve_remotes(config, largest_expert=largest)
+    for budget, _dev, info, capacity in resolved:
         bw = f", {info.bandwidth_bps / 1e9:.2f} GB/s" if info.bandwidth_bps else ""
         lines.append(f"  devices.{budget.device} = {budget.text!r}: {capacity} bytes "
                      f"({format_size(capacity)}) of {format_size(info.free_bytes)} free / "
@@ -80,6 +82,12 @@ def _remote_lines(config, largest: int | None) -> list[str]:
                      f"rtt {info.rtt_s * 1e3:.2f} ms{bw}")
     if config.remotes:
         lines.append(f"  rpc.mode = {config.rpc_mode!r}, rpc.timeout_s = {config.rpc_timeout_s:g}")
+    if config.remotes and facts is not None:
+        from runtime.engine.types import EngineSettings  # noqa: PLC0415
+
+        settings = EngineSettings(model_path=facts.path)
+        plan = plan_for(config, facts, settings, resolved)
+        lines.append(f"  at -c {settings.n_ctx} -ub {settings.n_ubatch}: {plan.describe()}")
     return lines
 
 
@@ -119,7 +127,7 @@ def run_check(args: argparse.Namespace) -> int:
         lines.append(line)
         if facts is not None:
             lines.extend(_pool_lines(args.model, budget.device, capacity, facts))
-    lines.extend(_remote_lines(config, largest))
+    lines.extend(_remote_lines(config, largest, facts))
     lines.append(f"  policy.phase_specific = {str(config.phase_specific).lower()}")
     for phase in (Phase.PREFILL, Phase.DECODE):
         pp = config.policies_for(phase)

@@ -206,6 +206,18 @@ def resolve_remotes(config, *, largest_expert: int | None = None, timeout: float
     return out
 
 
+def plan_for(config, facts, settings, resolved) -> RemotePlan:
+    """The plan for these resolved remotes (``resolve_remotes``) at the settings' context."""
+    layers = layer_bytes(settings.model_path, facts, settings.n_ctx)
+    reserve = compute_reserve(settings, facts, layers)
+    local_bps = config.cost.cpu_mem_gbps * 1e9
+    links = [Link(dev.name, cap, info.rtt_s, info.bandwidth_bps or 1e9, local_bps)
+             for _b, dev, info, cap in resolved]
+    return plan_remotes(layers, links, mode=getattr(config, "rpc_mode", "auto"),
+                        n_expert_used=facts.n_expert_used, n_embd=facts.n_embd,
+                        local_bps=local_bps, reserve_bytes=reserve)
+
+
 def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.stderr)
                   ) -> RemoteSetup:
     """Probe, plan and register the config's remotes; see the module docstring."""
@@ -213,14 +225,7 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
 
     backend.set_link_timeout(getattr(config, "rpc_timeout_s", None))
     resolved = resolve_remotes(config, largest_expert=max(facts.expert_bytes) or None)
-    layers = layer_bytes(settings.model_path, facts, settings.n_ctx)
-    reserve = compute_reserve(settings, facts, layers)
-    local_bps = config.cost.cpu_mem_gbps * 1e9
-    links = [Link(dev.name, cap, info.rtt_s, info.bandwidth_bps or 1e9, local_bps)
-             for _b, dev, info, cap in resolved]
-    plan = plan_remotes(layers, links, mode=getattr(config, "rpc_mode", "auto"),
-                        n_expert_used=facts.n_expert_used, n_embd=facts.n_embd,
-                        local_bps=local_bps, reserve_bytes=reserve)
+    plan = plan_for(config, facts, settings, resolved)
     handles = tuple(backend.add_remote(dev.name, dev.endpoint, dev.index)
                     for _b, dev, _i, _c in resolved)
     by_device = {h.device: h for h in handles}

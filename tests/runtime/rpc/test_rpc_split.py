@@ -98,6 +98,7 @@ def test_config_check_reports_capacity_and_refuses_too_big_a_budget(
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if a.device in ln)
     assert "reachable" in line and "free" in line and "rtt" in line
+    assert "remote plan [" in r.stdout                     # what a load would place where
     big = write_config(tmp_path / "big.toml", {a.device: "64TiB"})
     r = subprocess.run([sys.executable, "-m", "runtime.cli", "config", "check", str(big)],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
