@@ -13,7 +13,10 @@ takes the last layers), so a bigger budget moves more layers. The cost model (se
 decoded token) is link time plus weight streaming:
 ``sum over remote crossings (rtt + bytes / bandwidth) + sum over layers bytes read / rate``,
 with a layer's bytes read per token = dense bytes + n_expert_used * one expert's bytes.
-``auto`` picks the cheaper shape; ties go to ``layers``.
+``auto`` picks the cheaper shape among those that take at least ``RELIEF_SHARE`` of the
+bytes the best shape takes off the local machine (the budgets are there to be used: a shape
+that fits one small layer where the other fits eight expert sets is not chosen for being
+"fast"); ties go to ``layers``.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Sequence
 from runtime.errors import UserError
 
 MODES = ("auto", "layers", "experts", "llama")   # llama: llama.cpp's own split (free memory)
+RELIEF_SHARE = 0.75      # a shape must move >= this share of the best shape's bytes remote
 
 
 @dataclass(frozen=True)
@@ -172,12 +176,21 @@ def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: s
                        for lk, rng in zip(links, ranges))
         candidates[shape] = (cost, shares)
     if mode == "auto":
-        usable = [s for s in ("layers", "experts") if any(sh.layers for sh in candidates[s][1])]
+        relief = {s: sum(sh.bytes for sh in candidates[s][1]) for s in candidates}
+        best = max(relief.values())
+        usable = [s for s in ("layers", "experts") if relief[s] > 0
+                  and relief[s] >= RELIEF_SHARE * best]
         if not usable:
             usable = ["layers"]
         chosen = min(usable, key=lambda s: (candidates[s][0], s != "layers"))
-        reason = ("cheaper by the link model" if len(usable) == 2 else
-                  f"only {usable[0]} fit the budgets")
+        fitting = [s for s in ("layers", "experts") if relief[s] > 0]
+        if len(usable) == 2:
+            reason = "cheaper by the link model"
+        elif len(fitting) == 2:
+            reason = (f"{chosen} moves {relief[chosen] / 2**20:.1f} MiB remote, the other shape "
+                      f"under {RELIEF_SHARE:.0%} of that")
+        else:
+            reason = f"only {usable[0]} fit the budgets"
     else:
         chosen, reason = mode, "rpc.mode in the config"
     cost, shares = candidates[chosen]

@@ -124,6 +124,11 @@ def test_auto_picks_by_the_link_model():
     # a budget below one whole layer but above its experts: only expert tensors fit
     small = plan_remotes(LAYERS, _links(1100, 1100), n_expert_used=2, n_embd=64, local_bps=6e10)
     assert small.mode == "experts" and "only experts fit" in small.reason
+    # whole layers fit, but far fewer bytes than expert sets would: the budgets win over speed
+    relief = plan_remotes(LAYERS, _links(2100, 2100), n_expert_used=2, n_embd=64,
+                          local_bps=6e10)      # one whole layer (1250) or two expert sets each
+    assert relief.mode == "experts" and "under 75% of that" in relief.reason
+    assert dict(relief.costs)["layers"] < dict(relief.costs)["experts"]
     # more latency makes the expert plan's per-layer crossings dearer still
     slow = plan_remotes(LAYERS, _links(3000, 2600, rtt=5e-3), mode="experts", n_expert_used=2,
                         n_embd=64, local_bps=6e10)
