@@ -27,6 +27,11 @@ from runtime.errors import UserError
 
 MODES = ("auto", "layers", "experts", "llama")   # llama: llama.cpp's own split (free memory)
 RELIEF_SHARE = 0.75      # a shape must move >= this share of the best shape's bytes remote
+# ggml-rpc remembers ONE graph per device for GRAPH_RECOMPUTE: a device with several splits per
+# token (experts shape, two or more remote layers) gets every split's serialized graph again
+# each token. Measured (synthetic qwen3moe, embd 256): 8.5 KB/token with one remote expert
+# layer, 141 KB/token with two on the same device, so ~66 KB per split.
+GRAPH_RESEND_BYTES = 66_000
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,8 @@ def _cost(mode: str, layers: Sequence[LayerBytes], ranges, links: Sequence[Link]
         else:
             t += lb.dense / local_bps + n_expert_used * lb.one_expert / link.mem_bps
             t += link.rtt_s + 2 * act_bytes / link.bandwidth_bps      # one crossing per layer
+            if sum(1 for w in where.values() if w is link) > 1:        # graph sent again
+                t += GRAPH_RESEND_BYTES / link.bandwidth_bps
     if mode == "layers":
         for link, rng in zip(links, ranges):
             if rng:
