@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -122,7 +121,3 @@ def write_config(path: Path, devices: dict[str, str], mode: str | None = None) -
         lines += ["[rpc]", f'mode = "{mode}"']
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-__all__ = ["RpcServer", "start_rpc_server", "run_child", "write_config", "free_port",
-           "SPLIT_SPEC", "signal"]
