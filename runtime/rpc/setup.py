@@ -224,6 +224,11 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
     from runtime.engine import llama_lib  # noqa: PLC0415
 
     backend.set_link_timeout(getattr(config, "rpc_timeout_s", None))
+    local_gpus = [d.name for d in llama_lib.devices()
+                  if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+    if local_gpus and getattr(config, "rpc_mode", "auto") != "llama":
+        log(f"moe-offload: note: with rpc devices the plan offloads to the remotes only; "
+            f"{', '.join(local_gpus)} here is not used for layers (not supported yet)")
     resolved = resolve_remotes(config, largest_expert=max(facts.expert_bytes) or None)
     plan = plan_for(config, facts, settings, resolved)
     handles = tuple(backend.add_remote(dev.name, dev.endpoint, dev.index)
