@@ -224,8 +224,9 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
     from runtime.engine import llama_lib  # noqa: PLC0415
 
     backend.set_link_timeout(getattr(config, "rpc_timeout_s", None))
-    local_gpus = [d.name for d in llama_lib.devices()
-                  if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+    local_gpus = [d.name for d in llama_lib.devices()          # RPCn: registered remotes
+                  if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU
+                  and not d.name.startswith("RPC")]
     if local_gpus and getattr(config, "rpc_mode", "auto") != "llama":
         log(f"moe-offload: note: with rpc devices the plan offloads to the remotes only; "
             f"{', '.join(local_gpus)} here is not used for layers (not supported yet)")
