@@ -136,15 +136,16 @@ def test_rpc_server_help_bad_port_and_ctrl_c(rpc_build, tmp_path):
         exposed.stop()
 
 
+@pytest.mark.parametrize("slots", [[], ["-np", "2"]], ids=["one-slot", "batched"])
 def test_remote_dying_mid_generation_fails_the_request_and_the_server_stays_up(
-        rpc_build, rpc_servers, split_model, tmp_path):
+        rpc_build, rpc_servers, split_model, tmp_path, slots):
     a, b = rpc_servers
     cfg = write_config(tmp_path / "serve.toml", {a.device: "40MiB", b.device: "30MiB"})
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "-m",
                                  str(split_model), "--config", str(cfg), "--port", "0",
-                                 "-c", "4096"],
+                                 "-c", "8192", *slots],
                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=child_env(rpc_build.lib_dir))
     try:
