@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "runtime.commands.generate",
     "runtime.commands.serve",
     "runtime.commands.native",
+    "runtime.commands.rpc_server",
     "runtime.commands.bench",
     "runtime.commands.calibrate",
     "runtime.commands.demo",

@@ -63,6 +63,19 @@ def build_manager(config, facts, *, has_gpu: bool, profile_path: str | None = No
     return manager, tuple(names)
 
 
+def remote_config(settings: EngineSettings, config):
+    """The config whose rpc:HOST:PORT devices this model uses (also with residency off), or
+    None when it names none."""
+    if config is None:
+        if settings.config is not None:
+            config = settings.config
+        elif settings.config_path is not None:
+            from runtime.residency.config import load_config  # noqa: PLC0415
+
+            config = load_config(settings.config_path)
+    return config if config is not None and getattr(config, "remotes", ()) else None
+
+
 def library_dir(settings: EngineSettings, config) -> str | None:
     """The libllama directory to load: the settings' own, else $LLAMA_CPP_LIB_PATH, else the
     patched native build when the config names a device-cache device (cuda:N, vulkan:N,
@@ -71,6 +84,10 @@ def library_dir(settings: EngineSettings, config) -> str | None:
     MOE_OFFLOAD_NATIVE=off keeps the stock library regardless."""
     if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
         return settings.lib_dir
+    if remote_config(settings, config) is not None:        # remotes need the RPC build
+        from runtime.rpc.server import rpc_library_dir  # noqa: PLC0415
+
+        return rpc_library_dir()
     return cache_library_dir(_cache_devices(config))
 
 
