@@ -153,7 +153,25 @@ class ReferenceCore:
         """The pool's evictable resident keys, lowest (score, last seq, flat) first."""
         keys = [f for f in range(len(self.state)) if self.state[f] <= RESIDENT_MAX
                 and self._pool(f) is pool and not self._protected(f, seq0)]
-        return sorted(keys, key=lambda f: self._key(order, f))
+        if self.policy.orders[order][0] != "next-visit":
+            return sorted(keys, key=lambda f: self._key(order, f))
+        # next-visit: each layer's keys by (z, last seq, flat); the next victim is the layer
+        # head lowest in (-expected, z, last seq, flat)
+        by_layer: dict[int, list[int]] = {}
+        for f in sorted(keys, key=lambda f: (self.nv.logit(f), self.last[f], f)):
+            by_layer.setdefault(f // self.n_expert, []).append(f)
+        heads = {layer: 0 for layer in by_layer}
+        out = []
+        while heads:
+            def head_key(layer: int) -> tuple:
+                f = by_layer[layer][heads[layer]]
+                return (self._score(order, f), self.nv.logit(f), self.last[f], f)
+            layer = min(heads, key=head_key)
+            out.append(by_layer[layer][heads[layer]])
+            heads[layer] += 1
+            if heads[layer] == len(by_layer[layer]):
+                del heads[layer]
+        return out
 
     # -- state changes -------------------------------------------------------------------
     def _make_resident(self, f: int, phase: int, prefetched: bool) -> None:

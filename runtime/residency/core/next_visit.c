@@ -23,10 +23,13 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->h = calloc((size_t) 3 * n, sizeof *m->h);
     m->mark = calloc((size_t) n_expert, 1);
     m->cnt = calloc((size_t) n_expert, sizeof *m->cnt);
+    m->y = calloc((size_t) n_expert, sizeof *m->y);
+    m->wl = malloc((size_t) n_layer * NV_F * sizeof *m->wl);
     m->e_cache = calloc((size_t) n, sizeof *m->e_cache);
+    m->z_cache = calloc((size_t) n, sizeof *m->z_cache);
     m->e_version = malloc((size_t) n * sizeof *m->e_version);
     m->e_vis = malloc((size_t) n * sizeof *m->e_vis);
-    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->e_cache ||
+    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->wl || !m->e_cache || !m->z_cache ||
         !m->e_version || !m->e_vis) {
         nv_free(m);
         return NULL;
@@ -35,13 +38,14 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
     for (int32_t f = 0; f < n; f++) m->e_version[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
+    for (int32_t i = 0; i < n_layer * NV_F; i++) m->wl[i] = NV_W0[i % NV_F];
     return m;
 }
 
 void nv_free(nv_model *m) {
     if (m == NULL) return;
-    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt);
-    free(m->e_cache); free(m->e_version); free(m->e_vis);
+    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y); free(m->wl);
+    free(m->e_cache); free(m->z_cache); free(m->e_version); free(m->e_vis);
     free(m);
 }
 
@@ -61,14 +65,33 @@ static double dot(const double *w, const double *x) {
     return z;
 }
 
-/* exp(-w . x) of f (x its features), computed once per (model version, layer visit) */
-static double cached_exp(nv_model *m, int32_t layer, int32_t f, const double *x) {
-    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) return m->e_cache[f];
-    const double e = exp(-dot(m->w, x));
-    m->e_cache[f] = e;
+/* f's cache entry (z = w_layer . x, exp(-z) or NAN) made current for (version, layer visit) */
+static void refresh(nv_model *m, int32_t layer, int32_t f) {
+    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) return;
+    double x[NV_F];
+    features(m, layer, f, x);
+    m->z_cache[f] = dot(&m->wl[layer * NV_F], x);
+    m->e_cache[f] = NAN;
     m->e_version[f] = m->version;
     m->e_vis[f] = m->vis[layer];
-    return e;
+}
+
+double nv_logit(nv_model *m, int32_t f) {
+    refresh(m, f / m->n_expert, f);
+    return m->z_cache[f];
+}
+
+double nv_odds(nv_model *m, int32_t f) {
+    refresh(m, f / m->n_expert, f);
+    if (m->e_cache[f] != m->e_cache[f]) m->e_cache[f] = exp(-m->z_cache[f]);
+    return m->e_cache[f];
+}
+
+/* h = (1 - a) h + a y for each rate over one layer's keys: a loop the compiler vectorizes
+ * (SSE2 packed doubles: the same IEEE operations, in the same order, as one at a time) */
+__attribute__((optimize("tree-vectorize")))
+static void ema_layer(double *restrict h, const double *restrict y, int32_t ne, double a) {
+    for (int32_t e = 0; e < ne; e++) h[e] = (1.0 - a) * h[e] + a * y[e];
 }
 
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
@@ -78,7 +101,7 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
         double x[NV_F];
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
             features(m, layer, base + e, x);
-            const double p = 1.0 / (1.0 + cached_exp(m, layer, base + e, x));
+            const double p = 1.0 / (1.0 + nv_odds(m, base + e));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
             for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
         }
@@ -88,42 +111,34 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
                 m->w[j] = m->w[j] + m->learning_rate * m->g[j];
                 m->g[j] = 0.0;
             }
-            m->version++;
         }
     }
+    for (int32_t j = 0; j < NV_F; j++) m->wl[layer * NV_F + j] = m->w[j];   /* its snapshot */
     m->vis[layer]++;
     int32_t top = 0;                              /* a visit's label: the key's share of */
-    for (int32_t e = 0; e < ne; e++) m->cnt[e] = 0;   /* routings relative to the most */
-    for (int32_t i = 0; i < n; i++)                    /* routed key's (one token: 0 or 1) */
+    for (int32_t i = 0; i < n; i++) m->cnt[el[i]] = 0;   /* routings relative to the most */
+    for (int32_t i = 0; i < n; i++)                      /* routed key's (one token: 0 or 1) */
         if (++m->cnt[el[i]] > top) top = m->cnt[el[i]];
-    for (int32_t e = 0; e < ne; e++) {
-        const int32_t f = base + e;
-        const double y = m->mark[e] ? (double) m->cnt[e] / (double) top : 0.0;
-        for (int32_t k = 0; k < 3; k++) {
-            double *h = &m->h[k * nf + f];
-            *h = (1.0 - NV_RATES[k]) * *h + NV_RATES[k] * y;
-        }
-        if (m->mark[e]) m->last_vis[f] = m->vis[layer];
-        m->mark[e] = 0;
+    for (int32_t i = 0; i < n; i++) m->y[el[i]] = (double) m->cnt[el[i]] / (double) top;
+    for (int32_t k = 0; k < 3; k++) ema_layer(&m->h[k * nf + base], m->y, ne, NV_RATES[k]);
+    for (int32_t i = 0; i < n; i++) {
+        m->last_vis[base + el[i]] = m->vis[layer];
+        m->y[el[i]] = 0.0;
+        m->mark[el[i]] = 0;
     }
     m->cur = layer;
 }
 
-double nv_expected(nv_model *m, int32_t f) {
-    const int32_t layer = f / m->n_expert;
-    double e;
-    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) {
-        e = m->e_cache[f];
-    } else {
-        double x[NV_F];
-        features(m, layer, f, x);
-        e = cached_exp(m, layer, f, x);
-    }
+double nv_distance(const nv_model *m, int32_t layer) {
     const int32_t L = m->n_moe;
     const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;
     int32_t d = m->moe_index[layer] - cur;       /* 1..L: ((index - cur - 1) mod L) + 1 */
     if (d <= 0) d += L;
-    return (double) d + (double) L * e;
+    return (double) d;
+}
+
+double nv_expected(nv_model *m, int32_t f) {
+    return nv_distance(m, f / m->n_expert) + (double) m->n_moe * nv_odds(m, f);
 }
 
 void nv_warm_start(nv_model *m, const double *frequency) {

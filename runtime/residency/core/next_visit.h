@@ -9,12 +9,18 @@
  *          prefill chunk grades its experts by use)
  * At every decode (or mixed) visit of a layer, every 8th expert of that layer (in rotation:
  * experts e with e % 8 == decode layer-steps so far % 8) is one sample
- * (features before the visit, label routed or not); the gradient sum is applied once every
- * n_moe such visits (w += learning_rate * g), so the model changes once per token's worth of
- * layer-steps. The expected time to its next use, in layer-steps, is
- *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-w . x)
+ * (features before the visit, label routed or not, p from the layer's weights below); the
+ * gradient sum is applied once every n_moe such visits (w += learning_rate * g), so the model
+ * changes once per token's worth of layer-steps. A layer's keys are scored with w as it stood
+ * at the layer's latest visit (wl; NV_W0 before any), so their scores change only when their
+ * layer is visited. With z = wl . x and p = 1 / (1 + exp(-z)), the expected time to its next
+ * use, in layer-steps, is
+ *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-z)
  * with dist in 1..n_moe (the current layer itself is n_moe away). Eviction `next-visit`
- * takes the largest first. Every operation is written in the order the Python reference
+ * takes the largest first, ties by the larger z, then the core's (last seq, flat); within one
+ * layer that is the lowest (z, last seq, flat), found with no exp (residency_core.c).
+ * Every operation is written in the order the Python reference
+ takes the largest first. Every operation is written in the order the Python reference
  * (runtime/residency/reference_next_visit.py) performs it, so both give the same doubles.
  */
 #ifndef NEXT_VISIT_H
@@ -31,11 +37,14 @@ typedef struct {
     double *h;                    /* (3, n_flat) */
     uint8_t *mark;                /* (n_expert,) scratch: routed in this visit */
     int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
+    double *y;                    /* (n_expert,) scratch: this visit's labels, 0 between visits */
+    double *wl;                   /* (n_layer, NV_F) w as of each layer's latest visit */
     double w[NV_F], g[NV_F];
     double learning_rate;
-    int64_t steps, version;       /* decode visits; weight updates */
+    int64_t steps, version;       /* decode visits; warm starts (every cached z stale) */
     int32_t cur;                  /* the layer of the latest visit, -1 before any */
-    double *e_cache;              /* (n_flat,) exp(-w . x), valid for (version, vis of layer) */
+    double *z_cache, *e_cache;    /* (n_flat,) w . x and exp(-w . x) (NAN: not yet), valid for
+                                     (e_version, e_vis) = (version, vis of its layer) */
     int64_t *e_version, *e_vis;
 } nv_model;
 
@@ -46,7 +55,14 @@ void nv_free(nv_model *m);
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);
 /* frequency (n_flat,): every h_k of every key (a routing profile's decode shares) */
 void nv_warm_start(nv_model *m, const double *frequency);
-/* expected layer-steps until flat's next use, seen from the latest visit */
+/* z = w . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))) */
+double nv_logit(nv_model *m, int32_t flat);
+/* exp(-z) */
+double nv_odds(nv_model *m, int32_t flat);
+/* layer's distance in the cycle from the latest visit, 1..n_moe */
+double nv_distance(const nv_model *m, int32_t layer);
+/* expected layer-steps until flat's next use, seen from the latest visit:
+ * nv_distance + n_moe * nv_odds */
 double nv_expected(nv_model *m, int32_t flat);
 
 #endif

@@ -17,6 +17,8 @@
  */
 #include "residency_core.h"
 #include "next_visit.h"
+
+#define NV_LIST 8       /* next-visit: each layer's lowest keys kept between searches */
 #include "affinity.h"
 
 #include <math.h>
@@ -99,12 +101,16 @@ struct rc_core {
     /* next-visit's victim search: per layer, its best victim ignoring protection (the lowest
      * (score, last seq, flat) of the layer's keys in the order), valid while the layer's
      * keys did not move in the order (dirty) and the model did not change for the layer */
-    int32_t *nvb_f;               /* (n_layer,) -1: none */
+    int32_t *nvb_list, *nvb_n;    /* (n_layer, NV_LIST), (n_layer,): the lowest keys, in order */
+    uint8_t *nvb_all;             /* (n_layer,) the list holds every key of the layer */
     int64_t *nvb_ver, *nvb_vis;   /* (n_layer,) model version and layer visits it was found at */
     uint8_t *nvb_dirty;           /* (n_layer,) */
-    double *nvb_s;                /* (n_layer,) the score of nvb_s_f[l] in call nvb_s_call[l] */
-    int32_t *nvb_s_f;
-    int64_t *nvb_s_call;
+    /* and within one victim search (one handle_misses or prefetch_flats: protection and the
+     * model hold still), each layer's unprotected candidate and its (-expected, z) */
+    int64_t nv_search;            /* the current search */
+    int64_t *nvc_search;          /* (n_layer,) the search nvc_* was found in, -1: stale */
+    int32_t *nvc_f;
+    double *nvc_s, *nvc_z;
     af_model *af;                 /* prefetch affinity's model, or NULL */
     int32_t *af_plan;             /* (n_expert,) scratch: its plan */
     double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
@@ -161,13 +167,53 @@ static inline int key_less(const rc_core *c, int32_t order, int32_t a, int32_t b
 }
 
 /* the order a heap keeps: the policy's, except next-visit, whose score moves with the layer
- * cycle: its heap is only the pool's resident set (kept in lru order) and pop_victim scans it */
+ * cycle: its heap is only the pool's resident set (no order) and pop_victim searches it */
 static inline int heap_less(const rc_core *c, int32_t order, int32_t a, int32_t b) {
-    if (c->pol.order_kind[order] == EV_NEXT_VISIT) {
-        const int64_t la = c->last_seq[a], lb = c->last_seq[b];
-        return la != lb ? la < lb : a < b;
-    }
+    if (c->pol.order_kind[order] == EV_NEXT_VISIT) return 0;   /* a set: never sifts */
     return key_less(c, order, a, b);
+}
+
+/* next-visit: (z, last seq, flat) of a below b (b -1: none) */
+static inline int nv_z_below(const rc_core *c, double za, int32_t a, double zb, int32_t b) {
+    if (b < 0) return 1;
+    if (za != zb) return za < zb;
+    if (c->last_seq[a] != c->last_seq[b]) return c->last_seq[a] < c->last_seq[b];
+    return a < b;
+}
+
+static inline int nv_valid(const rc_core *c, int32_t l) {
+    return !c->nvb_dirty[l] && c->nvb_ver[l] == c->nv->version && c->nvb_vis[l] == c->nv->vis[l];
+}
+
+/* f joins next-visit's order: the layer's list stays the lowest keys (f may join it) */
+static void nv_note_push(const rc_core *c, int32_t f) {
+    const int32_t l = f / c->n_expert;
+    c->nvc_search[l] = -1;
+    if (!nv_valid(c, l)) return;                  /* rescanned on its next use anyway */
+    int32_t *list = &c->nvb_list[l * NV_LIST];
+    int32_t n = c->nvb_n[l];
+    const double z = nv_logit(c->nv, f);
+    int32_t i = n;
+    while (i > 0 && nv_z_below(c, z, f, nv_logit(c->nv, list[i - 1]), list[i - 1])) i--;
+    if (i == n && !c->nvb_all[l]) return;         /* above the list: unknown keys may be lower */
+    if (n == NV_LIST) { n--; c->nvb_all[l] = 0; } /* the last drops out */
+    for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
+    list[i] = f;
+    c->nvb_n[l] = n + 1;
+}
+
+/* f leaves next-visit's order */
+static void nv_note_remove(const rc_core *c, int32_t f) {
+    const int32_t l = f / c->n_expert;
+    c->nvc_search[l] = -1;
+    int32_t *list = &c->nvb_list[l * NV_LIST];
+    const int32_t n = c->nvb_n[l];
+    for (int32_t i = 0; i < n; i++)
+        if (list[i] == f) {
+            for (int32_t j = i + 1; j < n; j++) list[j - 1] = list[j];
+            c->nvb_n[l] = n - 1;
+            return;
+        }
 }
 
 static void heap_swap(heap *h, int32_t i, int32_t j) {
@@ -198,7 +244,7 @@ static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
 
 static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
     if (h->pos[f] >= 0) return 0;
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nv_note_push(c, f);
     if (h->n == h->cap) {
         int32_t cap = h->cap ? 2 * h->cap : 64;
         int32_t *v = realloc(h->items, (size_t) cap * sizeof *v);
@@ -214,7 +260,7 @@ static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
 static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
     int32_t i = h->pos[f];
     if (i < 0) return;
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nv_note_remove(c, f);
     h->n--;
     if (i != h->n) {
         const int32_t moved = h->items[h->n];
@@ -249,57 +295,75 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
 
 /* the lowest unprotected key of the order (taken out of that heap), or -1; protected keys
  * met on the way wait in r_aside until settle() */
-/* next-visit: the lowest unprotected key of `layer` in order o, or -1. Within one layer the
- * layer distance is common, so the layer's best changes only when its keys move in the order
- * or the model changes for it: cached per layer (ignoring protection; a protected cached best
- * means a scan of the layer) */
-/* (s, flat) below (bs, best) in the total order (score, last seq, flat) */
-static inline int nv_below(const rc_core *c, double s, int32_t f, double bs, int32_t best) {
+/* next-visit's order: (-expected, z, last seq, flat), expected = distance + n_moe exp(-z).
+ * Within one layer the distance is common and expected falls as z grows, so a layer's
+ * candidate is its lowest (z, last seq, flat), a comparison with no exp; the victim is the
+ * lowest candidate in the full order. A layer's candidate (ignoring protection) is cached
+ * while its keys did not leave the order (dirty) and the model did not change for the layer
+ * (version, visits of the layer); a protected cached candidate means a scan of the layer */
+/* (s, z, flat) below (bs, bz, best) in the full order (s = -expected) */
+static inline int nv_below(const rc_core *c, double s, double z, int32_t f, double bs,
+                           double bz, int32_t best) {
     if (best < 0) return 1;
     if (s != bs) return s < bs;
-    if (c->last_seq[f] != c->last_seq[best]) return c->last_seq[f] < c->last_seq[best];
-    return f < best;
+    return nv_z_below(c, z, f, bz, best);
 }
 
-/* the layer's lowest key in the order (skipping protected keys when `unprotected`); its
- * score in *out_s */
+/* the layer's lowest (z, last seq, flat) among the order's keys (skipping protected keys when
+ * `unprotected`); its z in *out_z */
 static int32_t nv_scan_layer(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
-                             int unprotected, double *out_s) {
+                             int unprotected, double *out_z) {
     const int32_t base = layer * c->n_expert;
     int32_t f = -1;
-    double bs = 0.0;
+    double bz = 0.0;
     for (int32_t e = 0; e < c->n_expert; e++) {
         const int32_t g = base + e;
         if (h->pos[g] < 0 || (unprotected && protected_key(c, g, seq0))) continue;
-        const double s = -nv_expected(c->nv, g);
-        if (nv_below(c, s, g, bs, f)) { f = g; bs = s; }
+        const double z = nv_logit(c->nv, g);
+        if (nv_z_below(c, z, g, bz, f)) { f = g; bz = z; }
     }
-    *out_s = bs;
+    *out_z = bz;
     return f;
 }
 
-static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t o, int32_t layer,
-                             int64_t seq0, double *out_s) {
-    (void) o;
-    const nv_model *m = c->nv;
-    int32_t f = c->nvb_f[layer];
-    if (c->nvb_dirty[layer] || c->nvb_ver[layer] != m->version ||
-        c->nvb_vis[layer] != m->vis[layer]) {
-        f = nv_scan_layer(c, h, layer, seq0, 0, out_s);
-        c->nvb_f[layer] = f;
-        c->nvb_dirty[layer] = 0;
-        c->nvb_ver[layer] = m->version;
-        c->nvb_vis[layer] = m->vis[layer];
-    } else if (f >= 0) {                          /* scores hold within one call */
-        if (c->nvb_s_call[layer] != c->call || c->nvb_s_f[layer] != f) {
-            c->nvb_s[layer] = -nv_expected(c->nv, f);
-            c->nvb_s_f[layer] = f;
-            c->nvb_s_call[layer] = c->call;
+/* the layer's list: its NV_LIST lowest keys (all of them: nvb_all) in the order */
+static void nv_fill_list(rc_core *c, const heap *h, int32_t layer) {
+    const int32_t base = layer * c->n_expert;
+    int32_t *list = &c->nvb_list[layer * NV_LIST];
+    double lz[NV_LIST];
+    int32_t n = 0, seen = 0;
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        const int32_t g = base + e;
+        if (h->pos[g] < 0) continue;
+        seen++;
+        const double z = nv_logit(c->nv, g);
+        if (n == NV_LIST && !nv_z_below(c, z, g, lz[n - 1], list[n - 1])) continue;
+        int32_t i = n < NV_LIST ? n++ : n - 1;
+        while (i > 0 && nv_z_below(c, z, g, lz[i - 1], list[i - 1])) {
+            list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
         }
-        *out_s = c->nvb_s[layer];
+        list[i] = g; lz[i] = z;
     }
-    if (f < 0 || !protected_key(c, f, seq0)) return f;
-    return nv_scan_layer(c, h, layer, seq0, 1, out_s);
+    c->nvb_n[layer] = n;
+    c->nvb_all[layer] = seen <= NV_LIST;
+    c->nvb_dirty[layer] = 0;
+    c->nvb_ver[layer] = c->nv->version;
+    c->nvb_vis[layer] = c->nv->vis[layer];
+}
+
+/* the layer's lowest unprotected key in the order, or -1; its z in *out_z */
+static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
+                             double *out_z) {
+    if (!nv_valid(c, layer) || (c->nvb_n[layer] == 0 && !c->nvb_all[layer]))
+        nv_fill_list(c, h, layer);
+    const int32_t *list = &c->nvb_list[layer * NV_LIST];
+    for (int32_t i = 0; i < c->nvb_n[layer]; i++)
+        if (!protected_key(c, list[i], seq0)) {
+            *out_z = nv_logit(c->nv, list[i]);
+            return list[i];
+        }
+    if (c->nvb_all[layer]) return -1;
+    return nv_scan_layer(c, h, layer, seq0, 1, out_z);
 }
 
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
@@ -307,13 +371,22 @@ static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* the lowest of the layers' best */
         const int32_t pi = (int32_t) (p - c->pools);
         int32_t best = -1;
-        double bs = 0.0;
+        double bs = 0.0, bz = 0.0;
         for (int32_t k = 0; k < c->n_moe; k++) {
             const int32_t l = c->moe_layers[k];
             if (c->pool_of_layer[l] != pi) continue;
-            double s;
-            const int32_t f = nv_layer_best(c, h, o, l, seq0, &s);
-            if (f >= 0 && nv_below(c, s, f, bs, best)) { best = f; bs = s; }
+            if (c->nvc_search[l] != c->nv_search) {
+                double z = 0.0;
+                const int32_t f = nv_layer_best(c, h, l, seq0, &z);
+                c->nvc_f[l] = f;
+                c->nvc_z[l] = z;
+                c->nvc_s[l] = f >= 0 ? -nv_expected(c->nv, f) : 0.0;
+                c->nvc_search[l] = c->nv_search;
+            }
+            const int32_t f = c->nvc_f[l];
+            if (f >= 0 && nv_below(c, c->nvc_s[l], c->nvc_z[l], f, bs, bz, best)) {
+                best = f; bs = c->nvc_s[l]; bz = c->nvc_z[l];
+            }
         }
         if (best >= 0) heap_remove(c, o, h, best);
         return best;
@@ -494,17 +567,21 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (policy->order_kind[o] == EV_NEXT_VISIT && c->nv == NULL) {
             c->nv = nv_create(n_layer, n_expert, c->moe_layers, c->n_moe,
                               policy->nv_learning_rate);
-            c->nvb_f = malloc((size_t) n_layer * sizeof *c->nvb_f);
+            c->nvb_list = malloc((size_t) n_layer * NV_LIST * sizeof *c->nvb_list);
+            c->nvb_n = calloc((size_t) n_layer, sizeof *c->nvb_n);
+            c->nvb_all = calloc((size_t) n_layer, 1);
             c->nvb_ver = malloc((size_t) n_layer * sizeof *c->nvb_ver);
             c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
             c->nvb_dirty = malloc((size_t) n_layer);
-            c->nvb_s = malloc((size_t) n_layer * sizeof *c->nvb_s);
-            c->nvb_s_f = malloc((size_t) n_layer * sizeof *c->nvb_s_f);
-            c->nvb_s_call = malloc((size_t) n_layer * sizeof *c->nvb_s_call);
-            for (int32_t l = 0; c->nvb_s_call != NULL && l < n_layer; l++) c->nvb_s_call[l] = -1;
             if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
-            if (c->nv == NULL || !c->nvb_f || !c->nvb_ver || !c->nvb_vis || !c->nvb_dirty ||
-                !c->nvb_s || !c->nvb_s_f || !c->nvb_s_call) {
+            c->nvc_search = malloc((size_t) n_layer * sizeof *c->nvc_search);
+            c->nvc_f = malloc((size_t) n_layer * sizeof *c->nvc_f);
+            c->nvc_s = malloc((size_t) n_layer * sizeof *c->nvc_s);
+            c->nvc_z = malloc((size_t) n_layer * sizeof *c->nvc_z);
+            for (int32_t l = 0; c->nvc_search != NULL && l < n_layer; l++) c->nvc_search[l] = -1;
+            if (c->nv == NULL || !c->nvb_list || !c->nvb_n || !c->nvb_all || !c->nvb_ver ||
+                !c->nvb_vis || !c->nvb_dirty ||
+                !c->nvc_search || !c->nvc_f || !c->nvc_s || !c->nvc_z) {
                 rc_free(c);
                 return NULL;
             }
@@ -551,8 +628,9 @@ void rc_free(rc_core *c) {
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
     nv_free(c->nv);
-    free(c->nvb_f); free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
-    free(c->nvb_s); free(c->nvb_s_f); free(c->nvb_s_call);
+    free(c->nvb_list); free(c->nvb_n); free(c->nvb_all);
+    free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
+    free(c->nvc_search); free(c->nvc_f); free(c->nvc_s); free(c->nvc_z);
     af_free(c->af);
     free(c->af_plan);
     free(c->af_q);
@@ -619,6 +697,7 @@ static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_
     c->n_pool = n_pool;
     memmove(c->pool_of_layer, pool_of_layer, (size_t) c->n_layer * sizeof *pool_of_layer);
     for (int32_t f = 0; f < c->n_flat; f++) c->pool_of_flat[f] = c->pool_of_layer[f / c->n_expert];
+    if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) c->n_layer);   /* empty orders */
     return RC_OK;
 }
 
@@ -705,6 +784,7 @@ static int ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, double
 static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase,
                           int64_t seq0, const double *mine) {
     const int32_t o = c->pol.phase_order[phase];
+    c->nv_search++;
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
         if (c->state[f] != ABSENT) continue;
@@ -926,6 +1006,7 @@ static int admission_ok(const rc_core *c, int32_t phase, int32_t f, const int32_
 
 static int handle_misses(rc_core *c, int32_t base, int32_t phase, int64_t seq0) {
     const int32_t o = c->pol.phase_order[phase];
+    c->nv_search++;
     pool *p = pool_of(c, base);
     int64_t *t = p->counters[phase];
     const int64_t b = c->bytes_flat[base];
