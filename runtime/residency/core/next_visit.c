@@ -27,16 +27,14 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->wl = malloc((size_t) n_layer * NV_F * sizeof *m->wl);
     m->e_cache = calloc((size_t) n, sizeof *m->e_cache);
     m->z_cache = calloc((size_t) n, sizeof *m->z_cache);
-    m->e_version = malloc((size_t) n * sizeof *m->e_version);
     m->e_vis = malloc((size_t) n * sizeof *m->e_vis);
-    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->wl || !m->e_cache || !m->z_cache ||
-        !m->e_version || !m->e_vis) {
+    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->wl || !m->e_cache || !m->z_cache || !m->e_vis) {
         nv_free(m);
         return NULL;
     }
     for (int32_t l = 0; l < n_layer; l++) m->moe_index[l] = -1;
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
-    for (int32_t f = 0; f < n; f++) m->e_version[f] = -1;
+    for (int32_t f = 0; f < n; f++) m->e_vis[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
     for (int32_t i = 0; i < n_layer * NV_F; i++) m->wl[i] = NV_W0[i % NV_F];
     return m;
@@ -45,7 +43,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
 void nv_free(nv_model *m) {
     if (m == NULL) return;
     free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y); free(m->wl);
-    free(m->e_cache); free(m->z_cache); free(m->e_version); free(m->e_vis);
+    free(m->e_cache); free(m->z_cache); free(m->e_vis);
     free(m);
 }
 
@@ -65,26 +63,12 @@ static double dot(const double *w, const double *x) {
     return z;
 }
 
-/* f's cache entry (z = w_layer . x, exp(-z) or NAN) made current for (version, layer visit) */
-static void refresh(nv_model *m, int32_t layer, int32_t f) {
-    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) return;
+void nv_refresh(nv_model *m, int32_t layer, int32_t f) {
     double x[NV_F];
     features(m, layer, f, x);
     m->z_cache[f] = dot(&m->wl[layer * NV_F], x);
     m->e_cache[f] = NAN;
-    m->e_version[f] = m->version;
     m->e_vis[f] = m->vis[layer];
-}
-
-double nv_logit(nv_model *m, int32_t f) {
-    refresh(m, f / m->n_expert, f);
-    return m->z_cache[f];
-}
-
-double nv_odds(nv_model *m, int32_t f) {
-    refresh(m, f / m->n_expert, f);
-    if (m->e_cache[f] != m->e_cache[f]) m->e_cache[f] = exp(-m->z_cache[f]);
-    return m->e_cache[f];
 }
 
 /* h = (1 - a) h + a y for each rate over one layer's keys: a loop the compiler vectorizes
@@ -100,8 +84,14 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
     if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation */
         double x[NV_F];
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
-            features(m, layer, base + e, x);
-            const double p = 1.0 / (1.0 + nv_odds(m, base + e));
+            const int32_t f = base + e;
+            features(m, layer, f, x);              /* nv_refresh's z without a second x */
+            if (m->e_vis[f] != m->vis[layer]) {
+                m->z_cache[f] = dot(&m->wl[layer * NV_F], x);
+                m->e_cache[f] = NAN;
+                m->e_vis[f] = m->vis[layer];
+            }
+            const double p = 1.0 / (1.0 + nv_odds(m, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
             for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
         }
@@ -129,21 +119,9 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
     m->cur = layer;
 }
 
-double nv_distance(const nv_model *m, int32_t layer) {
-    const int32_t L = m->n_moe;
-    const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;
-    int32_t d = m->moe_index[layer] - cur;       /* 1..L: ((index - cur - 1) mod L) + 1 */
-    if (d <= 0) d += L;
-    return (double) d;
-}
-
-double nv_expected(nv_model *m, int32_t f) {
-    return nv_distance(m, f / m->n_expert) + (double) m->n_moe * nv_odds(m, f);
-}
-
 void nv_warm_start(nv_model *m, const double *frequency) {
     const int32_t n = m->n_layer * m->n_expert;
     for (int32_t k = 0; k < 3; k++)
         for (int32_t f = 0; f < n; f++) m->h[k * n + f] = frequency[f];
-    m->version++;                                 /* every cached exp is stale */
+    for (int32_t f = 0; f < n; f++) m->e_vis[f] = -1;   /* every cached z is stale */
 }

@@ -25,6 +25,7 @@
  */
 #ifndef NEXT_VISIT_H
 #define NEXT_VISIT_H
+#include <math.h>
 #include <stdint.h>
 
 #define NV_F 5
@@ -41,11 +42,11 @@ typedef struct {
     double *wl;                   /* (n_layer, NV_F) w as of each layer's latest visit */
     double w[NV_F], g[NV_F];
     double learning_rate;
-    int64_t steps, version;       /* decode visits; warm starts (every cached z stale) */
+    int64_t steps;                /* decode visits */
     int32_t cur;                  /* the layer of the latest visit, -1 before any */
-    double *z_cache, *e_cache;    /* (n_flat,) w . x and exp(-w . x) (NAN: not yet), valid for
-                                     (e_version, e_vis) = (version, vis of its layer) */
-    int64_t *e_version, *e_vis;
+    double *z_cache, *e_cache;    /* (n_flat,) wl . x and exp(-wl . x) (NAN: not yet), valid
+                                     while e_vis == vis of its layer (-1: stale) */
+    int64_t *e_vis;
 } nv_model;
 
 nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
@@ -55,14 +56,35 @@ void nv_free(nv_model *m);
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);
 /* frequency (n_flat,): every h_k of every key (a routing profile's decode shares) */
 void nv_warm_start(nv_model *m, const double *frequency);
-/* z = w . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))) */
-double nv_logit(nv_model *m, int32_t flat);
+/* the slow path of nv_logit: recompute flat's z from its features */
+void nv_refresh(nv_model *m, int32_t layer, int32_t flat);
+
+/* z = wl . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))) */
+static inline double nv_logit(nv_model *m, int32_t flat) {
+    const int32_t layer = flat / m->n_expert;
+    if (m->e_vis[flat] != m->vis[layer]) nv_refresh(m, layer, flat);
+    return m->z_cache[flat];
+}
+
 /* exp(-z) */
-double nv_odds(nv_model *m, int32_t flat);
+static inline double nv_odds(nv_model *m, int32_t flat) {
+    const double z = nv_logit(m, flat);
+    if (m->e_cache[flat] != m->e_cache[flat]) m->e_cache[flat] = exp(-z);
+    return m->e_cache[flat];
+}
+
 /* layer's distance in the cycle from the latest visit, 1..n_moe */
-double nv_distance(const nv_model *m, int32_t layer);
-/* expected layer-steps until flat's next use, seen from the latest visit:
- * nv_distance + n_moe * nv_odds */
-double nv_expected(nv_model *m, int32_t flat);
+static inline double nv_distance(const nv_model *m, int32_t layer) {
+    const int32_t L = m->n_moe;
+    const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;
+    int32_t d = m->moe_index[layer] - cur;       /* 1..L: ((index - cur - 1) mod L) + 1 */
+    if (d <= 0) d += L;
+    return (double) d;
+}
+
+/* expected layer-steps until flat's next use, seen from the latest visit */
+static inline double nv_expected(nv_model *m, int32_t flat) {
+    return nv_distance(m, flat / m->n_expert) + (double) m->n_moe * nv_odds(m, flat);
+}
 
 #endif

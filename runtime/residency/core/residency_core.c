@@ -103,12 +103,20 @@ struct rc_core {
      * keys did not move in the order (dirty) and the model did not change for the layer */
     int32_t *nvb_list, *nvb_n;    /* (n_layer, NV_LIST), (n_layer,): the lowest keys, in order */
     uint8_t *nvb_all;             /* (n_layer,) the list holds every key of the layer */
-    int64_t *nvb_ver, *nvb_vis;   /* (n_layer,) model version and layer visits it was found at */
+    int64_t *nvb_vis;             /* (n_layer,) the layer's visits when it was found */
     uint8_t *nvb_dirty;           /* (n_layer,) */
-    /* and within one victim search (one handle_misses or prefetch_flats: protection and the
-     * model hold still), each layer's unprotected candidate and its (-expected, z) */
+    uint64_t *nv_members;         /* (n_layer, nv_words) bitmap of the layer's keys in the order */
+    int32_t nv_words;
+    /* each layer's unprotected candidate (nvc_f, its z and exp(-z)), kept while the layer's
+     * generation nvg (bumped when its keys join or leave the order and when their leases or
+     * pins change) holds, its list is valid, and, if a key was skipped for being touched at
+     * or after seq0, seq0 holds */
+    int64_t *nvg, *nvc_gen, *nvc_seq0;
+    uint8_t *nvc_seq_dep;
+    double *nvc_e;
+    /* and its -expected within one victim search (one handle_misses or prefetch_flats) */
     int64_t nv_search;            /* the current search */
-    int64_t *nvc_search;          /* (n_layer,) the search nvc_* was found in, -1: stale */
+    int64_t *nvc_search;          /* (n_layer,) the search nvc_s was found in, -1: stale */
     int32_t *nvc_f;
     double *nvc_s, *nvc_z;
     af_model *af;                 /* prefetch affinity's model, or NULL */
@@ -182,13 +190,21 @@ static inline int nv_z_below(const rc_core *c, double za, int32_t a, double zb, 
 }
 
 static inline int nv_valid(const rc_core *c, int32_t l) {
-    return !c->nvb_dirty[l] && c->nvb_ver[l] == c->nv->version && c->nvb_vis[l] == c->nv->vis[l];
+    return !c->nvb_dirty[l] && c->nvb_vis[l] == c->nv->vis[l];
 }
 
 /* f joins next-visit's order: the layer's list stays the lowest keys (f may join it) */
-static void nv_note_push(const rc_core *c, int32_t f) {
-    const int32_t l = f / c->n_expert;
+/* something about layer l's keys changed: its candidate is stale */
+static inline void nv_stale(const rc_core *c, int32_t l) {
+    if (c->nv == NULL) return;
+    c->nvg[l]++;
     c->nvc_search[l] = -1;
+}
+
+static void nv_note_push(const rc_core *c, int32_t f) {
+    const int32_t l = f / c->n_expert, e = f - l * c->n_expert;
+    c->nv_members[l * c->nv_words + e / 64] |= (uint64_t) 1 << (e % 64);
+    nv_stale(c, l);
     if (!nv_valid(c, l)) return;                  /* rescanned on its next use anyway */
     int32_t *list = &c->nvb_list[l * NV_LIST];
     int32_t n = c->nvb_n[l];
@@ -204,8 +220,9 @@ static void nv_note_push(const rc_core *c, int32_t f) {
 
 /* f leaves next-visit's order */
 static void nv_note_remove(const rc_core *c, int32_t f) {
-    const int32_t l = f / c->n_expert;
-    c->nvc_search[l] = -1;
+    const int32_t l = f / c->n_expert, e = f - l * c->n_expert;
+    c->nv_members[l * c->nv_words + e / 64] &= ~((uint64_t) 1 << (e % 64));
+    nv_stale(c, l);
     int32_t *list = &c->nvb_list[l * NV_LIST];
     const int32_t n = c->nvb_n[l];
     for (int32_t i = 0; i < n; i++)
@@ -300,7 +317,7 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
  * candidate is its lowest (z, last seq, flat), a comparison with no exp; the victim is the
  * lowest candidate in the full order. A layer's candidate (ignoring protection) is cached
  * while its keys did not leave the order (dirty) and the model did not change for the layer
- * (version, visits of the layer); a protected cached candidate means a scan of the layer */
+ * (visits of the layer); a protected cached candidate means a scan of the layer */
 /* (s, z, flat) below (bs, bz, best) in the full order (s = -expected) */
 static inline int nv_below(const rc_core *c, double s, double z, int32_t f, double bs,
                            double bz, int32_t best) {
@@ -309,16 +326,19 @@ static inline int nv_below(const rc_core *c, double s, double z, int32_t f, doub
     return nv_z_below(c, z, f, bz, best);
 }
 
-/* the layer's lowest (z, last seq, flat) among the order's keys (skipping protected keys when
- * `unprotected`); its z in *out_z */
-static int32_t nv_scan_layer(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
-                             int unprotected, double *out_z) {
-    const int32_t base = layer * c->n_expert;
+/* for each key g of the layer in next-visit's order (its membership bitmap), in flat order */
+#define NV_FOR_MEMBERS(c, layer, g)                                                          \
+    for (int32_t w_ = 0; w_ < (c)->nv_words; w_++)                                        \
+        for (uint64_t b_ = (c)->nv_members[(layer) * (c)->nv_words + w_]; b_; b_ &= b_ - 1) \
+            for (int32_t g = (layer) * (c)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1;  \
+                 o_; o_ = 0)
+
+/* the layer's lowest unprotected (z, last seq, flat); its z in *out_z */
+static int32_t nv_scan_layer(rc_core *c, int32_t layer, int64_t seq0, double *out_z) {
     int32_t f = -1;
     double bz = 0.0;
-    for (int32_t e = 0; e < c->n_expert; e++) {
-        const int32_t g = base + e;
-        if (h->pos[g] < 0 || (unprotected && protected_key(c, g, seq0))) continue;
+    NV_FOR_MEMBERS(c, layer, g) {
+        if (protected_key(c, g, seq0)) continue;
         const double z = nv_logit(c->nv, g);
         if (nv_z_below(c, z, g, bz, f)) { f = g; bz = z; }
     }
@@ -327,14 +347,11 @@ static int32_t nv_scan_layer(rc_core *c, const heap *h, int32_t layer, int64_t s
 }
 
 /* the layer's list: its NV_LIST lowest keys (all of them: nvb_all) in the order */
-static void nv_fill_list(rc_core *c, const heap *h, int32_t layer) {
-    const int32_t base = layer * c->n_expert;
+static void nv_fill_list(rc_core *c, int32_t layer) {
     int32_t *list = &c->nvb_list[layer * NV_LIST];
     double lz[NV_LIST];
     int32_t n = 0, seen = 0;
-    for (int32_t e = 0; e < c->n_expert; e++) {
-        const int32_t g = base + e;
-        if (h->pos[g] < 0) continue;
+    NV_FOR_MEMBERS(c, layer, g) {
         seen++;
         const double z = nv_logit(c->nv, g);
         if (n == NV_LIST && !nv_z_below(c, z, g, lz[n - 1], list[n - 1])) continue;
@@ -347,40 +364,53 @@ static void nv_fill_list(rc_core *c, const heap *h, int32_t layer) {
     c->nvb_n[layer] = n;
     c->nvb_all[layer] = seen <= NV_LIST;
     c->nvb_dirty[layer] = 0;
-    c->nvb_ver[layer] = c->nv->version;
     c->nvb_vis[layer] = c->nv->vis[layer];
 }
 
-/* the layer's lowest unprotected key in the order, or -1; its z in *out_z */
-static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
-                             double *out_z) {
-    if (!nv_valid(c, layer) || (c->nvb_n[layer] == 0 && !c->nvb_all[layer]))
-        nv_fill_list(c, h, layer);
+/* the layer's lowest unprotected key in the order into nvc_f (-1: none), nvc_z, nvc_e */
+static void nv_candidate(rc_core *c, int32_t layer, int64_t seq0) {
+    const int valid = nv_valid(c, layer);
+    if (valid && c->nvc_gen[layer] == c->nvg[layer] &&
+        (!c->nvc_seq_dep[layer] || c->nvc_seq0[layer] == seq0))
+        return;
+    if (!valid || (c->nvb_n[layer] == 0 && !c->nvb_all[layer])) nv_fill_list(c, layer);
     const int32_t *list = &c->nvb_list[layer * NV_LIST];
-    for (int32_t i = 0; i < c->nvb_n[layer]; i++)
-        if (!protected_key(c, list[i], seq0)) {
-            *out_z = nv_logit(c->nv, list[i]);
-            return list[i];
-        }
-    if (c->nvb_all[layer]) return -1;
-    return nv_scan_layer(c, h, layer, seq0, 1, out_z);
+    int32_t f = -1;
+    uint8_t dep = 0;
+    double z = 0.0;
+    for (int32_t i = 0; i < c->nvb_n[layer]; i++) {
+        const int32_t g = list[i];
+        if (c->last_seq[g] >= seq0) { dep = 1; continue; }
+        if (c->lease_count[g] > 0 || c->pinned[g]) continue;
+        f = g;
+        z = nv_logit(c->nv, g);
+        break;
+    }
+    if (f < 0 && !c->nvb_all[layer]) {
+        f = nv_scan_layer(c, layer, seq0, &z);
+        dep = 1;
+    }
+    c->nvc_f[layer] = f;
+    c->nvc_z[layer] = z;
+    c->nvc_e[layer] = f >= 0 ? nv_odds(c->nv, f) : 0.0;
+    c->nvc_gen[layer] = c->nvg[layer];
+    c->nvc_seq0[layer] = seq0;
+    c->nvc_seq_dep[layer] = dep;
 }
 
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* the lowest of the layers' best */
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* (at most one order is next-visit: the
+                                                     orders are distinct specs, one rate) */  /* the lowest of the layers' best */
         const int32_t pi = (int32_t) (p - c->pools);
         int32_t best = -1;
         double bs = 0.0, bz = 0.0;
         for (int32_t k = 0; k < c->n_moe; k++) {
             const int32_t l = c->moe_layers[k];
             if (c->pool_of_layer[l] != pi) continue;
-            if (c->nvc_search[l] != c->nv_search) {
-                double z = 0.0;
-                const int32_t f = nv_layer_best(c, h, l, seq0, &z);
-                c->nvc_f[l] = f;
-                c->nvc_z[l] = z;
-                c->nvc_s[l] = f >= 0 ? -nv_expected(c->nv, f) : 0.0;
+            if (c->nvc_search[l] != c->nv_search) {   /* -expected, as nv_expected */
+                nv_candidate(c, l, seq0);
+                c->nvc_s[l] = -(nv_distance(c->nv, l) + (double) c->n_moe * c->nvc_e[l]);
                 c->nvc_search[l] = c->nv_search;
             }
             const int32_t f = c->nvc_f[l];
@@ -570,18 +600,26 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
             c->nvb_list = malloc((size_t) n_layer * NV_LIST * sizeof *c->nvb_list);
             c->nvb_n = calloc((size_t) n_layer, sizeof *c->nvb_n);
             c->nvb_all = calloc((size_t) n_layer, 1);
-            c->nvb_ver = malloc((size_t) n_layer * sizeof *c->nvb_ver);
             c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
             c->nvb_dirty = malloc((size_t) n_layer);
             if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
+            c->nv_words = (n_expert + 63) / 64;
+            c->nv_members = calloc((size_t) n_layer * c->nv_words, sizeof *c->nv_members);
+            c->nvg = calloc((size_t) n_layer, sizeof *c->nvg);
+            c->nvc_gen = malloc((size_t) n_layer * sizeof *c->nvc_gen);
+            c->nvc_seq0 = calloc((size_t) n_layer, sizeof *c->nvc_seq0);
+            c->nvc_seq_dep = calloc((size_t) n_layer, 1);
+            c->nvc_e = calloc((size_t) n_layer, sizeof *c->nvc_e);
+            for (int32_t l = 0; c->nvc_gen != NULL && l < n_layer; l++) c->nvc_gen[l] = -1;
             c->nvc_search = malloc((size_t) n_layer * sizeof *c->nvc_search);
             c->nvc_f = malloc((size_t) n_layer * sizeof *c->nvc_f);
             c->nvc_s = malloc((size_t) n_layer * sizeof *c->nvc_s);
             c->nvc_z = malloc((size_t) n_layer * sizeof *c->nvc_z);
             for (int32_t l = 0; c->nvc_search != NULL && l < n_layer; l++) c->nvc_search[l] = -1;
-            if (c->nv == NULL || !c->nvb_list || !c->nvb_n || !c->nvb_all || !c->nvb_ver ||
+            if (c->nv == NULL || !c->nvb_list || !c->nvb_n || !c->nvb_all ||
                 !c->nvb_vis || !c->nvb_dirty ||
-                !c->nvc_search || !c->nvc_f || !c->nvc_s || !c->nvc_z) {
+                !c->nvc_search || !c->nvc_f || !c->nvc_s || !c->nvc_z || !c->nv_members ||
+                !c->nvg || !c->nvc_gen || !c->nvc_seq0 || !c->nvc_seq_dep || !c->nvc_e) {
                 rc_free(c);
                 return NULL;
             }
@@ -629,8 +667,10 @@ void rc_free(rc_core *c) {
     free_pools(c);
     nv_free(c->nv);
     free(c->nvb_list); free(c->nvb_n); free(c->nvb_all);
-    free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
+    free(c->nvb_vis); free(c->nvb_dirty);
     free(c->nvc_search); free(c->nvc_f); free(c->nvc_s); free(c->nvc_z);
+    free(c->nv_members); free(c->nvg); free(c->nvc_gen); free(c->nvc_seq0); free(c->nvc_seq_dep);
+    free(c->nvc_e);
     af_free(c->af);
     free(c->af_plan);
     free(c->af_q);
@@ -697,7 +737,11 @@ static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_
     c->n_pool = n_pool;
     memmove(c->pool_of_layer, pool_of_layer, (size_t) c->n_layer * sizeof *pool_of_layer);
     for (int32_t f = 0; f < c->n_flat; f++) c->pool_of_flat[f] = c->pool_of_layer[f / c->n_expert];
-    if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) c->n_layer);   /* empty orders */
+    if (c->nv != NULL) {                          /* empty orders */
+        memset(c->nvb_dirty, 1, (size_t) c->n_layer);
+        memset(c->nv_members, 0, (size_t) c->n_layer * c->nv_words * sizeof *c->nv_members);
+        for (int32_t l = 0; l < c->n_layer; l++) nv_stale(c, l);
+    }
     return RC_OK;
 }
 
@@ -730,6 +774,7 @@ static int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *exper
     memcpy(l->experts, experts, (size_t) n * sizeof *experts);
     l->id = id; l->base = base; l->n = n;
     for (int32_t i = 0; i < n; i++) c->lease_count[base + experts[i]]++;
+    nv_stale(c, base / c->n_expert);
     c->n_leases++;
     return 0;
 }
@@ -739,6 +784,7 @@ static void rc_release_impl(rc_core *c, int64_t lease_id) {
         lease *l = &c->leases[i];
         if (l->id != lease_id) continue;
         for (int32_t j = 0; j < l->n; j++) c->lease_count[l->base + l->experts[j]]--;
+        nv_stale(c, l->base / c->n_expert);
         free(l->experts);
         *l = c->leases[--c->n_leases];
         return;
@@ -1140,6 +1186,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     if (lease_id > 0 && take_lease(c, lease_id, base, el, n) < 0) return RC_ERR_NOMEM;
     ivec *pins = &c->pins_by_layer[layer];
     for (int32_t i = 0; i < pins->n; i++) c->pinned[pins->v[i]] = 0;
+    if (pins->n) nv_stale(c, layer);
     pins->n = 0;
     if (c->last_experts != NULL) {
         ivec *h = &c->last_experts[phase * c->n_layer + layer];
@@ -1271,6 +1318,7 @@ static int rc_abort_impl(rc_core *c, int64_t id) {
     }
     c->state[t->flat] = ABSENT;
     c->pinned[t->flat] = 0;
+    nv_stale(c, t->flat / c->n_expert);
     finish(c, t);
     return 1;
 }
