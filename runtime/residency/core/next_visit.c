@@ -36,6 +36,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
     for (int32_t f = 0; f < n; f++) m->e_vis[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
+    for (int32_t k = 1; k < NV_INV_N; k++) m->inv[k] = 1.0 / (double) k;
     for (int32_t i = 0; i < n_layer * NV_F; i++) m->wl[i] = NV_W0[i % NV_F];
     return m;
 }
@@ -45,30 +46,6 @@ void nv_free(nv_model *m) {
     free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y); free(m->wl);
     free(m->e_cache); free(m->z_cache); free(m->e_vis);
     free(m);
-}
-
-/* x (NV_F,) of flat f of `layer` for its next visit */
-static void features(const nv_model *m, int32_t layer, int32_t f, double *x) {
-    const int32_t n = m->n_layer * m->n_expert;
-    x[0] = 1.0;
-    x[1] = m->last_vis[f] > 0 ? 1.0 / (double) (m->vis[layer] + 1 - m->last_vis[f]) : 0.0;
-    x[2] = m->h[f];
-    x[3] = m->h[n + f];
-    x[4] = m->h[2 * n + f];
-}
-
-static double dot(const double *w, const double *x) {
-    double z = w[0] * x[0];
-    for (int32_t j = 1; j < NV_F; j++) z = z + w[j] * x[j];
-    return z;
-}
-
-void nv_refresh(nv_model *m, int32_t layer, int32_t f) {
-    double x[NV_F];
-    features(m, layer, f, x);
-    m->z_cache[f] = dot(&m->wl[layer * NV_F], x);
-    m->e_cache[f] = NAN;
-    m->e_vis[f] = m->vis[layer];
 }
 
 /* h = (1 - a) h + a y for each rate over one layer's keys: a loop the compiler vectorizes
@@ -85,13 +62,13 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
         double x[NV_F];
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
             const int32_t f = base + e;
-            features(m, layer, f, x);              /* nv_refresh's z without a second x */
+            nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
             if (m->e_vis[f] != m->vis[layer]) {
-                m->z_cache[f] = dot(&m->wl[layer * NV_F], x);
+                m->z_cache[f] = nv_dot(&m->wl[layer * NV_F], x);
                 m->e_cache[f] = NAN;
                 m->e_vis[f] = m->vis[layer];
             }
-            const double p = 1.0 / (1.0 + nv_odds(m, f));
+            const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
             for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
         }

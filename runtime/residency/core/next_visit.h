@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #define NV_F 5
+#define NV_INV_N 1024   /* 1 / age from a table below this age (the same doubles) */
 
 typedef struct {
     int32_t n_layer, n_expert, n_moe;
@@ -39,6 +40,7 @@ typedef struct {
     uint8_t *mark;                /* (n_expert,) scratch: routed in this visit */
     int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
     double *y;                    /* (n_expert,) scratch: this visit's labels, 0 between visits */
+    double inv[NV_INV_N];         /* inv[k] = 1.0 / k */
     double *wl;                   /* (n_layer, NV_F) w as of each layer's latest visit */
     double w[NV_F], g[NV_F];
     double learning_rate;
@@ -56,19 +58,42 @@ void nv_free(nv_model *m);
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);
 /* frequency (n_flat,): every h_k of every key (a routing profile's decode shares) */
 void nv_warm_start(nv_model *m, const double *frequency);
-/* the slow path of nv_logit: recompute flat's z from its features */
-void nv_refresh(nv_model *m, int32_t layer, int32_t flat);
+/* x (NV_F,) of flat f of `layer` for its next visit */
+static inline void nv_features(const nv_model *m, int32_t layer, int32_t f, double *x) {
+    const int32_t n = m->n_layer * m->n_expert;
+    x[0] = 1.0;
+    const int64_t age = m->vis[layer] + 1 - m->last_vis[f];
+    x[1] = m->last_vis[f] <= 0 ? 0.0 : age < NV_INV_N ? m->inv[age] : 1.0 / (double) age;
+    x[2] = m->h[f];
+    x[3] = m->h[n + f];
+    x[4] = m->h[2 * n + f];
+}
 
-/* z = wl . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))) */
-static inline double nv_logit(nv_model *m, int32_t flat) {
-    const int32_t layer = flat / m->n_expert;
+static inline double nv_dot(const double *w, const double *x) {
+    double z = w[0] * x[0];
+    for (int32_t j = 1; j < NV_F; j++) z = z + w[j] * x[j];
+    return z;
+}
+
+/* the slow path of nv_logit: recompute flat's z from its features */
+static inline void nv_refresh(nv_model *m, int32_t layer, int32_t f) {
+    double x[NV_F];
+    nv_features(m, layer, f, x);
+    m->z_cache[f] = nv_dot(&m->wl[layer * NV_F], x);
+    m->e_cache[f] = NAN;
+    m->e_vis[f] = m->vis[layer];
+}
+
+/* z = wl . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))); flat is
+ * a key of `layer` */
+static inline double nv_logit(nv_model *m, int32_t layer, int32_t flat) {
     if (m->e_vis[flat] != m->vis[layer]) nv_refresh(m, layer, flat);
     return m->z_cache[flat];
 }
 
 /* exp(-z) */
-static inline double nv_odds(nv_model *m, int32_t flat) {
-    const double z = nv_logit(m, flat);
+static inline double nv_odds(nv_model *m, int32_t layer, int32_t flat) {
+    const double z = nv_logit(m, layer, flat);
     if (m->e_cache[flat] != m->e_cache[flat]) m->e_cache[flat] = exp(-z);
     return m->e_cache[flat];
 }
@@ -84,7 +109,8 @@ static inline double nv_distance(const nv_model *m, int32_t layer) {
 
 /* expected layer-steps until flat's next use, seen from the latest visit */
 static inline double nv_expected(nv_model *m, int32_t flat) {
-    return nv_distance(m, flat / m->n_expert) + (double) m->n_moe * nv_odds(m, flat);
+    const int32_t layer = flat / m->n_expert;
+    return nv_distance(m, layer) + (double) m->n_moe * nv_odds(m, layer, flat);
 }
 
 #endif

@@ -208,9 +208,9 @@ static void nv_note_push(const rc_core *c, int32_t f) {
     if (!nv_valid(c, l)) return;                  /* rescanned on its next use anyway */
     int32_t *list = &c->nvb_list[l * NV_LIST];
     int32_t n = c->nvb_n[l];
-    const double z = nv_logit(c->nv, f);
+    const double z = nv_logit(c->nv, l, f);
     int32_t i = n;
-    while (i > 0 && nv_z_below(c, z, f, nv_logit(c->nv, list[i - 1]), list[i - 1])) i--;
+    while (i > 0 && nv_z_below(c, z, f, nv_logit(c->nv, l, list[i - 1]), list[i - 1])) i--;
     if (i == n && !c->nvb_all[l]) return;         /* above the list: unknown keys may be lower */
     if (n == NV_LIST) { n--; c->nvb_all[l] = 0; } /* the last drops out */
     for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
@@ -339,7 +339,7 @@ static int32_t nv_scan_layer(rc_core *c, int32_t layer, int64_t seq0, double *ou
     double bz = 0.0;
     NV_FOR_MEMBERS(c, layer, g) {
         if (protected_key(c, g, seq0)) continue;
-        const double z = nv_logit(c->nv, g);
+        const double z = nv_logit(c->nv, layer, g);
         if (nv_z_below(c, z, g, bz, f)) { f = g; bz = z; }
     }
     *out_z = bz;
@@ -353,8 +353,9 @@ static void nv_fill_list(rc_core *c, int32_t layer) {
     int32_t n = 0, seen = 0;
     NV_FOR_MEMBERS(c, layer, g) {
         seen++;
-        const double z = nv_logit(c->nv, g);
-        if (n == NV_LIST && !nv_z_below(c, z, g, lz[n - 1], list[n - 1])) continue;
+        const double z = nv_logit(c->nv, layer, g);
+        if (n == NV_LIST && (z > lz[n - 1] || !nv_z_below(c, z, g, lz[n - 1], list[n - 1])))
+            continue;
         int32_t i = n < NV_LIST ? n++ : n - 1;
         while (i > 0 && nv_z_below(c, z, g, lz[i - 1], list[i - 1])) {
             list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
@@ -383,7 +384,7 @@ static void nv_candidate(rc_core *c, int32_t layer, int64_t seq0) {
         if (c->last_seq[g] >= seq0) { dep = 1; continue; }
         if (c->lease_count[g] > 0 || c->pinned[g]) continue;
         f = g;
-        z = nv_logit(c->nv, g);
+        z = nv_logit(c->nv, layer, g);
         break;
     }
     if (f < 0 && !c->nvb_all[layer]) {
@@ -392,7 +393,7 @@ static void nv_candidate(rc_core *c, int32_t layer, int64_t seq0) {
     }
     c->nvc_f[layer] = f;
     c->nvc_z[layer] = z;
-    c->nvc_e[layer] = f >= 0 ? nv_odds(c->nv, f) : 0.0;
+    c->nvc_e[layer] = f >= 0 ? nv_odds(c->nv, layer, f) : 0.0;
     c->nvc_gen[layer] = c->nvg[layer];
     c->nvc_seq0[layer] = seq0;
     c->nvc_seq_dep[layer] = dep;
