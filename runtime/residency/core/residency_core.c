@@ -17,8 +17,7 @@
  */
 #include "residency_core.h"
 #include "next_visit.h"
-
-#define NV_LIST 8       /* next-visit: each layer's lowest keys kept between searches */
+#include "nv_victim.h"
 #include "affinity.h"
 
 #include <math.h>
@@ -98,27 +97,7 @@ struct rc_core {
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
     nv_model *nv;                 /* eviction next-visit's model, or NULL */
-    /* next-visit's victim search: per layer, its best victim ignoring protection (the lowest
-     * (score, last seq, flat) of the layer's keys in the order), valid while the layer's
-     * keys did not move in the order (dirty) and the model did not change for the layer */
-    int32_t *nvb_list, *nvb_n;    /* (n_layer, NV_LIST), (n_layer,): the lowest keys, in order */
-    uint8_t *nvb_all;             /* (n_layer,) the list holds every key of the layer */
-    int64_t *nvb_vis;             /* (n_layer,) the layer's visits when it was found */
-    uint8_t *nvb_dirty;           /* (n_layer,) */
-    uint64_t *nv_members;         /* (n_layer, nv_words) bitmap of the layer's keys in the order */
-    int32_t nv_words;
-    /* each layer's unprotected candidate (nvc_f, its z and exp(-z)), kept while the layer's
-     * generation nvg (bumped when its keys join or leave the order and when their leases or
-     * pins change) holds, its list is valid, and, if a key was skipped for being touched at
-     * or after seq0, seq0 holds */
-    int64_t *nvg, *nvc_gen, *nvc_seq0;
-    uint8_t *nvc_seq_dep;
-    double *nvc_e;
-    /* and its -expected within one victim search (one handle_misses or prefetch_flats) */
-    int64_t nv_search;            /* the current search */
-    int64_t *nvc_search;          /* (n_layer,) the search nvc_s was found in, -1: stale */
-    int32_t *nvc_f;
-    double *nvc_s, *nvc_z;
+    nv_victim *nvv;               /* next-visit's victim search, or NULL */
     af_model *af;                 /* prefetch affinity's model, or NULL */
     int32_t *af_plan;             /* (n_expert,) scratch: its plan */
     double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
@@ -181,56 +160,9 @@ static inline int heap_less(const rc_core *c, int32_t order, int32_t a, int32_t 
     return key_less(c, order, a, b);
 }
 
-/* next-visit: (z, last seq, flat) of a below b (b -1: none) */
-static inline int nv_z_below(const rc_core *c, double za, int32_t a, double zb, int32_t b) {
-    if (b < 0) return 1;
-    if (za != zb) return za < zb;
-    if (c->last_seq[a] != c->last_seq[b]) return c->last_seq[a] < c->last_seq[b];
-    return a < b;
-}
-
-static inline int nv_valid(const rc_core *c, int32_t l) {
-    return !c->nvb_dirty[l] && c->nvb_vis[l] == c->nv->vis[l];
-}
-
-/* f joins next-visit's order: the layer's list stays the lowest keys (f may join it) */
-/* something about layer l's keys changed: its candidate is stale */
-static inline void nv_stale(const rc_core *c, int32_t l) {
-    if (c->nv == NULL) return;
-    c->nvg[l]++;
-    c->nvc_search[l] = -1;
-}
-
-static void nv_note_push(const rc_core *c, int32_t f) {
-    const int32_t l = f / c->n_expert, e = f - l * c->n_expert;
-    c->nv_members[l * c->nv_words + e / 64] |= (uint64_t) 1 << (e % 64);
-    nv_stale(c, l);
-    if (!nv_valid(c, l)) return;                  /* rescanned on its next use anyway */
-    int32_t *list = &c->nvb_list[l * NV_LIST];
-    int32_t n = c->nvb_n[l];
-    const double z = nv_logit(c->nv, l, f);
-    int32_t i = n;
-    while (i > 0 && nv_z_below(c, z, f, nv_logit(c->nv, l, list[i - 1]), list[i - 1])) i--;
-    if (i == n && !c->nvb_all[l]) return;         /* above the list: unknown keys may be lower */
-    if (n == NV_LIST) { n--; c->nvb_all[l] = 0; } /* the last drops out */
-    for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
-    list[i] = f;
-    c->nvb_n[l] = n + 1;
-}
-
-/* f leaves next-visit's order */
-static void nv_note_remove(const rc_core *c, int32_t f) {
-    const int32_t l = f / c->n_expert, e = f - l * c->n_expert;
-    c->nv_members[l * c->nv_words + e / 64] &= ~((uint64_t) 1 << (e % 64));
-    nv_stale(c, l);
-    int32_t *list = &c->nvb_list[l * NV_LIST];
-    const int32_t n = c->nvb_n[l];
-    for (int32_t i = 0; i < n; i++)
-        if (list[i] == f) {
-            for (int32_t j = i + 1; j < n; j++) list[j - 1] = list[j];
-            c->nvb_n[l] = n - 1;
-            return;
-        }
+/* the protection of layer's keys changed (next-visit's search keeps candidates) */
+static inline void nv_stale_layer(const rc_core *c, int32_t layer) {
+    if (c->nvv != NULL) nvv_stale(c->nvv, layer);
 }
 
 static void heap_swap(heap *h, int32_t i, int32_t j) {
@@ -261,7 +193,7 @@ static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
 
 static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
     if (h->pos[f] >= 0) return 0;
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nv_note_push(c, f);
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nvv_push(c->nvv, f);
     if (h->n == h->cap) {
         int32_t cap = h->cap ? 2 * h->cap : 64;
         int32_t *v = realloc(h->items, (size_t) cap * sizeof *v);
@@ -277,7 +209,7 @@ static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
 static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
     int32_t i = h->pos[f];
     if (i < 0) return;
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nv_note_remove(c, f);
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nvv_remove(c->nvv, f);
     h->n--;
     if (i != h->n) {
         const int32_t moved = h->items[h->n];
@@ -312,113 +244,11 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
 
 /* the lowest unprotected key of the order (taken out of that heap), or -1; protected keys
  * met on the way wait in r_aside until settle() */
-/* next-visit's order: (-expected, z, last seq, flat), expected = distance + n_moe exp(-z).
- * Within one layer the distance is common and expected falls as z grows, so a layer's
- * candidate is its lowest (z, last seq, flat), a comparison with no exp; the victim is the
- * lowest candidate in the full order. A layer's candidate (ignoring protection) is cached
- * while its keys did not leave the order (dirty) and the model did not change for the layer
- * (visits of the layer); a protected cached candidate means a scan of the layer */
-/* (s, z, flat) below (bs, bz, best) in the full order (s = -expected) */
-static inline int nv_below(const rc_core *c, double s, double z, int32_t f, double bs,
-                           double bz, int32_t best) {
-    if (best < 0) return 1;
-    if (s != bs) return s < bs;
-    return nv_z_below(c, z, f, bz, best);
-}
-
-/* for each key g of the layer in next-visit's order (its membership bitmap), in flat order */
-#define NV_FOR_MEMBERS(c, layer, g)                                                          \
-    for (int32_t w_ = 0; w_ < (c)->nv_words; w_++)                                        \
-        for (uint64_t b_ = (c)->nv_members[(layer) * (c)->nv_words + w_]; b_; b_ &= b_ - 1) \
-            for (int32_t g = (layer) * (c)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1;  \
-                 o_; o_ = 0)
-
-/* the layer's lowest unprotected (z, last seq, flat); its z in *out_z */
-static int32_t nv_scan_layer(rc_core *c, int32_t layer, int64_t seq0, double *out_z) {
-    int32_t f = -1;
-    double bz = 0.0;
-    NV_FOR_MEMBERS(c, layer, g) {
-        if (protected_key(c, g, seq0)) continue;
-        const double z = nv_logit(c->nv, layer, g);
-        if (nv_z_below(c, z, g, bz, f)) { f = g; bz = z; }
-    }
-    *out_z = bz;
-    return f;
-}
-
-/* the layer's list: its NV_LIST lowest keys (all of them: nvb_all) in the order */
-static void nv_fill_list(rc_core *c, int32_t layer) {
-    int32_t *list = &c->nvb_list[layer * NV_LIST];
-    double lz[NV_LIST];
-    int32_t n = 0, seen = 0;
-    NV_FOR_MEMBERS(c, layer, g) {
-        seen++;
-        const double z = nv_logit(c->nv, layer, g);
-        if (n == NV_LIST && (z > lz[n - 1] || !nv_z_below(c, z, g, lz[n - 1], list[n - 1])))
-            continue;
-        int32_t i = n < NV_LIST ? n++ : n - 1;
-        while (i > 0 && nv_z_below(c, z, g, lz[i - 1], list[i - 1])) {
-            list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
-        }
-        list[i] = g; lz[i] = z;
-    }
-    c->nvb_n[layer] = n;
-    c->nvb_all[layer] = seen <= NV_LIST;
-    c->nvb_dirty[layer] = 0;
-    c->nvb_vis[layer] = c->nv->vis[layer];
-}
-
-/* the layer's lowest unprotected key in the order into nvc_f (-1: none), nvc_z, nvc_e */
-static void nv_candidate(rc_core *c, int32_t layer, int64_t seq0) {
-    const int valid = nv_valid(c, layer);
-    if (valid && c->nvc_gen[layer] == c->nvg[layer] &&
-        (!c->nvc_seq_dep[layer] || c->nvc_seq0[layer] == seq0))
-        return;
-    if (!valid || (c->nvb_n[layer] == 0 && !c->nvb_all[layer])) nv_fill_list(c, layer);
-    const int32_t *list = &c->nvb_list[layer * NV_LIST];
-    int32_t f = -1;
-    uint8_t dep = 0;
-    double z = 0.0;
-    for (int32_t i = 0; i < c->nvb_n[layer]; i++) {
-        const int32_t g = list[i];
-        if (c->last_seq[g] >= seq0) { dep = 1; continue; }
-        if (c->lease_count[g] > 0 || c->pinned[g]) continue;
-        f = g;
-        z = nv_logit(c->nv, layer, g);
-        break;
-    }
-    if (f < 0 && !c->nvb_all[layer]) {
-        f = nv_scan_layer(c, layer, seq0, &z);
-        dep = 1;
-    }
-    c->nvc_f[layer] = f;
-    c->nvc_z[layer] = z;
-    c->nvc_e[layer] = f >= 0 ? nv_odds(c->nv, layer, f) : 0.0;
-    c->nvc_gen[layer] = c->nvg[layer];
-    c->nvc_seq0[layer] = seq0;
-    c->nvc_seq_dep[layer] = dep;
-}
-
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
     if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* (at most one order is next-visit: the
-                                                     orders are distinct specs, one rate) */  /* the lowest of the layers' best */
-        const int32_t pi = (int32_t) (p - c->pools);
-        int32_t best = -1;
-        double bs = 0.0, bz = 0.0;
-        for (int32_t k = 0; k < c->n_moe; k++) {
-            const int32_t l = c->moe_layers[k];
-            if (c->pool_of_layer[l] != pi) continue;
-            if (c->nvc_search[l] != c->nv_search) {   /* -expected, as nv_expected */
-                nv_candidate(c, l, seq0);
-                c->nvc_s[l] = -(nv_distance(c->nv, l) + (double) c->n_moe * c->nvc_e[l]);
-                c->nvc_search[l] = c->nv_search;
-            }
-            const int32_t f = c->nvc_f[l];
-            if (f >= 0 && nv_below(c, c->nvc_s[l], c->nvc_z[l], f, bs, bz, best)) {
-                best = f; bs = c->nvc_s[l]; bz = c->nvc_z[l];
-            }
-        }
+                                                     orders are distinct specs, one rate) */
+        const int32_t best = nvv_lowest(c->nvv, (int32_t) (p - c->pools), seq0);
         if (best >= 0) heap_remove(c, o, h, best);
         return best;
     }
@@ -598,29 +428,10 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (policy->order_kind[o] == EV_NEXT_VISIT && c->nv == NULL) {
             c->nv = nv_create(n_layer, n_expert, c->moe_layers, c->n_moe,
                               policy->nv_learning_rate);
-            c->nvb_list = malloc((size_t) n_layer * NV_LIST * sizeof *c->nvb_list);
-            c->nvb_n = calloc((size_t) n_layer, sizeof *c->nvb_n);
-            c->nvb_all = calloc((size_t) n_layer, 1);
-            c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
-            c->nvb_dirty = malloc((size_t) n_layer);
-            if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
-            c->nv_words = (n_expert + 63) / 64;
-            c->nv_members = calloc((size_t) n_layer * c->nv_words, sizeof *c->nv_members);
-            c->nvg = calloc((size_t) n_layer, sizeof *c->nvg);
-            c->nvc_gen = malloc((size_t) n_layer * sizeof *c->nvc_gen);
-            c->nvc_seq0 = calloc((size_t) n_layer, sizeof *c->nvc_seq0);
-            c->nvc_seq_dep = calloc((size_t) n_layer, 1);
-            c->nvc_e = calloc((size_t) n_layer, sizeof *c->nvc_e);
-            for (int32_t l = 0; c->nvc_gen != NULL && l < n_layer; l++) c->nvc_gen[l] = -1;
-            c->nvc_search = malloc((size_t) n_layer * sizeof *c->nvc_search);
-            c->nvc_f = malloc((size_t) n_layer * sizeof *c->nvc_f);
-            c->nvc_s = malloc((size_t) n_layer * sizeof *c->nvc_s);
-            c->nvc_z = malloc((size_t) n_layer * sizeof *c->nvc_z);
-            for (int32_t l = 0; c->nvc_search != NULL && l < n_layer; l++) c->nvc_search[l] = -1;
-            if (c->nv == NULL || !c->nvb_list || !c->nvb_n || !c->nvb_all ||
-                !c->nvb_vis || !c->nvb_dirty ||
-                !c->nvc_search || !c->nvc_f || !c->nvc_s || !c->nvc_z || !c->nv_members ||
-                !c->nvg || !c->nvc_gen || !c->nvc_seq0 || !c->nvc_seq_dep || !c->nvc_e) {
+            c->nvv = c->nv == NULL ? NULL
+                     : nvv_create(c->nv, n_layer, n_expert, c->moe_layers, c->n_moe,
+                                  c->last_seq, c->lease_count, c->pinned);
+            if (c->nvv == NULL) {
                 rc_free(c);
                 return NULL;
             }
@@ -667,11 +478,7 @@ void rc_free(rc_core *c) {
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
     nv_free(c->nv);
-    free(c->nvb_list); free(c->nvb_n); free(c->nvb_all);
-    free(c->nvb_vis); free(c->nvb_dirty);
-    free(c->nvc_search); free(c->nvc_f); free(c->nvc_s); free(c->nvc_z);
-    free(c->nv_members); free(c->nvg); free(c->nvc_gen); free(c->nvc_seq0); free(c->nvc_seq_dep);
-    free(c->nvc_e);
+    nvv_free(c->nvv);
     af_free(c->af);
     free(c->af_plan);
     free(c->af_q);
@@ -738,11 +545,7 @@ static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_
     c->n_pool = n_pool;
     memmove(c->pool_of_layer, pool_of_layer, (size_t) c->n_layer * sizeof *pool_of_layer);
     for (int32_t f = 0; f < c->n_flat; f++) c->pool_of_flat[f] = c->pool_of_layer[f / c->n_expert];
-    if (c->nv != NULL) {                          /* empty orders */
-        memset(c->nvb_dirty, 1, (size_t) c->n_layer);
-        memset(c->nv_members, 0, (size_t) c->n_layer * c->nv_words * sizeof *c->nv_members);
-        for (int32_t l = 0; l < c->n_layer; l++) nv_stale(c, l);
-    }
+    if (c->nvv != NULL) nvv_reset(c->nvv, c->pool_of_layer);   /* empty orders */
     return RC_OK;
 }
 
@@ -775,7 +578,7 @@ static int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *exper
     memcpy(l->experts, experts, (size_t) n * sizeof *experts);
     l->id = id; l->base = base; l->n = n;
     for (int32_t i = 0; i < n; i++) c->lease_count[base + experts[i]]++;
-    nv_stale(c, base / c->n_expert);
+    nv_stale_layer(c, base / c->n_expert);
     c->n_leases++;
     return 0;
 }
@@ -785,7 +588,7 @@ static void rc_release_impl(rc_core *c, int64_t lease_id) {
         lease *l = &c->leases[i];
         if (l->id != lease_id) continue;
         for (int32_t j = 0; j < l->n; j++) c->lease_count[l->base + l->experts[j]]--;
-        nv_stale(c, l->base / c->n_expert);
+        nv_stale_layer(c, l->base / c->n_expert);
         free(l->experts);
         *l = c->leases[--c->n_leases];
         return;
@@ -831,7 +634,6 @@ static int ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, double
 static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase,
                           int64_t seq0, const double *mine) {
     const int32_t o = c->pol.phase_order[phase];
-    c->nv_search++;
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
         if (c->state[f] != ABSENT) continue;
@@ -1053,7 +855,6 @@ static int admission_ok(const rc_core *c, int32_t phase, int32_t f, const int32_
 
 static int handle_misses(rc_core *c, int32_t base, int32_t phase, int64_t seq0) {
     const int32_t o = c->pol.phase_order[phase];
-    c->nv_search++;
     pool *p = pool_of(c, base);
     int64_t *t = p->counters[phase];
     const int64_t b = c->bytes_flat[base];
@@ -1153,7 +954,10 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     const int64_t call = c->call;
     const double rate = c->pol.decay_rate;
     int32_t tr = 0;
-    if (c->nv != NULL) nv_visit(c->nv, layer, el, n, phase);
+    if (c->nv != NULL) {
+        nv_visit(c->nv, layer, el, n, phase);
+        nvv_stale(c->nvv, layer);                 /* its keys' z moved */
+    }
     if (c->af != NULL) af_observe(c->af, layer, el, n, phase);
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
@@ -1187,7 +991,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     if (lease_id > 0 && take_lease(c, lease_id, base, el, n) < 0) return RC_ERR_NOMEM;
     ivec *pins = &c->pins_by_layer[layer];
     for (int32_t i = 0; i < pins->n; i++) c->pinned[pins->v[i]] = 0;
-    if (pins->n) nv_stale(c, layer);
+    if (pins->n) nv_stale_layer(c, layer);
     pins->n = 0;
     if (c->last_experts != NULL) {
         ivec *h = &c->last_experts[phase * c->n_layer + layer];
@@ -1319,7 +1123,7 @@ static int rc_abort_impl(rc_core *c, int64_t id) {
     }
     c->state[t->flat] = ABSENT;
     c->pinned[t->flat] = 0;
-    nv_stale(c, t->flat / c->n_expert);
+    nv_stale_layer(c, t->flat / c->n_expert);
     finish(c, t);
     return 1;
 }
@@ -1451,7 +1255,7 @@ int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair,
     pthread_mutex_lock(&c->mu);
     if (c->nv != NULL && frequency != NULL) nv_warm_start(c->nv, frequency);
     if (c->af != NULL && pair != NULL && count != NULL) af_warm_start(c->af, pair, count);
-    if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) c->n_layer);
+    if (c->nvv != NULL) nvv_stale_all(c->nvv);
     pthread_mutex_unlock(&c->mu);
     return RC_OK;
 }
