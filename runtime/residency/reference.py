@@ -69,7 +69,8 @@ class ReferenceCore:
                    if any(o[0] == "next-visit" for o in policy.orders) else None)
         self.af = None
         if any(p[0] == "affinity" for p in policy.prefetch):
-            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity)
+            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
+                                    float(max(int(b) for b in expert_bytes)))
             self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
@@ -403,7 +404,8 @@ class ReferenceCore:
                 if self.state[f] == ABSENT:
                     spent = spent + float(self.nbytes[f])
             before = len(res["prefetched"])
-            mine = [-(1.0 + float(len(self.moe_layers)) * (1.0 / q - 1.0)) for _, q in got]
+            mine = [-(float(self.af.lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
+                    for _, q in got]
             self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
             for _, f, _ in res["prefetched"][before:]:
                 spent = spent - float(self.nbytes[f])
@@ -515,7 +517,7 @@ class ReferenceCore:
         if self.nv is not None:
             self.nv.h = [list(freq) for _ in self.nv.h]
         pair, count = np.asarray(pair), np.asarray(count)
-        if self.af is not None and self.af.n_moe >= 2 and pair.size:
+        if self.af is not None and self.af.n_moe >= 2 and self.af.lead == 1 and pair.size:
             for i, e, x in zip(*np.nonzero(pair)):
                 key = (int(i), int(e), int(x))
                 self.af.pair[key] = self.af.pair.get(key, 0) + int(pair[i, e, x])

@@ -26,7 +26,6 @@ class NextVisitModel:
         self.last_vis = [0] * n
         self.h = [[0.0] * n for _ in RATES]
         self.w = list(W0)
-        self.wl = [list(W0) for _ in range(n_layer)]   # w as of each layer's latest visit
         self.g = [0.0] * len(W0)
         self.learning_rate = learning_rate
         self.steps = 0
@@ -38,9 +37,9 @@ class NextVisitModel:
         return [1.0, inv_age, self.h[0][f], self.h[1][f], self.h[2][f]]
 
     def logit(self, f: int) -> float:
-        """z = w . x of ``f`` with its layer's weights (p = 1 / (1 + exp(-z)))."""
+        """z = w . x of ``f``'s features (p = 1 / (1 + exp(-z)))."""
         layer = f // self.n_expert
-        x, w = self._features(layer, f), self.wl[layer]
+        x, w = self._features(layer, f), self.w
         z = w[0] * x[0]
         for j in range(1, len(x)):
             z = z + w[j] * x[j]
@@ -61,7 +60,6 @@ class NextVisitModel:
                 for j in range(len(self.w)):
                     self.w[j] = self.w[j] + self.learning_rate * self.g[j]
                     self.g[j] = 0.0
-        self.wl[layer] = list(self.w)
         self.vis[layer] += 1
         counts = {e: experts.count(e) for e in routed}
         top = max(counts.values(), default=0)

@@ -24,27 +24,25 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->mark = calloc((size_t) n_expert, 1);
     m->cnt = calloc((size_t) n_expert, sizeof *m->cnt);
     m->y = calloc((size_t) n_expert, sizeof *m->y);
-    m->wl = malloc((size_t) n_layer * NV_F * sizeof *m->wl);
     m->e_cache = calloc((size_t) n, sizeof *m->e_cache);
     m->z_cache = calloc((size_t) n, sizeof *m->z_cache);
-    m->e_vis = malloc((size_t) n * sizeof *m->e_vis);
-    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->wl || !m->e_cache || !m->z_cache || !m->e_vis) {
+    m->e_stamp = malloc((size_t) n * sizeof *m->e_stamp);
+    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->e_cache || !m->z_cache || !m->e_stamp) {
         nv_free(m);
         return NULL;
     }
     for (int32_t l = 0; l < n_layer; l++) m->moe_index[l] = -1;
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
-    for (int32_t f = 0; f < n; f++) m->e_vis[f] = -1;
+    for (int32_t f = 0; f < n; f++) m->e_stamp[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
     for (int32_t k = 1; k < NV_INV_N; k++) m->inv[k] = 1.0 / (double) k;
-    for (int32_t i = 0; i < n_layer * NV_F; i++) m->wl[i] = NV_W0[i % NV_F];
     return m;
 }
 
 void nv_free(nv_model *m) {
     if (m == NULL) return;
-    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y); free(m->wl);
-    free(m->e_cache); free(m->z_cache); free(m->e_vis);
+    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y);
+    free(m->e_cache); free(m->z_cache); free(m->e_stamp);
     free(m);
 }
 
@@ -63,10 +61,10 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
             const int32_t f = base + e;
             nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
-            if (m->e_vis[f] != m->vis[layer]) {
-                m->z_cache[f] = nv_dot(&m->wl[layer * NV_F], x);
+            if (m->e_stamp[f] != nv_stamp(m, layer)) {
+                m->z_cache[f] = nv_dot(m->w, x);
                 m->e_cache[f] = NAN;
-                m->e_vis[f] = m->vis[layer];
+                m->e_stamp[f] = nv_stamp(m, layer);
             }
             const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
@@ -78,9 +76,9 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
                 m->w[j] = m->w[j] + m->learning_rate * m->g[j];
                 m->g[j] = 0.0;
             }
+            m->version++;                         /* every score moves */
         }
     }
-    for (int32_t j = 0; j < NV_F; j++) m->wl[layer * NV_F + j] = m->w[j];   /* its snapshot */
     m->vis[layer]++;
     int32_t top = 0;                              /* a visit's label: the key's share of */
     for (int32_t i = 0; i < n; i++) m->cnt[el[i]] = 0;   /* routings relative to the most */
@@ -100,5 +98,5 @@ void nv_warm_start(nv_model *m, const double *frequency) {
     const int32_t n = m->n_layer * m->n_expert;
     for (int32_t k = 0; k < 3; k++)
         for (int32_t f = 0; f < n; f++) m->h[k * n + f] = frequency[f];
-    for (int32_t f = 0; f < n; f++) m->e_vis[f] = -1;   /* every cached z is stale */
+    m->version++;                                 /* every cached z is stale */
 }

@@ -11,10 +11,8 @@
  * experts e with e % 8 == decode layer-steps so far % 8) is one sample
  * (features before the visit, label routed or not, p from the layer's weights below); the
  * gradient sum is applied once every n_moe such visits (w += learning_rate * g), so the model
- * changes once per token's worth of layer-steps. A layer's keys are scored with w as it stood
- * at the layer's latest visit (wl; NV_W0 before any), so their scores change only when their
- * layer is visited. With z = wl . x and p = 1 / (1 + exp(-z)), the expected time to its next
- * use, in layer-steps, is
+ * changes once per token's worth of layer-steps. With z = w . x and p = 1 / (1 + exp(-z)),
+ * the expected time to its next use, in layer-steps, is
  *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-z)
  * with dist in 1..n_moe (the current layer itself is n_moe away). Eviction `next-visit`
  * takes the largest first, ties by the larger z, then the core's (last seq, flat); within one
@@ -41,14 +39,14 @@ typedef struct {
     int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
     double *y;                    /* (n_expert,) scratch: this visit's labels, 0 between visits */
     double inv[NV_INV_N];         /* inv[k] = 1.0 / k */
-    double *wl;                   /* (n_layer, NV_F) w as of each layer's latest visit */
     double w[NV_F], g[NV_F];
     double learning_rate;
     int64_t steps;                /* decode visits */
     int32_t cur;                  /* the layer of the latest visit, -1 before any */
-    double *z_cache, *e_cache;    /* (n_flat,) wl . x and exp(-wl . x) (NAN: not yet), valid
-                                     while e_vis == vis of its layer (-1: stale) */
-    int64_t *e_vis;
+    double *z_cache, *e_cache;    /* (n_flat,) w . x and exp(-w . x) (NAN: not yet), valid
+                                     while e_stamp == nv_stamp of its layer (-1: stale) */
+    int64_t *e_stamp;
+    int64_t version;              /* weight updates and warm starts so far */
 } nv_model;
 
 nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
@@ -75,19 +73,24 @@ static inline double nv_dot(const double *w, const double *x) {
     return z;
 }
 
+/* what a layer's scores depend on: its visits and the model's version (< 2^40 visits) */
+static inline int64_t nv_stamp(const nv_model *m, int32_t layer) {
+    return m->vis[layer] + (m->version << 40);
+}
+
 /* the slow path of nv_logit: recompute flat's z from its features */
 static inline void nv_refresh(nv_model *m, int32_t layer, int32_t f) {
     double x[NV_F];
     nv_features(m, layer, f, x);
-    m->z_cache[f] = nv_dot(&m->wl[layer * NV_F], x);
+    m->z_cache[f] = nv_dot(m->w, x);
     m->e_cache[f] = NAN;
-    m->e_vis[f] = m->vis[layer];
+    m->e_stamp[f] = nv_stamp(m, layer);
 }
 
-/* z = wl . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))); flat is
+/* z = w . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))); flat is
  * a key of `layer` */
 static inline double nv_logit(nv_model *m, int32_t layer, int32_t flat) {
-    if (m->e_vis[flat] != m->vis[layer]) nv_refresh(m, layer, flat);
+    if (m->e_stamp[flat] != nv_stamp(m, layer)) nv_refresh(m, layer, flat);
     return m->z_cache[flat];
 }
 

@@ -81,7 +81,7 @@ static inline int z_below(const nv_victim *s, double za, int32_t a, double zb, i
 }
 
 static inline int list_valid(const nv_victim *s, int32_t l) {
-    return s->list_vis[l] == s->nv->vis[l];
+    return s->list_vis[l] == nv_stamp(s->nv, l);
 }
 
 void nvv_push(nv_victim *s, int32_t f) {
@@ -140,7 +140,7 @@ static void fill_list(nv_victim *s, int32_t layer) {
     }
     s->list_n[layer] = n;
     s->list_all[layer] = seen <= NV_LIST;
-    s->list_vis[layer] = s->nv->vis[layer];
+    s->list_vis[layer] = nv_stamp(s->nv, layer);
 }
 
 static inline int protected_by_use(const nv_victim *s, int32_t f) {
@@ -187,6 +187,10 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
 }
 
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
+    if (s->nv->version != s->version) {           /* the weights moved: every score did */
+        for (int32_t k = 0; k < s->n_moe; k++) mark(s, k);
+        s->version = s->nv->version;
+    }
     if (seq0 != s->seq0) {                        /* keys touched before seq0 are free now */
         if (s->n_dep > 0)
             for (int32_t k = 0; k < s->n_moe; k++)

@@ -10,7 +10,8 @@
  *   - per layer, its NV_LIST lowest keys in (z, last seq, flat) (every key: all), valid until
  *     the layer is visited (its z move) or the list runs dry; keys join and leave it in place;
  *   - per layer, its candidate with z and exp(-z), until marked dirty: a key of the layer
- *     joined or left the order, its leases or pins changed, it was visited, or a key skipped
+ *     joined or left the order, its leases or pins changed, it was visited, the model's
+ *     weights moved (once per token's worth of layer-steps), or a key skipped
  *     for being touched at or after seq0 may no longer be (seq0 moved);
  *   - every layer's -expected, recomputed when the model's current layer moves.
  * The core keeps the order's membership (its heap, with no order) and tells this search every
@@ -34,7 +35,8 @@ typedef struct {
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
     int32_t *list, *list_n;       /* (n_layer, NV_LIST), (n_layer,) */
     uint8_t *list_all;            /* (n_layer,) the list holds every key of the layer */
-    int64_t *list_vis;            /* (n_layer,) the layer's visits when filled, -1: invalid */
+    int64_t *list_vis;            /* (n_layer,) the layer's nv_stamp when filled, -1: invalid */
+    int64_t version;              /* the model's version the candidates are for */
     /* per MoE index k: the candidate (-1: none), its z, exp(-z), -expected, pool */
     int32_t *cand, *pool;
     double *cand_z, *cand_e, *cand_s;

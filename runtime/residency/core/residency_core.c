@@ -438,8 +438,11 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         }
     for (int32_t ph = 0; ph < 3; ph++)
         if (policy->prefetch[ph] == PF_AFFINITY && c->af == NULL) {
+            int64_t b_max = 0;                    /* the largest expert */
+            for (int32_t l = 0; l < n_layer; l++)
+                if (expert_bytes[l] > b_max) b_max = expert_bytes[l];
             c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
-                              policy->prefetch_p2[ph], policy->prefetch_p3[ph]);
+                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], (double) b_max);
             c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
             c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
             if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
@@ -776,7 +779,7 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
         const int32_t before = c->r_pf_flats.n;
         double mine[np];
         for (int32_t i = 0; i < np; i++)           /* next layer: 1 + n_moe (1 / q - 1) */
-            mine[i] = -(1.0 + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
+            mine[i] = -((double) c->af->lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
         const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
         for (int32_t i = before; i < c->r_pf_flats.n; i++)
             spent = spent - (double) c->bytes_flat[c->r_pf_flats.v[i]];
