@@ -73,8 +73,9 @@ class AffinityModel:
             if cnt == 0:
                 continue
             n_known += 1
+            r = 1.0 / float(cnt)
             for x in range(ne):
-                q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) / float(cnt)
+                q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) * r
         if n_known == 0:
             return []
         ti = idx + self.lead

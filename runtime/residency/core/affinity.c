@@ -29,9 +29,12 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->pred = malloc((size_t) nm * n_expert * sizeof *m->pred);
     m->n_pred = malloc((size_t) nm * sizeof *m->n_pred);
     m->mark = calloc((size_t) n_expert, 1);
+    m->distinct = malloc((size_t) n_expert * sizeof *m->distinct);
     m->q = calloc((size_t) n_expert, sizeof *m->q);
+    m->top_q = calloc((size_t) n_expert, sizeof *m->top_q);
     if (!m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
-        !m->src_step || !m->pred || !m->n_pred || !m->mark || !m->q) {
+        !m->src_step || !m->pred || !m->n_pred || !m->mark || !m->distinct || !m->q ||
+        !m->top_q) {
         af_free(m);
         return NULL;
     }
@@ -49,13 +52,19 @@ void af_free(af_model *m) {
     if (m == NULL) return;
     free(m->moe_index); free(m->moe_layers); free(m->pair); free(m->count); free(m->src);
     free(m->n_src); free(m->src_step); free(m->pred); free(m->n_pred); free(m->mark);
-    free(m->q);
+    free(m->distinct);
+    free(m->q); free(m->top_q);
     free(m);
 }
 
 void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, idx = m->moe_index[layer];
-    for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 1;
+    int32_t *d = m->distinct, nd = 0;             /* distinct, routing order */
+    for (int32_t i = 0; i < n; i++)
+        if (!m->mark[el[i]]) {
+            m->mark[el[i]] = 1;
+            d[nd++] = el[i];
+        }
     if (idx >= 0 && m->n_pred[idx] >= 0) {        /* score the plan made for this layer */
         int32_t hit = 0;
         const int32_t *pred = &m->pred[(int64_t) idx * ne];
@@ -64,6 +73,7 @@ void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_
         m->scored = m->scored * AF_DECAY + (double) m->n_pred[idx];
         m->n_pred[idx] = -1;
     }
+    for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
     const int32_t si = idx - m->lead;             /* the source lead layer-steps earlier */
     if (phase == 1 && idx >= 0 && si >= 0 && m->src_step[si] == m->step - m->lead) {
         const int32_t *src = &m->src[(int64_t) si * ne];
@@ -71,21 +81,22 @@ void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_
             const int32_t e = src[j];
             m->count[si * ne + e]++;
             int32_t *row = &m->pair[((int64_t) si * ne + e) * ne];
-            for (int32_t x = 0; x < ne; x++) row[x] += m->mark[x];
+            for (int32_t i = 0; i < nd; i++) row[d[i]]++;
         }
     }
-    if (phase == 1 && idx >= 0) {                 /* distinct, routing order */
+    if (phase == 1 && idx >= 0) {
         int32_t *src = &m->src[(int64_t) idx * ne];
-        m->n_src[idx] = 0;
-        for (int32_t i = 0; i < n; i++)
-            if (m->mark[el[i]] == 1) {
-                src[m->n_src[idx]++] = el[i];
-                m->mark[el[i]] = 2;
-            }
+        for (int32_t i = 0; i < nd; i++) src[i] = d[i];
+        m->n_src[idx] = nd;
         m->src_step[idx] = m->step;
     }
-    for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 0;
     m->step++;
+}
+
+/* q += row * r over the experts: a loop the compiler vectorizes (the same IEEE operations) */
+__attribute__((optimize("tree-vectorize")))
+static void add_row(double *restrict q, const int32_t *restrict row, double r, int32_t ne) {
+    for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
 }
 
 int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent_state,
@@ -103,30 +114,28 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
         const int32_t cnt = m->count[idx * ne + e];
         if (cnt == 0) continue;
         n_known++;
-        const int32_t *row = &m->pair[((int64_t) idx * ne + e) * ne];
-        for (int32_t x = 0; x < ne; x++) m->q[x] = m->q[x] + (double) row[x] / (double) cnt;
+        add_row(m->q, &m->pair[((int64_t) idx * ne + e) * ne], 1.0 / (double) cnt, ne);
     }
     if (n_known == 0) return 0;
     const int32_t ti = idx + m->lead, target = m->moe_layers[ti];
     int32_t *pred = &m->pred[(int64_t) ti * ne];
-    int32_t n_plan = 0;
-    const int32_t top = (int32_t) m->top_n;
-    for (int32_t k = 0; k < top && k < ne; k++) {  /* the top by q, lower id on ties */
-        int32_t best = -1;
-        double best_q = -1.0;
-        for (int32_t x = 0; x < ne; x++) {
-            if (m->mark[x]) continue;
-            if (m->q[x] > best_q) { best_q = m->q[x]; best = x; }
-        }
-        if (best < 0) break;
-        m->mark[best] = 1;
-        const double q = best_q / (double) n_known;
-        if (q < m->min_precision) break;
-        pred[n_plan] = best;
-        out_q[n_plan] = q;
-        out[n_plan++] = target * ne + best;
+    int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
+    if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
+    double *tq = m->top_q;
+    for (int32_t x = 0; x < ne; x++) {
+        const double v = m->q[x];
+        if (n_top == top && !(v > tq[n_top - 1])) continue;
+        int32_t i = n_top < top ? n_top++ : n_top - 1;
+        while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
+        pred[i] = x; tq[i] = v;
     }
-    for (int32_t x = 0; x < ne; x++) m->mark[x] = 0;
+    int32_t n_plan = 0;
+    for (; n_plan < n_top; n_plan++) {
+        const double q = tq[n_plan] / (double) n_known;
+        if (q < m->min_precision) break;
+        out_q[n_plan] = q;
+        out[n_plan] = target * ne + pred[n_plan];
+    }
     m->n_pred[ti] = n_plan;
     if (m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored) return 0;
     int32_t n_out = 0;

@@ -4,7 +4,7 @@
  * token, pair[i][e][e'] counts tokens routed to e at i and e' at i + lead, count[i][e] the
  * tokens routed to e at i whose layer i + lead was seen. After a decode layer-step of layer
  * i routed to the distinct set S, the prediction for layer i + lead is
- *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] / count[i][e]
+ *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] * (1 / count[i][e])
  * (S' the experts of S with count > 0; no plan when S' is empty)
  * and the plan is the top_n experts by q (ties: lower id) with q >= min_precision.
  * The lead is what one expert needs to cross the link in time: with link_bytes the bytes the
@@ -36,8 +36,9 @@ typedef struct {
     int64_t *src_step;            /* (n_moe,) the step it was observed at, -1 none */
     int32_t *pred;                /* (n_moe, E) the pending plan for each target layer */
     int32_t *n_pred;              /* (n_moe,) -1: none pending */
-    uint8_t *mark;                /* (E,) scratch */
-    double *q;                    /* (E,) scratch */
+    uint8_t *mark;                /* (E,) scratch, 0 between calls */
+    int32_t *distinct;            /* (E,) scratch: a layer-step's distinct experts */
+    double *q, *top_q;            /* (E,) scratch */
     double hits, scored;          /* decayed precision tallies */
     double credit, cap;           /* link bytes available for prefetch, and their bound */
     double top_n, min_precision, link_bytes;
