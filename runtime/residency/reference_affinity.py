@@ -9,6 +9,7 @@ import math
 
 DECAY = 0.9
 WARMUP = 8.0
+PROBE = 8
 
 
 class AffinityModel:
@@ -66,6 +67,9 @@ class AffinityModel:
         if idx < 0 or idx + self.lead >= self.n_moe or idx not in self.src \
                 or self.src[idx][1] != self.step - 1:
             return []
+        gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
+        if gated and self.step % PROBE != 0:
+            return []
         q = [0.0] * ne
         n_known = 0
         for e in self.src[idx][0]:
@@ -88,7 +92,7 @@ class AffinityModel:
                 break
             plan.append((target * ne + x, qx))
         self.pred[ti] = [f - target * ne for f, _ in plan]
-        if self.scored >= WARMUP and self.hits < self.min_precision * self.scored:
+        if gated:
             return []
         out = []
         for f, qx in plan:

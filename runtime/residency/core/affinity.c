@@ -6,6 +6,7 @@
 
 #define AF_DECAY 0.9
 #define AF_WARMUP 8.0
+#define AF_PROBE 8      /* while gated, one decode layer-step in AF_PROBE is planned (scored) */
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
@@ -106,6 +107,8 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
     m->credit = m->credit + m->link_bytes;       /* one more layer-step of the link */
     if (m->credit > m->cap) m->credit = m->cap;
     if (idx < 0 || idx + m->lead >= m->n_moe || m->src_step[idx] != m->step - 1) return 0;
+    const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
+    if (gated && m->step % AF_PROBE != 0) return 0;
     int32_t n_known = 0;
     for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;
     const int32_t *src = &m->src[(int64_t) idx * ne];
@@ -137,7 +140,7 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
         out[n_plan] = target * ne + pred[n_plan];
     }
     m->n_pred[ti] = n_plan;
-    if (m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored) return 0;
+    if (gated) return 0;
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];

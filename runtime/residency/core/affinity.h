@@ -17,7 +17,9 @@
  * spends its bytes (given back if it is not issued).
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
  * tallies, AF_DECAY per plan); the plan is issued only while the measured precision is at
- * least min_precision (or fewer than AF_WARMUP predictions were scored).
+ * least min_precision (or fewer than AF_WARMUP predictions were scored); while it is not,
+ * only one decode layer-step in AF_PROBE (step count % AF_PROBE == 0) is planned, to keep
+ * measuring.
  * Operations are in the order of the Python reference (runtime/residency/reference_affinity.py).
  */
 #ifndef AFFINITY_H
