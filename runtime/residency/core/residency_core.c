@@ -778,7 +778,7 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
             if (c->state[c->af_plan[i]] == ABSENT) spent = spent + (double) c->bytes_flat[c->af_plan[i]];
         const int32_t before = c->r_pf_flats.n;
         double mine[np];
-        for (int32_t i = 0; i < np; i++)           /* next layer: 1 + n_moe (1 / q - 1) */
+        for (int32_t i = 0; i < np; i++)           /* lead layers ahead: lead + n_moe (1/q - 1) */
             mine[i] = -((double) c->af->lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
         const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
         for (int32_t i = before; i < c->r_pf_flats.n; i++)
