@@ -73,9 +73,10 @@ static inline double nv_dot(const double *w, const double *x) {
     return z;
 }
 
-/* what a layer's scores depend on: its visits and the model's version (< 2^40 visits) */
+/* what a layer's scores depend on: its visits and the model's version, as one number
+ * (unsigned arithmetic: it wraps, never overflows; visits and versions both only grow) */
 static inline int64_t nv_stamp(const nv_model *m, int32_t layer) {
-    return m->vis[layer] + (m->version << 40);
+    return (int64_t) ((uint64_t) m->vis[layer] + ((uint64_t) m->version << 40));
 }
 
 /* the slow path of nv_logit: recompute flat's z from its features */
