@@ -19,6 +19,11 @@ sees the same state each time), and a run's time is the sum of its chunks' best.
 shared machine thus slows neither side more than the other.
 
     python scripts/bench_manager.py [--tokens 1000] [--capacity 0.3] [--repeat 5]
+        [--policy NAME | --config FILE]
+
+``--policy NAME`` is replay's preset (eviction NAME, demand admission, no prefetch);
+``--config FILE`` a residency TOML's policies instead (configs/best-replay.toml: next-visit
+with the affinity prefetch).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.residency.config import preset_config  # noqa: E402
+from runtime.residency.config import load_config, preset_config  # noqa: E402
 from runtime.residency.manager import ExpertResidencyManager  # noqa: E402
 from runtime.residency.types import Phase  # noqa: E402
 
@@ -68,12 +73,17 @@ def decode_stream(tokens: int, layers: int, experts: int, top_k: int, seed: int)
     return np.take_along_axis(top, order, axis=2).astype(np.int32)
 
 
+def _config(policy: str):
+    """``policy``: a preset name, or a residency TOML's path (ends with .toml)."""
+    return load_config(policy) if policy.endswith(".toml") else preset_config(policy)
+
+
 class ManagerRun:
     """The stream through the manager as the live hooks call it (a transport attached)."""
 
     def __init__(self, layers: int, capacity_experts: int, policy: str):
         self.transport = InlineTransport()
-        self.m = ExpertResidencyManager(preset_config(policy), transport=self.transport)
+        self.m = ExpertResidencyManager(_config(policy), transport=self.transport)
         self.m.bind_model([1] * layers, 128)
         self.m.reconfigure("cuda:0", capacity_experts)
         self.layers = layers
@@ -101,7 +111,7 @@ class NativeRun:
     (rc_access per layer-step with a lease, the previous released; no Python per step)."""
 
     def __init__(self, layers: int, capacity_experts: int, policy: str):
-        self.m = ExpertResidencyManager(preset_config(policy), transport=InlineTransport())
+        self.m = ExpertResidencyManager(_config(policy), transport=InlineTransport())
         self.m.bind_model([1] * layers, 128)
         self.m.reconfigure("cuda:0", capacity_experts)
         self.core = self.m.core_handle("cuda:0")
@@ -178,7 +188,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--capacity", type=float, default=0.3, help="share of all experts")
-    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--policy", default="lru", help="replay's preset policy name")
+    ap.add_argument("--config", default=None, metavar="FILE",
+                    help="a residency TOML's policies instead of --policy")
     ap.add_argument("--repeat", type=int, default=5, help="best of N per chunk")
     ap.add_argument("--chunk", type=int, default=10, help="tokens per timed chunk")
     ap.add_argument("--seed", type=int, default=0)
@@ -189,7 +201,8 @@ def main() -> int:
     variants = {"bare": lambda L, c, p: BareRun(L, c),
                 "native": lambda L, c, p: NativeRun(L, c, p),
                 "manager": lambda L, c, p: ManagerRun(L, c, p)}
-    secs, hits = timed(stream, capacity, args.policy, args.chunk, args.repeat, variants)
+    policy = args.config or args.policy
+    secs, hits = timed(stream, capacity, policy, args.chunk, args.repeat, variants)
     accesses = args.tokens * layers * top_k
     print(f"command: {' '.join(sys.argv)}")
     print(f"stream: {args.tokens} decode tokens x {layers} layers x top-{top_k} "
@@ -199,8 +212,8 @@ def main() -> int:
     for name, s in secs.items():
         us = s / args.tokens * 1e6
         label = {"bare": "bare OrderedDict LRU",
-                 "native": f"live, C hook -> core ({args.policy})",
-                 "manager": f"live, Python access_layer ({args.policy})"}[name]
+                 "native": f"live, C hook -> core ({policy})",
+                 "manager": f"live, Python access_layer ({policy})"}[name]
         ratio = "" if name == "bare" else f"  ratio {us / bare_us:.2f}x"
         print(f"{label:34s} {us:8.1f} us/token  ({accesses / s / 1e3:.0f}k accesses/s)  "
               f"hit rate {hits[name] / accesses:.4f}{ratio}")

@@ -1,6 +1,7 @@
 """``moe-offload serve``: the OpenAI-compatible HTTP server (like llama.cpp's ``llama-server``).
 
     moe-offload serve -m MODEL [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--alias NAME]
+        [--write-profile PROFILE]
 
 The port is bound first (so a busy port is a one-line error), then the server answers at once
 while the model loads in the background: ``/health`` is 503 until the model is ready. A model
@@ -84,6 +85,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "mistral-v7 ...) or a jinja template, instead of the model's")
     group.add_argument("--chat-template-file", default=None, metavar="FILE",
                        help="a jinja chat template to use instead of the model's")
+    group.add_argument("--write-profile", default=None, metavar="PROFILE",
+                       help="on exit (SIGINT, SIGTERM) write the routing profile of the tokens "
+                            "generated while serving (as moe-offload profile), for --profile "
+                            "on a later run")
     parser.set_defaults(func=run)
 
 
@@ -165,9 +170,21 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     settings.n_parallel = args.parallel
+    capture = None
+    if args.write_profile is not None:
+        from runtime.engine.record import ProfileCapture  # noqa: PLC0415
+
+        capture = ProfileCapture(args.write_profile)
+
+    def on_closed() -> None:             # the engine is closed: its routing is all in
+        message = capture.finish()
+        if not load_errors:
+            log.info("%s", message)
 
     def load() -> Engine:
         engine = Engine(settings, progress=True)
+        if capture is not None:
+            capture.attach(engine, str(model_path))
         if template is not None:
             engine.use_chat_template(template)
         if args.parallel > 1:
@@ -181,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
                                     cors_origins=origins, defaults=defaults,
                                     parallel=args.parallel, aliases=aliases,
                                     verbose=args.verbose),
-                     load, on_ready=on_ready, on_load_failure=on_failure)
+                     load, on_ready=on_ready, on_load_failure=on_failure,
+                     on_closed=None if capture is None else on_closed)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM

@@ -52,6 +52,51 @@ class TraceRecorder:
         self.tokens[Phase(phase)] = self.tokens.get(Phase(phase), 0) + n_tokens
 
 
+class ProfileCapture:
+    """A running engine's routing, kept to write a routing profile when it stops (``serve
+    --write-profile``): the trace goes to a scratch file beside the profile, which
+    ``finish()`` turns into the profile (the same ``build_profile`` as ``moe-offload
+    profile``) and removes."""
+
+    def __init__(self, target: str | Path):
+        self.target = Path(target)
+        if not self.target.parent.is_dir():
+            raise UserError(f"{self.target}: directory {self.target.parent} does not exist")
+        self._scratch = self.target.with_name(f"{self.target.name}.routing.rtb")
+        self._writer = None
+        self.recorder: TraceRecorder | None = None
+
+    def attach(self, engine, model_path: str) -> None:
+        """Record ``engine``'s routing from now on (call once, before it generates)."""
+        from runtime.traces.model_header import header_from_model  # noqa: PLC0415
+        from runtime.traces.writer import TraceWriter  # noqa: PLC0415
+
+        self._writer = TraceWriter(self._scratch, header_from_model(model_path))
+        self.recorder = TraceRecorder(self._writer)
+        engine.add_route_observer(self.recorder)
+
+    def finish(self) -> str:
+        """Write the profile (after the engine stopped); what happened, in one line."""
+        from runtime.residency.profile import build_profile, write_profile  # noqa: PLC0415
+        from runtime.traces.files import read_trace  # noqa: PLC0415
+
+        if self._writer is None:
+            return f"{self.target}: not written (the model never loaded)"
+        tokens = self.recorder.tokens[Phase.DECODE]
+        if tokens == 0:
+            self._writer.abort()
+            return f"{self.target}: not written (no token was generated)"
+        try:
+            self._writer.close()
+            write_profile(self.target, build_profile([read_trace(self._scratch)],
+                                                     names=[str(self.target)]))
+        except UserError as exc:
+            return f"{self.target}: not written ({exc})"
+        finally:
+            self._scratch.unlink(missing_ok=True)
+        return f"routing profile of {tokens} generated tokens -> {self.target}"
+
+
 def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     """Add ``record`` under ``moe-offload trace``."""
     from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415

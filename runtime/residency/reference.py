@@ -69,7 +69,8 @@ class ReferenceCore:
                    if any(o[0] == "next-visit" for o in policy.orders) else None)
         self.af = None
         if any(p[0] == "affinity" for p in policy.prefetch):
-            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity)
+            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
+                                    float(max(int(b) for b in expert_bytes)))
             self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
@@ -153,7 +154,25 @@ class ReferenceCore:
         """The pool's evictable resident keys, lowest (score, last seq, flat) first."""
         keys = [f for f in range(len(self.state)) if self.state[f] <= RESIDENT_MAX
                 and self._pool(f) is pool and not self._protected(f, seq0)]
-        return sorted(keys, key=lambda f: self._key(order, f))
+        if self.policy.orders[order][0] != "next-visit":
+            return sorted(keys, key=lambda f: self._key(order, f))
+        # next-visit: each layer's keys by (z, last seq, flat); the next victim is the layer
+        # head lowest in (-expected, z, last seq, flat)
+        by_layer: dict[int, list[int]] = {}
+        for f in sorted(keys, key=lambda f: (self.nv.logit(f), self.last[f], f)):
+            by_layer.setdefault(f // self.n_expert, []).append(f)
+        heads = {layer: 0 for layer in by_layer}
+        out = []
+        while heads:
+            def head_key(layer: int) -> tuple:
+                f = by_layer[layer][heads[layer]]
+                return (self._score(order, f), self.nv.logit(f), self.last[f], f)
+            layer = min(heads, key=head_key)
+            out.append(by_layer[layer][heads[layer]])
+            heads[layer] += 1
+            if heads[layer] == len(by_layer[layer]):
+                del heads[layer]
+        return out
 
     # -- state changes -------------------------------------------------------------------
     def _make_resident(self, f: int, phase: int, prefetched: bool) -> None:
@@ -385,7 +404,8 @@ class ReferenceCore:
                 if self.state[f] == ABSENT:
                     spent = spent + float(self.nbytes[f])
             before = len(res["prefetched"])
-            mine = [-(1.0 + float(len(self.moe_layers)) * (1.0 / q - 1.0)) for _, q in got]
+            mine = [-(float(self.af.lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
+                    for _, q in got]
             self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
             for _, f, _ in res["prefetched"][before:]:
                 spent = spent - float(self.nbytes[f])
@@ -497,7 +517,7 @@ class ReferenceCore:
         if self.nv is not None:
             self.nv.h = [list(freq) for _ in self.nv.h]
         pair, count = np.asarray(pair), np.asarray(count)
-        if self.af is not None and self.af.n_moe >= 2 and pair.size:
+        if self.af is not None and self.af.n_moe >= 2 and self.af.lead == 1 and pair.size:
             for i, e, x in zip(*np.nonzero(pair)):
                 key = (int(i), int(e), int(x))
                 self.af.pair[key] = self.af.pair.get(key, 0) + int(pair[i, e, x])

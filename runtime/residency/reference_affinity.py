@@ -5,25 +5,32 @@ Every arithmetic operation is in the order the C performs it (the same doubles).
 """
 from __future__ import annotations
 
+import math
+
 DECAY = 0.9
 WARMUP = 8.0
+PROBE = 8
 
 
 class AffinityModel:
     def __init__(self, n_layer: int, n_expert: int, moe_layers: list[int], top_n: float,
-                 min_precision: float, link_bytes: float):
+                 min_precision: float, link_bytes: float, max_expert_bytes: float):
         self.n_expert = n_expert
         self.moe_layers = list(moe_layers)
         self.n_moe = len(moe_layers)
         self.moe_index = [-1] * n_layer
         for i, layer in enumerate(moe_layers):
             self.moe_index[layer] = i
+        lead = max(int(math.ceil(2.0 * max_expert_bytes / link_bytes)), 1)
+        if lead > self.n_moe - 1:
+            lead = self.n_moe - 1 if self.n_moe > 1 else 1
+        self.lead = lead
+        self.cap = float(lead) * link_bytes - max_expert_bytes
         self.pair: dict[tuple[int, int, int], int] = {}   # (i, e, e') -> tokens
         self.count: dict[tuple[int, int], int] = {}       # (i, e) -> tokens
-        self.prev: list[int] = []
-        self.prev_layer = -1
-        self.pred: list[int] = []
-        self.pred_layer = -1
+        self.step = 0
+        self.src: dict[int, tuple[list[int], int]] = {}  # MoE index -> (distinct, step)
+        self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
         self.hits = 0.0
         self.scored = 0.0
         self.credit = 0.0
@@ -32,44 +39,51 @@ class AffinityModel:
 
     def observe(self, layer: int, experts: list[int], phase: int) -> None:
         routed = set(experts)
-        if self.pred_layer == layer:
-            hit = sum(1 for e in self.pred if e in routed)
-            self.hits = self.hits * DECAY + float(hit)
-            self.scored = self.scored * DECAY + float(len(self.pred))
-        self.pred_layer = -1
         idx = self.moe_index[layer]
-        if phase == 1 and self.prev_layer >= 0 and idx == self.moe_index[self.prev_layer] + 1:
-            pi = idx - 1
-            for e in self.prev:
-                self.count[(pi, e)] = self.count.get((pi, e), 0) + 1
+        if idx >= 0 and idx in self.pred:
+            pred = self.pred.pop(idx)
+            hit = sum(1 for e in pred if e in routed)
+            self.hits = self.hits * DECAY + float(hit)
+            self.scored = self.scored * DECAY + float(len(pred))
+        si = idx - self.lead
+        if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
+                and self.src[si][1] == self.step - self.lead:
+            for e in self.src[si][0]:
+                self.count[(si, e)] = self.count.get((si, e), 0) + 1
                 for x in routed:
-                    self.pair[(pi, e, x)] = self.pair.get((pi, e, x), 0) + 1
-        self.prev = []
-        self.prev_layer = -1
-        if phase == 1:
-            self.prev = list(dict.fromkeys(experts))
-            self.prev_layer = layer
+                    self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
+        if phase == 1 and idx >= 0:
+            self.src[idx] = (list(dict.fromkeys(experts)), self.step)
+        self.step += 1
 
     def plan(self, layer: int, absent) -> list[tuple[int, float]]:
         """[(flat, q)] to prefetch after a decode layer-step of ``layer``; ``absent(flat)``
         says which keys need a transfer; ``nbytes(flat)`` via self.bytes_of."""
         ne = self.n_expert
         idx = self.moe_index[layer]
-        self.credit = self.link_bytes
-        if self.prev_layer != layer or idx < 0 or idx + 1 >= self.n_moe:
+        self.credit = self.credit + self.link_bytes
+        if self.credit > self.cap:
+            self.credit = self.cap
+        if idx < 0 or idx + self.lead >= self.n_moe or idx not in self.src \
+                or self.src[idx][1] != self.step - 1:
+            return []
+        gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
+        if gated and self.step % PROBE != 0:
             return []
         q = [0.0] * ne
         n_known = 0
-        for e in self.prev:
+        for e in self.src[idx][0]:
             cnt = self.count.get((idx, e), 0)
             if cnt == 0:
                 continue
             n_known += 1
+            r = 1.0 / float(cnt)
             for x in range(ne):
-                q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) / float(cnt)
+                q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) * r
         if n_known == 0:
             return []
-        target = self.moe_layers[idx + 1]
+        ti = idx + self.lead
+        target = self.moe_layers[ti]
         ranked = sorted(range(ne), key=lambda x: (-q[x], x))[:min(int(self.top_n), ne)]
         plan = []
         for x in ranked:
@@ -77,9 +91,8 @@ class AffinityModel:
             if qx < self.min_precision:
                 break
             plan.append((target * ne + x, qx))
-        self.pred = [f - target * ne for f, _ in plan]
-        self.pred_layer = target
-        if self.scored >= WARMUP and self.hits < self.min_precision * self.scored:
+        self.pred[ti] = [f - target * ne for f, _ in plan]
+        if gated:
             return []
         out = []
         for f, qx in plan:

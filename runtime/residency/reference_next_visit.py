@@ -36,10 +36,13 @@ class NextVisitModel:
                    if self.last_vis[f] > 0 else 0.0)
         return [1.0, inv_age, self.h[0][f], self.h[1][f], self.h[2][f]]
 
-    def _dot(self, x: list[float]) -> float:
-        z = self.w[0] * x[0]
+    def logit(self, f: int) -> float:
+        """z = w . x of ``f``'s features (p = 1 / (1 + exp(-z)))."""
+        layer = f // self.n_expert
+        x, w = self._features(layer, f), self.w
+        z = w[0] * x[0]
         for j in range(1, len(x)):
-            z = z + self.w[j] * x[j]
+            z = z + w[j] * x[j]
         return z
 
     def visit(self, layer: int, experts: list[int], phase: int) -> None:
@@ -48,7 +51,7 @@ class NextVisitModel:
         if phase != 0:                   # every STRIDE-th expert, in rotation
             for e in range(self.steps % STRIDE, self.n_expert, STRIDE):
                 x = self._features(layer, base + e)
-                p = 1.0 / (1.0 + math.exp(-self._dot(x)))
+                p = 1.0 / (1.0 + math.exp(-self.logit(base + e)))
                 err = (1.0 if e in routed else 0.0) - p
                 for j in range(len(x)):
                     self.g[j] = self.g[j] + err * x[j]
@@ -72,7 +75,7 @@ class NextVisitModel:
     def expected(self, f: int) -> float:
         """Expected layer-steps until ``f``'s next use, seen from the latest visit."""
         layer = f // self.n_expert
-        e = math.exp(-self._dot(self._features(layer, f)))
+        e = math.exp(-self.logit(f))
         n_moe = self.n_moe
         cur = self.moe_index[self.cur] if self.cur >= 0 else -1
         d = (self.moe_index[layer] - cur - 1) % n_moe + 1

@@ -175,9 +175,12 @@ def begin_shutdown(app: FastAPI) -> None:
 
 def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
                on_load_failure: Callable[[str], None] | None = None,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               on_ready: Callable[[], None] | None = None,
+               on_closed: Callable[[], None] | None = None) -> FastAPI:
     """Build the app. ``load_engine()`` runs on a background thread once the server starts;
-    ``on_load_failure(message)`` / ``on_ready()`` are called from that thread afterwards."""
+    ``on_load_failure(message)`` / ``on_ready()`` are called from that thread afterwards;
+    ``on_closed()`` at shutdown, once the engine is closed (uvicorn re-raises SIGINT / SIGTERM
+    after the shutdown, so nothing after ``server.run`` is sure to run)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -188,6 +191,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         finally:
             app.state.queue.close()
             app.state.host.close()
+            if on_closed is not None:
+                on_closed()
 
     app = FastAPI(title="moe-offload", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -1,29 +1,41 @@
 /* affinity: see affinity.h. */
 #include "affinity.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 #define AF_DECAY 0.9
 #define AF_WARMUP 8.0
+#define AF_PROBE 8      /* while gated, one decode layer-step in AF_PROBE is planned (scored) */
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
-                    double top_n, double min_precision, double link_bytes) {
+                    double top_n, double min_precision, double link_bytes,
+                    double max_expert_bytes) {
     af_model *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
-    const int32_t np = n_moe > 1 ? n_moe - 1 : 1;
-    m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe;
+    int32_t lead = (int32_t) ceil(2.0 * max_expert_bytes / link_bytes);
+    if (lead < 1) lead = 1;
+    if (lead > n_moe - 1) lead = n_moe > 1 ? n_moe - 1 : 1;
+    const int32_t np = n_moe > lead ? n_moe - lead : 1, nm = n_moe ? n_moe : 1;
+    m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
-    m->prev_layer = m->pred_layer = -1;
+    m->cap = (double) lead * link_bytes - max_expert_bytes;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
-    m->moe_layers = malloc((size_t) (n_moe ? n_moe : 1) * sizeof *m->moe_layers);
+    m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
     m->pair = calloc((size_t) np * n_expert * n_expert, sizeof *m->pair);
     m->count = calloc((size_t) np * n_expert, sizeof *m->count);
-    m->prev = malloc((size_t) n_expert * sizeof *m->prev);
-    m->pred = malloc((size_t) n_expert * sizeof *m->pred);
+    m->src = malloc((size_t) nm * n_expert * sizeof *m->src);
+    m->n_src = calloc((size_t) nm, sizeof *m->n_src);
+    m->src_step = malloc((size_t) nm * sizeof *m->src_step);
+    m->pred = malloc((size_t) nm * n_expert * sizeof *m->pred);
+    m->n_pred = malloc((size_t) nm * sizeof *m->n_pred);
     m->mark = calloc((size_t) n_expert, 1);
+    m->distinct = malloc((size_t) n_expert * sizeof *m->distinct);
     m->q = calloc((size_t) n_expert, sizeof *m->q);
-    if (!m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->prev || !m->pred ||
-        !m->mark || !m->q) {
+    m->top_q = calloc((size_t) n_expert, sizeof *m->top_q);
+    if (!m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
+        !m->src_step || !m->pred || !m->n_pred || !m->mark || !m->distinct || !m->q ||
+        !m->top_q) {
         af_free(m);
         return NULL;
     }
@@ -31,89 +43,104 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     for (int32_t i = 0; i < n_moe; i++) {
         m->moe_layers[i] = moe_layers[i];
         m->moe_index[moe_layers[i]] = i;
+        m->src_step[i] = -1;
+        m->n_pred[i] = -1;
     }
     return m;
 }
 
 void af_free(af_model *m) {
     if (m == NULL) return;
-    free(m->moe_index); free(m->moe_layers); free(m->pair); free(m->count); free(m->prev);
-    free(m->pred); free(m->mark); free(m->q);
+    free(m->moe_index); free(m->moe_layers); free(m->pair); free(m->count); free(m->src);
+    free(m->n_src); free(m->src_step); free(m->pred); free(m->n_pred); free(m->mark);
+    free(m->distinct);
+    free(m->q); free(m->top_q);
     free(m);
 }
 
 void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
-    const int32_t ne = m->n_expert;
-    for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 1;
-    if (m->pred_layer == layer) {                  /* score the plan made for this layer */
+    const int32_t ne = m->n_expert, idx = m->moe_index[layer];
+    int32_t *d = m->distinct, nd = 0;             /* distinct, routing order */
+    for (int32_t i = 0; i < n; i++)
+        if (!m->mark[el[i]]) {
+            m->mark[el[i]] = 1;
+            d[nd++] = el[i];
+        }
+    if (idx >= 0 && m->n_pred[idx] >= 0) {        /* score the plan made for this layer */
         int32_t hit = 0;
-        for (int32_t j = 0; j < m->n_pred; j++) hit += m->mark[m->pred[j]];
+        const int32_t *pred = &m->pred[(int64_t) idx * ne];
+        for (int32_t j = 0; j < m->n_pred[idx]; j++) hit += m->mark[pred[j]];
         m->hits = m->hits * AF_DECAY + (double) hit;
-        m->scored = m->scored * AF_DECAY + (double) m->n_pred;
+        m->scored = m->scored * AF_DECAY + (double) m->n_pred[idx];
+        m->n_pred[idx] = -1;
     }
-    m->pred_layer = -1;
-    const int32_t idx = m->moe_index[layer];
-    if (phase == 1 && m->prev_layer >= 0 && idx == m->moe_index[m->prev_layer] + 1) {
-        const int32_t pi = idx - 1;
-        for (int32_t j = 0; j < m->n_prev; j++) {
-            const int32_t e = m->prev[j];
-            m->count[pi * ne + e]++;
-            int32_t *row = &m->pair[((int64_t) pi * ne + e) * ne];
-            for (int32_t x = 0; x < ne; x++) row[x] += m->mark[x];
+    for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
+    const int32_t si = idx - m->lead;             /* the source lead layer-steps earlier */
+    if (phase == 1 && idx >= 0 && si >= 0 && m->src_step[si] == m->step - m->lead) {
+        const int32_t *src = &m->src[(int64_t) si * ne];
+        for (int32_t j = 0; j < m->n_src[si]; j++) {
+            const int32_t e = src[j];
+            m->count[si * ne + e]++;
+            int32_t *row = &m->pair[((int64_t) si * ne + e) * ne];
+            for (int32_t i = 0; i < nd; i++) row[d[i]]++;
         }
     }
-    m->n_prev = 0;
-    m->prev_layer = -1;
-    if (phase == 1) {                              /* distinct, routing order */
-        for (int32_t i = 0; i < n; i++)
-            if (m->mark[el[i]] == 1) {
-                m->prev[m->n_prev++] = el[i];
-                m->mark[el[i]] = 2;
-            }
-        m->prev_layer = layer;
+    if (phase == 1 && idx >= 0) {
+        int32_t *src = &m->src[(int64_t) idx * ne];
+        for (int32_t i = 0; i < nd; i++) src[i] = d[i];
+        m->n_src[idx] = nd;
+        m->src_step[idx] = m->step;
     }
-    for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 0;
+    m->step++;
+}
+
+/* q += row * r over the experts: a loop the compiler vectorizes (the same IEEE operations) */
+__attribute__((optimize("tree-vectorize")))
+static void add_row(double *restrict q, const int32_t *restrict row, double r, int32_t ne) {
+    for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
 }
 
 int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent_state,
                 const int64_t *bytes_flat, int32_t *out, double *out_q) {
     const int32_t ne = m->n_expert;
     const int32_t idx = m->moe_index[layer];
-    m->credit = m->link_bytes;                   /* what can arrive before the next layer */
-    if (m->prev_layer != layer || idx < 0 || idx + 1 >= m->n_moe) return 0;
+    m->credit = m->credit + m->link_bytes;       /* one more layer-step of the link */
+    if (m->credit > m->cap) m->credit = m->cap;
+    if (idx < 0 || idx + m->lead >= m->n_moe || m->src_step[idx] != m->step - 1) return 0;
+    const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
+    if (gated && m->step % AF_PROBE != 0) return 0;
     int32_t n_known = 0;
     for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;
-    for (int32_t j = 0; j < m->n_prev; j++) {
-        const int32_t e = m->prev[j];
+    const int32_t *src = &m->src[(int64_t) idx * ne];
+    for (int32_t j = 0; j < m->n_src[idx]; j++) {
+        const int32_t e = src[j];
         const int32_t cnt = m->count[idx * ne + e];
         if (cnt == 0) continue;
         n_known++;
-        const int32_t *row = &m->pair[((int64_t) idx * ne + e) * ne];
-        for (int32_t x = 0; x < ne; x++) m->q[x] = m->q[x] + (double) row[x] / (double) cnt;
+        add_row(m->q, &m->pair[((int64_t) idx * ne + e) * ne], 1.0 / (double) cnt, ne);
     }
     if (n_known == 0) return 0;
-    const int32_t target = m->moe_layers[idx + 1];
-    int32_t n_plan = 0;
-    const int32_t top = (int32_t) m->top_n;
-    for (int32_t k = 0; k < top && k < ne; k++) {  /* the top by q, lower id on ties */
-        int32_t best = -1;
-        double best_q = -1.0;
-        for (int32_t x = 0; x < ne; x++) {
-            if (m->mark[x]) continue;
-            if (m->q[x] > best_q) { best_q = m->q[x]; best = x; }
-        }
-        if (best < 0) break;
-        m->mark[best] = 1;
-        const double q = best_q / (double) n_known;
-        if (q < m->min_precision) break;
-        m->pred[n_plan] = best;
-        out_q[n_plan] = q;
-        out[n_plan++] = target * ne + best;
+    const int32_t ti = idx + m->lead, target = m->moe_layers[ti];
+    int32_t *pred = &m->pred[(int64_t) ti * ne];
+    int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
+    if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
+    double *tq = m->top_q;
+    for (int32_t x = 0; x < ne; x++) {
+        const double v = m->q[x];
+        if (n_top == top && !(v > tq[n_top - 1])) continue;
+        int32_t i = n_top < top ? n_top++ : n_top - 1;
+        while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
+        pred[i] = x; tq[i] = v;
     }
-    for (int32_t x = 0; x < ne; x++) m->mark[x] = 0;
-    m->n_pred = n_plan;
-    m->pred_layer = target;
-    if (m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored) return 0;
+    int32_t n_plan = 0;
+    for (; n_plan < n_top; n_plan++) {
+        const double q = tq[n_plan] / (double) n_known;
+        if (q < m->min_precision) break;
+        out_q[n_plan] = q;
+        out[n_plan] = target * ne + pred[n_plan];
+    }
+    m->n_pred[ti] = n_plan;
+    if (gated) return 0;
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];
@@ -132,7 +159,7 @@ void af_refund(af_model *m, double bytes) {
 }
 
 void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count) {
-    if (m->n_moe < 2) return;
+    if (m->n_moe < 2 || m->lead != 1) return;    /* a profile holds consecutive layers only */
     const int64_t ne = m->n_expert, np = m->n_moe - 1;
     for (int64_t i = 0; i < np * ne * ne; i++) m->pair[i] += pair[i];
     for (int64_t i = 0; i < np * ne; i++) m->count[i] += count[i];

@@ -28,11 +28,12 @@ from runtime.errors import UserError
 HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
-SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "affinity.c",
+SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "nv_victim.c",
+           HERE / "affinity.c",
            ENGINE / "route_hook.c",
            NATIVE / "slot_cache.c")
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h")
-INTERNAL = (HERE / "next_visit.h", HERE / "affinity.h")    # included by the sources only (not part of the cdef)
+INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "affinity.h")    # included by the sources only (not part of the cdef)
 _lock = threading.Lock()
 _loaded: tuple | None = None
 

@@ -23,52 +23,34 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->h = calloc((size_t) 3 * n, sizeof *m->h);
     m->mark = calloc((size_t) n_expert, 1);
     m->cnt = calloc((size_t) n_expert, sizeof *m->cnt);
+    m->y = calloc((size_t) n_expert, sizeof *m->y);
     m->e_cache = calloc((size_t) n, sizeof *m->e_cache);
-    m->e_version = malloc((size_t) n * sizeof *m->e_version);
-    m->e_vis = malloc((size_t) n * sizeof *m->e_vis);
-    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->e_cache ||
-        !m->e_version || !m->e_vis) {
+    m->z_cache = calloc((size_t) n, sizeof *m->z_cache);
+    m->e_stamp = malloc((size_t) n * sizeof *m->e_stamp);
+    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->e_cache || !m->z_cache || !m->e_stamp) {
         nv_free(m);
         return NULL;
     }
     for (int32_t l = 0; l < n_layer; l++) m->moe_index[l] = -1;
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
-    for (int32_t f = 0; f < n; f++) m->e_version[f] = -1;
+    for (int32_t f = 0; f < n; f++) m->e_stamp[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
+    for (int32_t k = 1; k < NV_INV_N; k++) m->inv[k] = 1.0 / (double) k;
     return m;
 }
 
 void nv_free(nv_model *m) {
     if (m == NULL) return;
-    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt);
-    free(m->e_cache); free(m->e_version); free(m->e_vis);
+    free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y);
+    free(m->e_cache); free(m->z_cache); free(m->e_stamp);
     free(m);
 }
 
-/* x (NV_F,) of flat f of `layer` for its next visit */
-static void features(const nv_model *m, int32_t layer, int32_t f, double *x) {
-    const int32_t n = m->n_layer * m->n_expert;
-    x[0] = 1.0;
-    x[1] = m->last_vis[f] > 0 ? 1.0 / (double) (m->vis[layer] + 1 - m->last_vis[f]) : 0.0;
-    x[2] = m->h[f];
-    x[3] = m->h[n + f];
-    x[4] = m->h[2 * n + f];
-}
-
-static double dot(const double *w, const double *x) {
-    double z = w[0] * x[0];
-    for (int32_t j = 1; j < NV_F; j++) z = z + w[j] * x[j];
-    return z;
-}
-
-/* exp(-w . x) of f (x its features), computed once per (model version, layer visit) */
-static double cached_exp(nv_model *m, int32_t layer, int32_t f, const double *x) {
-    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) return m->e_cache[f];
-    const double e = exp(-dot(m->w, x));
-    m->e_cache[f] = e;
-    m->e_version[f] = m->version;
-    m->e_vis[f] = m->vis[layer];
-    return e;
+/* h = (1 - a) h + a y for each rate over one layer's keys: a loop the compiler vectorizes
+ * (SSE2 packed doubles: the same IEEE operations, in the same order, as one at a time) */
+__attribute__((optimize("tree-vectorize")))
+static void ema_layer(double *restrict h, const double *restrict y, int32_t ne, double a) {
+    for (int32_t e = 0; e < ne; e++) h[e] = (1.0 - a) * h[e] + a * y[e];
 }
 
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
@@ -77,8 +59,14 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
     if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation */
         double x[NV_F];
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
-            features(m, layer, base + e, x);
-            const double p = 1.0 / (1.0 + cached_exp(m, layer, base + e, x));
+            const int32_t f = base + e;
+            nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
+            if (m->e_stamp[f] != nv_stamp(m, layer)) {
+                m->z_cache[f] = nv_dot(m->w, x);
+                m->e_cache[f] = NAN;
+                m->e_stamp[f] = nv_stamp(m, layer);
+            }
+            const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
             for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
         }
@@ -88,47 +76,27 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
                 m->w[j] = m->w[j] + m->learning_rate * m->g[j];
                 m->g[j] = 0.0;
             }
-            m->version++;
+            m->version++;                         /* every score moves */
         }
     }
     m->vis[layer]++;
     int32_t top = 0;                              /* a visit's label: the key's share of */
-    for (int32_t e = 0; e < ne; e++) m->cnt[e] = 0;   /* routings relative to the most */
-    for (int32_t i = 0; i < n; i++)                    /* routed key's (one token: 0 or 1) */
+    for (int32_t i = 0; i < n; i++) m->cnt[el[i]] = 0;   /* routings relative to the most */
+    for (int32_t i = 0; i < n; i++)                      /* routed key's (one token: 0 or 1) */
         if (++m->cnt[el[i]] > top) top = m->cnt[el[i]];
-    for (int32_t e = 0; e < ne; e++) {
-        const int32_t f = base + e;
-        const double y = m->mark[e] ? (double) m->cnt[e] / (double) top : 0.0;
-        for (int32_t k = 0; k < 3; k++) {
-            double *h = &m->h[k * nf + f];
-            *h = (1.0 - NV_RATES[k]) * *h + NV_RATES[k] * y;
-        }
-        if (m->mark[e]) m->last_vis[f] = m->vis[layer];
-        m->mark[e] = 0;
+    for (int32_t i = 0; i < n; i++) m->y[el[i]] = (double) m->cnt[el[i]] / (double) top;
+    for (int32_t k = 0; k < 3; k++) ema_layer(&m->h[k * nf + base], m->y, ne, NV_RATES[k]);
+    for (int32_t i = 0; i < n; i++) {
+        m->last_vis[base + el[i]] = m->vis[layer];
+        m->y[el[i]] = 0.0;
+        m->mark[el[i]] = 0;
     }
     m->cur = layer;
-}
-
-double nv_expected(nv_model *m, int32_t f) {
-    const int32_t layer = f / m->n_expert;
-    double e;
-    if (m->e_version[f] == m->version && m->e_vis[f] == m->vis[layer]) {
-        e = m->e_cache[f];
-    } else {
-        double x[NV_F];
-        features(m, layer, f, x);
-        e = cached_exp(m, layer, f, x);
-    }
-    const int32_t L = m->n_moe;
-    const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;
-    int32_t d = m->moe_index[layer] - cur;       /* 1..L: ((index - cur - 1) mod L) + 1 */
-    if (d <= 0) d += L;
-    return (double) d + (double) L * e;
 }
 
 void nv_warm_start(nv_model *m, const double *frequency) {
     const int32_t n = m->n_layer * m->n_expert;
     for (int32_t k = 0; k < 3; k++)
         for (int32_t f = 0; f < n; f++) m->h[k * n + f] = frequency[f];
-    m->version++;                                 /* every cached exp is stale */
+    m->version++;                                 /* every cached z is stale */
 }

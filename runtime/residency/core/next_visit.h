@@ -9,19 +9,25 @@
  *          prefill chunk grades its experts by use)
  * At every decode (or mixed) visit of a layer, every 8th expert of that layer (in rotation:
  * experts e with e % 8 == decode layer-steps so far % 8) is one sample
- * (features before the visit, label routed or not); the gradient sum is applied once every
- * n_moe such visits (w += learning_rate * g), so the model changes once per token's worth of
- * layer-steps. The expected time to its next use, in layer-steps, is
- *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-w . x)
+ * (features before the visit, label routed or not, p from the layer's weights below); the
+ * gradient sum is applied once every n_moe such visits (w += learning_rate * g), so the model
+ * changes once per token's worth of layer-steps. With z = w . x and p = 1 / (1 + exp(-z)),
+ * the expected time to its next use, in layer-steps, is
+ *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-z)
  * with dist in 1..n_moe (the current layer itself is n_moe away). Eviction `next-visit`
- * takes the largest first. Every operation is written in the order the Python reference
+ * takes the largest first, ties by the larger z, then the core's (last seq, flat); within one
+ * layer that is the lowest (z, last seq, flat), found with no exp (residency_core.c).
+ * Every operation is written in the order the Python reference
+ takes the largest first. Every operation is written in the order the Python reference
  * (runtime/residency/reference_next_visit.py) performs it, so both give the same doubles.
  */
 #ifndef NEXT_VISIT_H
 #define NEXT_VISIT_H
+#include <math.h>
 #include <stdint.h>
 
 #define NV_F 5
+#define NV_INV_N 1024   /* 1 / age from a table below this age (the same doubles) */
 
 typedef struct {
     int32_t n_layer, n_expert, n_moe;
@@ -31,12 +37,16 @@ typedef struct {
     double *h;                    /* (3, n_flat) */
     uint8_t *mark;                /* (n_expert,) scratch: routed in this visit */
     int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
+    double *y;                    /* (n_expert,) scratch: this visit's labels, 0 between visits */
+    double inv[NV_INV_N];         /* inv[k] = 1.0 / k */
     double w[NV_F], g[NV_F];
     double learning_rate;
-    int64_t steps, version;       /* decode visits; weight updates */
+    int64_t steps;                /* decode visits */
     int32_t cur;                  /* the layer of the latest visit, -1 before any */
-    double *e_cache;              /* (n_flat,) exp(-w . x), valid for (version, vis of layer) */
-    int64_t *e_version, *e_vis;
+    double *z_cache, *e_cache;    /* (n_flat,) w . x and exp(-w . x) (NAN: not yet), valid
+                                     while e_stamp == nv_stamp of its layer (-1: stale) */
+    int64_t *e_stamp;
+    int64_t version;              /* weight updates and warm starts so far */
 } nv_model;
 
 nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
@@ -46,7 +56,65 @@ void nv_free(nv_model *m);
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);
 /* frequency (n_flat,): every h_k of every key (a routing profile's decode shares) */
 void nv_warm_start(nv_model *m, const double *frequency);
+/* x (NV_F,) of flat f of `layer` for its next visit */
+static inline void nv_features(const nv_model *m, int32_t layer, int32_t f, double *x) {
+    const int32_t n = m->n_layer * m->n_expert;
+    x[0] = 1.0;
+    const int64_t age = m->vis[layer] + 1 - m->last_vis[f];
+    x[1] = m->last_vis[f] <= 0 ? 0.0 : age < NV_INV_N ? m->inv[age] : 1.0 / (double) age;
+    x[2] = m->h[f];
+    x[3] = m->h[n + f];
+    x[4] = m->h[2 * n + f];
+}
+
+static inline double nv_dot(const double *w, const double *x) {
+    double z = w[0] * x[0];
+    for (int32_t j = 1; j < NV_F; j++) z = z + w[j] * x[j];
+    return z;
+}
+
+/* what a layer's scores depend on: its visits and the model's version, as one number
+ * (unsigned arithmetic: it wraps, never overflows; visits and versions both only grow) */
+static inline int64_t nv_stamp(const nv_model *m, int32_t layer) {
+    return (int64_t) ((uint64_t) m->vis[layer] + ((uint64_t) m->version << 40));
+}
+
+/* the slow path of nv_logit: recompute flat's z from its features */
+static inline void nv_refresh(nv_model *m, int32_t layer, int32_t f) {
+    double x[NV_F];
+    nv_features(m, layer, f, x);
+    m->z_cache[f] = nv_dot(m->w, x);
+    m->e_cache[f] = NAN;
+    m->e_stamp[f] = nv_stamp(m, layer);
+}
+
+/* z = w . x of flat's features for its layer's next visit (p = 1 / (1 + exp(-z))); flat is
+ * a key of `layer` */
+static inline double nv_logit(nv_model *m, int32_t layer, int32_t flat) {
+    if (m->e_stamp[flat] != nv_stamp(m, layer)) nv_refresh(m, layer, flat);
+    return m->z_cache[flat];
+}
+
+/* exp(-z) */
+static inline double nv_odds(nv_model *m, int32_t layer, int32_t flat) {
+    const double z = nv_logit(m, layer, flat);
+    if (m->e_cache[flat] != m->e_cache[flat]) m->e_cache[flat] = exp(-z);
+    return m->e_cache[flat];
+}
+
+/* layer's distance in the cycle from the latest visit, 1..n_moe */
+static inline double nv_distance(const nv_model *m, int32_t layer) {
+    const int32_t L = m->n_moe;
+    const int32_t cur = m->cur >= 0 ? m->moe_index[m->cur] : -1;
+    int32_t d = m->moe_index[layer] - cur;       /* 1..L: ((index - cur - 1) mod L) + 1 */
+    if (d <= 0) d += L;
+    return (double) d;
+}
+
 /* expected layer-steps until flat's next use, seen from the latest visit */
-double nv_expected(nv_model *m, int32_t flat);
+static inline double nv_expected(nv_model *m, int32_t flat) {
+    const int32_t layer = flat / m->n_expert;
+    return nv_distance(m, layer) + (double) m->n_moe * nv_odds(m, layer, flat);
+}
 
 #endif

@@ -17,6 +17,7 @@
  */
 #include "residency_core.h"
 #include "next_visit.h"
+#include "nv_victim.h"
 #include "affinity.h"
 
 #include <math.h>
@@ -96,15 +97,7 @@ struct rc_core {
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
     nv_model *nv;                 /* eviction next-visit's model, or NULL */
-    /* next-visit's victim search: per layer, its best victim ignoring protection (the lowest
-     * (score, last seq, flat) of the layer's keys in the order), valid while the layer's
-     * keys did not move in the order (dirty) and the model did not change for the layer */
-    int32_t *nvb_f;               /* (n_layer,) -1: none */
-    int64_t *nvb_ver, *nvb_vis;   /* (n_layer,) model version and layer visits it was found at */
-    uint8_t *nvb_dirty;           /* (n_layer,) */
-    double *nvb_s;                /* (n_layer,) the score of nvb_s_f[l] in call nvb_s_call[l] */
-    int32_t *nvb_s_f;
-    int64_t *nvb_s_call;
+    nv_victim *nvv;               /* next-visit's victim search, or NULL */
     af_model *af;                 /* prefetch affinity's model, or NULL */
     int32_t *af_plan;             /* (n_expert,) scratch: its plan */
     double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
@@ -161,13 +154,15 @@ static inline int key_less(const rc_core *c, int32_t order, int32_t a, int32_t b
 }
 
 /* the order a heap keeps: the policy's, except next-visit, whose score moves with the layer
- * cycle: its heap is only the pool's resident set (kept in lru order) and pop_victim scans it */
+ * cycle: its heap is only the pool's resident set (no order) and pop_victim searches it */
 static inline int heap_less(const rc_core *c, int32_t order, int32_t a, int32_t b) {
-    if (c->pol.order_kind[order] == EV_NEXT_VISIT) {
-        const int64_t la = c->last_seq[a], lb = c->last_seq[b];
-        return la != lb ? la < lb : a < b;
-    }
+    if (c->pol.order_kind[order] == EV_NEXT_VISIT) return 0;   /* a set: never sifts */
     return key_less(c, order, a, b);
+}
+
+/* the protection of layer's keys changed (next-visit's search keeps candidates) */
+static inline void nv_stale_layer(const rc_core *c, int32_t layer) {
+    if (c->nvv != NULL) nvv_stale(c->nvv, layer);
 }
 
 static void heap_swap(heap *h, int32_t i, int32_t j) {
@@ -198,7 +193,7 @@ static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
 
 static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
     if (h->pos[f] >= 0) return 0;
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nvv_push(c->nvv, f);
     if (h->n == h->cap) {
         int32_t cap = h->cap ? 2 * h->cap : 64;
         int32_t *v = realloc(h->items, (size_t) cap * sizeof *v);
@@ -214,7 +209,7 @@ static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
 static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
     int32_t i = h->pos[f];
     if (i < 0) return;
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) nvv_remove(c->nvv, f);
     h->n--;
     if (i != h->n) {
         const int32_t moved = h->items[h->n];
@@ -249,72 +244,11 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
 
 /* the lowest unprotected key of the order (taken out of that heap), or -1; protected keys
  * met on the way wait in r_aside until settle() */
-/* next-visit: the lowest unprotected key of `layer` in order o, or -1. Within one layer the
- * layer distance is common, so the layer's best changes only when its keys move in the order
- * or the model changes for it: cached per layer (ignoring protection; a protected cached best
- * means a scan of the layer) */
-/* (s, flat) below (bs, best) in the total order (score, last seq, flat) */
-static inline int nv_below(const rc_core *c, double s, int32_t f, double bs, int32_t best) {
-    if (best < 0) return 1;
-    if (s != bs) return s < bs;
-    if (c->last_seq[f] != c->last_seq[best]) return c->last_seq[f] < c->last_seq[best];
-    return f < best;
-}
-
-/* the layer's lowest key in the order (skipping protected keys when `unprotected`); its
- * score in *out_s */
-static int32_t nv_scan_layer(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
-                             int unprotected, double *out_s) {
-    const int32_t base = layer * c->n_expert;
-    int32_t f = -1;
-    double bs = 0.0;
-    for (int32_t e = 0; e < c->n_expert; e++) {
-        const int32_t g = base + e;
-        if (h->pos[g] < 0 || (unprotected && protected_key(c, g, seq0))) continue;
-        const double s = -nv_expected(c->nv, g);
-        if (nv_below(c, s, g, bs, f)) { f = g; bs = s; }
-    }
-    *out_s = bs;
-    return f;
-}
-
-static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t o, int32_t layer,
-                             int64_t seq0, double *out_s) {
-    (void) o;
-    const nv_model *m = c->nv;
-    int32_t f = c->nvb_f[layer];
-    if (c->nvb_dirty[layer] || c->nvb_ver[layer] != m->version ||
-        c->nvb_vis[layer] != m->vis[layer]) {
-        f = nv_scan_layer(c, h, layer, seq0, 0, out_s);
-        c->nvb_f[layer] = f;
-        c->nvb_dirty[layer] = 0;
-        c->nvb_ver[layer] = m->version;
-        c->nvb_vis[layer] = m->vis[layer];
-    } else if (f >= 0) {                          /* scores hold within one call */
-        if (c->nvb_s_call[layer] != c->call || c->nvb_s_f[layer] != f) {
-            c->nvb_s[layer] = -nv_expected(c->nv, f);
-            c->nvb_s_f[layer] = f;
-            c->nvb_s_call[layer] = c->call;
-        }
-        *out_s = c->nvb_s[layer];
-    }
-    if (f < 0 || !protected_key(c, f, seq0)) return f;
-    return nv_scan_layer(c, h, layer, seq0, 1, out_s);
-}
-
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
-    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* the lowest of the layers' best */
-        const int32_t pi = (int32_t) (p - c->pools);
-        int32_t best = -1;
-        double bs = 0.0;
-        for (int32_t k = 0; k < c->n_moe; k++) {
-            const int32_t l = c->moe_layers[k];
-            if (c->pool_of_layer[l] != pi) continue;
-            double s;
-            const int32_t f = nv_layer_best(c, h, o, l, seq0, &s);
-            if (f >= 0 && nv_below(c, s, f, bs, best)) { best = f; bs = s; }
-        }
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* (at most one order is next-visit: the
+                                                     orders are distinct specs, one rate) */
+        const int32_t best = nvv_lowest(c->nvv, (int32_t) (p - c->pools), seq0);
         if (best >= 0) heap_remove(c, o, h, best);
         return best;
     }
@@ -494,25 +428,21 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (policy->order_kind[o] == EV_NEXT_VISIT && c->nv == NULL) {
             c->nv = nv_create(n_layer, n_expert, c->moe_layers, c->n_moe,
                               policy->nv_learning_rate);
-            c->nvb_f = malloc((size_t) n_layer * sizeof *c->nvb_f);
-            c->nvb_ver = malloc((size_t) n_layer * sizeof *c->nvb_ver);
-            c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
-            c->nvb_dirty = malloc((size_t) n_layer);
-            c->nvb_s = malloc((size_t) n_layer * sizeof *c->nvb_s);
-            c->nvb_s_f = malloc((size_t) n_layer * sizeof *c->nvb_s_f);
-            c->nvb_s_call = malloc((size_t) n_layer * sizeof *c->nvb_s_call);
-            for (int32_t l = 0; c->nvb_s_call != NULL && l < n_layer; l++) c->nvb_s_call[l] = -1;
-            if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
-            if (c->nv == NULL || !c->nvb_f || !c->nvb_ver || !c->nvb_vis || !c->nvb_dirty ||
-                !c->nvb_s || !c->nvb_s_f || !c->nvb_s_call) {
+            c->nvv = c->nv == NULL ? NULL
+                     : nvv_create(c->nv, n_layer, n_expert, c->moe_layers, c->n_moe,
+                                  c->last_seq, c->lease_count, c->pinned);
+            if (c->nvv == NULL) {
                 rc_free(c);
                 return NULL;
             }
         }
     for (int32_t ph = 0; ph < 3; ph++)
         if (policy->prefetch[ph] == PF_AFFINITY && c->af == NULL) {
+            int64_t b_max = 0;                    /* the largest expert */
+            for (int32_t l = 0; l < n_layer; l++)
+                if (expert_bytes[l] > b_max) b_max = expert_bytes[l];
             c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
-                              policy->prefetch_p2[ph], policy->prefetch_p3[ph]);
+                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], (double) b_max);
             c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
             c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
             if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
@@ -551,8 +481,7 @@ void rc_free(rc_core *c) {
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
     nv_free(c->nv);
-    free(c->nvb_f); free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
-    free(c->nvb_s); free(c->nvb_s_f); free(c->nvb_s_call);
+    nvv_free(c->nvv);
     af_free(c->af);
     free(c->af_plan);
     free(c->af_q);
@@ -619,6 +548,7 @@ static int rc_set_pools_impl(rc_core *c, int32_t n_pool, const int32_t *pool_of_
     c->n_pool = n_pool;
     memmove(c->pool_of_layer, pool_of_layer, (size_t) c->n_layer * sizeof *pool_of_layer);
     for (int32_t f = 0; f < c->n_flat; f++) c->pool_of_flat[f] = c->pool_of_layer[f / c->n_expert];
+    if (c->nvv != NULL) nvv_reset(c->nvv, c->pool_of_layer);   /* empty orders */
     return RC_OK;
 }
 
@@ -651,6 +581,7 @@ static int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *exper
     memcpy(l->experts, experts, (size_t) n * sizeof *experts);
     l->id = id; l->base = base; l->n = n;
     for (int32_t i = 0; i < n; i++) c->lease_count[base + experts[i]]++;
+    nv_stale_layer(c, base / c->n_expert);
     c->n_leases++;
     return 0;
 }
@@ -660,6 +591,7 @@ static void rc_release_impl(rc_core *c, int64_t lease_id) {
         lease *l = &c->leases[i];
         if (l->id != lease_id) continue;
         for (int32_t j = 0; j < l->n; j++) c->lease_count[l->base + l->experts[j]]--;
+        nv_stale_layer(c, l->base / c->n_expert);
         free(l->experts);
         *l = c->leases[--c->n_leases];
         return;
@@ -846,8 +778,8 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
             if (c->state[c->af_plan[i]] == ABSENT) spent = spent + (double) c->bytes_flat[c->af_plan[i]];
         const int32_t before = c->r_pf_flats.n;
         double mine[np];
-        for (int32_t i = 0; i < np; i++)           /* next layer: 1 + n_moe (1 / q - 1) */
-            mine[i] = -(1.0 + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
+        for (int32_t i = 0; i < np; i++)           /* lead layers ahead: lead + n_moe (1/q - 1) */
+            mine[i] = -((double) c->af->lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
         const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
         for (int32_t i = before; i < c->r_pf_flats.n; i++)
             spent = spent - (double) c->bytes_flat[c->r_pf_flats.v[i]];
@@ -1025,7 +957,10 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     const int64_t call = c->call;
     const double rate = c->pol.decay_rate;
     int32_t tr = 0;
-    if (c->nv != NULL) nv_visit(c->nv, layer, el, n, phase);
+    if (c->nv != NULL) {
+        nv_visit(c->nv, layer, el, n, phase);
+        nvv_stale(c->nvv, layer);                 /* its keys' z moved */
+    }
     if (c->af != NULL) af_observe(c->af, layer, el, n, phase);
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
@@ -1059,6 +994,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     if (lease_id > 0 && take_lease(c, lease_id, base, el, n) < 0) return RC_ERR_NOMEM;
     ivec *pins = &c->pins_by_layer[layer];
     for (int32_t i = 0; i < pins->n; i++) c->pinned[pins->v[i]] = 0;
+    if (pins->n) nv_stale_layer(c, layer);
     pins->n = 0;
     if (c->last_experts != NULL) {
         ivec *h = &c->last_experts[phase * c->n_layer + layer];
@@ -1190,6 +1126,7 @@ static int rc_abort_impl(rc_core *c, int64_t id) {
     }
     c->state[t->flat] = ABSENT;
     c->pinned[t->flat] = 0;
+    nv_stale_layer(c, t->flat / c->n_expert);
     finish(c, t);
     return 1;
 }
@@ -1321,7 +1258,7 @@ int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair,
     pthread_mutex_lock(&c->mu);
     if (c->nv != NULL && frequency != NULL) nv_warm_start(c->nv, frequency);
     if (c->af != NULL && pair != NULL && count != NULL) af_warm_start(c->af, pair, count);
-    if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) c->n_layer);
+    if (c->nvv != NULL) nvv_stale_all(c->nvv);
     pthread_mutex_unlock(&c->mu);
     return RC_OK;
 }

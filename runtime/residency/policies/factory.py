@@ -21,11 +21,14 @@ Python reference); what each one does:
     chunk-plan   prefill: the next ``depth`` layers' experts of the previous chunk
     popularity   the next layer's ``top_n`` most routed experts
     belady       offline: the next layer-step's experts
-    affinity     decode: the next layer's experts most often routed after this layer's for the
-                 same token (an online cross-layer table), at most ``top_n``, each predicted
-                 at >= ``min_precision``, issued only while the measured precision of the
-                 predictions stays >= min_precision, and no more bytes than the link
-                 carries in ``layer_us`` (one layer-step's compute) at [cost] link_gbps;
+    affinity     decode: the experts of the MoE layer ``lead`` ahead most often routed after
+                 this layer's for the same token (an online cross-layer table), at most
+                 ``top_n``, each predicted at >= ``min_precision``, issued only while the
+                 measured precision of the predictions stays >= min_precision; ``lead`` is
+                 what the largest expert needs to cross the link in time (ceil(2 x its bytes
+                 / the bytes the link carries in ``layer_us``, one layer-step's compute, at
+                 [cost] link_gbps)), and prefetches spend a link credit that gains one
+                 layer-step's bytes per step, bounded so what is queued arrives in time;
                  ranked against victims by its expected next use (core/affinity.h)
 """
 from __future__ import annotations

@@ -93,3 +93,24 @@ def test_profile_of_traces_of_two_models_is_refused():
 
     with pytest.raises(UserError, match="a trace of another model"):
         build_profile([read_trace(p) for p in REAL_TRACES])
+
+
+def test_profile_of_the_same_shape_with_other_expert_bytes_is_refused(tmp_path):
+    """Same layers x experts, another quantization (one layer's experts of another size): the
+    profile belongs to another model; replay refuses it in one line."""
+    import dataclasses
+
+    from runtime.traces.files import read_trace
+
+    qwen = next(p for p in REAL_TRACES if "qwen" in p.name)
+    prof = build_profile([read_trace(qwen)])
+    moe = prof.moe_layers
+    other = dataclasses.replace(prof, expert_bytes=tuple(
+        b + 4096 if i == moe[3] else b for i, b in enumerate(prof.expert_bytes)))
+    path = tmp_path / "requant.npz"
+    write_profile(path, other)
+    with pytest.raises(UserError, match=f"layer {moe[3]} experts are"):
+        read_profile(path).check_model(prof.n_layer, prof.n_expert, prof.expert_bytes, "here")
+    got = _cli("replay", qwen, "--capacity", "10%", "--policy", "next-visit", "--profile", path)
+    assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1, got.stderr
+    assert f"layer {moe[3]} experts are" in got.stderr and "Traceback" not in got.stderr

@@ -18,8 +18,11 @@ EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
 ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
               ("transient-on-pressure", {"window": 20.0})]
 PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0}),
-              # the link carries 125 bytes per layer-step at the default 25 GB/s
-              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.005})]
+              # the link carries 125 bytes per layer-step at the default 25 GB/s: a lead of 2
+              # MoE layers (ceil(2 * 150 / 125) = 3, at most n_moe - 1), credit up to 100 bytes
+              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.005}),
+              # 500 bytes per layer-step: the next layer (lead 1), credit up to 350 bytes
+              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.02})]
 N_LAYER, N_EXPERT = 4, 6
 EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes
 MOE = [0, 2, 3]
@@ -174,7 +177,8 @@ def test_rejected_call_changes_nothing():
 
 
 @pytest.mark.parametrize("ev", [("lru", {}), ("next-visit", {"learning_rate": 0.05})])
-@pytest.mark.parametrize("pf", [PREFETCHES[2], PREFETCHES[3]], ids=["popularity", "affinity"])
+@pytest.mark.parametrize("pf", PREFETCHES[2:], ids=["popularity", "affinity-lead2",
+                                                     "affinity-lead1"])
 def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
     """replay's per-row kinds (4: first use of a prefetched key), the prefetch each such row
     used, and the prefetch log (batch, key) are the same in both cores."""
@@ -204,9 +208,11 @@ def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
     assert (b0[e0[rows]] < batch_of[rows]).all()
 
 
-def test_warm_start_equals_reference(zipf_stream):
-    """A routing profile's frequencies and affinity table seed both cores alike."""
-    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), PREFETCHES[3])
+@pytest.mark.parametrize("pf", PREFETCHES[3:], ids=["lead2", "lead1"])
+def test_warm_start_equals_reference(zipf_stream, pf):
+    """A routing profile's frequencies and affinity table (used at lead 1: it holds
+    consecutive layers) seed both cores alike."""
+    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), pf)
     rng = np.random.default_rng(2)
     freq = rng.uniform(0, 1, (N_LAYER, N_EXPERT))
     table = rng.integers(0, 5, (len(MOE) - 1, N_EXPERT, N_EXPERT)).astype(np.int32)

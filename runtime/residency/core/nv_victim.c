@@ -1,0 +1,224 @@
+/* nv_victim: see nv_victim.h. */
+#include "nv_victim.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
+                      const int32_t *moe_layers, int32_t n_moe, const int64_t *last_seq,
+                      const int32_t *lease_count, const uint8_t *pinned) {
+    nv_victim *s = calloc(1, sizeof *s);
+    if (s == NULL) return NULL;
+    s->nv = nv;
+    s->n_layer = n_layer; s->n_expert = n_expert; s->n_moe = n_moe;
+    s->n_words = (n_expert + 63) / 64;
+    s->moe_layers = moe_layers; s->last_seq = last_seq;
+    s->lease_count = lease_count; s->pinned = pinned;
+    const size_t k = (size_t) (n_moe ? n_moe : 1);
+    s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
+    s->list = malloc((size_t) n_layer * NV_LIST * sizeof *s->list);
+    s->list_n = calloc((size_t) n_layer, sizeof *s->list_n);
+    s->list_all = calloc((size_t) n_layer, 1);
+    s->list_vis = malloc((size_t) n_layer * sizeof *s->list_vis);
+    s->cand = malloc(k * sizeof *s->cand);
+    s->pool = calloc(k, sizeof *s->pool);
+    s->cand_z = calloc(k, sizeof *s->cand_z);
+    s->cand_e = calloc(k, sizeof *s->cand_e);
+    s->cand_s = calloc(k, sizeof *s->cand_s);
+    s->dirty = calloc(k, 1);
+    s->dep = calloc(k, 1);
+    s->dirty_list = malloc(k * sizeof *s->dirty_list);
+    if (!s->members || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->cand ||
+        !s->pool || !s->cand_z || !s->cand_e || !s->cand_s || !s->dirty || !s->dep ||
+        !s->dirty_list) {
+        nvv_free(s);
+        return NULL;
+    }
+    for (int32_t i = 0; i < n_moe; i++) s->cand[i] = -1;
+    s->seq0 = -1;
+    s->s_cur = -2;                                /* no current layer yet computed for */
+    nvv_stale_all(s);
+    return s;
+}
+
+void nvv_free(nv_victim *s) {
+    if (s == NULL) return;
+    free(s->members); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_e); free(s->cand_s);
+    free(s->dirty); free(s->dep); free(s->dirty_list);
+    free(s);
+}
+
+static void mark(nv_victim *s, int32_t k) {
+    if (s->dirty[k]) return;
+    s->dirty[k] = 1;
+    s->dirty_list[s->n_dirty++] = k;
+}
+
+void nvv_stale(nv_victim *s, int32_t layer) {
+    const int32_t k = s->nv->moe_index[layer];
+    if (k >= 0) mark(s, k);
+}
+
+void nvv_stale_all(nv_victim *s) {
+    for (int32_t l = 0; l < s->n_layer; l++) s->list_vis[l] = -1;
+    for (int32_t k = 0; k < s->n_moe; k++) mark(s, k);
+}
+
+void nvv_reset(nv_victim *s, const int32_t *pool_of_layer) {
+    memset(s->members, 0, (size_t) s->n_layer * s->n_words * sizeof *s->members);
+    for (int32_t k = 0; k < s->n_moe; k++) s->pool[k] = pool_of_layer[s->moe_layers[k]];
+    nvv_stale_all(s);
+}
+
+/* (z, last seq, flat) of a below b (b -1: none) */
+static inline int z_below(const nv_victim *s, double za, int32_t a, double zb, int32_t b) {
+    if (b < 0) return 1;
+    if (za != zb) return za < zb;
+    if (s->last_seq[a] != s->last_seq[b]) return s->last_seq[a] < s->last_seq[b];
+    return a < b;
+}
+
+static inline int list_valid(const nv_victim *s, int32_t l) {
+    return s->list_vis[l] == nv_stamp(s->nv, l);
+}
+
+void nvv_push(nv_victim *s, int32_t f) {
+    const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
+    s->members[l * s->n_words + e / 64] |= (uint64_t) 1 << (e % 64);
+    nvv_stale(s, l);
+    if (!list_valid(s, l)) return;                /* refilled on its next use anyway */
+    int32_t *list = &s->list[l * NV_LIST];
+    int32_t n = s->list_n[l];
+    const double z = nv_logit(s->nv, l, f);
+    int32_t i = n;
+    while (i > 0 && z_below(s, z, f, nv_logit(s->nv, l, list[i - 1]), list[i - 1])) i--;
+    if (i == n && !s->list_all[l]) return;        /* above the list: unknown keys may be lower */
+    if (n == NV_LIST) { n--; s->list_all[l] = 0; } /* the last drops out */
+    for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
+    list[i] = f;
+    s->list_n[l] = n + 1;
+}
+
+void nvv_remove(nv_victim *s, int32_t f) {
+    const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
+    s->members[l * s->n_words + e / 64] &= ~((uint64_t) 1 << (e % 64));
+    nvv_stale(s, l);
+    int32_t *list = &s->list[l * NV_LIST];
+    const int32_t n = s->list_n[l];
+    for (int32_t i = 0; i < n; i++)
+        if (list[i] == f) {
+            for (int32_t j = i + 1; j < n; j++) list[j - 1] = list[j];
+            s->list_n[l] = n - 1;
+            return;
+        }
+}
+
+/* for each key g of the layer in the order (its bitmap), in flat order */
+#define FOR_MEMBERS(s, layer, g)                                                              \
+    for (int32_t w_ = 0; w_ < (s)->n_words; w_++)                                            \
+        for (uint64_t b_ = (s)->members[(layer) * (s)->n_words + w_]; b_; b_ &= b_ - 1)     \
+            for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
+                 o_; o_ = 0)
+
+/* the layer's list: its NV_LIST lowest keys in (z, last seq, flat) */
+static void fill_list(nv_victim *s, int32_t layer) {
+    int32_t *list = &s->list[layer * NV_LIST];
+    double lz[NV_LIST];
+    int32_t n = 0, seen = 0;
+    FOR_MEMBERS(s, layer, g) {
+        seen++;
+        const double z = nv_logit(s->nv, layer, g);
+        if (n == NV_LIST && (z > lz[n - 1] || !z_below(s, z, g, lz[n - 1], list[n - 1])))
+            continue;
+        int32_t i = n < NV_LIST ? n++ : n - 1;
+        while (i > 0 && z_below(s, z, g, lz[i - 1], list[i - 1])) {
+            list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
+        }
+        list[i] = g; lz[i] = z;
+    }
+    s->list_n[layer] = n;
+    s->list_all[layer] = seen <= NV_LIST;
+    s->list_vis[layer] = nv_stamp(s->nv, layer);
+}
+
+static inline int protected_by_use(const nv_victim *s, int32_t f) {
+    return s->lease_count[f] > 0 || s->pinned[f];
+}
+
+/* -expected of MoE index k's candidate, seen from the model's current layer */
+static inline double minus_expected(const nv_victim *s, int32_t k) {
+    return -(nv_distance(s->nv, s->moe_layers[k]) + (double) s->n_moe * s->cand_e[k]);
+}
+
+/* MoE index k's lowest unprotected key (cand[k], its z, exp(-z) and -expected) */
+static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
+    const int32_t layer = s->moe_layers[k];
+    if (!list_valid(s, layer) || (s->list_n[layer] == 0 && !s->list_all[layer]))
+        fill_list(s, layer);
+    const int32_t *list = &s->list[layer * NV_LIST];
+    int32_t f = -1;
+    uint8_t dep = 0;
+    for (int32_t i = 0; i < s->list_n[layer]; i++) {
+        const int32_t g = list[i];
+        if (protected_by_use(s, g)) continue;
+        if (s->last_seq[g] >= seq0) { dep = 1; continue; }
+        f = g;
+        break;
+    }
+    if (f < 0 && !s->list_all[layer]) {          /* every listed key protected: scan */
+        double bz = 0.0;
+        FOR_MEMBERS(s, layer, g) {
+            if (protected_by_use(s, g)) continue;
+            if (s->last_seq[g] >= seq0) { dep = 1; continue; }
+            const double z = nv_logit(s->nv, layer, g);
+            if (z_below(s, z, g, bz, f)) { f = g; bz = z; }
+        }
+    }
+    s->n_dep += (int32_t) dep - (int32_t) s->dep[k];
+    s->dep[k] = dep;
+    s->cand[k] = f;
+    if (f >= 0) {
+        s->cand_z[k] = nv_logit(s->nv, layer, f);
+        s->cand_e[k] = nv_odds(s->nv, layer, f);
+        s->cand_s[k] = minus_expected(s, k);
+    }
+}
+
+int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
+    if (s->nv->version != s->version) {           /* the weights moved: every score did */
+        for (int32_t k = 0; k < s->n_moe; k++) mark(s, k);
+        s->version = s->nv->version;
+    }
+    if (seq0 != s->seq0) {                        /* keys touched before seq0 are free now */
+        if (s->n_dep > 0)
+            for (int32_t k = 0; k < s->n_moe; k++)
+                if (s->dep[k]) mark(s, k);
+        s->seq0 = seq0;
+    }
+    for (int32_t i = 0; i < s->n_dirty; i++) {
+        const int32_t k = s->dirty_list[i];
+        find_candidate(s, k, seq0);
+        s->dirty[k] = 0;
+    }
+    s->n_dirty = 0;
+    if (s->nv->cur != s->s_cur) {                 /* every distance moved */
+        for (int32_t k = 0; k < s->n_moe; k++)
+            if (s->cand[k] >= 0) s->cand_s[k] = minus_expected(s, k);
+        s->s_cur = s->nv->cur;
+    }
+    int32_t best = -1, bk = -1;
+    double bs = 0.0;
+    for (int32_t k = 0; k < s->n_moe; k++) {     /* (s, z, last seq, flat) */
+        const int32_t f = s->cand[k];
+        if (f < 0 || s->pool[k] != pool) continue;
+        if (best >= 0) {
+            if (s->cand_s[k] > bs) continue;
+            if (s->cand_s[k] == bs && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best))
+                continue;
+        }
+        best = f; bk = k; bs = s->cand_s[k];
+    }
+    return best;
+}

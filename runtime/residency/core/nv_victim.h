@@ -1,0 +1,65 @@
+/* nv_victim: eviction next-visit's victim search (internal to the residency core).
+ *
+ * The order: (-expected, z, last seq, flat), expected = distance + n_moe exp(-z) with z and the
+ * distance from the model (next_visit.h). Within one layer the distance is common and expected
+ * falls as z grows, so a layer's candidate is its lowest unprotected (z, last seq, flat), found
+ * with no exp; the victim is the candidate lowest in the full order. Protected: touched at or
+ * after the call's first sequence number (seq0), leased or pinned (the core's arrays).
+ *
+ * Kept between calls, so a call costs O(layers) plus the layers that changed:
+ *   - per layer, its NV_LIST lowest keys in (z, last seq, flat) (every key: all), valid until
+ *     the layer is visited (its z move) or the list runs dry; keys join and leave it in place;
+ *   - per layer, its candidate with z and exp(-z), until marked dirty: a key of the layer
+ *     joined or left the order, its leases or pins changed, it was visited, the model's
+ *     weights moved (once per token's worth of layer-steps), or a key skipped
+ *     for being touched at or after seq0 may no longer be (seq0 moved);
+ *   - every layer's -expected, recomputed when the model's current layer moves.
+ * The core keeps the order's membership (its heap, with no order) and tells this search every
+ * change through the functions below.
+ */
+#ifndef NV_VICTIM_H
+#define NV_VICTIM_H
+#include <stdint.h>
+
+#include "next_visit.h"
+
+#define NV_LIST 8       /* each layer's lowest keys kept between calls */
+
+typedef struct {
+    nv_model *nv;
+    int32_t n_layer, n_expert, n_moe, n_words;
+    const int32_t *moe_layers;    /* (n_moe,) the core's */
+    const int64_t *last_seq;      /* (n_flat,) the core's */
+    const int32_t *lease_count;   /* (n_flat,) the core's */
+    const uint8_t *pinned;        /* (n_flat,) the core's */
+    uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
+    int32_t *list, *list_n;       /* (n_layer, NV_LIST), (n_layer,) */
+    uint8_t *list_all;            /* (n_layer,) the list holds every key of the layer */
+    int64_t *list_vis;            /* (n_layer,) the layer's nv_stamp when filled, -1: invalid */
+    int64_t version;              /* the model's version the candidates are for */
+    /* per MoE index k: the candidate (-1: none), its z, exp(-z), -expected, pool */
+    int32_t *cand, *pool;
+    double *cand_z, *cand_e, *cand_s;
+    uint8_t *dirty, *dep;         /* (n_moe,) dep: a key was skipped for last seq >= seq0 */
+    int32_t *dirty_list, n_dirty, n_dep;
+    int64_t seq0;                 /* of the latest search */
+    int32_t s_cur;                /* the model's current layer cand_s was computed for */
+} nv_victim;
+
+nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
+                      const int32_t *moe_layers, int32_t n_moe, const int64_t *last_seq,
+                      const int32_t *lease_count, const uint8_t *pinned);
+void nvv_free(nv_victim *s);
+/* the orders are empty again; pool_of_layer (n_layer,) the pools */
+void nvv_reset(nv_victim *s, const int32_t *pool_of_layer);
+/* flat joined / left the order */
+void nvv_push(nv_victim *s, int32_t flat);
+void nvv_remove(nv_victim *s, int32_t flat);
+/* the protection of layer's keys changed, or the layer was visited */
+void nvv_stale(nv_victim *s, int32_t layer);
+/* every key's z changed (a warm start) */
+void nvv_stale_all(nv_victim *s);
+/* the lowest unprotected key of pool in the order, or -1 (it stays in the order) */
+int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0);
+
+#endif
