@@ -11,6 +11,11 @@ placement, ``--repeats`` times interleaved (the median tok/s is reported):
 - ``experts``: the same budgets, expert tensors only (``[rpc] mode = "experts"``);
 - ``default``: llama.cpp's own split over the same two remotes (``[rpc] mode = "llama"``:
   every layer offloaded, split by the free memory each remote reports; budgets not applied).
+- ``cache``, ``cache-all`` (``--cache``): the device expert cache on remote A
+  (``[rpc] mode = "cache"``, residency on: every weight local, hot experts computed in slots
+  on the remote, copied there by ``ggml_backend_tensor_set``), at ``--budget-a`` and at a
+  budget holding every expert; ``local-res`` is the same residency run with only local
+  bookkeeping (experts computed on this CPU), its fair baseline.
 
 Bytes are the servers' socket traffic during generation only (load uploads excluded), both
 directions, as the kernel counts it (``ss -ti`` bytes_sent + bytes_received of the servers'
@@ -100,7 +105,7 @@ from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
 s = EngineSettings(model_path=args["model"], n_ctx=1024, n_threads=args["threads"],
                    n_threads_batch=args["threads"], config_path=args["config"],
-                   manage_residency=False)
+                   manage_residency=args["residency"])
 e = Engine(s, progress=False)
 list(e.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0)))
 e.reset()
@@ -133,10 +138,10 @@ def link_bytes(ports: list[int]) -> int:
 
 
 def run_child(lib: str, model: str, config: str | None, n: int, threads: int,
-              ports: list[int]) -> dict:
+              ports: list[int], residency: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), LLAMA_CPP_LIB_PATH=lib)
     args = {"model": model, "config": config, "n": n, "threads": threads,
-            "prompt": "the king saw a river and"}
+            "prompt": "the king saw a river and", "residency": residency}
     proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], cwd=REPO, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -173,6 +178,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cache_rows(runs, work: Path, lib: str, model: str, args, ports: list[int], delay: float,
+                all_bytes: int) -> None:
+    """The device cache on remote A at --budget-a and at every expert (+ 24 MiB compute)."""
+    for name, budget in (("cache", args.budget_a), ("cache-all", f"{(all_bytes >> 20) + 24}MiB")):
+        proxy = CountingProxy(ports[0], delay / 1e3) if delay else None
+        target = proxy.port if proxy else ports[0]
+        cfg = work / f"{name}.toml"
+        cfg.write_text(f'[devices]\n"rpc:127.0.0.1:{target}" = "{budget}"\n'
+                       '[rpc]\nmode = "cache"\n')
+        runs.setdefault((name, delay), []).append(
+            run_child(lib, model, str(cfg), args.n, args.threads, ports, residency=True))
+        if proxy:
+            proxy.sock.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=64, help="tokens generated per run (default 64)")
@@ -181,6 +201,9 @@ def main() -> int:
     ap.add_argument("--budget-b", default="60MiB")
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads per process")
     ap.add_argument("-r", "--repeats", type=int, default=3, help="runs per row (median)")
+    ap.add_argument("--cache", action="store_true",
+                    help="also the device expert cache on remote A (rows cache, cache-all, "
+                         "local-res)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -192,6 +215,9 @@ def main() -> int:
     spec = SynthSpec(arch="qwen3moe", layers=16, experts=32, top_k=4, embd=256, ff=128,
                      dtype="f16", seed=5, skew=1.0)   # q8_0 hit SIGILL/SIGSEGV in ggml-cpu here (AMX CPU; the stock wheel too)
     model = str(cached_model(spec, progress=False))
+    from gguf_tools.facts import read_model_facts
+    facts = read_model_facts(model)
+    all_bytes = sum(facts.expert_bytes[i] * facts.n_expert for i in facts.moe_layers)
     ports = [free_port(), free_port()]
     servers = [start_server(info.lib_dir, p, args.threads) for p in ports]
     runs: dict[tuple[str, float], list[dict]] = {}
@@ -202,6 +228,10 @@ def main() -> int:
         for _ in range(max(1, args.repeats)):        # interleaved: drift hits every row alike
             runs.setdefault(("local", 0.0), []).append(
                 run_child(info.lib_dir, model, None, args.n, args.threads, ports))
+            if args.cache:      # residency on, no config: local bookkeeping, the hook runs
+                runs.setdefault(("local-res", 0.0), []).append(
+                    run_child(info.lib_dir, model, None, args.n, args.threads, ports,
+                              residency=True))
             for delay in delays:
                 for name, mode in (("ours", "auto"), ("experts", "experts"), ("default", "llama")):
                     proxies = [CountingProxy(p, delay / 1e3) for p in ports] if delay else []
@@ -214,6 +244,8 @@ def main() -> int:
                         run_child(info.lib_dir, model, str(cfg), args.n, args.threads, ports))
                     for p in proxies:
                         p.sock.close()
+                if args.cache:
+                    _cache_rows(runs, work, info.lib_dir, model, args, ports, delay, all_bytes)
     finally:
         for s in servers:
             s.kill()

@@ -191,6 +191,10 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         }
         // zeroed slots compute to finite values (0) even for entries pointing at an empty slot
         ggml_backend_buffer_clear(c->buffer, 0);
+        // weights: the scheduler runs the ops that read them on this device (with the dense
+        // layers elsewhere, e.g. on a remote or a GPU next to CPU layers, it would otherwise
+        // copy every slot to the CPU for each graph)
+        ggml_backend_buffer_set_usage(c->buffer, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     }
     for (auto & p : c->pools) {
         if (p.n_slots == 0) {

@@ -108,6 +108,8 @@ def run_check(args: argparse.Namespace) -> int:
     if not config.devices and not config.remotes:
         lines.append("  devices: none configured (each device gets 'auto' when used)")
     for budget in config.devices:
+        if budget in config.remotes:      # [rpc] mode = "cache": listed with the remotes below
+            continue
         mem = probe_device_memory(budget.device)
         free, total = mem if mem is not None else (None, None)
         capacity = resolve_budget(budget, free_bytes=free, total_bytes=total,

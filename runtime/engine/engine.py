@@ -67,7 +67,8 @@ class Engine:
 
             self.remote = setup_remotes(remote_config, self.facts, settings)
         self.manager, self.residency_devices = wiring.build_manager(
-            self.config, self.facts, has_gpu=has_gpu, profile_path=settings.profile_path)
+            self.config, self.facts, has_gpu=has_gpu, profile_path=settings.profile_path,
+            remote=self.remote)
         native_cache = settings.manage_residency and wiring.native_cache_ready(self.config, lib_dir)
         self.placement = placement if placement is not None else wiring.plan(
             settings, self.config, self.facts, self.manager, has_gpu=has_gpu,

@@ -8,7 +8,8 @@ from runtime.engine import llama_lib
 from runtime.engine.placement import Placement, plan_placement
 from runtime.engine.types import EngineSettings
 
-_DEVICE_ORDER = ("cuda", "vulkan", "cpu-slots", "cpu")   # fastest tier first: the hit rate shown
+_DEVICE_ORDER = ("cuda", "vulkan", "rpc", "cpu-slots", "cpu")   # fastest tier first: the hit
+# rate shown
 
 
 def residency_config(settings: EngineSettings):
@@ -32,11 +33,13 @@ def _gpu_memory(index: int) -> tuple[int, int] | None:
     return (gpus[index].free_bytes, gpus[index].total_bytes) if index < len(gpus) else None
 
 
-def build_manager(config, facts, *, has_gpu: bool, profile_path: str | None = None):
+def build_manager(config, facts, *, has_gpu: bool, profile_path: str | None = None,
+                  remote=None):
     """(manager, managed devices fastest first); (None, ()) when residency is off. Devices
     are the configured ones, or "cuda:0" / "cpu" when the config names none. A routing
     profile (``profile_path``) warm-starts every device's learned policies; one of another
-    model is a UserError naming the file."""
+    model is a UserError naming the file. ``remote`` (runtime.rpc.setup.RemoteSetup): a
+    remote device cache's capacity is its plan's slot bytes."""
     if config is None:
         return None, ()
     from runtime.residency.capacity import (probe_device_memory,  # noqa: PLC0415
@@ -49,7 +52,11 @@ def build_manager(config, facts, *, has_gpu: bool, profile_path: str | None = No
     names.sort(key=lambda d: _DEVICE_ORDER.index(d.split(":")[0]))
     manager = ExpertResidencyManager(config)
     manager.bind_model(facts.expert_bytes, facts.n_expert)
+    slots = remote.cache_slot_bytes() if remote is not None else {}
     for device in names:
+        if device in slots:
+            manager.reconfigure(device, slots[device])
+            continue
         memory = probe_device_memory(device)
         free, total = memory if memory is not None else (None, None)
         manager.resolve_device(device, free_bytes=free, total_bytes=total)

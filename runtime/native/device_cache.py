@@ -279,8 +279,9 @@ def attach(engine) -> DeviceCaches | None:
                    "no device cache")
             continue
         try:
-            shim_cache = ShimCache.create(lib, engine.model_ptr, ggml_device_name(device),
-                                          capacity)
+            name = (engine.remote.ggml_name(device) if device.startswith("rpc:")
+                    else ggml_device_name(device))
+            shim_cache = ShimCache.create(lib, engine.model_ptr, name, capacity)
         except ShimError as exc:
             notice(f"{device}: device expert cache off ({exc})")
             continue

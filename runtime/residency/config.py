@@ -20,7 +20,7 @@ DEVICE_RE = re.compile(r"^(cpu|cpu-slots|(cuda|vulkan):(0|[1-9][0-9]*))$")
 GPU_KINDS = ("cuda", "vulkan")     # cuda:N, vulkan:N: the Nth GPU of that ggml backend
 # "auto" budgets: the share of the device's free (RAM: available) memory at load
 AUTO_SHARE = {"cuda": 0.80, "vulkan": 0.80, "cpu": 0.50, "cpu-slots": 0.25, "rpc": 0.80}
-RPC_MODES = ("auto", "layers", "experts", "llama")   # runtime/rpc/plan.py
+RPC_MODES = ("auto", "layers", "experts", "llama", "cache")   # runtime/rpc/plan.py
 
 
 def device_kind(device: str) -> str:
@@ -36,8 +36,9 @@ def is_gpu(device: str) -> bool:
 
 
 def is_cache_device(device: str) -> bool:
-    """A device the native slot cache serves: a GPU, or cpu-slots (host slots, same code)."""
-    return is_gpu(device) or device == "cpu-slots"
+    """A device the native slot cache serves: a GPU, cpu-slots (host slots, same code), or a
+    remote one (rpc:HOST:PORT[/N]; managed only with ``[rpc] mode = "cache"``)."""
+    return is_gpu(device) or device == "cpu-slots" or device.startswith("rpc:")
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ class ResidencyConfig:
     decode: PhasePolicies = PhasePolicies(eviction=make_spec("eviction", "next-visit"))
     cost: CostParams = field(default_factory=CostParams)
     source: str = "<defaults>"
-    # remote devices (rpc:HOST:PORT[/N]): planned by runtime/rpc/plan.py, not by the manager
+    # remote devices (rpc:HOST:PORT[/N]): planned by runtime/rpc/plan.py; with rpc_mode
+    # "cache" they are in ``devices`` too (the manager fills the device cache's slots there)
     remotes: tuple[DeviceBudget, ...] = ()
-    rpc_mode: str = "auto"             # [rpc] mode: auto | layers | experts | llama
+    rpc_mode: str = "auto"             # [rpc] mode: auto | layers | experts | llama | cache
     rpc_timeout_s: float = 20.0        # [rpc] timeout_s: a link silent this long is down
 
     def policies_for(self, phase: Phase) -> PhasePolicies:
@@ -199,6 +201,12 @@ def parse_config(data: Mapping, *, source: str = "<config>") -> ResidencyConfig:
         if value < 0 or (value == 0 and key not in _ZERO_OK_COST) or value != value:
             raise UserError(f"{source}: cost.{key}: must be > 0, got {value!r}")
         cost_values[key] = float(value)
+    if rpc_mode == "cache":          # the remotes hold device-cache slots: managed devices
+        if len(remotes) > 1 or (remotes and any(is_cache_device(b.device) for b in devices)):
+            raise UserError(f"{source}: rpc.mode = \"cache\": the device expert cache serves "
+                            "one device per model; name one rpc device and no cuda/vulkan/"
+                            "cpu-slots device")
+        devices = devices + remotes
     return ResidencyConfig(devices=tuple(devices), phase_specific=phase_specific,
                            prefill=prefill, decode=decode, cost=CostParams(**cost_values),
                            source=source, remotes=tuple(remotes), rpc_mode=rpc_mode,

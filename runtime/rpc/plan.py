@@ -25,7 +25,9 @@ from typing import Sequence
 
 from runtime.errors import UserError
 
-MODES = ("auto", "layers", "experts", "llama")   # llama: llama.cpp's own split (free memory)
+# llama: llama.cpp's own split (free memory); cache: the native device expert cache's slots on
+# the remote (every weight loads locally; the manager fills the slots as on a local GPU)
+MODES = ("auto", "layers", "experts", "llama", "cache")
 RELIEF_SHARE = 0.75      # a shape must move >= this share of the best shape's bytes remote
 # ggml-rpc remembers ONE graph per device for GRAPH_RECOMPUTE: a device with several splits per
 # token (experts shape, two or more remote layers) gets every split's serialized graph again
@@ -85,6 +87,10 @@ class RemotePlan:
         """One line per remote, for the load message."""
         parts = []
         for s in self.shares:
+            if self.mode == "cache":
+                parts.append(f"{s.device}: expert slots of {s.bytes / 2**20:.1f} MiB "
+                             f"(of {s.capacity / 2**20:.1f} MiB; the rest for compute)")
+                continue
             what = "layers" if self.mode == "layers" else "experts of layers"
             parts.append(f"{s.device}: {what} {_ranges(s.layers) or 'none'} "
                          f"({s.bytes / 2**20:.1f} of {s.capacity / 2**20:.1f} MiB)")
@@ -172,6 +178,12 @@ def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: s
     if mode == "llama":
         return RemotePlan("llama", (), tuple(range(len(layers))), (),
                           "llama.cpp's own split by free memory; budgets not applied", link_info)
+    if mode == "cache":
+        slots = tuple(RemoteShare(lk.device, (), max(0, lk.capacity - reserves["experts"]),
+                                  lk.capacity) for lk in links)
+        return RemotePlan("cache", slots, tuple(range(len(layers))), (),
+                          "every weight local; the device expert cache's slots on the remote, "
+                          "filled by the residency manager", link_info)
     candidates = {}
     for shape in ("layers", "experts"):
         sizes = [lb.dense + lb.experts + lb.kv if shape == "layers" else lb.experts

@@ -70,6 +70,9 @@ class RemoteSetup:
         for share in self.plan.shares:
             kinds = used.get(share.device, {})
             total = int(sum(kinds.values()) * 2**20)
+            if self.plan.mode == "cache":   # the cache's slots are allocated after, by the shim
+                total += share.bytes
+                kinds = {**kinds, "expert slots": share.bytes / 2**20}
             if total > share.capacity:
                 parts = ", ".join(f"{k} {v:.1f} MiB" for k, v in kinds.items())
                 raise UserError(f"{share.device}: llama.cpp needs {total / 2**20:.1f} MiB there "
@@ -84,6 +87,16 @@ class RemoteSetup:
             self.lost = [h.device for h in self.handles if backend.endpoint_failed(h.endpoint)]
         if self.lost:
             raise RemoteDeviceLost(self.lost)
+
+    def cache_slot_bytes(self) -> dict[str, int]:
+        """device -> bytes of expert slots the device cache may hold there (cache mode)."""
+        if self.plan.mode != "cache":
+            return {}
+        return {s.device: s.bytes for s in self.plan.shares}
+
+    def ggml_name(self, device: str) -> str:
+        """ggml's name of a remote device of this model ("RPC0", ...); KeyError if none."""
+        return next(h.ggml_name for h in self.handles if h.device == device)
 
     def remote_whole_layers(self) -> set[int]:
         """Layers that run entirely on a remote (layers mode): the routing hook leaves them
@@ -242,6 +255,9 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
     split: list[float] = []
     if plan.mode == "llama":
         n_gpu_layers = 999
+        used = list(h.handle for h in handles)
+    elif plan.mode == "cache":       # every weight local; the scheduler gets the remote's
+        n_gpu_layers = 0             # backend for the cache's hot expert matmuls
         used = list(h.handle for h in handles)
     elif plan.mode == "layers":
         for share in plan.shares:

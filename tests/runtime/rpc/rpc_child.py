@@ -1,5 +1,5 @@
 """Run the Engine once (greedy) in its own process and print one JSON line: tokens, the
-remote plan, llama.cpp's buffer-size lines. Args (JSON): model, config (path or null), n,
+remote plan, llama.cpp's buffer-size lines, the manager's snapshot. Args (JSON): model, config (path or null), n,
 prompt, no_residency."""
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ def main() -> None:
               if c.token is not None]
     log = set_logging(False)
     remote = engine.remote.to_dict() if engine.remote is not None else None
+    snapshot = (json.loads(engine.manager.snapshot().to_json())
+                if engine.manager is not None else None)
     engine.close()
-    print(json.dumps({"tokens": tokens, "remote": remote, "buffers": list(log.buffers)}))
+    print(json.dumps({"tokens": tokens, "remote": remote, "buffers": list(log.buffers),
+                      "residency": snapshot}))
 
 
 if __name__ == "__main__":

@@ -135,6 +135,15 @@ def test_auto_picks_by_the_link_model():
     assert dict(slow.costs)["experts"] - dict(fast.costs)["experts"] > 4 * 5e-3
 
 
+def test_cache_plan_keeps_every_layer_local_and_gives_the_slots_the_budget_less_compute():
+    plan = plan_remotes(LAYERS, _links(3000), mode="cache", n_expert_used=2, n_embd=64,
+                        local_bps=6e10, reserve_bytes={"layers": 900, "experts": 400})
+    assert plan.mode == "cache" and plan.local_layers == tuple(range(8))
+    (share,) = plan.shares
+    assert share.layers == () and share.bytes == 3000 - 400 and share.capacity == 3000
+    assert "expert slots" in plan.describe()
+
+
 def test_a_budget_that_holds_nothing_is_one_line():
     with pytest.raises(UserError, match="holds no layer"):
         plan_remotes(LAYERS, _links(100), mode="layers", n_expert_used=2, n_embd=64,

@@ -76,6 +76,41 @@ def test_split_by_budget_is_token_identical_and_within_budget(
     assert "remote plan [" + mode in out["stderr"]             # shown at load
 
 
+def test_device_cache_on_a_remote_is_token_identical_and_within_budget(
+        rpc_build, rpc_servers, split_model, local_tokens, tmp_path):
+    """[rpc] mode = "cache": every weight local, the native device cache's slots on the
+    remote, filled by the manager: the remote computes the hot experts."""
+    a, _ = rpc_servers
+    budget = 30 * MiB                            # about half the experts, plus compute
+    cfg = write_config(tmp_path / "cache.toml", {a.device: "30MiB"}, mode="cache")
+    out = run_child(rpc_build.lib_dir, {"model": str(split_model), "config": str(cfg)})
+    assert out["tokens"] == local_tokens, "greedy tokens differ from the all-local run"
+    assert out["remote"]["mode"] == "cache"
+    assert "remote plan [cache]" in out["stderr"]
+    dev = out["residency"]["devices"][a.device]
+    slots = out["remote"]["shares"][0]["bytes"]
+    assert 0 < dev["capacity_bytes"] <= slots < budget
+    decode = dev["phases"]["decode"]
+    assert decode["hits"] > 0 and decode["admissions"] > 0      # the remote slots served
+    # llama.cpp's buffers there (compute only: no layer went remote) plus the slots fit
+    allocated = _remote_buffers(out["buffers"])
+    assert set(allocated) <= {a.device}
+    assert allocated.get(a.device, 0.0) * MiB + slots <= budget, out["buffers"]
+    model_lines = [b for b in out["buffers"] if "model buffer" in b and "RPC" in b]
+    assert not model_lines, model_lines                          # no weight loaded there
+
+
+def test_cache_mode_takes_one_remote_and_no_other_cache_device(tmp_path):
+    from runtime.errors import UserError
+    from runtime.residency.config import load_config
+
+    for devices in ({"rpc:127.0.0.1:50052": "1GiB", "rpc:127.0.0.1:50053": "1GiB"},
+                    {"rpc:127.0.0.1:50052": "1GiB", "cuda:0": "1GiB"}):
+        cfg = write_config(tmp_path / "bad.toml", devices, mode="cache")
+        with pytest.raises(UserError, match="one device per model"):
+            load_config(cfg)
+
+
 def test_unreachable_remote_at_load_is_one_line(rpc_build, split_model, tmp_path):
     port = free_port()
     cfg = write_config(tmp_path / "gone.toml", {f"rpc:127.0.0.1:{port}": "64MiB"})
