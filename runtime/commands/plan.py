@@ -1,12 +1,13 @@
 """``moe-offload plan``: a ready residency TOML for a model on this machine.
 
-    moe-offload plan -m MODEL [-c N] [-o FILE] [--free DEVICE=SIZE ...]
+    moe-offload plan -m MODEL [-c N] [-o FILE] [--free DEVICE=SIZE ...] [--rpc HOST:PORT ...]
 
 Reads the free memory of every device (GPUs through ggml's device API, RAM through psutil),
 subtracts what the dense weights and the KV cache need, and prints a residency config with a
 budget per device and the policies, each number explained in a comment
 (runtime/residency/planner.py). ``--free`` states a device's free memory instead of
-measuring it (planning for another machine). The TOML passes ``config check`` and runs with
+measuring it (planning for another machine). ``--rpc`` adds remote devices (moe-offload
+rpc-server) that answer a short probe. The TOML passes ``config check`` and runs with
 ``--config``.
 """
 from __future__ import annotations
@@ -33,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--free", action="append", default=[], metavar="DEVICE=SIZE",
                    help="assume DEVICE (cpu, cuda:N, vulkan:N) has SIZE free instead of "
                         "measuring it; repeatable")
+    p.add_argument("--rpc", action="append", default=[], metavar="HOST:PORT[/N]",
+                   help="a remote device (moe-offload rpc-server) to include when it answers a "
+                        "3 s probe: 80%% of the free memory it reports; repeatable")
     p.set_defaults(func=run)
 
 
@@ -52,7 +56,8 @@ def _stated(values: list[str]) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     from runtime.residency.planner import plan_model  # noqa: PLC0415
 
-    result = plan_model(args.model, args.ctx_size, _stated(args.free))
+    result = plan_model(args.model, args.ctx_size, _stated(args.free), args.rpc,
+                        warn=lambda line: print(line, file=sys.stderr))
     text = result.to_toml()
     if args.output:
         try:

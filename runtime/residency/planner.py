@@ -11,6 +11,11 @@ an expert budget, fastest device first:
 * without one: dense weights and the KV cache stay in RAM, the rest of the available RAM
   (less RAM_RESERVE) holds experts; the others page from the file.
 
+Remote devices (``rpc:HOST:PORT[/N]``, ``plan --rpc``) that answer a short probe get a budget
+of RPC_SHARE of the free memory they report, and ``[rpc] mode = "auto"`` (runtime/rpc/plan.py
+chooses whole layers or expert tensors at load; the plan that choice gives at this context is
+written as a comment). An unreachable remote is left out, with a note saying why.
+
 A budget it cannot meet (the dense weights and KV cache alone exceed the free memory) is a
 UserError, one line. The TOML it renders explains each number in a comment and names the
 policies (next-visit eviction, affinity prefetch in decode).
@@ -25,6 +30,7 @@ from runtime.units import format_size
 GIB = 1 << 30
 RAM_RESERVE = GIB          # bytes: the OS, Python, llama.cpp's host buffers
 GPU_RESERVE = GIB // 2     # bytes: compute buffers, the cache's staging
+RPC_SHARE = 0.80           # of a remote's reported free memory (its "auto" budget)
 
 
 @dataclass(frozen=True)
@@ -47,14 +53,18 @@ class Plan:
     devices: tuple[PlannedDevice, ...]
     gpu_layers: int        # -ngl to run with
     notes: tuple[str, ...]
+    remotes: tuple[PlannedDevice, ...] = ()
 
     def to_toml(self) -> str:
         lines = [f"# moe-offload plan for {self.model}"]
         lines += [f"# {n}" for n in self.notes]
         lines += [f"# run with: -ngl {self.gpu_layers} --config THIS_FILE", "", "[devices]"]
-        for d in self.devices:
+        for d in self.devices + self.remotes:
             lines += [f"# {d.why}", f'"{d.device}" = "{d.budget_bytes}B"   '
                       f"# {format_size(d.budget_bytes)}"]
+        if self.remotes:
+            lines += ["", "[rpc]", "# whole remote layers or expert tensors only, by the link "
+                      "cost model at load", 'mode = "auto"']
         lines += ["", "[policy.decode]",
                   "# learned next-use estimate (README, replay): fewer demand misses than lru",
                   'eviction = "next-visit"',
@@ -161,13 +171,55 @@ def measured_memory(stated: dict[str, int]) -> list:
     return out
 
 
-def plan_model(path: str, ctx: int, stated: dict[str, int] | None = None) -> Plan:
+def plan_remotes(facts, path: str, ctx: int, remotes: list[str], *, warn=None
+                 ) -> tuple[tuple[PlannedDevice, ...], tuple[str, ...]]:
+    """Budgets for the reachable ``remotes`` (rpc:HOST:PORT[/N]) and the notes: the remote
+    plan they give at ``ctx``, and the remotes left out (also passed to ``warn``)."""
+    import dataclasses  # noqa: PLC0415
+
+    from runtime.engine.types import EngineSettings  # noqa: PLC0415
+    from runtime.residency.config import ResidencyConfig, parse_budget  # noqa: PLC0415
+    from runtime.rpc.endpoint import parse_rpc_device  # noqa: PLC0415
+    from runtime.rpc.probe import RemoteUnreachable, probe  # noqa: PLC0415
+    from runtime.rpc.setup import PROBE_TIMEOUT_S, plan_for  # noqa: PLC0415
+
+    planned, notes, resolved = [], [], []
+    for text in remotes:
+        dev = parse_rpc_device(text if text.startswith("rpc:") else f"rpc:{text}", "--rpc")
+        try:
+            info = probe(dev, timeout=PROBE_TIMEOUT_S)
+        except RemoteUnreachable as err:
+            notes.append(f"left out: {err}")
+            if warn is not None:
+                warn(f"plan: {err}; left out")
+            continue
+        budget = int(info.free_bytes * RPC_SHARE)
+        planned.append(PlannedDevice(dev.name, budget, (
+            f"{dev.name}: {format_size(info.free_bytes)} free reported, "
+            f"{RPC_SHARE:.0%} of it (round trip {info.rtt_s * 1e3:.2f} ms)")))
+        resolved.append((parse_budget(dev.name, f"{budget}B", "plan"), dev, info, budget))
+    if resolved:
+        config = dataclasses.replace(ResidencyConfig(), remotes=tuple(b for b, *_ in resolved))
+        settings = EngineSettings(model_path=path, n_ctx=ctx)
+        notes.append(f"at load, at -c {ctx}: "
+                     f"{plan_for(config, facts, settings, resolved).describe()}")
+    return tuple(planned), tuple(notes)
+
+
+def plan_model(path: str, ctx: int, stated: dict[str, int] | None = None,
+               remotes: list[str] | None = None, *, warn=None) -> Plan:
     """The plan for the model file at ``path`` on this machine (``stated``: free bytes per
-    device that replace measurement)."""
+    device that replace measurement; ``remotes``: rpc devices to include when reachable)."""
+    import dataclasses  # noqa: PLC0415
+
     from gguf_tools.facts import read_model_facts  # noqa: PLC0415
 
     if ctx <= 0:
         raise UserError(f"-c: the context size must be positive, got {ctx}")
     facts = read_model_facts(path)
-    return plan(facts, measured_memory(stated or {}), ctx=ctx,
-                kv_per_token=kv_bytes_per_token(path))
+    result = plan(facts, measured_memory(stated or {}), ctx=ctx,
+                  kv_per_token=kv_bytes_per_token(path))
+    if not remotes:
+        return result
+    planned, notes = plan_remotes(facts, path, ctx, remotes, warn=warn)
+    return dataclasses.replace(result, remotes=planned, notes=result.notes + notes)

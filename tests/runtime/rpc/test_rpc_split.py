@@ -123,6 +123,33 @@ def test_unreachable_remote_at_load_is_one_line(rpc_build, split_model, tmp_path
     assert len(errors) == 1 and f"rpc:127.0.0.1:{port}: unreachable" in errors[0], r.stderr
 
 
+def test_plan_includes_reachable_remotes_and_its_toml_runs(
+        rpc_build, rpc_servers, split_model, local_tokens, tmp_path):
+    a, _b = rpc_servers
+    gone = free_port()
+    out = tmp_path / "plan.toml"
+    r = subprocess.run([sys.executable, "-m", "runtime.cli", "plan", "-m", str(split_model),
+                        "-c", "512", "--rpc", a.device, "--rpc", f"127.0.0.1:{gone}", "-o",
+                        str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                       env=child_env(rpc_build.lib_dir))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"rpc:127.0.0.1:{gone}: unreachable" in r.stderr           # left out, said once
+    from runtime.residency.config import load_config
+
+    cfg = load_config(out)
+    assert [b.device for b in cfg.remotes] == [a.device] and cfg.rpc_mode == "auto"
+    assert cfg.remotes[0].bytes > 0
+    text = out.read_text()
+    assert "remote plan [" in text and f"127.0.0.1:{gone}" in text      # explained in comments
+    check = subprocess.run([sys.executable, "-m", "runtime.cli", "config", "check", str(out),
+                            "-m", str(split_model)], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=60, env=child_env(rpc_build.lib_dir))
+    assert check.returncode == 0, check.stderr
+    run = run_child(rpc_build.lib_dir, {"model": str(split_model), "config": str(out)})
+    assert run["remote"]["shares"][0]["layers"]                       # the remote is used
+    assert run["tokens"] == local_tokens
+
+
 def test_config_check_reports_capacity_and_refuses_too_big_a_budget(
         rpc_build, rpc_servers, split_model, tmp_path):
     a, _b = rpc_servers
