@@ -218,3 +218,13 @@ class Pager:
 
     def fileno(self) -> int:
         return self._fd
+
+
+def drop_file_cache(path: str) -> None:
+    """Drop every page of ``path``: from all of this process's mappings, then the page cache."""
+    mapping = FileMapping.find(path)
+    pager = Pager(mapping, threads=1)
+    try:
+        pager.drop([(0, -(-mapping.file_bytes // vm.PAGE_SIZE) * vm.PAGE_SIZE)])
+    finally:
+        pager.close()

@@ -185,7 +185,7 @@ def test_cold_cache_is_refilled_in_the_background_within_the_budget(model, monke
     import time
 
     from runtime.ramtier import refill
-    from runtime.ramtier.bench_run import drop_file_cache
+    from runtime.ramtier.pager import drop_file_cache
 
     def wait_idle(tier):
         deadline = time.monotonic() + 30
@@ -225,7 +225,7 @@ def test_expert_evicted_during_its_refill_read_is_dropped_when_the_read_ends(mod
     # the race behind an overshoot seen under load: DAMON reclaims idle page cache, the
     # refiller re-reads held experts, the manager evicts one while its read is in flight;
     # its pages must leave as soon as that read is done, not at the end of the refill
-    from runtime.ramtier.bench_run import drop_file_cache
+    from runtime.ramtier.pager import drop_file_cache
 
     with _engine(model, "60MiB") as engine:
         tier = next(p for p in engine._attached if isinstance(p, RamTier))
