@@ -3,6 +3,7 @@
  * and compare the events and the managers' counters. */
 #include "route_hook.h"
 #include "../native/slot_cache.h"
+#include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
 
 #include <stdio.h>
@@ -58,6 +59,9 @@ struct rh_hook {
     /* native device caches fed in native mode (each holds its own lease) */
     dc_cache *caches[MAX_CORES];
     int32_t n_caches;
+    /* RAM tiers: each pages its layer's experts in before the matmul (tier_io.h) */
+    rt_tier *tiers[MAX_CORES];
+    int32_t n_tiers;
     /* events of this batch */
     ev_rec *events; int32_t n_events, cap_events;
     int32_t *ev_experts; float *ev_weights; int64_t n_ev_elems, cap_ev_elems;
@@ -140,6 +144,12 @@ int rh_add_cache(rh_hook *h, void *cache) {
     return 0;
 }
 
+int rh_add_tier(rh_hook *h, void *tier) {
+    if (h->n_tiers >= MAX_CORES) return -1;
+    h->tiers[h->n_tiers++] = tier;
+    return 0;
+}
+
 const char *rh_error(const rh_hook *h) { return h->msg; }
 int32_t rh_n_events(const rh_hook *h) { return h->n_events; }
 int32_t rh_final_stage(const rh_hook *h, int32_t layer) {
@@ -188,6 +198,7 @@ static void release_all(rh_hook *h) {
         h->held[d] = 0;
     }
     for (int32_t d = 0; d < h->n_caches; d++) dc_batch_end(h->caches[d]);
+    for (int32_t d = 0; d < h->n_tiers; d++) rt_batch_end(h->tiers[d]);
 }
 
 static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
@@ -234,6 +245,10 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
             fail(h, msg);
         }
     }
+    /* the RAM tiers: back only when the layer's experts are in the page cache */
+    for (int32_t d = 0; d < h->n_tiers; d++)
+        if (rt_step(h->tiers[d], layer, p->experts, (int32_t) n, h->phase) != 0)
+            fail(h, rt_error(h->tiers[d]));
 }
 
 static void flush(rh_hook *h, int32_t layer) {

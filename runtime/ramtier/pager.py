@@ -203,6 +203,10 @@ class Pager:
                 except OSError:
                     pass
 
+    def unlock(self, offset: int, length: int) -> None:
+        """munlock what this pager locked within file bytes ``[offset, offset + length)``."""
+        self._unlock_within(offset, length)
+
     def unlock_all(self) -> None:
         """munlock everything this pager locked."""
         self._unlock_within(0, 1 << 62)
