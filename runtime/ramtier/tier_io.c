@@ -38,7 +38,8 @@ struct rt_tier {
     region *regions; int32_t n_regions;
     /* reads of one rt_page_in */
     chunk *chunks; int64_t n_chunks, cap_chunks, next_chunk, completed;
-    int64_t *want_off, *want_len; int32_t n_want, cap_want;
+    int64_t *want_off, *want_len; int32_t n_want;
+    int64_t cap_want;
     pthread_t *workers; int32_t n_workers;
     pthread_mutex_t mu;
     pthread_cond_t go, done;
@@ -46,11 +47,24 @@ struct rt_tier {
     int32_t active, stop, io_error;
     char io_msg[200];
     /* events and counters */
-    int32_t *ev_kind, *ev_flat, n_ev, cap_ev;
+    int32_t *ev_kind, *ev_flat, n_ev;
+    int64_t cap_ev;
     int32_t reclaimed_layer;
     rt_stats stats;
     char msg[256];
 };
+
+/* make room for `need` items of `item` bytes in *p (capacity *cap, doubled); 0 or -1 */
+static int grow(void **p, int64_t *cap, int64_t need, size_t item) {
+    if (need <= *cap) return 0;
+    int64_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *q = realloc(*p, (size_t) c * item);
+    if (q == NULL) return -1;
+    *p = q;
+    *cap = c;
+    return 0;
+}
 
 /* ---- the mappings ---------------------------------------------------------------------- */
 
@@ -173,13 +187,7 @@ static void *worker(void *arg) {
 }
 
 static int push_chunk(rt_tier *t, int64_t off, int64_t len, int32_t advised) {
-    if (t->n_chunks == t->cap_chunks) {
-        const int64_t cap = t->cap_chunks ? 2 * t->cap_chunks : 256;
-        chunk *c = realloc(t->chunks, (size_t) cap * sizeof *c);
-        if (c == NULL) return -1;
-        t->chunks = c;
-        t->cap_chunks = cap;
-    }
+    if (grow((void **) &t->chunks, &t->cap_chunks, t->n_chunks + 1, sizeof *t->chunks)) return -1;
     t->chunks[t->n_chunks++] = (chunk) {off, len, advised};
     return 0;
 }
@@ -281,16 +289,11 @@ int64_t rt_drop(rt_tier *t, int32_t flat) {
 /* ---- events ---------------------------------------------------------------------------- */
 
 static void event(rt_tier *t, int32_t kind, int32_t flat) {
-    if (t->n_ev == t->cap_ev) {
-        const int32_t cap = t->cap_ev ? 2 * t->cap_ev : 256;
-        int32_t *k = realloc(t->ev_kind, (size_t) cap * sizeof *k);
-        if (k == NULL) return;
-        t->ev_kind = k;
-        int32_t *f = realloc(t->ev_flat, (size_t) cap * sizeof *f);
-        if (f == NULL) return;
-        t->ev_flat = f;
-        t->cap_ev = cap;
-    }
+    int64_t cap_k = t->cap_ev, cap_f = t->cap_ev;
+    if (grow((void **) &t->ev_kind, &cap_k, t->n_ev + 1, sizeof *t->ev_kind) ||
+        grow((void **) &t->ev_flat, &cap_f, t->n_ev + 1, sizeof *t->ev_flat))
+        return;                   /* out of memory: the event is lost, the step goes on */
+    t->cap_ev = cap_k < cap_f ? cap_k : cap_f;
     t->ev_kind[t->n_ev] = kind;
     t->ev_flat[t->n_ev++] = flat;
 }
@@ -325,16 +328,11 @@ static void finish_layer(rt_tier *t) {
 }
 
 static int want(rt_tier *t, int64_t off, int64_t len) {
-    if (t->n_want == t->cap_want) {
-        const int32_t cap = t->cap_want ? 2 * t->cap_want : 64;
-        int64_t *o = realloc(t->want_off, (size_t) cap * sizeof *o);
-        if (o == NULL) return -1;
-        t->want_off = o;
-        int64_t *l = realloc(t->want_len, (size_t) cap * sizeof *l);
-        if (l == NULL) return -1;
-        t->want_len = l;
-        t->cap_want = cap;
-    }
+    int64_t cap_o = t->cap_want, cap_l = t->cap_want;
+    if (grow((void **) &t->want_off, &cap_o, t->n_want + 1, sizeof *t->want_off) ||
+        grow((void **) &t->want_len, &cap_l, t->n_want + 1, sizeof *t->want_len))
+        return -1;
+    t->cap_want = cap_o < cap_l ? cap_o : cap_l;
     t->want_off[t->n_want] = off;
     t->want_len[t->n_want++] = len;
     return 0;
