@@ -59,9 +59,11 @@ class RamTier:
         self._warned: set[str] = set()
         self._guard = threading.Lock()           # short: dicts and counters, never across I/O
         self._inflight: dict[int, tuple[Ticket, Future]] = {}   # ticket id -> (ticket, done)
+        self._reads_of: dict[int, int] = {}      # flat key -> its tickets in flight (busy)
         self._failed: list[Ticket] = []          # background reads that failed (batch end)
         self._want_fill = False                  # the refiller asked for fill_spare
         self._reclaimed_seen = 0                 # C's reclaimed bytes at the last refill check
+        self._regions_stale = False              # the mapping was re-read since C last saw it
         self._paged = self._prefetched = self._dropped = self._errors = 0
         self.n_layer = 1 + max((k.layer for k in layout.keys), default=0)
         core = manager.core_handle(DEVICE)
@@ -101,6 +103,7 @@ class RamTier:
         done: Future = Future()
         with self._guard:
             self._inflight[ticket.id] = (ticket, done)
+            self._reads_of[flat] = self._reads_of.get(flat, 0) + 1
             self.io.busy[flat] = 1
         read = self.lane.submit(list(self.layout.ranges(ticket.key)))
 
@@ -109,7 +112,9 @@ class RamTier:
             key = ticket.key
             with self._guard:
                 self._inflight.pop(ticket.id, None)
-                if not any(t.key == key for t, _ in self._inflight.values()):
+                self._reads_of[flat] -= 1
+                if not self._reads_of[flat]:
+                    del self._reads_of[flat]
                     self.io.busy[flat] = 0
                 if stats.error is None:
                     if ticket.prefetch:
@@ -207,6 +212,9 @@ class RamTier:
             self.refiller.maybe_start(reclaimed_layer, self.n_layer,
                                       reclaimed - self._reclaimed_seen)
             self._reclaimed_seen = reclaimed
+        if self._regions_stale:
+            self._regions_stale = False
+            self.io.set_regions(self.pager.mapping)
         if self._want_fill:
             self._want_fill = False
             self.fill_spare()
@@ -222,7 +230,7 @@ class RamTier:
             return offset // vm.PAGE_SIZE, self.pager.mapping.resident_span(offset, length)
         except (OSError, ValueError):     # a copy went away (a reader's np.memmap was freed)
             self.pager.mapping.refresh()
-            self.io.set_regions(self.pager.mapping)
+            self._regions_stale = True     # C learns at batch end (it may be reading them now)
             return None
 
     def missing_spans(self, key: ExpertKey, pages: tuple[int, np.ndarray] | None = None

@@ -5,10 +5,9 @@
  * inline: admissions are resident at once); the layer's experts whose pages are not in the
  * page cache (admissions, transient uses, hits the kernel reclaimed: a one-page mincore probe
  * per hit, then mincore over the hit's ranges) are read in parallel, `threads` in flight
- * (MADV_WILLNEED on the model's mapping queues every read, then per 1 MiB chunk a one-byte
- * pread of its last byte waits for the kernel's read and mincore confirms; a chunk still short
- * or unmapped is read whole); rt_step returns when every byte is in the page cache, so the
- * matmul only takes minor faults. Evicted experts' pages leave every mapping and the page
+ * (file_pages.h: MADV_WILLNEED on the model's mapping queues every read, a one-byte pread per
+ * 1 MiB chunk waits for it, mincore confirms, a chunk still short is read whole); rt_step
+ * returns when every byte is in the page cache, so the matmul only takes minor faults. Evicted experts' pages leave every mapping and the page
  * cache (MADV_DONTNEED, then posix_fadvise(DONTNEED)), except pages a held, busy or running
  * expert shares. A failed read (EIO, a short read: the file was truncated) fails the step:
  * rt_error says which.
@@ -16,7 +15,7 @@
  * Shared state, owned by Python (numpy arrays, one byte per flat key = layer * n_expert + e):
  *   held[f]  1 while f's pages were read in and the core holds f resident. Written by rt_step
  *            (the decode thread) and by Python (a background read finished; at batch end).
- *   busy[f]  1 while a background read of f runs (Python's lane or refill). rt_step never
+ *   busy[f]  1 while a background read of f runs (a ticket on Python's lane). rt_step never
  *            drops a busy key's pages (it clears held[f]; the read's completion then drops
  *            them) and reads a busy key the layer needs itself.
  * Everything else (the events: admissions, drops, prefetches issued, the first layer whose

@@ -32,10 +32,11 @@ NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
 SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "affinity.c",
            ENGINE / "route_hook.c",
-           NATIVE / "slot_cache.c", RAMTIER / "tier_io.c")
+           NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
-INTERNAL = (HERE / "next_visit.h", HERE / "affinity.h")    # included by the sources only (not part of the cdef)
+# included by the sources only (not part of the cdef)
+INTERNAL = (HERE / "next_visit.h", HERE / "affinity.h", RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 
