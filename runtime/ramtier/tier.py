@@ -66,11 +66,10 @@ class RamTier:
         self._regions_stale = False              # the mapping was re-read since C last saw it
         self._paged = self._prefetched = self._dropped = self._errors = 0
         self.n_layer = 1 + max((k.layer for k in layout.keys), default=0)
-        core = manager.core_handle(DEVICE)
-        if core is None:
-            raise RuntimeError("the RAM tier needs the native residency core")
-        self.io = TierIO(core, layout, pager.mapping, n_layer=self.n_layer,
-                         n_expert=manager.n_expert, fd=pager.fileno(), threads=pager.threads)
+        # the native core of "cpu" (attach_to declines a manager on the reference core)
+        self.io = TierIO(manager.core_handle(DEVICE), layout, pager.mapping,
+                         n_layer=self.n_layer, n_expert=manager.n_expert, fd=pager.fileno(),
+                         threads=pager.threads)
         self._mlock = False
         self.mlock = mlock
         self.refiller = Refiller(self) if refill else None

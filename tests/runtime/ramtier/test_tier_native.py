@@ -194,3 +194,19 @@ def test_page_in_in_c_equals_pager_page_in_and_a_short_read_raises(mapped_file, 
     finally:
         io.close()
         pager.close()
+
+
+def test_a_manager_on_the_reference_core_gets_a_message_and_no_tier(model, caplog):
+    import logging
+
+    from gguf_tools.facts import read_model_facts
+    from runtime.ramtier import attach_to
+
+    caplog.set_level(logging.WARNING, logger="moe_offload.ramtier")
+    facts = read_model_facts(model)
+    manager = ExpertResidencyManager(parse_config({"devices": {"cpu": "2MiB"}}, source="t"),
+                                     core="reference")
+    manager.bind_model(facts.expert_bytes, facts.n_expert)
+    with open(model, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ):
+        assert attach_to(manager, model) is None       # our own mapping stands in for llama's
+    assert any("needs the native one" in r.getMessage() for r in caplog.records)
