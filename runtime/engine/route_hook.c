@@ -5,6 +5,7 @@
 #include "../native/slot_cache.h"
 #include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
+#include "../residency/core/grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -181,17 +182,6 @@ static void fail(rh_hook *h, const char *msg) {
 
 /* ---- framing (RouteAssembler) ------------------------------------------------------------ */
 
-static int grow(void **p, int64_t *cap, int64_t need, size_t item) {
-    if (need <= *cap) return 0;
-    int64_t c = *cap ? *cap : 1024;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, (size_t) c * item);
-    if (q == NULL) return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
-
 static void release_all(rh_hook *h) {
     for (int32_t d = 0; d < h->n_cores; d++) {
         if (h->held[d]) rc_release(h->cores[d], h->held[d]);
@@ -211,8 +201,8 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
         h->cap_events = cap;
     }
     int64_t cap_i = h->cap_ev_elems, cap_f = h->cap_ev_elems;
-    if (grow((void **) &h->ev_experts, &cap_i, h->n_ev_elems + n, sizeof(int32_t)) ||
-        grow((void **) &h->ev_weights, &cap_f, h->n_ev_elems + n, sizeof(float))) {
+    if (array_grow((void **) &h->ev_experts, &cap_i, h->n_ev_elems + n, sizeof(int32_t)) ||
+        array_grow((void **) &h->ev_weights, &cap_f, h->n_ev_elems + n, sizeof(float))) {
         fail(h, "out of memory");
         return;
     }
@@ -385,7 +375,7 @@ static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) 
     int64_t cap = h->cap_tmp;
     if (n > cap) {
         int64_t cap_i = h->cap_tmp, cap_f = h->cap_tmp;
-        if (grow((void **) &h->tmp_i, &cap_i, n, 4) || grow((void **) &h->tmp_f, &cap_f, n, 4))
+        if (array_grow((void **) &h->tmp_i, &cap_i, n, 4) || array_grow((void **) &h->tmp_f, &cap_f, n, 4))
             return -1;
         h->cap_tmp = cap_i < cap_f ? cap_i : cap_f;
     }

@@ -1,6 +1,7 @@
 /* file_pages: see file_pages.h. */
 #define _GNU_SOURCE
 #include "file_pages.h"
+#include "../residency/core/grow.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -151,7 +152,7 @@ static void *worker(void *arg) {
 }
 
 static int push_chunk(fp_file *t, int64_t off, int64_t len, int32_t advised) {
-    if (fp_grow((void **) &t->chunks, &t->cap_chunks, t->n_chunks + 1, sizeof *t->chunks))
+    if (array_grow((void **) &t->chunks, &t->cap_chunks, t->n_chunks + 1, sizeof *t->chunks))
         return -1;
     t->chunks[t->n_chunks++] = (chunk) {off, len, advised};
     return 0;

@@ -12,7 +12,6 @@
 #define FILE_PAGES_H
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 typedef struct fp_file fp_file;
 
@@ -29,17 +28,5 @@ int fp_read(fp_file *f, const int64_t *off, const int64_t *len, int32_t n, char 
             size_t msg_bytes);
 /* page-aligned file bytes leave every mapping (munlocked first with `unlock`) and the cache */
 void fp_drop(fp_file *f, int64_t off, int64_t len, int32_t unlock);
-
-/* make room for `need` items of `item` bytes in *p (capacity *cap, doubled); 0 or -1 */
-static inline int fp_grow(void **p, int64_t *cap, int64_t need, size_t item) {
-    if (need <= *cap) return 0;
-    int64_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, (size_t) c * item);
-    if (q == NULL) return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
 
 #endif

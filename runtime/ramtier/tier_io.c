@@ -3,6 +3,7 @@
  * reads; tests compare them. */
 #include "tier_io.h"
 #include "file_pages.h"
+#include "../residency/core/grow.h"
 #include "../residency/core/residency_core.h"
 
 #include <stdio.h>
@@ -99,8 +100,8 @@ int rt_page_in(rt_tier *t, const int64_t *off, const int64_t *len, int32_t n) {
 
 static void event(rt_tier *t, int32_t kind, int32_t flat) {
     int64_t cap_k = t->cap_ev, cap_f = t->cap_ev;
-    if (fp_grow((void **) &t->ev_kind, &cap_k, t->n_ev + 1, sizeof *t->ev_kind) ||
-        fp_grow((void **) &t->ev_flat, &cap_f, t->n_ev + 1, sizeof *t->ev_flat))
+    if (array_grow((void **) &t->ev_kind, &cap_k, t->n_ev + 1, sizeof *t->ev_kind) ||
+        array_grow((void **) &t->ev_flat, &cap_f, t->n_ev + 1, sizeof *t->ev_flat))
         return;                   /* out of memory: the event is lost, the step goes on */
     t->cap_ev = cap_k < cap_f ? cap_k : cap_f;
     t->ev_kind[t->n_ev] = kind;
@@ -138,8 +139,8 @@ static void finish_layer(rt_tier *t) {
 
 static int want(rt_tier *t, int64_t off, int64_t len) {
     int64_t cap_o = t->cap_want, cap_l = t->cap_want;
-    if (fp_grow((void **) &t->want_off, &cap_o, t->n_want + 1, sizeof *t->want_off) ||
-        fp_grow((void **) &t->want_len, &cap_l, t->n_want + 1, sizeof *t->want_len))
+    if (array_grow((void **) &t->want_off, &cap_o, t->n_want + 1, sizeof *t->want_off) ||
+        array_grow((void **) &t->want_len, &cap_l, t->n_want + 1, sizeof *t->want_len))
         return -1;
     t->cap_want = cap_o < cap_l ? cap_o : cap_l;
     t->want_off[t->n_want] = off;

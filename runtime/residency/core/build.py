@@ -36,7 +36,8 @@ SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "affinity.c"
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
-INTERNAL = (HERE / "next_visit.h", HERE / "affinity.h", RAMTIER / "file_pages.h")
+INTERNAL = (HERE / "next_visit.h", HERE / "affinity.h", HERE / "grow.h",
+            RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 
