@@ -74,6 +74,14 @@ int fp_resident(const fp_file *t, int64_t off, int64_t len) {
     return 1;
 }
 
+int fp_advise(const fp_file *t, int64_t off, int64_t len) {
+    char *addr = addr_of(t, off, len);
+    if (addr == NULL) return -1;
+    const uintptr_t lo = (uintptr_t) addr & ~(uintptr_t) (t->page - 1);
+    return madvise((void *) lo, (size_t) ((uintptr_t) addr + (uintptr_t) len - lo),
+                   MADV_WILLNEED) == 0 ? 0 : -1;
+}
+
 /* ---- reads ----------------------------------------------------------------------------- */
 
 static void io_fail(fp_file *t, const char *what, int64_t off, int err) {
@@ -171,13 +179,7 @@ int fp_read(fp_file *t, const int64_t *off, const int64_t *len, int32_t n, char 
     pthread_mutex_unlock(&t->mu);
     for (int32_t i = 0; i < n; i++) {
         /* WILLNEED queues the range's reads at once (no copy on our side) */
-        char *addr = addr_of(t, off[i], len[i]);
-        int32_t advised = 0;
-        if (addr != NULL) {
-            const uintptr_t lo = (uintptr_t) addr & ~(uintptr_t) (t->page - 1);
-            advised = madvise((void *) lo, (size_t) ((uintptr_t) addr + (uintptr_t) len[i] - lo),
-                              MADV_WILLNEED) == 0;
-        }
+        const int32_t advised = fp_advise(t, off[i], len[i]) == 0;
         for (int64_t at = 0; at < len[i]; at += CHUNK_BYTES)
             if (push_chunk(t, off[i] + at, len[i] - at < CHUNK_BYTES ? len[i] - at : CHUNK_BYTES,
                            advised) != 0) goto nomem;

@@ -26,6 +26,9 @@ int fp_resident(const fp_file *f, int64_t off, int64_t len);   /* every page in 
 /* read n ranges into the page cache and wait; 0, or -1 with the reason in msg */
 int fp_read(fp_file *f, const int64_t *off, const int64_t *len, int32_t n, char *msg,
             size_t msg_bytes);
+/* queue the reads of file bytes [off, off + len) (MADV_WILLNEED on copy 0) and return at once;
+ * 0, or -1 when no copy maps them all or the kernel refused */
+int fp_advise(const fp_file *f, int64_t off, int64_t len);
 /* page-aligned file bytes leave every mapping (munlocked first with `unlock`) and the cache */
 void fp_drop(fp_file *f, int64_t off, int64_t len, int32_t unlock);
 

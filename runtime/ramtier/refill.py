@@ -40,10 +40,8 @@ class Refiller:
     def active(self) -> bool:
         return self._pending > 0
 
-    def maybe_start(self, layer: int, n_layer: int, reclaimed_bytes: int = 0) -> bool:
-        """A held expert was found reclaimed at ``layer``: refill if the cache went cold.
-        ``reclaimed_bytes``: held bytes found reclaimed (and read back) since the last call
-        (the tier checks at batch end, after the batch's own reads): they count as missing."""
+    def maybe_start(self, layer: int, n_layer: int) -> bool:
+        """A held expert was found reclaimed at ``layer``: refill if the cache went cold."""
         now = time.monotonic()
         with self._guard:
             if self._pending or now - self._last_check < MIN_INTERVAL_S:
@@ -56,7 +54,7 @@ class Refiller:
         resident = tier.layout.resident_bytes(tier.pager.mapping.resident_pages())
         sizes = {k: tier.layout.nbytes(k) for k in held}
         missing = [k for k in held if resident[tier.layout.key_index(k)] < sizes[k]]
-        if sum(sizes[k] for k in missing) + reclaimed_bytes <= COLD_FRACTION * sum(sizes.values()):
+        if sum(sizes[k] for k in missing) <= COLD_FRACTION * sum(sizes.values()):
             return False
         missing.sort(key=lambda k: ((k.layer - layer - 1) % n_layer, k.expert))
         with self._guard:

@@ -12,11 +12,12 @@ by ``on_route`` in forward mode; no Python call per layer-step in native mode):
      probe per hit; then mincore over each hit's ranges); then the matmul runs on resident
      pages. A failed read fails the decode (RouteCaptureError).
 
-Once per batch (``after_batch``, Python) the C side's events are drained: prefetches the core
-issued stream on the background lane, mlock follows admissions and drops, and a layer whose
-hits were found reclaimed starts the background refill (``refill.py``) after a cold page
-cache; when the budget has room for every expert, everything not yet resident is prefetched
-(``fill_spare``).
+Prefetches the core issues in a layer-step are queued there and then (MADV_WILLNEED, no wait);
+their first use waits for what is still coming. Once per batch (``after_batch``, Python) the C
+side's events are drained (mlock follows admissions and drops). The first layer of a batch
+whose hits were found reclaimed calls Python (a rare event), which starts the background
+refill (``refill.py``) after a cold page cache; when the budget has room for every expert,
+everything not yet resident is prefetched (``fill_spare``).
 
 Which experts hold pages is one byte per flat key (``TierIO.held``), shared with C, so that
 dropping one expert never drops a page shared with a neighbour that stays, without calling
@@ -35,7 +36,7 @@ from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.pager import PageInStats, Pager
 from runtime.ramtier.refill import Refiller
 from runtime.ramtier.telemetry import ResidencyTruth, TierStats, prometheus_text
-from runtime.ramtier.tier_io import EV_ADMIT, EV_DROP, EV_PREFETCH, TierIO
+from runtime.ramtier.tier_io import EV_ADMIT, EV_DROP, TierIO
 from runtime.ramtier import vm
 from runtime.residency.types import ExpertKey, Phase, Ticket
 
@@ -62,7 +63,6 @@ class RamTier:
         self._reads_of: dict[int, int] = {}      # flat key -> its tickets in flight (busy)
         self._failed: list[Ticket] = []          # background reads that failed (batch end)
         self._want_fill = False                  # the refiller asked for fill_spare
-        self._reclaimed_seen = 0                 # C's reclaimed bytes at the last refill check
         self._regions_stale = False              # the mapping was re-read since C last saw it
         self._paged = self._prefetched = self._dropped = self._errors = 0
         self.n_layer = 1 + max((k.layer for k in layout.keys), default=0)
@@ -73,8 +73,9 @@ class RamTier:
         self._mlock = False
         self.mlock = mlock
         self.refiller = Refiller(self) if refill else None
+        if self.refiller is not None:
+            self.io.on_reclaim(self._reclaimed_at)
         self.lane = BackgroundLane(pager)
-        self._next_job = 1 << 60                 # ids of the core's inline prefetches
 
     @property
     def native_handle(self):
@@ -188,17 +189,13 @@ class RamTier:
         self.after_batch()
 
     def after_batch(self) -> None:
-        """Once per decode call: the C side's events (prefetches to stream, mlock), the
+        """Once per decode call: the C side's events (mlock follows them), the
         background reads that failed, the refill trigger, a requested ``fill_spare``."""
-        events, reclaimed_layer = self.io.take_events()
+        events, _ = self.io.take_events()
         ne = self.io.n_expert
         for kind, flat in events:
             key = ExpertKey(flat // ne, flat % ne)
-            if kind == EV_PREFETCH:
-                self._next_job += 1
-                self.submit(Ticket(self._next_job, DEVICE, key, self.layout.nbytes(key), (),
-                                   Phase.DECODE, True))
-            elif kind == EV_ADMIT and self.io.held[flat]:
+            if kind == EV_ADMIT and self.io.held[flat]:
                 self._lock_if_allowed(key)
             elif kind == EV_DROP:
                 self._unlock(key)
@@ -206,17 +203,29 @@ class RamTier:
             failed, self._failed = self._failed, []
         for ticket in failed:
             self.manager.transfer_failed(ticket)
-        if reclaimed_layer >= 0 and self.refiller is not None:
-            reclaimed = self.io.counters().reclaimed_bytes
-            self.refiller.maybe_start(reclaimed_layer, self.n_layer,
-                                      reclaimed - self._reclaimed_seen)
-            self._reclaimed_seen = reclaimed
         if self._regions_stale:
             self._regions_stale = False
             self.io.set_regions(self.pager.mapping)
         if self._want_fill:
             self._want_fill = False
             self.fill_spare()
+
+    def _reclaimed_at(self, layer: int) -> None:
+        """From C (a rare event): held experts of ``layer`` were found reclaimed, before the
+        layer's reads; the refiller checks whether the whole cache went cold."""
+        try:
+            self.refiller.maybe_start(layer, self.n_layer)
+        except Exception as exc:  # noqa: BLE001 - never into C; demand reads still work
+            self._warn_once(f"ram tier: refill check: {type(exc).__name__}: {exc}")
+
+    def _warn_once(self, message: str) -> None:
+        with self._guard:
+            self._errors += 1
+            if message in self._warned:
+                return
+            self._warned.add(message)
+        self.notices.append(message)
+        log.warning("%s", message)
 
     # ---- internals ----------------------------------------------------------------------
     def _layer_pages(self, keys: list[ExpertKey]) -> tuple[int, np.ndarray] | None:
@@ -281,7 +290,8 @@ class RamTier:
         c = self.io.counters()
         with self._guard:
             return TierStats(c.routes, c.paged_bytes + self._paged, c.reclaimed_bytes,
-                             c.wait_s, self._prefetched, c.dropped + self._dropped,
+                             c.wait_s, c.prefetched_bytes + self._prefetched,
+                             c.dropped + self._dropped,
                              self.pager.locked_bytes, self._errors,
                              self.refiller.refilled_bytes if self.refiller else 0)
 

@@ -24,6 +24,7 @@ struct rt_tier {
     uint8_t *held, *busy;
     uint8_t *cur;                  /* (n_flat,) in use by the running layer-step */
     uint8_t *mark;                 /* (n_flat,) scratch: 1 admitted, 2 transient */
+    uint8_t *advised;              /* (n_flat,) prefetched: reads queued, not yet used */
     int32_t *cur_list, n_cur;      /* the running layer-step's keys */
     int32_t *transient, n_transient;
     int64_t lease, next_lease;
@@ -33,6 +34,7 @@ struct rt_tier {
     int32_t *ev_kind, *ev_flat, n_ev;
     int64_t cap_ev;
     int32_t reclaimed_layer;
+    rt_reclaim_cb on_reclaim; void *on_reclaim_user;
     rt_stats stats;
     char msg[256];
 };
@@ -123,7 +125,19 @@ int32_t rt_reclaimed_layer(const rt_tier *t) { return t->reclaimed_layer; }
 
 /* ---- the layer-step -------------------------------------------------------------------- */
 
+/* a prefetch the core issued: queue its reads now (MADV_WILLNEED, no wait); its first use
+ * waits for them. Held at once: its edge pages are protected while they come in. */
+static void prefetch(rt_tier *t, int32_t f) {
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) {
+        fp_advise(t->file, t->range_off[r], t->range_len[r]);
+        t->stats.prefetched_bytes += t->range_len[r];
+    }
+    t->advised[f] = 1;
+    t->held[f] = 1;
+}
+
 static void evict(rt_tier *t, int32_t f) {
+    t->advised[f] = 0;
     t->held[f] = 0;               /* a busy key: its read's completion drops the pages */
     t->stats.dropped++;
     rt_drop(t, f);
@@ -181,7 +195,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     for (int32_t i = 0; i < r.n_evicted; i++) evict(t, r.evicted[i]);
     for (int32_t i = 0, v = 0; i < r.n_prefetched; i++) {
         for (int32_t j = 0; j < r.prefetch_n_victims[i]; j++) evict(t, r.prefetch_victims[v++]);
-        event(t, RT_EV_PREFETCH, r.prefetched[i]);
+        prefetch(t, r.prefetched[i]);
     }
     for (int32_t i = 0; i < r.n_admitted; i++) t->mark[r.admitted[i]] = 1;
     for (int32_t i = 0; i < r.n_transient; i++) {
@@ -189,12 +203,14 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         t->transient[t->n_transient++] = r.transient[i];
     }
     /* what to read: admissions and transient uses whole; a busy key (its background read may
-     * sit far back in the queue) whole; hits only where the kernel took pages back */
+     * sit far back in the queue) and a prefetched one (its queued reads may still run) whole:
+     * what is in already costs a one-byte pread and a mincore per 1 MiB; hits only where the
+     * kernel took pages back */
     t->n_want = 0;
     int probe_failed = 0, oom = 0;
     for (int32_t i = 0; i < t->n_cur; i++) {
         const int32_t f = t->cur_list[i];
-        if (t->mark[f] || t->busy[f]) oom |= want_all(t, f);
+        if (t->mark[f] || t->busy[f] || t->advised[f]) oom |= want_all(t, f);
         else if (!probe_failed) {
             const int64_t first = t->range_off[t->range_start[f]];
             probe_failed = !fp_resident(t->file, first, 1);
@@ -204,7 +220,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     if (probe_failed)
         for (int32_t i = 0; i < t->n_cur; i++) {
             const int32_t f = t->cur_list[i];
-            if (t->mark[f] || t->busy[f]) continue;
+            if (t->mark[f] || t->busy[f] || t->advised[f]) continue;
             for (int64_t q = t->range_start[f]; q < t->range_start[f + 1]; q++)
                 if (!fp_resident(t->file, t->range_off[q], t->range_len[q])) {
                     oom |= want(t, t->range_off[q], t->range_len[q]);
@@ -215,7 +231,10 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         snprintf(t->msg, sizeof t->msg, "ram tier: out of memory");
         return -1;
     }
-    if (reclaimed && t->reclaimed_layer < 0) t->reclaimed_layer = layer;
+    if (reclaimed && t->reclaimed_layer < 0) {
+        t->reclaimed_layer = layer;
+        if (t->on_reclaim) t->on_reclaim(layer, t->on_reclaim_user);
+    }
     int64_t bytes = 0;
     for (int32_t i = 0; i < t->n_want; i++) bytes += t->want_len[i];
     const int failed = rt_page_in(t, t->want_off, t->want_len, t->n_want);
@@ -226,6 +245,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
             t->held[f] = 1;
         }
         t->mark[f] = 0;
+        t->advised[f] = 0;
     }
     t->stats.paged_bytes += bytes;
     t->stats.reclaimed_bytes += reclaimed;
@@ -243,6 +263,10 @@ const char *rt_error(const rt_tier *t) { return t->msg; }
 void rt_get_stats(const rt_tier *t, rt_stats *out) { *out = t->stats; }
 void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); }
 void rt_set_mlock(rt_tier *t, int32_t on) { t->mlock = on; }
+void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
+    t->on_reclaim = cb;
+    t->on_reclaim_user = user_data;
+}
 
 /* ---- lifetime -------------------------------------------------------------------------- */
 
@@ -263,9 +287,10 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     t->file = fp_create(fd, threads);
     t->cur = calloc((size_t) t->n_flat, 1);
     t->mark = calloc((size_t) t->n_flat, 1);
+    t->advised = calloc((size_t) t->n_flat, 1);
     t->cur_list = malloc((size_t) t->n_flat * sizeof *t->cur_list);
     t->transient = malloc((size_t) t->n_flat * sizeof *t->transient);
-    if (!t->file || !t->cur || !t->mark || !t->cur_list || !t->transient) {
+    if (!t->file || !t->cur || !t->mark || !t->advised || !t->cur_list || !t->transient) {
         rt_free(t);
         return NULL;
     }
@@ -276,7 +301,7 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
 void rt_free(rt_tier *t) {
     if (t == NULL) return;
     fp_free(t->file);
-    free(t->cur); free(t->mark); free(t->cur_list); free(t->transient);
+    free(t->cur); free(t->mark); free(t->advised); free(t->cur_list); free(t->transient);
     free(t->want_off); free(t->want_len); free(t->ev_kind); free(t->ev_flat);
     free(t);
 }

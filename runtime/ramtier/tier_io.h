@@ -18,8 +18,10 @@
  *   busy[f]  1 while a background read of f runs (a ticket on Python's lane). rt_step never
  *            drops a busy key's pages (it clears held[f]; the read's completion then drops
  *            them) and reads a busy key the layer needs itself.
- * Everything else (the events: admissions, drops, prefetches issued, the first layer whose
- * hits were reclaimed) is drained by Python once per batch (rt_events / rt_clear_events).
+ * Prefetches the core issues in a step are queued at once (MADV_WILLNEED, no wait); a
+ * prefetched key's first use waits for what is still coming. Everything else (the events:
+ * admissions, drops, the first layer whose hits were reclaimed) is drained by Python once per
+ * batch (rt_events / rt_clear_events).
  *
  *     rt_tier *t = rt_create(core, n_layer, n_expert, range_start, range_off, range_len,
  *                            edge_start, edge_owner, edge_full, held, busy, fd, threads);
@@ -40,9 +42,10 @@ typedef struct {
     int64_t wait_ns;           /* time rt_step waited for reads */
     int64_t dropped;           /* experts whose pages were dropped (evictions) */
     int64_t reads;             /* ranges read */
+    int64_t prefetched_bytes;  /* the core's prefetches: reads queued (MADV_WILLNEED) */
 } rt_stats;
 
-enum { RT_EV_ADMIT = 1, RT_EV_DROP = 2, RT_EV_PREFETCH = 3 };
+enum { RT_EV_ADMIT = 1, RT_EV_DROP = 2 };
 
 /* range_start (n_flat + 1): flat f's file ranges are [range_start[f], range_start[f + 1]) of
  * range_off / range_len (bytes). Edges: for range r, edge 2r is its first page, 2r + 1 its
@@ -78,5 +81,9 @@ int32_t rt_n_events(const rt_tier *t);
 int rt_events(const rt_tier *t, int32_t *kind, int32_t *flat);
 void rt_clear_events(rt_tier *t);
 int32_t rt_reclaimed_layer(const rt_tier *t);   /* first layer with reclaimed hits, or -1 */
+/* a rare event: called (on the decoding thread, before the layer's reads) at the first layer of
+ * a batch whose hits the kernel reclaimed, so that a cold page cache can start the refill */
+typedef void (*rt_reclaim_cb)(int32_t layer, void *user_data);
+void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data);
 
 #endif

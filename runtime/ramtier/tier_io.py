@@ -15,7 +15,7 @@ import numpy as np
 from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.mapping import FileMapping
 
-EV_ADMIT, EV_DROP, EV_PREFETCH = 1, 2, 3
+EV_ADMIT, EV_DROP = 1, 2
 
 
 class TierReadError(RuntimeError):
@@ -30,6 +30,7 @@ class StepCounters:
     reclaimed_bytes: int
     wait_s: float
     dropped: int
+    prefetched_bytes: int
 
 
 class TierIO:
@@ -84,6 +85,12 @@ class TierIO:
 
     def set_fd(self, fd: int) -> None:
         self.lib.rt_set_fd(self._handle, fd)
+
+    def on_reclaim(self, fn) -> None:
+        """``fn(layer)`` at the first layer of a batch whose hits the kernel reclaimed (a rare
+        event: a Python call from the hook, before that layer's reads). Must not raise."""
+        self._on_reclaim = self.ffi.callback("rt_reclaim_cb", lambda layer, _user: fn(layer))
+        self.lib.rt_set_on_reclaim(self._handle, self._on_reclaim, self.ffi.NULL)
 
     def set_mlock(self, on: bool) -> None:
         self.lib.rt_set_mlock(self._handle, int(on))
@@ -144,10 +151,11 @@ class TierIO:
         s = self.ffi.new("rt_stats *")
         self.lib.rt_get_stats(self._handle, s)
         return StepCounters(int(s.routes), int(s.paged_bytes), int(s.reclaimed_bytes),
-                            s.wait_ns / 1e9, int(s.dropped))
+                            s.wait_ns / 1e9, int(s.dropped), int(s.prefetched_bytes))
 
     def close(self) -> None:
         """Stop the read threads and free the C object (idempotent)."""
         if self._handle is not None:
+            self.lib.rt_set_on_reclaim(self._handle, self.ffi.NULL, self.ffi.NULL)
             self.lib.rt_free(self._handle)
             self._handle = None

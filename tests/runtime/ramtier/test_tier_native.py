@@ -35,10 +35,10 @@ def model(synth_model_factory):
     return str(synth_model_factory(SPEC))
 
 
-def _engine(model, budget=None):
+def _engine(model, budget=None, **kw):
     config = parse_config({"devices": {"cpu": budget}}, source="test") if budget else None
     return Engine(EngineSettings(model_path=model, n_ctx=256, n_threads=1, seed=0,
-                                 manage_residency=budget is not None, config=config),
+                                 manage_residency=budget is not None, config=config, **kw),
                   progress=False)
 
 
