@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from gguf_tools.synth import SynthSpec
-from runtime.engine.engine import Engine, EngineSettings, SamplingParams
 from runtime.engine.routing_hook import RouteCaptureError
 from runtime.ramtier import RamTier
 from runtime.ramtier.layout import ExpertLayout
@@ -22,6 +21,7 @@ from runtime.ramtier.vm import PAGE_SIZE
 from runtime.residency.config import parse_config
 from runtime.residency.manager import ExpertResidencyManager
 from runtime.residency.types import ExpertKey
+from tests.runtime.ramtier.conftest import greedy, tier_engine
 
 # 4 layers x 16 experts x 384 KiB (f32 gate/up/down 128 x 256), top-2
 SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=16, top_k=2, embd=128, ff=256,
@@ -33,18 +33,6 @@ N_TOKENS = 12
 @pytest.fixture(scope="module")
 def model(synth_model_factory):
     return str(synth_model_factory(SPEC))
-
-
-def _engine(model, budget=None, **kw):
-    config = parse_config({"devices": {"cpu": budget}}, source="test") if budget else None
-    return Engine(EngineSettings(model_path=model, n_ctx=256, n_threads=1, seed=0,
-                                 manage_residency=budget is not None, config=config, **kw),
-                  progress=False)
-
-
-def _greedy(engine, n=N_TOKENS):
-    return [c.token for c in engine.generate(PROMPT, SamplingParams(max_tokens=n, temperature=0))
-            if c.token is not None]
 
 
 def _count_python_calls(hook) -> list[int]:
@@ -75,14 +63,14 @@ class _Synchronous:
 
 
 def test_tier_runs_native_with_no_python_call_per_layer_step(model):
-    with _engine(model) as plain:
-        want = _greedy(plain)
-    with _engine(model, "2MiB") as engine:                 # about a third of the experts
+    with tier_engine(model) as plain:
+        want = greedy(plain, PROMPT, N_TOKENS)
+    with tier_engine(model, "2MiB") as engine:          # about a third of the experts
         tier = next(p for p in engine.tiers if isinstance(p, RamTier))
         calls = _count_python_calls(engine.hook)
         assert engine.hook.native
         decodes = engine.decode_calls
-        got = _greedy(engine)
+        got = greedy(engine, PROMPT, N_TOKENS)
         stats = tier.stats()
         n_decodes = engine.decode_calls - decodes
         assert calls[0] == 0                              # no Python call on any layer-step
@@ -94,7 +82,7 @@ def test_tier_runs_native_with_no_python_call_per_layer_step(model):
         sync = _Synchronous()
         engine.add_route_observer(sync)
         assert not engine.hook.native
-        again = _greedy(engine)
+        again = greedy(engine, PROMPT, N_TOKENS)
         assert calls[0] > 0 and sync.events > 0
         assert tier.stats().routes > stats.routes
     assert got == want and again == want
@@ -104,16 +92,16 @@ def test_a_failed_read_fails_the_decode_with_route_capture_error(model, tmp_path
     truncated = tmp_path / "truncated.gguf"
     with open(model, "rb") as fh:
         truncated.write_bytes(fh.read(1 << 20))            # the file as if cut short
-    with _engine(model, "2MiB") as engine:
+    with tier_engine(model, "2MiB") as engine:
         tier = next(p for p in engine.tiers if isinstance(p, RamTier))
-        assert len(_greedy(engine, 2)) == 2
+        assert len(greedy(engine, PROMPT, 2)) == 2
         drop_file_cache(model)                             # held experts must be read again
         with open(truncated, "rb") as short:
             tier.io.set_fd(short.fileno())
             with pytest.raises(RouteCaptureError, match="ram tier: short read at offset"):
-                _greedy(engine, 2)
+                greedy(engine, PROMPT, 2)
             tier.io.set_fd(tier.pager.fileno())
-        assert len(_greedy(engine, 2)) == 2               # the real file reads again
+        assert len(greedy(engine, PROMPT, 2)) == 2        # the real file reads again
 
 
 # ---- the C rules against their Python references ------------------------------------------
