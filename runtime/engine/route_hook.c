@@ -375,7 +375,8 @@ static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) 
     int64_t cap = h->cap_tmp;
     if (n > cap) {
         int64_t cap_i = h->cap_tmp, cap_f = h->cap_tmp;
-        if (array_grow((void **) &h->tmp_i, &cap_i, n, 4) || array_grow((void **) &h->tmp_f, &cap_f, n, 4))
+        if (array_grow((void **) &h->tmp_i, &cap_i, n, 4) ||
+            array_grow((void **) &h->tmp_f, &cap_f, n, 4))
             return -1;
         h->cap_tmp = cap_i < cap_f ? cap_i : cap_f;
     }

@@ -7,9 +7,9 @@
  * per hit, then mincore over the hit's ranges) are read in parallel, `threads` in flight
  * (file_pages.h: MADV_WILLNEED on the model's mapping queues every read, a one-byte pread per
  * 1 MiB chunk waits for it, mincore confirms, a chunk still short is read whole); rt_step
- * returns when every byte is in the page cache, so the matmul only takes minor faults. Evicted experts' pages leave every mapping and the page
- * cache (MADV_DONTNEED, then posix_fadvise(DONTNEED)), except pages a held, busy or running
- * expert shares. A failed read (EIO, a short read: the file was truncated) fails the step:
+ * returns when every byte is in the page cache, so the matmul only takes minor faults.
+ * Evicted experts' pages leave every mapping and the page cache (MADV_DONTNEED, then
+ * posix_fadvise(DONTNEED)), except pages a held, busy or running expert shares. A failed read (EIO, a short read: the file was truncated) fails the step:
  * rt_error says which.
  *
  * Shared state, owned by Python (numpy arrays, one byte per flat key = layer * n_expert + e):
