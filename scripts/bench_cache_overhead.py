@@ -136,7 +136,7 @@ def main() -> int:
     same = all(t == ref for t in tokens.values())
     if not same and args.device != "cpu-slots":
         print("(on a GPU the slot path's kernels are not the CPU's: greedy tokens may differ "
-              "in the last bits; parity is checked by runtime.native.check)")
+              "in the last bits; parity is checked by runtime.bench.cache_check)")
         return 0
     return 0 if same else 1
 

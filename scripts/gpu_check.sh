@@ -18,7 +18,7 @@
 # (--n-cpu-moe 48), the largest --n-cpu-moe N that fits the budget, our cache with lru, our
 # phase-specific policy; pp512 / tg128 tokens/s and hit rates, as a table written to
 # docs/benchmarks/gpu-check-DATE.md (dry run: under $GPU_CHECK_WORK); then (5) the same configs
-# through the Engine (runtime/native/check.py): speed, hit rates per phase, copies, and greedy
+# through the Engine (runtime.bench.cache_check.py): speed, hit rates per phase, copies, and greedy
 # tokens against the same placement without the cache (cpu-slots: the script fails if they
 # differ; on a GPU the resident experts run on GPU kernels, so a difference is only reported).
 # Knobs (env): GPU_CHECK_WORK (scratch dir), GPU_CHECK_REPS (2), GPU_CHECK_BUDGET_PCT (25),
@@ -189,9 +189,9 @@ else TITLE=""; fi
   echo
   "${BENCH[@]}"
   echo
-  echo "## the cache through the Engine (greedy; dense layers per -ngl), python -m runtime.native.check"
+  echo "## the cache through the Engine (greedy; dense layers per -ngl), python -m runtime.bench.cache_check"
   echo
-  "$PY" -m runtime.native.check "$MODEL" --config "$WORK/lru.toml" \
+  "$PY" -m runtime.bench.cache_check "$MODEL" --config "$WORK/lru.toml" \
       --config "$WORK/phase-specific.toml" "${CHECK[@]}"
   if [[ $VK != 1 ]]; then   # lavapipe crashes intermittently at 48 layers (native/README.md)
     echo

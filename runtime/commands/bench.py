@@ -4,7 +4,7 @@
         [--budget SIZE] [--policies lru,lfu,...] [--mem-limit SIZE] [--n-cpu-moe N ...] [--json]
 
 Without ``-m`` it writes (once) and uses the default benchmark model in the cache directory
-(``runtime/ramtier/bench_model.py``). Without ``--config`` the configurations are: plain mmap,
+(``runtime/bench/model.py``). Without ``--config`` the configurations are: plain mmap,
 read-ahead (managed, room for every expert), and each eviction policy at ``--budget``
 (default 30% of the expert bytes); with ``--config`` files, plain mmap and one row group per
 file. ``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gguf_tools.facts import read_model_facts
-    from runtime.ramtier import bench
-    from runtime.ramtier.bench_model import ensure_model
+    from runtime.bench import offload as bench
+    from runtime.bench.model import ensure_model
     from runtime.ramtier.cgroup import MemoryLimit
     from runtime.residency.policies.factory import policy_names
 

@@ -379,12 +379,13 @@ class Engine:
         except BaseException:
             if self.hook is not None and self.hook.in_batch:
                 self.hook.abort_batch()
-            self._forget_from(first_pos)
+            self._forget_from(first_pos, failed=True)
             raise
         self._kv.extend(tokens)
 
-    def _forget_from(self, pos: int) -> None:
-        if pos < len(self._kv) or pos == 0:
+    def _forget_from(self, pos: int, *, failed: bool = False) -> None:
+        # failed: a decode that stopped part-way may have written cells at pos.. already
+        if failed or pos < len(self._kv) or pos == 0:
             memory = self._ll.llama_get_memory(self.ctx_ptr)
             self._ll.llama_memory_seq_rm(memory, 0, pos, -1)
             del self._kv[pos:]

@@ -9,10 +9,12 @@ one of two modes:
            core of every fed device (one access per layer-step, the previous one's lease
            released in the same call), and buffers the event; ``end_batch`` hands the buffered
            events to the observers once per decode call;
-  forward  an observer must run between a layer's router and its experts (the RAM tier and
-           the native device cache move bytes there, and any observer that does not say
-           otherwise): the C hook only filters node names and calls the Python callback,
-           which works as RoutingHook always did, and the fed devices get a ResidencyObserver.
+           The RAM tier (``add_tier``) and the native device cache (``add_cache``) are stepped
+           in C there too, before the layer's expert matmul runs (reads, copies);
+  forward  an observer must run between a layer's router and its experts (any Python
+           observer that does not say otherwise): the C hook only filters node names and calls
+           the Python callback, which works as RoutingHook always did; the fed devices get a
+           ResidencyObserver, and the tier and caches are observers that call the same C.
 
 Both modes make the same decisions and the same events (tests compare them).
 """
@@ -85,6 +87,7 @@ class NativeHook(RoutingHook):
         self._feed: ResidencyObserver | None = None
         self._cores: list = []
         self._caches: list = []
+        self._tiers: list = []
         self._native_batch = False
         self._in_native_batch = False
         self._phase = Phase.PREFILL
@@ -105,9 +108,15 @@ class NativeHook(RoutingHook):
         self._caches.append(cache)
         self.lib.rh_add_cache(self.handle, cache.native_handle)
 
+    def add_tier(self, tier) -> None:
+        """A RAM tier (runtime.ramtier.RamTier) to step before each layer's expert matmul."""
+        if self.lib.rh_add_tier(self.handle, tier.native_handle) != 0:
+            raise ValueError("too many RAM tiers for the routing hook")
+        self._tiers.append(tier)
+
     def _own(self) -> list:
         """The observers the hook itself runs natively (or hands to forward mode)."""
-        return [o for o in (self._feed, *self._caches) if o is not None]
+        return [o for o in (self._feed, *self._caches, *self._tiers) if o is not None]
 
     def _can_run_native(self) -> bool:
         if any(c is None for c in self._cores):
@@ -189,6 +198,8 @@ class NativeHook(RoutingHook):
                   for layer, phase, first, turn, rows, at in meta.tolist()]
         for cache in self._caches:
             cache.check_failures()
+        for tier in self._tiers:
+            tier.after_batch()
         for observer in a.observers:
             for event in events:
                 observer.on_route(event)

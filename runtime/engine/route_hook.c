@@ -3,7 +3,9 @@
  * and compare the events and the managers' counters. */
 #include "route_hook.h"
 #include "../native/slot_cache.h"
+#include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
+#include "../residency/core/grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +60,9 @@ struct rh_hook {
     /* native device caches fed in native mode (each holds its own lease) */
     dc_cache *caches[MAX_CORES];
     int32_t n_caches;
+    /* RAM tiers: each pages its layer's experts in before the matmul (tier_io.h) */
+    rt_tier *tiers[MAX_CORES];
+    int32_t n_tiers;
     /* events of this batch */
     ev_rec *events; int32_t n_events, cap_events;
     int32_t *ev_experts; float *ev_weights; int64_t n_ev_elems, cap_ev_elems;
@@ -140,6 +145,12 @@ int rh_add_cache(rh_hook *h, void *cache) {
     return 0;
 }
 
+int rh_add_tier(rh_hook *h, void *tier) {
+    if (h->n_tiers >= MAX_CORES) return -1;
+    h->tiers[h->n_tiers++] = tier;
+    return 0;
+}
+
 const char *rh_error(const rh_hook *h) { return h->msg; }
 int32_t rh_n_events(const rh_hook *h) { return h->n_events; }
 int32_t rh_final_stage(const rh_hook *h, int32_t layer) {
@@ -171,23 +182,13 @@ static void fail(rh_hook *h, const char *msg) {
 
 /* ---- framing (RouteAssembler) ------------------------------------------------------------ */
 
-static int grow(void **p, int64_t *cap, int64_t need, size_t item) {
-    if (need <= *cap) return 0;
-    int64_t c = *cap ? *cap : 1024;
-    while (c < need) c *= 2;
-    void *q = realloc(*p, (size_t) c * item);
-    if (q == NULL) return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
-
 static void release_all(rh_hook *h) {
     for (int32_t d = 0; d < h->n_cores; d++) {
         if (h->held[d]) rc_release(h->cores[d], h->held[d]);
         h->held[d] = 0;
     }
     for (int32_t d = 0; d < h->n_caches; d++) dc_batch_end(h->caches[d]);
+    for (int32_t d = 0; d < h->n_tiers; d++) rt_batch_end(h->tiers[d]);
 }
 
 static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
@@ -200,8 +201,8 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
         h->cap_events = cap;
     }
     int64_t cap_i = h->cap_ev_elems, cap_f = h->cap_ev_elems;
-    if (grow((void **) &h->ev_experts, &cap_i, h->n_ev_elems + n, sizeof(int32_t)) ||
-        grow((void **) &h->ev_weights, &cap_f, h->n_ev_elems + n, sizeof(float))) {
+    if (array_grow((void **) &h->ev_experts, &cap_i, h->n_ev_elems + n, sizeof(int32_t)) ||
+        array_grow((void **) &h->ev_weights, &cap_f, h->n_ev_elems + n, sizeof(float))) {
         fail(h, "out of memory");
         return;
     }
@@ -234,6 +235,10 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
             fail(h, msg);
         }
     }
+    /* the RAM tiers: back only when the layer's experts are in the page cache */
+    for (int32_t d = 0; d < h->n_tiers; d++)
+        if (rt_step(h->tiers[d], layer, p->experts, (int32_t) n, h->phase) != 0)
+            fail(h, rt_error(h->tiers[d]));
 }
 
 static void flush(rh_hook *h, int32_t layer) {
@@ -370,7 +375,8 @@ static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) 
     int64_t cap = h->cap_tmp;
     if (n > cap) {
         int64_t cap_i = h->cap_tmp, cap_f = h->cap_tmp;
-        if (grow((void **) &h->tmp_i, &cap_i, n, 4) || grow((void **) &h->tmp_f, &cap_f, n, 4))
+        if (array_grow((void **) &h->tmp_i, &cap_i, n, 4) ||
+            array_grow((void **) &h->tmp_f, &cap_f, n, 4))
             return -1;
         h->cap_tmp = cap_i < cap_f ? cap_i : cap_f;
     }

@@ -47,6 +47,9 @@ int rh_add_core(rh_hook *h, void *core);
 void rh_clear_cores(rh_hook *h);
 /* native mode: device caches (slot_cache.h) fed with every event, settled at batch end */
 int rh_add_cache(rh_hook *h, void *cache);
+/* native mode: RAM tiers (runtime/ramtier/tier_io.h) stepped with every event, before the
+ * layer's expert matmul runs; their lease ends at batch end */
+int rh_add_tier(rh_hook *h, void *tier);
 
 void rh_begin_batch(rh_hook *h, int32_t phase, int64_t first_step, int32_t n_tokens,
                     int32_t n_outputs, int32_t turn, int32_t strict);

@@ -4,8 +4,9 @@ llama.cpp memory-maps the model and leaves paging to the kernel (faults served o
 readahead guesses, LRU eviction that knows nothing of routing). With a ``cpu`` budget in the
 residency config, ``attach(engine)`` makes the residency manager decide which experts stay in
 RAM: between each layer's router and its expert matmul the layer's missing experts are read in
-parallel (exact byte ranges, ``threads`` in flight), evicted experts' pages leave llama.cpp's
-mapping and the page cache, and ``mincore`` reports what really is resident.
+parallel (exact byte ranges, ``threads`` in flight; in C, tier_io.c, stepped by the routing
+hook), evicted experts' pages leave llama.cpp's mapping and the page cache, and ``mincore``
+reports what really is resident.
 
 Only expert tensors in llama.cpp's mmap-backed CPU buffer are governed (the engine places every
 expert there when residency is managed); dense weights stay as llama.cpp keeps them.
@@ -66,7 +67,7 @@ def attach(engine, options: RamTierOptions | None = None) -> RamTier | None:
     """
     tier = attach_to(engine.manager, engine.settings.model_path, options)
     if tier is not None:
-        engine.add_route_observer(tier)
+        engine.hook.add_tier(tier)     # stepped in C per layer-step (native_hook.py)
     return tier
 
 
@@ -89,6 +90,10 @@ def attach_to(manager, model_path: str, options: RamTierOptions | None = None
         _notice(f"{name}: llama.cpp has no memory mapping of the model's experts (loaded "
                 "without mmap, or a filesystem without mmap support); the cpu budget is not "
                 "enforced and experts stay where llama.cpp put them")
+        return None
+    if manager.core_handle(DEVICE) is None:
+        _notice(f"{name}: the residency manager runs its Python reference core; the RAM tier "
+                "needs the native one (tier_io.c steps it), so the cpu budget is not enforced")
         return None
     budget = manager.capacity(DEVICE)
     if budget is None:

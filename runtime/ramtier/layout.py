@@ -77,16 +77,9 @@ class ExpertLayout:
         return out
 
     def _page_free(self, page: int, leaving, is_resident) -> bool:
-        lo_b, hi_b = page * PAGE_SIZE, (page + 1) * PAGE_SIZE
-        i = int(np.searchsorted(self.ends, lo_b, side="right"))
-        j = int(np.searchsorted(self.starts, hi_b, side="left"))
-        covered = 0
-        for r in range(i, j):
-            owner = self.keys[int(self.owner[r])]
-            if owner != leaving and is_resident(owner):
-                return False
-            covered += min(hi_b, int(self.ends[r])) - max(lo_b, int(self.starts[r]))
-        return covered == PAGE_SIZE     # no dense tensor bytes share the page
+        covered, owners = self._page_owners(page)
+        # no dense tensor bytes share the page, and no other owner stays
+        return covered == PAGE_SIZE and not any(o != leaving and is_resident(o) for o in owners)
 
     def resident_bytes(self, pages: np.ndarray) -> np.ndarray:
         """Bytes of each expert that lie in resident pages: (len(keys),) int64.
@@ -133,3 +126,42 @@ class ExpertLayout:
 
     def key_index(self, key) -> int:
         return self._index[key]
+
+    def native_tables(self, flat_of: Callable[[object], int], n_flat: int) -> dict[str, np.ndarray]:
+        """The layout as tier_io.c reads it (see tier_io.h): every key's ranges by flat key
+        (``range_start`` (n_flat + 1,), ``range_off`` / ``range_len`` (n_ranges,)), and for
+        each range's first and last page (edge 2r, 2r + 1) the flat keys with bytes in that
+        page (``edge_start`` (2 n_ranges + 1,), ``edge_owner``) and whether expert bytes cover
+        all of it (``edge_full`` (2 n_ranges,)). The same rule as ``droppable``."""
+        per_flat: list[list[tuple[int, int]]] = [[] for _ in range(n_flat)]
+        for key in self.keys:
+            per_flat[flat_of(key)] = list(self._ranges[key])
+        counts = np.array([len(r) for r in per_flat], dtype=np.int64)
+        range_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        rows = [r for rs in per_flat for r in rs]
+        off = np.array([o for o, _ in rows], dtype=np.int64)
+        length = np.array([n for _, n in rows], dtype=np.int64)
+        owners: list[int] = []
+        edge_start = [0]
+        full = []
+        for o, n in rows:
+            for page in (o // PAGE_SIZE, (o + n - 1) // PAGE_SIZE):
+                covered, page_owners = self._page_owners(page)
+                owners.extend(flat_of(k) for k in page_owners)
+                edge_start.append(len(owners))
+                full.append(covered == PAGE_SIZE)
+        return {"range_start": range_start, "range_off": off, "range_len": length,
+                "edge_start": np.array(edge_start, dtype=np.int64),
+                "edge_owner": np.array(owners, dtype=np.int32),
+                "edge_full": np.array(full, dtype=np.uint8)}
+
+    def _page_owners(self, page: int) -> tuple[int, list]:
+        """(expert bytes in ``page``, the keys owning them)."""
+        lo_b, hi_b = page * PAGE_SIZE, (page + 1) * PAGE_SIZE
+        i = int(np.searchsorted(self.ends, lo_b, side="right"))
+        j = int(np.searchsorted(self.starts, hi_b, side="left"))
+        covered, out = 0, []
+        for r in range(i, j):
+            out.append(self.keys[int(self.owner[r])])
+            covered += min(hi_b, int(self.ends[r])) - max(lo_b, int(self.starts[r]))
+        return covered, out

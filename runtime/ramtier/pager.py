@@ -203,6 +203,10 @@ class Pager:
                 except OSError:
                     pass
 
+    def unlock(self, offset: int, length: int) -> None:
+        """munlock what this pager locked within file bytes ``[offset, offset + length)``."""
+        self._unlock_within(offset, length)
+
     def unlock_all(self) -> None:
         """munlock everything this pager locked."""
         self._unlock_within(0, 1 << 62)
@@ -218,3 +222,13 @@ class Pager:
 
     def fileno(self) -> int:
         return self._fd
+
+
+def drop_file_cache(path: str) -> None:
+    """Drop every page of ``path``: from all of this process's mappings, then the page cache."""
+    mapping = FileMapping.find(path)
+    pager = Pager(mapping, threads=1)
+    try:
+        pager.drop([(0, -(-mapping.file_bytes // vm.PAGE_SIZE) * vm.PAGE_SIZE)])
+    finally:
+        pager.close()

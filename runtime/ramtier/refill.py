@@ -89,7 +89,7 @@ class Refiller:
             while window:
                 self._settle(window.pop(0))
             tier.scrub()                       # drop what faults pulled in meanwhile
-            tier.fill_spare()                  # room for everything: bring the rest too
+            tier.request_fill()                # room for everything: bring the rest too
         except OSError:
             pass                               # demand reads bring what is needed
         finally:

@@ -1,30 +1,32 @@
 """The host-RAM expert tier: the residency manager's transport for device ``cpu`` and a
 routing observer that pages each layer's experts in before its expert matmul runs.
 
-Flow per layer and ubatch (``on_route``, synchronous between router and matmul):
-  1. the previous layer's lease is released and its transient experts' pages dropped (its
-     matmul has run: the graph is sequential);
-  2. ``manager.access_layer("cpu", ...)`` decides hits, admissions (resident at once; their
-     reads handed to ``submit``) and transient uses;
-  3. the layer's experts that are not in the page cache are read in parallel: demand
-     admissions (their tickets, on the pager's pool), transient uses, queued prefetches, and
-     manager hits the kernel reclaimed (a one-page mincore probe per hit finds them; then one
-     mincore over the layer). We wait for those reads, then return and the matmul runs on
-     resident pages.
+Per layer and ubatch the work is C (tier_io.c, stepped by the routing hook's native mode, or
+by ``on_route`` in forward mode; no Python call per layer-step in native mode):
+  1. the previous layer's lease ends and its transient experts' pages are dropped (its matmul
+     has run: the graph is sequential);
+  2. the cpu device's residency core decides hits, admissions (resident at once) and
+     transient uses; evicted experts' pages leave at once;
+  3. the layer's experts that are not in the page cache are read in parallel (``threads`` in
+     flight): admissions, transient uses, and hits the kernel reclaimed (a one-page mincore
+     probe per hit; then mincore over each hit's ranges); then the matmul runs on resident
+     pages. A failed read fails the decode (RouteCaptureError).
 
-Prefetch tickets (the manager's prefetch policies) stream on the background lane behind demand
-reads. After a cold page cache the refiller reads the held experts back (``refill.py``); when
-the budget has room for every expert, everything not yet resident is prefetched (``fill_spare``).
+Prefetches the core issues in a layer-step are queued there and then (MADV_WILLNEED, no wait);
+their first use waits for what is still coming. Once per batch (``after_batch``, Python) the C
+side's events are drained (mlock follows admissions and drops). The first layer of a batch
+whose hits were found reclaimed calls Python (a rare event), which starts the background
+refill (``refill.py``) after a cold page cache; when the budget has room for every expert,
+everything not yet resident is prefetched (``fill_spare``).
 
-The tier keeps its own record of which experts hold pages (``held``) so that dropping one
-expert never drops a page shared with a neighbour that stays, without calling back into the
-manager (which may call ``drop`` with its lock held).
+Which experts hold pages is one byte per flat key (``TierIO.held``), shared with C, so that
+dropping one expert never drops a page shared with a neighbour that stays, without calling
+back into the manager (which may call ``drop`` with its lock held).
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -34,8 +36,9 @@ from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.pager import PageInStats, Pager
 from runtime.ramtier.refill import Refiller
 from runtime.ramtier.telemetry import ResidencyTruth, TierStats, prometheus_text
+from runtime.ramtier.tier_io import EV_ADMIT, EV_DROP, TierIO
 from runtime.ramtier import vm
-from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
+from runtime.residency.types import ExpertKey, Phase, Ticket
 
 log = logging.getLogger("moe_offload.ramtier")
 
@@ -53,48 +56,66 @@ class RamTier:
         self.layout = layout
         self.pager = pager
         self.budget_bytes = budget_bytes
-        self.mlock = mlock
         self.notices: list[str] = []
         self._warned: set[str] = set()
-        self._guard = threading.Lock()           # short: sets and counters, never across I/O
-        self._held: set[ExpertKey] = set()       # read in and still resident (pages may stay)
+        self._guard = threading.Lock()           # short: dicts and counters, never across I/O
         self._inflight: dict[int, tuple[Ticket, Future]] = {}   # ticket id -> (ticket, done)
-        self._evicted_in_flight: set[ExpertKey] = set()   # evicted while its read ran
-        self._current: LayerAccess | None = None
-        self._current_keys: frozenset[ExpertKey] = frozenset()  # needed by the running layer
-        self._transient: tuple[ExpertKey, ...] = ()
-        self._routes = self._paged = self._reclaimed = self._prefetched = 0
-        self._dropped = self._errors = 0
-        self._wait_s = 0.0
+        self._reads_of: dict[int, int] = {}      # flat key -> its tickets in flight (busy)
+        self._failed: list[Ticket] = []          # background reads that failed (batch end)
+        self._want_fill = False                  # the refiller asked for fill_spare
+        self._regions_stale = False              # the mapping was re-read since C last saw it
+        self._paged = self._prefetched = self._dropped = self._errors = 0
         self.n_layer = 1 + max((k.layer for k in layout.keys), default=0)
+        # the native core of "cpu" (attach_to declines a manager on the reference core)
+        self.io = TierIO(manager.core_handle(DEVICE), layout, pager.mapping,
+                         n_layer=self.n_layer, n_expert=manager.n_expert, fd=pager.fileno(),
+                         threads=pager.threads)
+        self._mlock = False
+        self.mlock = mlock
         self.refiller = Refiller(self) if refill else None
+        if self.refiller is not None:
+            self.io.on_reclaim(self._reclaimed_at)
         self.lane = BackgroundLane(pager)
+
+    @property
+    def native_handle(self):
+        """The C tier the routing hook steps per MoE layer-step (native mode)."""
+        return self.io.native_handle
+
+    @property
+    def mlock(self) -> bool:
+        return self._mlock
+
+    @mlock.setter
+    def mlock(self, on: bool) -> None:
+        self._mlock = bool(on)
+        self.io.set_mlock(self._mlock)
 
     # ---- Transport ----------------------------------------------------------------------
     def bind(self, manager) -> None:
         self.manager = manager
 
     def submit(self, ticket: Ticket) -> None:
-        """Page ``ticket.key`` in (the manager holds it resident already); a read error makes
-        it leave the manager (``transfer_failed``)."""
+        """Page ``ticket.key`` in on the background lane (the manager holds it resident
+        already; a layer that needs it first reads it itself). A read error makes it leave
+        the manager (``transfer_failed``, at the next batch end)."""
+        flat = self.io.flat(ticket.key)
         done: Future = Future()
         with self._guard:
             self._inflight[ticket.id] = (ticket, done)
-            self._evicted_in_flight.discard(ticket.key)
-        spans = list(self.layout.ranges(ticket.key))
-        # demand admissions on the pager's pool (the hook waits for them); prefetches behind
-        # them on the background lane
-        read = self.lane.submit(spans) if ticket.prefetch else self.pager.page_in_async(spans)
+            self._reads_of[flat] = self._reads_of.get(flat, 0) + 1
+            self.io.busy[flat] = 1
+        read = self.lane.submit(list(self.layout.ranges(ticket.key)))
 
         def finished(fut: Future) -> None:
             stats: PageInStats = fut.result()
             key = ticket.key
             with self._guard:
                 self._inflight.pop(ticket.id, None)
-                evicted = key in self._evicted_in_flight
-                self._evicted_in_flight.discard(key)
-                if stats.error is None and not evicted:
-                    self._held.add(key)
+                self._reads_of[flat] -= 1
+                if not self._reads_of[flat]:
+                    del self._reads_of[flat]
+                    self.io.busy[flat] = 0
                 if stats.error is None:
                     if ticket.prefetch:
                         self._prefetched += stats.bytes
@@ -102,32 +123,29 @@ class RamTier:
                         self._paged += stats.bytes
                 else:
                     self._errors += 1
+                    self._failed.append(ticket)
             try:
                 if stats.error is not None:
                     log.warning("page-in of %s failed: %s", key, stats.error)
-                    if not evicted:
-                        self.manager.transfer_failed(ticket)
-                elif evicted:                  # its pages came in after it left: drop them
-                    self.drop_pages(key)
-                else:
+                elif self.manager.is_resident(DEVICE, key):
+                    self.io.held[flat] = 1
                     self._lock_if_allowed(key)
+                else:                          # evicted while its read ran: drop its pages
+                    self.drop_pages(key)
             finally:
                 done.set_result(stats)
 
         read.add_done_callback(finished)
 
     def drop(self, device: str, key: ExpertKey) -> None:
-        """The manager evicted ``key``: drop its pages that no held expert shares."""
+        """The manager evicted ``key``: drop its pages that no held expert shares (a key
+        being read is dropped when its read lands)."""
+        flat = self.io.flat(key)
+        self.io.held[flat] = 0
         with self._guard:
-            self._held.discard(key)
-            reading = {t.key for t, _ in self._inflight.values()}
-            if key in reading:                 # dropped when its read lands
-                self._evicted_in_flight.add(key)
-            keep = set(self._held) | set(self._current_keys) | reading
             self._dropped += 1
-        if key in keep:
-            return
-        self.pager.drop(self.layout.droppable(key, keep.__contains__))
+        self.io.drop(flat)
+        self._unlock(key)
 
     def inflight_bytes(self) -> int:
         """Bytes of transfers in flight (read, or being read, while their victims stay).
@@ -144,93 +162,72 @@ class RamTier:
 
     # ---- queries for the refiller -------------------------------------------------------
     def held_keys(self) -> list[ExpertKey]:
-        with self._guard:
-            return list(self._held)
+        ne = self.io.n_expert
+        return [ExpertKey(int(f) // ne, int(f) % ne) for f in np.flatnonzero(self.io.held)]
 
     def is_held(self, key: ExpertKey) -> bool:
-        with self._guard:
-            return key in self._held
+        return bool(self.io.held[self.io.flat(key)])
 
     def drop_pages(self, key: ExpertKey) -> None:
         """Drop ``key``'s pages unless it is held, in flight or in use by the running layer."""
-        with self._guard:
-            keep = set(self._held) | set(self._current_keys) | \
-                {t.key for t, _ in self._inflight.values()}
-        if key not in keep:
-            self.pager.drop(self.layout.droppable(key, keep.__contains__))
+        self.io.drop(self.io.flat(key))
 
-    # ---- RouteObserver ------------------------------------------------------------------
+    def request_fill(self) -> None:
+        """Run ``fill_spare`` at the next batch end (on the thread that decodes: the core is
+        only ever changed there while a decode can run)."""
+        self._want_fill = True
+
+    # ---- RouteObserver (forward mode; native mode: the hook steps the C tier) -----------
     def on_route(self, event) -> None:
-        """Page in the layer's experts before its matmul; never raises into the graph."""
-        try:
-            self._finish_layer()
-            experts = np.asarray(event.experts).reshape(-1)
-            access = self.manager.access_layer(DEVICE, event.layer, experts, event.phase)
-            keys = frozenset(ExpertKey(event.layer, int(e)) for e in np.unique(experts))
-            with self._guard:
-                self._routes += 1
-                self._current, self._current_keys = access, keys
-                self._transient = tuple(access.transient)
-            self._bring_in(keys, access)
-        except Exception as exc:  # noqa: BLE001 - the matmul still runs: pages fault in
-            self._warn_once(f"ram tier: {type(exc).__name__}: {exc} (layer "
-                            f"{getattr(event, 'layer', '?')}; pages fault in as with plain mmap)")
+        """Page in the layer's experts before its matmul; a failed read raises
+        ``TierReadError`` (the decode fails with RouteCaptureError)."""
+        self.io.step(event.layer, np.asarray(event.experts), int(event.phase))
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
-        """The batch's last matmul has run: release the lease and drop transients."""
+        """The batch's last matmul has run: release the lease, drop transients, drain."""
+        self.io.batch_end()
+        self.after_batch()
+
+    def after_batch(self) -> None:
+        """Once per decode call: the C side's events (mlock follows them), the
+        background reads that failed, the refill trigger, a requested ``fill_spare``."""
+        events, _ = self.io.take_events()
+        ne = self.io.n_expert
+        for kind, flat in events:
+            key = ExpertKey(flat // ne, flat % ne)
+            if kind == EV_ADMIT and self.io.held[flat]:
+                self._lock_if_allowed(key)
+            elif kind == EV_DROP:
+                self._unlock(key)
+        with self._guard:
+            failed, self._failed = self._failed, []
+        for ticket in failed:
+            self.manager.transfer_failed(ticket)
+        if self._regions_stale:
+            self._regions_stale = False
+            self.io.set_regions(self.pager.mapping)
+        if self._want_fill:
+            self._want_fill = False
+            self.fill_spare()
+
+    def _reclaimed_at(self, layer: int) -> None:
+        """From C (a rare event): held experts of ``layer`` were found reclaimed, before the
+        layer's reads; the refiller checks whether the whole cache went cold."""
         try:
-            self._finish_layer()
-        except Exception as exc:  # noqa: BLE001
-            self._warn_once(f"ram tier: at batch end: {type(exc).__name__}: {exc}")
+            self.refiller.maybe_start(layer, self.n_layer)
+        except Exception as exc:  # noqa: BLE001 - never into C; demand reads still work
+            self._warn_once(f"ram tier: refill check: {type(exc).__name__}: {exc}")
+
+    def _warn_once(self, message: str) -> None:
+        with self._guard:
+            self._errors += 1
+            if message in self._warned:
+                return
+            self._warned.add(message)
+        self.notices.append(message)
+        log.warning("%s", message)
 
     # ---- internals ----------------------------------------------------------------------
-    def _bring_in(self, keys: frozenset[ExpertKey], access: LayerAccess) -> None:
-        t0 = time.perf_counter()
-        with self._guard:
-            waits = [f for t, f in self._inflight.values() if t.key in keys and not t.prefetch]
-            pending = {t.key for t, _ in self._inflight.values() if t.key in keys}
-            queued = {t.key for t, _ in self._inflight.values() if t.key in keys and t.prefetch}
-        spans: list[tuple[int, int]] = []
-        for key in queued:          # a prefetch may sit far back in the lane: read it now
-            spans.extend(self.layout.ranges(key))
-        for key in access.transient:                  # used once: read, no check needed
-            if key not in pending:
-                spans.extend(self.layout.ranges(key))
-        hits = sorted(keys - pending - set(access.transient) - set(access.admitted))
-        reclaimed = 0
-        if hits and not self._probe(hits):            # the kernel took some of them back
-            pages = self._layer_pages(hits)
-            for key in hits:
-                missing = self.missing_spans(key, pages)
-                spans.extend(missing)
-                reclaimed += sum(n for _, n in missing)
-        if reclaimed and self.refiller is not None:
-            self.refiller.maybe_start(min(k.layer for k in keys), self.n_layer)
-        stats = self.pager.page_in(spans) if spans else PageInStats(0, 0.0)
-        for fut in waits:
-            fut.result()
-        with self._guard:
-            self._paged += stats.bytes
-            self._reclaimed += reclaimed
-            self._wait_s += time.perf_counter() - t0
-            if stats.error:
-                self._errors += 1
-
-    def _probe(self, keys: list[ExpertKey]) -> bool:
-        """Cheap residency probe of manager hits: the first page of each key's first range
-        (one small mincore each). A miss triggers the full check of the layer."""
-        mapping = self.pager.mapping
-        try:
-            for key in keys:
-                offset, _ = self.layout.ranges(key)[0]
-                pieces = mapping.address_spans(offset, 1)
-                if not pieces or not vm.mincore(pieces[0][0], 1)[0]:
-                    return False
-        except OSError:
-            mapping.refresh()
-            return False
-        return True
-
     def _layer_pages(self, keys: list[ExpertKey]) -> tuple[int, np.ndarray] | None:
         """One ``mincore`` over the span of ``keys`` (a layer's experts sit together):
         (first page, (n_pages,) bool), or None when it cannot be read."""
@@ -241,6 +238,7 @@ class RamTier:
             return offset // vm.PAGE_SIZE, self.pager.mapping.resident_span(offset, length)
         except (OSError, ValueError):     # a copy went away (a reader's np.memmap was freed)
             self.pager.mapping.refresh()
+            self._regions_stale = True     # C learns at batch end (it may be reading them now)
             return None
 
     def missing_spans(self, key: ExpertKey, pages: tuple[int, np.ndarray] | None = None
@@ -260,25 +258,10 @@ class RamTier:
                 out.append((offset, length))
         return out
 
-    def _finish_layer(self) -> None:
-        with self._guard:
-            access, transient = self._current, self._transient
-            self._current, self._current_keys, self._transient = None, frozenset(), ()
-            keep = set(self._held) | {t.key for t, _ in self._inflight.values()}
-        if access is not None:
-            self.manager.release(access)
-        for key in transient:
-            if key not in keep:
-                self.pager.drop(self.layout.droppable(key, keep.__contains__))
-
-    def _warn_once(self, message: str) -> None:
-        with self._guard:
-            self._errors += 1
-            if message in self._warned:
-                return
-            self._warned.add(message)
-        self.notices.append(message)
-        log.warning("%s", message)
+    def _unlock(self, key: ExpertKey) -> None:
+        if self.pager.locked_bytes:
+            for offset, length in self.layout.ranges(key):
+                self.pager.unlock(offset, length)
 
     def _lock_if_allowed(self, key: ExpertKey) -> None:
         if not self.mlock:
@@ -304,10 +287,12 @@ class RamTier:
 
     # ---- telemetry ----------------------------------------------------------------------
     def stats(self) -> TierStats:
+        c = self.io.counters()
         with self._guard:
-            return TierStats(self._routes, self._paged, self._reclaimed, self._wait_s,
-                             self._prefetched, self._dropped, self.pager.locked_bytes,
-                             self._errors,
+            return TierStats(c.routes, c.paged_bytes + self._paged, c.reclaimed_bytes,
+                             c.wait_s, c.prefetched_bytes + self._prefetched,
+                             c.dropped + self._dropped,
+                             self.pager.locked_bytes, self._errors,
                              self.refiller.refilled_bytes if self.refiller else 0)
 
     def truth(self) -> ResidencyTruth:
@@ -322,13 +307,8 @@ class RamTier:
 
     def drop_unheld(self) -> None:
         """Drop the pages of every expert not held (at attach: llama.cpp populated them all)."""
-        with self._guard:
-            keep = set(self._held)
-        spans = []
         for key in self.layout.keys:
-            if key not in keep:
-                spans.extend(self.layout.droppable(key, keep.__contains__))
-        self.pager.drop(_merge(spans))
+            self.io.drop(self.io.flat(key))
 
     def fill_spare(self) -> int:
         """When the budget has room for every expert not yet resident, prefetch them all
@@ -353,15 +333,10 @@ class RamTier:
         """Drop resident pages of experts that are not held, in flight or in use (mincore
         finds them); returns how many experts were scrubbed."""
         resident = self.layout.resident_bytes(self.pager.mapping.resident_pages())
-        with self._guard:
-            keep = set(self._held) | set(self._current_keys) | \
-                {t.key for t, _ in self._inflight.values()}
-        spans, n = [], 0
+        n = 0
         for key in self.layout.keys:
-            if key not in keep and resident[self.layout.key_index(key)]:
-                spans.extend(self.layout.droppable(key, keep.__contains__))
+            if resident[self.layout.key_index(key)] and self.io.drop(self.io.flat(key)):
                 n += 1
-        self.pager.drop(_merge(spans))
         return n
 
     def close(self) -> None:
@@ -372,15 +347,5 @@ class RamTier:
         if self.refiller is not None:
             self.refiller.close()
         self.lane.close()
+        self.io.close()
         self.pager.close()
-
-
-def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Coalesce touching page-aligned spans (fewer syscalls)."""
-    out: list[list[int]] = []
-    for offset, length in sorted(spans):
-        if out and offset <= out[-1][0] + out[-1][1]:
-            out[-1][1] = max(out[-1][1], offset + length - out[-1][0])
-        else:
-            out.append([offset, length])
-    return [(o, n) for o, n in out]

@@ -1,6 +1,7 @@
 """Build and load moe-offload's C library: the residency core (``residency_core.c``), the
-routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``) and the
-device cache's mechanism it drives (``runtime/native/slot_cache.c``).
+routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``), the
+device cache's mechanism it drives (``runtime/native/slot_cache.c``) and the RAM tier's
+per-layer reads and drops (``runtime/ramtier/tier_io.c``).
 
 Compiled on first use (``$CC``, else ``cc``; plain C, no Python headers) into the cache's
 ``residency/`` folder, named by a hash of the sources, and opened with cffi in ABI mode. A
@@ -28,12 +29,16 @@ from runtime.errors import UserError
 HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
+RAMTIER = HERE.parents[1] / "ramtier"
 SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "nv_victim.c",
            HERE / "affinity.c",
            ENGINE / "route_hook.c",
-           NATIVE / "slot_cache.c")
-HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h")
-INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "affinity.h")    # included by the sources only (not part of the cdef)
+           NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
+HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
+           RAMTIER / "tier_io.h")
+# included by the sources only (not part of the cdef)
+INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "affinity.h", HERE / "grow.h",
+            RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 

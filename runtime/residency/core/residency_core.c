@@ -19,6 +19,7 @@
 #include "next_visit.h"
 #include "nv_victim.h"
 #include "affinity.h"
+#include "grow.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -38,33 +39,23 @@ enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_T
        C_TRANSIENT_BYTES, C_EVICTIONS, C_EVICTED_BYTES, C_PF_ISSUED, C_PF_ISSUED_BYTES,
        C_PF_USED_BYTES, C_PF_WASTED_BYTES, C_TRANSITION_HITS };
 
-typedef struct { int32_t *v; int32_t n, cap; } ivec;
-typedef struct { int64_t *v; int32_t n, cap; } lvec;
-
-/* room for one more element of ``size`` bytes in ``*v`` (``n`` used of ``*cap``) */
-static int vec_room(void **v, int32_t n, int32_t *cap, size_t size) {
-    if (n < *cap) return 0;
-    const int32_t c = *cap ? 2 * *cap : 16;
-    void *grown = realloc(*v, (size_t) c * size);
-    if (grown == NULL) return -1;
-    *v = grown; *cap = c;
-    return 0;
-}
+typedef struct { int32_t *v; int32_t n; int64_t cap; } ivec;
+typedef struct { int64_t *v; int32_t n; int64_t cap; } lvec;
 
 static int ivec_push(ivec *a, int32_t x) {
-    if (vec_room((void **) &a->v, a->n, &a->cap, sizeof *a->v)) return -1;
+    if (array_grow((void **) &a->v, &a->cap, (int64_t) a->n + 1, sizeof *a->v)) return -1;
     a->v[a->n++] = x;
     return 0;
 }
 
 static int lvec_push(lvec *a, int64_t x) {
-    if (vec_room((void **) &a->v, a->n, &a->cap, sizeof *a->v)) return -1;
+    if (array_grow((void **) &a->v, &a->cap, (int64_t) a->n + 1, sizeof *a->v)) return -1;
     a->v[a->n++] = x;
     return 0;
 }
 
 /* an indexed binary min-heap of flat keys ordered by the order's (score, last seq, flat) */
-typedef struct { int32_t *items; int32_t n, cap; int32_t *pos; } heap;
+typedef struct { int32_t *items; int32_t n; int64_t cap; int32_t *pos; } heap;
 
 typedef struct {
     int64_t capacity, resident_bytes, pending_bytes, resident_count;
@@ -116,7 +107,7 @@ struct rc_core {
     ivec *pins_by_layer;          /* (n_layer,) */
     ivec *last_experts;           /* (3 * n_layer,) chunk-plan history, or NULL */
     lease *leases; int32_t n_leases, cap_leases;
-    ticket *tickets; int32_t n_tickets, cap_tickets;
+    ticket *tickets; int32_t n_tickets; int64_t cap_tickets;
     /* results of the last call (valid until the next one) */
     ivec r_touched, r_missed, r_missed_row, r_miss_kind, r_admitted, r_evicted, r_transient, r_victims,
          r_aside, r_plan, r_pf_flats, r_pf_nv, r_pf_victims, r_pf_used_row;
@@ -194,12 +185,8 @@ static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
 static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
     if (h->pos[f] >= 0) return 0;
     if (c->pol.order_kind[o] == EV_NEXT_VISIT) nvv_push(c->nvv, f);
-    if (h->n == h->cap) {
-        int32_t cap = h->cap ? 2 * h->cap : 64;
-        int32_t *v = realloc(h->items, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        h->items = v; h->cap = cap;
-    }
+    if (array_grow((void **) &h->items, &h->cap, (int64_t) h->n + 1, sizeof *h->items))
+        return -1;
     h->items[h->n] = f;
     h->pos[f] = h->n++;
     sift_up(c, o, h, h->n - 1);
@@ -324,12 +311,9 @@ static ticket *ticket_of_flat(const rc_core *c, int32_t f) {
 /* reserve: victims stop being hit-able (their bytes move into the claim), the key pends */
 static int begin(rc_core *c, int32_t f, int32_t phase, int prefetch, const int32_t *victims,
                  int32_t nv, int64_t *id_out) {
-    if (c->n_tickets == c->cap_tickets) {
-        int32_t cap = c->cap_tickets ? 2 * c->cap_tickets : 16;
-        ticket *v = realloc(c->tickets, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        c->tickets = v; c->cap_tickets = cap;
-    }
+    if (array_grow((void **) &c->tickets, &c->cap_tickets, (int64_t) c->n_tickets + 1,
+                   sizeof *c->tickets))
+        return -1;
     ticket *t = &c->tickets[c->n_tickets];
     memset(t, 0, sizeof *t);
     t->victims = nv ? malloc((size_t) nv * sizeof *t->victims) : NULL;

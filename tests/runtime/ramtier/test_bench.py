@@ -9,7 +9,7 @@ import pytest
 
 from gguf_tools.synth import SynthSpec
 from runtime.cli import main
-from runtime.ramtier import bench
+from runtime.bench import offload as bench
 from runtime.ramtier.cgroup import MemoryLimit
 from runtime.residency.config import parse_config
 

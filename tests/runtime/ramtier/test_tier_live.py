@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from gguf_tools.synth import SynthSpec
-from runtime.engine.engine import Engine, EngineSettings, SamplingParams
 from runtime.ramtier import RamTier, RamTierOptions, attach_to, layer_working_set
 from runtime.ramtier.vm import PAGE_SIZE
 from runtime.residency.config import parse_config
 from runtime.residency.manager import ExpertResidencyManager
 from runtime.residency.types import ExpertKey, Phase
+from tests.runtime.ramtier.conftest import greedy, tier_engine
 
 # 192 MiB of experts: 4 layers x 32 experts x 1.5 MiB (f32 gate/up/down 256 x 512), top-4
 SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=32, top_k=4, embd=256, ff=512,
@@ -32,17 +32,11 @@ def model(synth_model_factory):
 
 
 def _engine(model, budget=None, **kw):
-    config = parse_config({"devices": {"cpu": budget}}, source="test") if budget else None
-    return Engine(EngineSettings(model_path=model, n_ctx=256, n_threads=1, seed=0,
-                                 manage_residency=budget is not None, config=config, **kw),
-                  progress=False)
+    return tier_engine(model, budget, **kw)
 
 
 def _greedy(engine, n=N_TOKENS):
-    out = [c.token for c in engine.generate(PROMPT, SamplingParams(max_tokens=n, temperature=0))
-           if c.token is not None]
-    assert len(out) == n
-    return out
+    return greedy(engine, PROMPT, n)
 
 
 class _ResidencyProbe:
@@ -185,7 +179,7 @@ def test_cold_cache_is_refilled_in_the_background_within_the_budget(model, monke
     import time
 
     from runtime.ramtier import refill
-    from runtime.ramtier.bench_run import drop_file_cache
+    from runtime.ramtier.pager import drop_file_cache
 
     def wait_idle(tier):
         deadline = time.monotonic() + 30
@@ -231,7 +225,7 @@ def test_expert_evicted_during_its_refill_read_is_dropped_when_the_read_ends(mod
     # the race behind an overshoot seen under load: DAMON reclaims idle page cache, the
     # refiller re-reads held experts, the manager evicts one while its read is in flight;
     # its pages must leave as soon as that read is done, not at the end of the refill
-    from runtime.ramtier.bench_run import drop_file_cache
+    from runtime.ramtier.pager import drop_file_cache
 
     with _engine(model, "60MiB") as engine:
         tier = next(p for p in engine._attached if isinstance(p, RamTier))

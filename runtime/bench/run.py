@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from runtime.ramtier.pager import drop_file_cache
+
 COLD_PROMPT = 16     # tokens of the cold-start prompt
 
 
@@ -47,19 +49,6 @@ class Sample:
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def drop_file_cache(path: str) -> None:
-    """Drop every page of ``path``: from all of this process's mappings, then the page cache."""
-    from runtime.ramtier.mapping import FileMapping
-    from runtime.ramtier.pager import Pager
-
-    mapping = FileMapping.find(path)
-    pager = Pager(mapping, threads=1)
-    try:
-        pager.drop([(0, -(-mapping.file_bytes // 4096) * 4096)])
-    finally:
-        pager.close()
 
 
 def _read_bytes() -> int:

@@ -1,7 +1,8 @@
 """Side-by-side run of the device expert cache through the Engine, for scripts/gpu_check.sh:
 speed, hit rates per phase, copies, and whether the greedy tokens equal a plain run.
 
-    python -m runtime.native.check MODEL --config lru.toml --config phase.toml [-p 512] [-n 128]
+    python -m runtime.bench.cache_check MODEL --config lru.toml --config phase.toml \
+        [-p 512] [-n 128]
 
 Rows: "plain" (residency off, llama.cpp's own placement with -ngl: on a GPU with room, every
 expert on the GPU: the upper bound); "experts on CPU" (the cache's placement without the cache:
@@ -78,14 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except UserError as exc:
-        print(f"python -m runtime.native.check: error: {exc}", file=sys.stderr)
+        print(f"python -m runtime.bench.cache_check: error: {exc}", file=sys.stderr)
         return 2
 
 
 def _main(argv: list[str] | None) -> int:
     from runtime.residency.config import load_config  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m runtime.native.check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m runtime.bench.cache_check",
+                                     description=__doc__)
     parser.add_argument("model")
     parser.add_argument("--config", action="append", default=[], metavar="TOML")
     parser.add_argument("-p", "--n-prompt", type=int, default=512)

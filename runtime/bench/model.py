@@ -1,7 +1,8 @@
 """The default benchmark model: a synthetic MoE model big enough that paging matters.
 
 Written once into the cache's ``models/`` folder (``runtime/cache.py``: ``~/.cache/moe-offload``,
-``$MOE_OFFLOAD_CACHE`` overrides the root) and reused; the file name carries the spec's digest, so a changed spec writes a new file.
+``$MOE_OFFLOAD_CACHE`` overrides the root) and reused; the file name carries the spec's digest,
+so a changed spec writes a new file.
 The same model by hand::
 
     moe-offload synth bench.gguf --arch qwen3moe --layers 24 --experts 64 --top-k 4 \\

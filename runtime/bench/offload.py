@@ -1,6 +1,6 @@
 """The offload benchmark: plain mmap vs static placement vs the residency manager's policies.
 
-Each configuration runs in its own process (``bench_worker``), optionally under a cgroup v1
+Each configuration runs in its own process (``runtime.bench.worker``), optionally under a cgroup v1
 memory limit, after the model file's pages were dropped from the page cache. Rows are printed
 as a markdown table in llama-bench's manner, or as JSON; the cold-start line compares the time
 to generate after a page-cache drop, plain mmap faults against our parallel read-ahead.
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.ramtier.bench_run import BenchConfig, COLD_PROMPT, drop_file_cache
+from runtime.bench.run import BenchConfig, COLD_PROMPT
+from runtime.ramtier.pager import drop_file_cache
 
 POLICIES = ("lru", "lfu", "lfu-decay", "phase-weighted")
 HEADER = ("config", "backend", "expert budget", "test", "t/s ± sd", "hit %",
@@ -143,7 +144,7 @@ def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_
     job = json.dumps({"model": model, "config": cfg.to_json(), "p": p, "n": n, "reps": reps,
                       "cold": cold, "threads": threads, "gpu_layers": gpu_layers})
     group = MemoryLimit(mem_limit, name=f"moe-bench-{os.getpid()}") if mem_limit else None
-    cmd = [sys.executable, "-m", "runtime.ramtier.bench_worker"]
+    cmd = [sys.executable, "-m", "runtime.bench.worker"]
     env = dict(os.environ, PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if group is not None:
         group.__enter__()

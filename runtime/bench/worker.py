@@ -1,4 +1,4 @@
-"""``python -m runtime.ramtier.bench_worker``: run one benchmark config in a fresh process.
+"""``python -m runtime.bench.worker``: run one benchmark config in a fresh process.
 
 Reads a JSON job on stdin (model, config, p, n, reps, cold, threads), writes progress lines
 ``@@ <step>`` on stderr and the result as one JSON object on stdout. A fresh process per config
@@ -15,7 +15,7 @@ def main() -> int:
     job = json.loads(sys.stdin.read())
     os.environ.update(job["config"].get("env") or {})
     from runtime.errors import UserError
-    from runtime.ramtier.bench_run import BenchConfig, run_config
+    from runtime.bench.run import BenchConfig, run_config
 
     def step(text: str) -> None:
         sys.stderr.write(f"@@ {text}\n")

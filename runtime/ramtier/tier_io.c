@@ -1,0 +1,307 @@
+/* tier_io: see tier_io.h. The Python references of the same rules: ExpertLayout.droppable
+ * (runtime/ramtier/layout.py) for which pages may leave, Pager.page_in (pager.py) for the
+ * reads; tests compare them. */
+#include "tier_io.h"
+#include "file_pages.h"
+#include "../residency/core/grow.h"
+#include "../residency/core/residency_core.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define TIER_LEASE_BASE (((int64_t) 1) << 52)   /* apart from the manager's and hook's ids */
+
+struct rt_tier {
+    rc_core *core;
+    int32_t n_layer, n_expert, n_flat, threads, mlock;
+    fp_file *file;                 /* the model file: mapping, mincore, reads, drops */
+    int64_t page;
+    const int64_t *range_start, *range_off, *range_len, *edge_start;
+    const int32_t *edge_owner;
+    const uint8_t *edge_full;
+    uint8_t *held, *busy;
+    uint8_t *cur;                  /* (n_flat,) in use by the running layer-step */
+    uint8_t *mark;                 /* (n_flat,) scratch: 1 admitted, 2 transient */
+    uint8_t *advised;              /* (n_flat,) prefetched: reads queued, not yet used */
+    int32_t *cur_list, n_cur;      /* the running layer-step's keys */
+    int32_t *transient, n_transient;
+    int64_t lease, next_lease;
+    int64_t *want_off, *want_len; int32_t n_want;   /* this layer-step's reads */
+    int64_t cap_want;
+    /* events and counters */
+    int32_t *ev_kind, *ev_flat, n_ev;
+    int64_t cap_ev;
+    int32_t reclaimed_layer;
+    rt_reclaim_cb on_reclaim; void *on_reclaim_user;
+    rt_stats stats;
+    char msg[256];
+};
+
+/* ---- the mappings ---------------------------------------------------------------------- */
+
+int rt_set_regions(rt_tier *t, int32_t n, const int64_t *file_off, const int64_t *length,
+                   const int64_t *addr, const int32_t *copy) {
+    return fp_set_regions(t->file, n, file_off, length, addr, copy);
+}
+
+/* ---- drops ----------------------------------------------------------------------------- */
+
+static int in_use(const rt_tier *t, int32_t f) { return t->held[f] || t->busy[f] || t->cur[f]; }
+
+/* every byte of the edge page belongs to experts other than `self` that are not in use */
+static int page_free(const rt_tier *t, int64_t edge, int32_t self) {
+    if (!t->edge_full[edge]) return 0;
+    for (int64_t i = t->edge_start[edge]; i < t->edge_start[edge + 1]; i++) {
+        const int32_t o = t->edge_owner[i];
+        if (o != self && in_use(t, o)) return 0;
+    }
+    return 1;
+}
+
+int32_t rt_droppable(const rt_tier *t, int32_t flat, int64_t *off, int64_t *len, int32_t cap) {
+    int32_t n = 0;
+    const int64_t p = t->page;
+    for (int64_t r = t->range_start[flat]; r < t->range_start[flat + 1]; r++) {
+        const int64_t o = t->range_off[r], l = t->range_len[r];
+        int64_t lo = o / p, hi = (o + l - 1) / p;                /* inclusive page numbers */
+        if (o % p && !page_free(t, 2 * r, flat)) lo++;
+        if ((o + l) % p && hi >= lo && !page_free(t, 2 * r + 1, flat)) hi--;
+        if (hi < lo) continue;
+        if (n < cap) { off[n] = lo * p; len[n] = (hi - lo + 1) * p; }
+        n++;
+    }
+    return n;
+}
+
+int64_t rt_drop(rt_tier *t, int32_t flat) {
+    if (flat < 0 || flat >= t->n_flat || in_use(t, flat)) return 0;
+    int64_t off[16], len[16], total = 0;
+    int32_t n = rt_droppable(t, flat, off, len, 16);
+    if (n > 16) n = 16;
+    for (int32_t i = 0; i < n; i++) {
+        fp_drop(t->file, off[i], len[i], t->mlock);
+        total += len[i];
+    }
+    return total;
+}
+
+/* ---- reads ----------------------------------------------------------------------------- */
+
+int rt_page_in(rt_tier *t, const int64_t *off, const int64_t *len, int32_t n) {
+    char why[200];
+    if (n <= 0) return 0;
+    t->stats.reads += n;
+    if (fp_read(t->file, off, len, n, why, sizeof why) == 0) return 0;
+    snprintf(t->msg, sizeof t->msg, "ram tier: %s", why);
+    return -1;
+}
+
+/* ---- events ---------------------------------------------------------------------------- */
+
+static void event(rt_tier *t, int32_t kind, int32_t flat) {
+    int64_t cap_k = t->cap_ev, cap_f = t->cap_ev;
+    if (array_grow((void **) &t->ev_kind, &cap_k, t->n_ev + 1, sizeof *t->ev_kind) ||
+        array_grow((void **) &t->ev_flat, &cap_f, t->n_ev + 1, sizeof *t->ev_flat))
+        return;                   /* out of memory: the event is lost, the step goes on */
+    t->cap_ev = cap_k < cap_f ? cap_k : cap_f;
+    t->ev_kind[t->n_ev] = kind;
+    t->ev_flat[t->n_ev++] = flat;
+}
+
+int32_t rt_n_events(const rt_tier *t) { return t->n_ev; }
+
+int rt_events(const rt_tier *t, int32_t *kind, int32_t *flat) {
+    if (t->n_ev) {
+        memcpy(kind, t->ev_kind, (size_t) t->n_ev * sizeof *kind);
+        memcpy(flat, t->ev_flat, (size_t) t->n_ev * sizeof *flat);
+    }
+    return 0;
+}
+
+void rt_clear_events(rt_tier *t) { t->n_ev = 0; t->reclaimed_layer = -1; }
+int32_t rt_reclaimed_layer(const rt_tier *t) { return t->reclaimed_layer; }
+
+/* ---- the layer-step -------------------------------------------------------------------- */
+
+/* a prefetch the core issued: queue its reads now (MADV_WILLNEED, no wait); its first use
+ * waits for them. Held at once: its edge pages are protected while they come in. */
+static void prefetch(rt_tier *t, int32_t f) {
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) {
+        fp_advise(t->file, t->range_off[r], t->range_len[r]);
+        t->stats.prefetched_bytes += t->range_len[r];
+    }
+    t->advised[f] = 1;
+    t->held[f] = 1;
+}
+
+static void evict(rt_tier *t, int32_t f) {
+    t->advised[f] = 0;
+    t->held[f] = 0;               /* a busy key: its read's completion drops the pages */
+    t->stats.dropped++;
+    rt_drop(t, f);
+    event(t, RT_EV_DROP, f);
+}
+
+static void finish_layer(rt_tier *t) {
+    for (int32_t i = 0; i < t->n_cur; i++) t->cur[t->cur_list[i]] = 0;
+    t->n_cur = 0;
+    for (int32_t i = 0; i < t->n_transient; i++) rt_drop(t, t->transient[i]);
+    t->n_transient = 0;
+}
+
+static int want(rt_tier *t, int64_t off, int64_t len) {
+    int64_t cap_o = t->cap_want, cap_l = t->cap_want;
+    if (array_grow((void **) &t->want_off, &cap_o, t->n_want + 1, sizeof *t->want_off) ||
+        array_grow((void **) &t->want_len, &cap_l, t->n_want + 1, sizeof *t->want_len))
+        return -1;
+    t->cap_want = cap_o < cap_l ? cap_o : cap_l;
+    t->want_off[t->n_want] = off;
+    t->want_len[t->n_want++] = len;
+    return 0;
+}
+
+static int want_all(rt_tier *t, int32_t f) {
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++)
+        if (want(t, t->range_off[r], t->range_len[r]) != 0) return -1;
+    return 0;
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_t phase) {
+    const int64_t t0 = now_ns();
+    finish_layer(t);              /* the previous layer's matmul has run: the graph is serial */
+    const int64_t lease = t->next_lease++;
+    rc_result r;
+    const int rc = rc_access(t->core, layer, experts, n, phase, NULL, -1, NULL, NULL, 0, lease,
+                             t->lease, &r);
+    t->lease = rc == 0 ? lease : 0;
+    if (rc != 0) {
+        snprintf(t->msg, sizeof t->msg, "ram tier: the residency core refused layer %d "
+                 "(status %d)", layer, rc);
+        return -1;
+    }
+    t->stats.routes++;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t f = layer * t->n_expert + experts[i];
+        if (!t->cur[f]) { t->cur[f] = 1; t->cur_list[t->n_cur++] = f; }
+    }
+    for (int32_t i = 0; i < r.n_evicted; i++) evict(t, r.evicted[i]);
+    for (int32_t i = 0, v = 0; i < r.n_prefetched; i++) {
+        for (int32_t j = 0; j < r.prefetch_n_victims[i]; j++) evict(t, r.prefetch_victims[v++]);
+        prefetch(t, r.prefetched[i]);
+    }
+    for (int32_t i = 0; i < r.n_admitted; i++) t->mark[r.admitted[i]] = 1;
+    for (int32_t i = 0; i < r.n_transient; i++) {
+        t->mark[r.transient[i]] = 2;
+        t->transient[t->n_transient++] = r.transient[i];
+    }
+    /* what to read: admissions and transient uses whole; a busy key (its background read may
+     * sit far back in the queue) and a prefetched one (its queued reads may still run) whole:
+     * what is in already costs a one-byte pread and a mincore per 1 MiB; hits only where the
+     * kernel took pages back */
+    t->n_want = 0;
+    int probe_failed = 0, oom = 0;
+    for (int32_t i = 0; i < t->n_cur; i++) {
+        const int32_t f = t->cur_list[i];
+        if (t->mark[f] || t->busy[f] || t->advised[f]) oom |= want_all(t, f);
+        else if (!probe_failed) {
+            const int64_t first = t->range_off[t->range_start[f]];
+            probe_failed = !fp_resident(t->file, first, 1);
+        }
+    }
+    int64_t reclaimed = 0;
+    if (probe_failed)
+        for (int32_t i = 0; i < t->n_cur; i++) {
+            const int32_t f = t->cur_list[i];
+            if (t->mark[f] || t->busy[f] || t->advised[f]) continue;
+            for (int64_t q = t->range_start[f]; q < t->range_start[f + 1]; q++)
+                if (!fp_resident(t->file, t->range_off[q], t->range_len[q])) {
+                    oom |= want(t, t->range_off[q], t->range_len[q]);
+                    reclaimed += t->range_len[q];
+                }
+        }
+    if (oom) {
+        snprintf(t->msg, sizeof t->msg, "ram tier: out of memory");
+        return -1;
+    }
+    if (reclaimed && t->reclaimed_layer < 0) {
+        t->reclaimed_layer = layer;
+        if (t->on_reclaim) t->on_reclaim(layer, t->on_reclaim_user);
+    }
+    int64_t bytes = 0;
+    for (int32_t i = 0; i < t->n_want; i++) bytes += t->want_len[i];
+    const int failed = rt_page_in(t, t->want_off, t->want_len, t->n_want);
+    for (int32_t i = 0; i < t->n_cur; i++) {
+        const int32_t f = t->cur_list[i];
+        if (!failed && t->mark[f] != 2 && rc_state(t->core, f) < 8) {
+            if (t->mark[f] == 1) event(t, RT_EV_ADMIT, f);
+            t->held[f] = 1;
+        }
+        t->mark[f] = 0;
+        t->advised[f] = 0;
+    }
+    t->stats.paged_bytes += bytes;
+    t->stats.reclaimed_bytes += reclaimed;
+    t->stats.wait_ns += now_ns() - t0;
+    return failed ? -1 : 0;
+}
+
+void rt_batch_end(rt_tier *t) {
+    finish_layer(t);
+    if (t->lease) rc_release(t->core, t->lease);
+    t->lease = 0;
+}
+
+const char *rt_error(const rt_tier *t) { return t->msg; }
+void rt_get_stats(const rt_tier *t, rt_stats *out) { *out = t->stats; }
+void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); }
+void rt_set_mlock(rt_tier *t, int32_t on) { t->mlock = on; }
+void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
+    t->on_reclaim = cb;
+    t->on_reclaim_user = user_data;
+}
+
+/* ---- lifetime -------------------------------------------------------------------------- */
+
+rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t *range_start,
+                   const int64_t *range_off, const int64_t *range_len, const int64_t *edge_start,
+                   const int32_t *edge_owner, const uint8_t *edge_full, uint8_t *held,
+                   uint8_t *busy, int32_t fd, int32_t threads) {
+    if (threads < 1 || n_layer < 1 || n_expert < 1) return NULL;
+    rt_tier *t = calloc(1, sizeof *t);
+    if (t == NULL) return NULL;
+    t->core = core; t->n_layer = n_layer; t->n_expert = n_expert;
+    t->n_flat = n_layer * n_expert; t->threads = threads;
+    t->range_start = range_start; t->range_off = range_off; t->range_len = range_len;
+    t->edge_start = edge_start; t->edge_owner = edge_owner; t->edge_full = edge_full;
+    t->held = held; t->busy = busy;
+    t->next_lease = TIER_LEASE_BASE;
+    t->reclaimed_layer = -1;
+    t->file = fp_create(fd, threads);
+    t->cur = calloc((size_t) t->n_flat, 1);
+    t->mark = calloc((size_t) t->n_flat, 1);
+    t->advised = calloc((size_t) t->n_flat, 1);
+    t->cur_list = malloc((size_t) t->n_flat * sizeof *t->cur_list);
+    t->transient = malloc((size_t) t->n_flat * sizeof *t->transient);
+    if (!t->file || !t->cur || !t->mark || !t->advised || !t->cur_list || !t->transient) {
+        rt_free(t);
+        return NULL;
+    }
+    t->page = fp_page_size(t->file);
+    return t;
+}
+
+void rt_free(rt_tier *t) {
+    if (t == NULL) return;
+    fp_free(t->file);
+    free(t->cur); free(t->mark); free(t->advised); free(t->cur_list); free(t->transient);
+    free(t->want_off); free(t->want_len); free(t->ev_kind); free(t->ev_flat);
+    free(t);
+}
