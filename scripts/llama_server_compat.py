@@ -24,7 +24,8 @@ VALUE_FLAGS = {
     "--threads": "-t", "-t": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
     "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
-    "--repeat-penalty": None, "--parallel": "-np", "-np": None,
+    "--repeat-penalty": None, "--parallel": "-np", "-np": None, "--reasoning": None,
+    "--tags": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja"}
@@ -41,14 +42,14 @@ DROPPED = {
     "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "one slot"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
-    "--pooling": (True, "no embeddings"), "--tags": (True, "no model tags"),
+    "--pooling": (True, "no embeddings"),
     "--slot-save-path": (True, "no slot save"), "--grp-attn-n": (True, "no self-extend"),
     "--grp-attn-w": (True, "no self-extend"), "--lora": (True, "no LoRA"),
     "--spec-type": (True, "no speculative decoding"),
     "--spec-draft-n-max": (True, "no speculative decoding"),
     "--spec-draft-n-min": (True, "no speculative decoding"),
     "--model-draft": (True, "no speculative decoding"),
-    "--reasoning-format": (True, "no reasoning parser"), "--reasoning": (True, "no reasoning"),
+    "--reasoning-format": (True, "no reasoning parser"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
     "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
     "--cache-reuse-hybrid": (True, "no prompt cache"),
@@ -110,6 +111,8 @@ def translate(argv: list[str]) -> list[str]:
         else:
             sys.stderr.write(f"llama-server-compat: unknown llama-server flag {flag}\n")
             sys.exit(2)
+    if "--metrics" not in argv:           # llama-server serves /metrics only when asked
+        out.append("--no-metrics")
     if model is None or not Path(model).is_file():
         model = str(synthetic_model(model or wanted or "model"))
     return ["serve", "-m", model, *out]

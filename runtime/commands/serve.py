@@ -73,8 +73,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        metavar="ORIGINS",
                        help="comma-separated browser origins allowed by CORS ('*' = any; "
                             "'' = no CORS headers)")
-    group.add_argument("--metrics", action="store_true",
-                       help="accepted for llama-server compatibility: /metrics is always on")
+    group.add_argument("--metrics", dest="metrics", action="store_true", default=True,
+                       help="serve GET /metrics (on by default here; llama-server's flag)")
+    group.add_argument("--no-metrics", dest="metrics", action="store_false",
+                       help="answer GET /metrics with 501 (llama-server's default)")
+    group.add_argument("--tags", default="", metavar="A,B",
+                       help="the model's tags, listed by /v1/models")
+    group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
+                       help="thinking in chat templates: off renders them with "
+                            "enable_thinking=false (a request's chat_template_kwargs wins)")
     group.add_argument("--jinja", dest="jinja", action="store_true", default=True,
                        help="accepted: chat templates are always rendered with jinja")
     group.add_argument("--no-jinja", dest="jinja", action="store_false",
@@ -180,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
                                     max_waiting=args.queue_size, slots_endpoint=args.slots,
                                     cors_origins=origins, defaults=defaults,
                                     parallel=args.parallel, aliases=aliases,
-                                    verbose=args.verbose),
+                                    verbose=args.verbose, reasoning=args.reasoning,
+                                    metrics_endpoint=args.metrics,
+                                    tags=tuple(t.strip() for t in args.tags.split(",")
+                                               if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure)
 
     class Server(uvicorn.Server):

@@ -177,10 +177,11 @@ class Engine:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore")
 
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, variables: dict | None = None) -> str:
         """The prompt for ``messages`` by the model's chat template (ChatML if it has none);
-        ``tools`` (OpenAI's tool list) is passed to the template as ``tools``."""
-        return self.chat_template.render(messages, tools=tools,
+        ``tools`` (OpenAI's tool list) is passed to the template as ``tools``, ``variables``
+        as more template variables."""
+        return self.chat_template.render(messages, tools=tools, variables=variables,
                                          add_generation_prompt=add_generation_prompt)
 
     def use_chat_template(self, source: str) -> None:

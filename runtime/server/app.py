@@ -60,12 +60,17 @@ class ServerSettings:
     parallel: int = 1                  # requests generated at once (-np; continuous batching)
     aliases: tuple[str, ...] = ()      # every name of the model (--alias a,b,c); model_id first
     verbose: bool = False              # answers carry "__verbose" (the prompt), as llama-server -v
+    reasoning: str = "auto"            # --reasoning on|off|auto: off renders enable_thinking=false
+    metrics_endpoint: bool = True      # GET /metrics (501 with --no-metrics, as llama-server)
+    tags: tuple[str, ...] = ()         # --tags: the model's tags in /v1/models
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.reasoning not in ("on", "off", "auto"):
+            raise ValueError(f"reasoning must be on, off or auto, not {self.reasoning!r}")
 
 
 class ApiKeyGuard:
@@ -118,7 +123,8 @@ async def list_models(request: Request) -> dict:
     aliases = request.app.state.settings.aliases or (host.model_id,)
     return {"object": "list", "data": [{
         "id": host.model_id, "object": "model", "created": request.app.state.started,
-        "owned_by": "moe-offload", "aliases": list(aliases), "tags": []}]}
+        "owned_by": "moe-offload", "aliases": list(aliases),
+        "tags": list(request.app.state.settings.tags)}]}
 
 
 @info_router.get("/v1/residency")
@@ -144,6 +150,10 @@ async def residency(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text: request and token counters, then the manager's moe_expert_* series."""
     state = request.app.state
+    if not state.settings.metrics_endpoint:
+        raise APIError(501, "This server does not support metrics endpoint (start it without "
+                            "--no-metrics).", code="not_supported",
+                       error_type="not_supported_error")
     engine = state.host.engine_if_ready()
     manager = getattr(engine, "manager", None) if engine is not None else None
     residency_text = manager.snapshot().to_prometheus() if manager is not None else None

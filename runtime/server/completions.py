@@ -212,8 +212,8 @@ def fingerprint(request: Request) -> str:
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion, streamed or not (``n`` choices, logprobs, tools)."""
-    defaults = request.app.state.defaults
-    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults))
+    defaults, reasoning = request.app.state.defaults, request.app.state.settings.reasoning
+    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults, reasoning))
     cid, created = _ids("chatcmpl")
     base = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
@@ -236,7 +236,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                         "finish_reason": finish})
     answer = base | {"object": "chat.completion", "choices": choices,
                      "usage": _usage_with_cache(prep, results)}
-    if request.app.state.settings.verbose:       # llama-server --verbose: the prompt too
+    if request.app.state.settings.verbose or body.verbose:   # llama-server's: the prompt too
         answer["__verbose"] = {"prompt": prep.prompt}
     return JSONResponse(answer)
 
@@ -256,7 +256,8 @@ def _usage_with_cache(prep: Prepared, results: list) -> dict:
 async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
     """How many prompt tokens the request would take (llama-server's)."""
     engine = request.app.state.host.engine()
-    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body)
+    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body, None,
+                                          request.app.state.settings.reasoning)
     return {"input_tokens": prep.prompt_tokens}
 
 

@@ -21,7 +21,8 @@ from runtime.server import shapes, structured
 from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
 from runtime.server.errors import APIError
 from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
-from runtime.server.prepare import Prepared, check_context, sampling_params, _checked_grammar
+from runtime.server.prepare import (Prepared, _checked_grammar, check_context, sampling_params,
+                                    template_variables)
 
 router = APIRouter()
 
@@ -206,7 +207,9 @@ async def apply_template(request: Request) -> dict:
 
     body = await _json_object(request)
     req = ChatCompletionRequest.model_validate({"messages": body.get("messages"),
-                                                "tools": body.get("tools")})
+                                                "tools": body.get("tools"),
+                                                "chat_template_kwargs":
+                                                    body.get("chat_template_kwargs")})
     engine = request.app.state.host.engine()
     template = engine.chat_template
     messages = structured.history_messages(
@@ -219,7 +222,10 @@ async def apply_template(request: Request) -> dict:
     try:
         return {"prompt": engine.chat_prompt(messages, tools=req.tool_dicts()
                                              if structured.template_knows_tools(template.source)
-                                             else None, add_generation_prompt=add)}
+                                             else None, add_generation_prompt=add,
+                                             variables=template_variables(
+                                                 request.app.state.settings.reasoning,
+                                                 req.chat_template_kwargs))}
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

@@ -109,8 +109,17 @@ def _check_bias(engine: Any, req: _SamplingFields) -> None:
                                 f"(0..{n_vocab - 1})", code="invalid_value", param="logit_bias")
 
 
+REASONING_MODES = ("on", "off", "auto")      # llama-server's --reasoning
+
+
+def template_variables(reasoning: str, kwargs: dict | None) -> dict:
+    """The chat template's extra variables, as llama-server passes them: ``enable_thinking``
+    (false only with ``--reasoning off``), then the request's ``chat_template_kwargs``."""
+    return {"enable_thinking": reasoning != "off"} | (kwargs or {})
+
+
 def prepare_chat(engine: Any, req: ChatCompletionRequest,
-                 defaults: SamplingParams | None = None) -> Prepared:
+                 defaults: SamplingParams | None = None, reasoning: str = "auto") -> Prepared:
     tools = req.tool_dicts()
     choice = req.tool_choice_value()
     if choice == "none":
@@ -128,11 +137,16 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
                             "with response_format, json_schema or grammar",
                        code="invalid_value", param="tool_choice")
     grammar = structured.call_grammar(functions, fmt) if functions is not None else output_grammar
-    # a last assistant message is the start of the answer (prefill): the model continues it
-    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    # a last assistant message is the start of the answer (prefill): the model continues it,
+    # unless the request asks for a generation prompt after it
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") \
+        and not req.add_generation_prompt
+    add_prompt = not prefill if req.add_generation_prompt is None else req.add_generation_prompt
     try:
         prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
-                                    add_generation_prompt=not prefill)
+                                    add_generation_prompt=add_prompt and not prefill,
+                                    variables=template_variables(reasoning,
+                                                                 req.chat_template_kwargs))
         if prefill:     # templates close every turn; the prefill must stay open
             end = prompt.rfind(messages[-1]["content"])
             if messages[-1]["content"] and end >= 0:

@@ -124,7 +124,7 @@ class ChatMessage(BaseModel):
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i}: only text parts are supported (got {kind!r})")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n\n".join(texts)        # as llama-server joins them
 
     def text(self) -> str:
         return self.content or ""
@@ -165,9 +165,20 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # llama-server's: more chat template variables, the prompt's end, debugging and timings
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None      # None: unless the last turn is a prefill
+    continue_final_message: bool | None = None     # vLLM's name for the prefill
+    verbose: bool = False                          # the answer carries "__verbose"
+    timings_per_token: bool = False                # llama-server's "timings" in the answer
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both "
+                             "be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message at the end")
         roles = [m.role for m in self.messages]
         if roles[-2:] == ["assistant", "assistant"]:
             raise ValueError("messages: two assistant messages at the end (the last one may "
