@@ -39,7 +39,9 @@ class _Slot:
     cancel: threading.Event | None
     sampler: Sampler | None = None
     stream: TextStream | None = None
-    fed: int = 0                           # prompt tokens decoded so far
+    fed: int = 0                           # prompt tokens in the KV so far (reused or decoded)
+    reused: int = 0                        # prompt tokens found in the slot's KV (prefix)
+    decoded: list[int] = field(default_factory=list)   # generated tokens decoded into the KV
     pos: int = 0                           # next position in the sequence
     next_token: int | None = None          # sampled, to decode in the next step
     generated: int = 0
@@ -64,6 +66,9 @@ class BatchScheduler:
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._free = list(range(self.n_slots))
+        # seq -> the tokens its KV holds, kept after a request ends so that the next one
+        # with the same prefix evaluates only the rest (llama-server's cache_prompt)
+        self._cached: dict[int, list[int]] = {seq: [] for seq in range(self.n_slots)}
         self._active: list[_Slot] = []
         self._closed = False
         self.steps = 0
@@ -118,7 +123,7 @@ class BatchScheduler:
                 self._step()
             except BaseException as exc:  # noqa: BLE001 - every waiting caller learns of it
                 for slot in self._active:
-                    self._release(slot)
+                    self._release(slot, keep_cache=False)
                     slot.out.put(exc)
                     slot.out.put(_END)
                 self._active.clear()
@@ -126,9 +131,14 @@ class BatchScheduler:
     def _admit(self) -> None:
         while self._free and not self._waiting.empty():
             slot = self._waiting.get()
-            slot.seq = self._free.pop(0)
+            slot.seq, keep = best_slot(self._free, self._cached, slot.tokens)
+            self._free.remove(slot.seq)
             memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
-            self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+            if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
+                keep = 0                   # a memory that cannot drop a tail: start afresh
+                self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+            self._cached[slot.seq] = []    # known again once the request ends
+            slot.fed = slot.pos = slot.reused = keep
             slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
             slot.stream = TextStream(slot.params.stop)
             room = self.n_ctx_slot - len(slot.tokens)
@@ -160,6 +170,7 @@ class BatchScheduler:
                 kinds.add(Phase.PREFILL)
             elif slot.next_token is not None and batch.room:
                 rows.append((slot, batch.add(slot.next_token, slot.pos, slot.seq, True)))
+                slot.decoded.append(slot.next_token)
                 slot.pos += 1
                 slot.next_token = None
                 kinds.add(Phase.DECODE)
@@ -219,7 +230,7 @@ class BatchScheduler:
     def _finish(self, slot: _Slot, reason: str) -> None:
         now = time.perf_counter()
         prefill_end = slot.t_prefill or now
-        timings = Timings(prompt_tokens=slot.fed, prompt_s=prefill_end - slot.t0,
+        timings = Timings(prompt_tokens=slot.fed - slot.reused, prompt_s=prefill_end - slot.t0,
                           completion_tokens=slot.generated, generation_s=now - prefill_end)
         slot.out.put((slot.index, GenerationChunk(
             text=slot.stream.finish() if slot.stream else "", token=None, finish_reason=reason,
@@ -228,13 +239,36 @@ class BatchScheduler:
         self._release(slot)
         self._active.remove(slot)
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: _Slot, keep_cache: bool = True) -> None:
+        """Free the slot; its KV stays for the next request's prefix unless ``keep_cache``
+        is false (a failed decode: what the KV holds is unknown)."""
         if slot.sampler is not None:
             slot.sampler.close()
             slot.sampler = None
         if slot.seq >= 0:
-            memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
-            self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+            if keep_cache:
+                self._cached[slot.seq] = slot.tokens[:slot.fed] + slot.decoded
+            else:
+                memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
+                self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+                self._cached[slot.seq] = []
             self._free.append(slot.seq)
             self._free.sort()
             slot.seq = -1
+
+
+def best_slot(free: Sequence[int], cached: dict[int, list[int]],
+              tokens: list[int]) -> tuple[int, int]:
+    """The free sequence whose KV shares the longest prefix with ``tokens`` (the lowest id on
+    a tie) and how many tokens of it to keep: never the whole prompt, since its last token is
+    evaluated again to give the logits to sample from."""
+    def shared(seq: int) -> int:
+        n = 0
+        for a, b in zip(cached.get(seq, ()), tokens):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    seq = max(sorted(free), key=shared)      # max keeps the first of equals: the lowest id
+    return seq, min(shared(seq), len(tokens) - 1)

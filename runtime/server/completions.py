@@ -166,6 +166,7 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
     cuts the answer short, becomes an OpenAI error frame instead of the end."""
     generated = 0
     finished = 0
+    timings = None
     extra = {"usage": None} if include_usage else {}
     try:
         for frame in framer.opening():
@@ -174,6 +175,7 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
             if shutdown.is_set():
                 job.cancel.set()      # the worker stops this generation
             generated += chunk.token is not None
+            timings = chunk.timings or timings
             for frame in framer.chunk(index, chunk):
                 yield _sse(frame | extra)
             if chunk.finish_reason not in (None, CANCELLED):
@@ -184,8 +186,11 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
                                 code="server_shutdown").body())
             return
         if include_usage:
-            yield _sse(framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
-                                                                           generated)})
+            frame = framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
+                                                                        generated)}
+            if getattr(framer, "timings", False) and timings is not None:
+                frame["timings"] = shapes.llama_timings(timings, prep.prompt_tokens)
+            yield _sse(frame)
         yield "[DONE]"
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, end the stream
         yield _sse(_engine_failure(exc).body())
@@ -218,7 +223,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     base = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
     if body.stream:
-        return _event_source(job, prep, body.include_usage_in_stream(), ChatFramer(base, prep))
+        return _event_source(job, prep, body.include_usage_in_stream(),
+                             ChatFramer(base, prep, timings=body.timings_per_token))
     results = await _collect(request, job, prep)
     choices = []
     for r in results:
@@ -236,6 +242,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                         "finish_reason": finish})
     answer = base | {"object": "chat.completion", "choices": choices,
                      "usage": _usage_with_cache(prep, results)}
+    if results and results[0].timings is not None:        # llama-server's, always there
+        answer["timings"] = shapes.llama_timings(results[0].timings, prep.prompt_tokens)
     if request.app.state.settings.verbose or body.verbose:   # llama-server's: the prompt too
         answer["__verbose"] = {"prompt": prep.prompt}
     return JSONResponse(answer)
@@ -265,8 +273,9 @@ class ChatFramer:
     """Stream frames of a chat answer. With tools in play a choice's text is held until it
     ends, then sent as ``tool_calls`` deltas (id and name, then the arguments) or as content."""
 
-    def __init__(self, base: dict, prep: Prepared):
+    def __init__(self, base: dict, prep: Prepared, timings: bool = False):
         self.base, self.prep = base, prep
+        self.timings = timings       # timings_per_token: llama-server's timings on each end
         self._held: dict[int, list[str]] = {}
         self._held_lp: dict[int, list] = {}
 
@@ -295,6 +304,9 @@ class ChatFramer:
                                       logprobs=entry if want_lp else None))
         if chunk.finish_reason not in (None, CANCELLED):
             frames.append(self._frame(index, {}, chunk.finish_reason))
+            if self.timings and chunk.timings is not None:
+                frames[-1]["timings"] = shapes.llama_timings(chunk.timings,
+                                                             self.prep.prompt_tokens)
         return frames
 
     def _release(self, index: int, finish: str) -> list[dict]:

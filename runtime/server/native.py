@@ -10,6 +10,7 @@ batching, runtime/engine/batched.py).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -36,19 +37,6 @@ def _stop_type(finish: str | None, stopping_word: str) -> str:
     if finish == "stop":
         return "word" if stopping_word else "eos"
     return "none"
-
-
-def _timings(t: Any) -> dict:
-    if t is None:
-        return {}
-    prompt_ms, predicted_ms = t.prompt_s * 1e3, t.generation_s * 1e3
-    return {"cache_n": 0, "prompt_n": t.prompt_tokens, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / t.prompt_tokens if t.prompt_tokens else 0.0,
-            "prompt_per_second": t.prompt_tps, "predicted_n": t.completion_tokens,
-            "predicted_ms": predicted_ms,
-            "predicted_per_token_ms":
-                predicted_ms / t.completion_tokens if t.completion_tokens else 0.0,
-            "predicted_per_second": t.generation_tps}
 
 
 def _probs(lp: Any) -> dict:
@@ -101,11 +89,35 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
 @router.post("/completion")
 @router.post("/completions")
 async def completion(body: NativeCompletionRequest, request: Request):
-    """llama-server's native completion, streamed or not."""
-    return await _answer(body, request)
+    """llama-server's native completion, streamed or not; several prompts give a list."""
+    prompts = body.prompts()
+    if prompts is None:
+        return await _answer(body, request)
+    if body.stream:
+        raise APIError(400, "prompt: several prompts cannot be streamed here (send one per "
+                            "request)", code="unsupported_parameter", param="prompt")
+    answers = await asyncio.gather(*[
+        _answer(body.model_copy(update={"prompt": p}), request, index=i)
+        for i, p in enumerate(prompts)])       # side by side: one batch with -np N
+    return JSONResponse([json.loads(a.body) for a in answers])
 
 
-async def _answer(body: NativeCompletionRequest, request: Request):
+def pick_fields(answer: dict, fields: list[str]) -> dict:
+    """``response_fields``: only these keys of the answer, "a/b" reaching into "a" (a missing
+    one is left out, as llama-server does)."""
+    out = {}
+    for name in fields:
+        value: Any = answer
+        for key in name.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[name] = value
+    return out
+
+
+async def _answer(body: NativeCompletionRequest, request: Request, index: int = 0):
     defaults = request.app.state.defaults
     prep, job = await _submit(request, lambda e: _prepare(e, body, defaults))
     engine = request.app.state.host.engine()
@@ -115,12 +127,15 @@ async def _answer(body: NativeCompletionRequest, request: Request):
 
     def final(text: str, tokens: list[int], finish: str | None, timings: Any, n: int,
               probs: list | None) -> dict:
-        out = {"index": 0, "content": text, "tokens": tokens if body.return_tokens else [],
+        out = {"index": index, "content": text, "tokens": tokens if body.return_tokens else [],
                "id_slot": 0, "stop": True, "model": model, "tokens_predicted": n,
                "tokens_evaluated": prep.prompt_tokens, "generation_settings": settings,
-               "prompt": prompt_text, "has_new_line": "\n" in text, "truncated": False,
+               "prompt": prompt_text, "has_new_line": "\n" in text,
+               # the context filled up before the answer ended
+               "truncated": finish == "length" and prep.prompt_tokens + n >= engine.n_ctx,
                "stop_type": _stop_type(finish, ""), "stopping_word": "",
-               "tokens_cached": prep.prompt_tokens + n, "timings": _timings(timings)}
+               "tokens_cached": prep.prompt_tokens + n, "timings": shapes.llama_timings(timings,
+                                                                       prep.prompt_tokens)}
         if probs:
             out["completion_probabilities"] = probs
         return out
@@ -161,9 +176,10 @@ async def _answer(body: NativeCompletionRequest, request: Request):
     results = await _collect(request, job, prep)
     r = results[0]
     tokens = [lp.token for lp in r.logprobs]
-    return JSONResponse(final(r.text, tokens or r.tokens, r.finish_reason, r.timings,
-                              r.completion_tokens,
-                              [_probs(lp) for lp in r.logprobs] if body.n_probs else None))
+    answer = final(r.text, tokens or r.tokens, r.finish_reason, r.timings, r.completion_tokens,
+                   [_probs(lp) for lp in r.logprobs] if body.n_probs else None)
+    return JSONResponse(pick_fields(answer, body.response_fields) if body.response_fields
+                        else answer)
 
 
 def llama_error(err: APIError) -> dict:

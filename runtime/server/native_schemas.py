@@ -75,6 +75,17 @@ class NativeCompletionRequest(BaseModel):
     id_slot: int | None = Field(None, ge=-1)            # slots are assigned in arrival order
     n_keep: int | None = None                           # no context shift here: no effect
     model: str | None = None
+    response_fields: list[str] | None = None            # answer only these ("a/b": nested)
+
+    def prompts(self) -> list[Any] | None:
+        """llama-server's several prompts in one request: a list holding token lists, objects
+        or only strings (a list mixing token ids and strings is one prompt); None: one."""
+        p = self.prompt
+        if not isinstance(p, list) or not p:
+            return None
+        if any(isinstance(x, (list, dict)) for x in p) or all(isinstance(x, str) for x in p):
+            return p if len(p) > 1 or not isinstance(p[0], str) else None
+        return None
 
     def n_predict_value(self) -> int | None:
         return self.n_predict if self.n_predict is not None else self.max_tokens

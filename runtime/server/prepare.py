@@ -51,16 +51,15 @@ def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = 
 
 def check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: int | None,
                   param: str) -> int:
-    """Resolve max_tokens and refuse a request that cannot fit the context window (tokens)."""
+    """Resolve max_tokens (tokens), at most what is left of the context after the prompt;
+    refuse a prompt that does not fit the context window."""
     n_ctx = int(engine.n_ctx)
     if n_prompt >= n_ctx:
         raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt")
     if max_tokens is None:
         max_tokens = default if default is not None else n_ctx - n_prompt
-    if n_prompt + max_tokens > n_ctx:
-        raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt",
-                            max_tokens)
-    return max_tokens
+    # as llama-server: the answer stops where the context ends (finish_reason "length")
+    return min(max_tokens, n_ctx - n_prompt)
 
 
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
