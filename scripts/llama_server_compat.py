@@ -21,7 +21,7 @@ from pathlib import Path
 VALUE_FLAGS = {
     "--port": None, "--temp": None, "--seed": "-s", "--ctx-size": "-c", "-c": None,
     "--batch-size": "-b", "-b": None, "--ubatch-size": "-ub", "-ub": None,
-    "--threads": "-t", "-t": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
+    "--threads": "-t", "-t": None, "--host": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
     "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
     "--repeat-penalty": None, "--parallel": "-np", "-np": None, "--reasoning": None,
@@ -85,9 +85,6 @@ def translate(argv: list[str]) -> list[str]:
         flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         if flag in VALUE_FLAGS:
             out += [VALUE_FLAGS[flag] or flag, value]
-            i += 2
-        elif flag == "--host":
-            out += ["--host", value.split(",")[0].strip()]
             i += 2
         elif flag == "--alias":
             out += ["--alias", value]

@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             action.help += "; the default of requests that do not set it"
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (0.0.0.0 exposes the server to the network)")
+                       help="address to listen on; a,b listens on several (0.0.0.0 exposes "
+                            "the server to the network)")
     group.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
     group.add_argument("--api-key", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every "
@@ -115,6 +116,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("moe-offload: %(message)s"))
@@ -157,15 +163,24 @@ def run(args: argparse.Namespace) -> int:
     model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
 
     _setup_logging()
-    sock = _listen(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    shown = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+    if not hosts:
+        raise UserError("--host: no address given")
+    socks: list[socket.socket] = []
+    try:
+        for h in hosts:        # one port for all: the first picks it when --port is 0
+            socks.append(_listen(h, socks[0].getsockname()[1] if socks else args.port))
+    except UserError:
+        for s in socks:
+            s.close()
+        raise
+    shown = ", ".join(_url(s) for s in socks)
     load_errors: list[str] = []
     t0 = time.perf_counter()
 
     def on_ready() -> None:
-        log.info("model %s loaded in %.1f s; serving %s/v1", model_id, time.perf_counter() - t0,
-                 shown)
+        log.info("model %s loaded in %.1f s; serving %s", model_id, time.perf_counter() - t0,
+                 ", ".join(f"{_url(s)}/v1" for s in socks))
 
     def on_failure(message: str) -> None:      # from the loader thread
         load_errors.append(message)
@@ -202,9 +217,10 @@ def run(args: argparse.Namespace) -> int:
                                    timeout_graceful_shutdown=3, lifespan="on"))
     log.info("listening on %s (loading %s)", shown, model_path.name)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
-        sock.close()
+        for s in socks:
+            s.close()
     if load_errors:
         message = load_errors[0]
         raise UserError(message if message.startswith(str(model_path)) else
