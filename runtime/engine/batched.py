@@ -209,16 +209,12 @@ class BatchScheduler:
         engine = self.engine
         if slot.generated == 0 and slot.t_prefill == 0.0:
             slot.t_prefill = time.perf_counter()
-        logits = engine._last_logits(index) if slot.params.logprobs is not None else None  # noqa: SLF001
-        token = slot.sampler.sample(engine.ctx_ptr, index)
+        token, lp = engine.sample_token(slot.sampler, index, slot.params)
         if self._ll.llama_vocab_is_eog(engine.vocab_ptr, token):
             self._finish(slot, "stop")
             return
         slot.generated += 1
-        piece = engine.token_bytes(token)
-        text = slot.stream.feed(piece)
-        lp = None if logits is None else engine._logprob(logits, token, piece,  # noqa: SLF001
-                                                         slot.params.logprobs)
+        text = slot.stream.feed(engine.token_bytes(token))
         slot.out.put((slot.index, GenerationChunk(text=text, token=token, logprob=lp)))
         if slot.stream.stopped:
             self._finish(slot, "stop")

@@ -13,6 +13,7 @@ hook as ``cb_eval`` when residency is managed or routes are recorded), then the 
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -277,16 +278,14 @@ class Engine:
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
-                logits = self._last_logits() if params.logprobs is not None else None
-                token = sampler.sample(self.ctx_ptr, -1)
+                token, logprob = self.sample_token(sampler, -1, params)
                 if self._ll.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
                 generated += 1
                 piece = self.token_bytes(token)
                 text = stream.feed(piece)
-                yield GenerationChunk(text=text, token=token, logprob=None if logits is None
-                                      else self._logprob(logits, token, piece, params.logprobs))
+                yield GenerationChunk(text=text, token=token, logprob=logprob)
                 if stream.stopped:
                     finish = "stop"
                     break
@@ -305,6 +304,22 @@ class Engine:
             if sampler is not None:
                 sampler.close()
             self._busy.release()
+
+    def sample_token(self, sampler: Sampler, index: int,
+                     params: SamplingParams) -> tuple[int, TokenLogprob | None]:
+        """Sample from output row ``index`` (-1: the last); with ``params.logprobs``, also the
+        token's logprob and top k: the model's, or the sampler chain's survivors'
+        (``post_sampling``)."""
+        if params.logprobs is None:
+            return sampler.sample(self.ctx_ptr, index), None
+        logits = self._last_logits(index)
+        if not params.post_sampling:
+            token = sampler.sample(self.ctx_ptr, index)
+            return token, self._logprob(logits, token, self.token_bytes(token), params.logprobs)
+        token, p_token, left = sampler.sample_candidates(logits, params.logprobs)
+        log = lambda p: math.log(p) if p > 0 else -math.inf  # noqa: E731
+        return token, TokenLogprob(token, self.token_bytes(token), log(p_token),
+                                   tuple((t, self.token_bytes(t), log(p)) for t, p in left))
 
     def _last_logits(self, index: int = -1):
         """(n_vocab,) float32 copy of output row ``index``'s raw logits (-1: the last)."""

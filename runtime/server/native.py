@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -39,11 +40,15 @@ def _stop_type(finish: str | None, stopping_word: str) -> str:
     return "none"
 
 
-def _probs(lp: Any) -> dict:
-    text = lp.piece.decode("utf-8", errors="ignore")
-    return {"id": lp.token, "token": text, "bytes": list(lp.piece), "logprob": lp.logprob,
-            "top_logprobs": [{"id": t, "token": p.decode("utf-8", errors="ignore"),
-                              "bytes": list(p), "logprob": v} for t, p, v in lp.top]}
+def _probs(lp: Any, post_sampling: bool = False) -> dict:
+    """One entry of ``completion_probabilities``: logprobs of the model, or probabilities
+    after the sampler chain (``post_sampling_probs``)."""
+    def entry(token: int, piece: bytes, logprob: float) -> dict:
+        value = {"prob": math.exp(logprob)} if post_sampling else {"logprob": logprob}
+        return {"id": token, "token": piece.decode("utf-8", errors="ignore"),
+                "bytes": list(piece)} | value
+    return entry(lp.token, lp.piece, lp.logprob) | {
+        "top_probs" if post_sampling else "top_logprobs": [entry(*t) for t in lp.top]}
 
 
 def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> dict:
@@ -82,6 +87,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
                             f"(0..{engine.n_vocab - 1})", code="invalid_value", param="logit_bias")
     params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
+                             post_sampling=req.post_sampling_probs,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1)
 
@@ -151,7 +157,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                                  "stop": False, "id_slot": 0, "tokens_predicted": n,
                                  "tokens_evaluated": prep.prompt_tokens}
                         if chunk.logprob is not None:
-                            event["completion_probabilities"] = [_probs(chunk.logprob)]
+                            event["completion_probabilities"] = [
+                                _probs(chunk.logprob, body.post_sampling_probs)]
                         all_text.append(chunk.text)
                         yield json.dumps(event)
                     elif chunk.text:
@@ -177,7 +184,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
     r = results[0]
     tokens = [lp.token for lp in r.logprobs]
     answer = final(r.text, tokens or r.tokens, r.finish_reason, r.timings, r.completion_tokens,
-                   [_probs(lp) for lp in r.logprobs] if body.n_probs else None)
+                   [_probs(lp, body.post_sampling_probs) for lp in r.logprobs]
+                   if body.n_probs else None)
     return JSONResponse(pick_fields(answer, body.response_fields) if body.response_fields
                         else answer)
 

@@ -76,6 +76,10 @@ class NativeCompletionRequest(BaseModel):
     n_keep: int | None = None                           # no context shift here: no effect
     model: str | None = None
     response_fields: list[str] | None = None            # answer only these ("a/b": nested)
+    post_sampling_probs: bool = False                   # n_probs after the sampler chain
+    # llama-server: sample on the GPU backend; the chain here runs on the CPU either way and
+    # picks the same tokens, so both values give the same answer
+    backend_sampling: bool | None = None
 
     def prompts(self) -> list[Any] | None:
         """llama-server's several prompts in one request: a list holding token lists, objects

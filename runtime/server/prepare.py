@@ -67,13 +67,13 @@ SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "s
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | None = None,
-                    logprobs: int | None = None,
+                    logprobs: int | None = None, post_sampling: bool = False,
                     defaults: SamplingParams | None = None) -> SamplingParams:
     """The request's sampler fields; unset ones take ``defaults`` (the server's own flags,
     as llama-server does), else SamplingParams' defaults."""
     fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
                               "logit_bias": req.logit_bias_ids(), "grammar": grammar,
-                              "logprobs": logprobs}
+                              "logprobs": logprobs, "post_sampling": post_sampling}
     for name in SAMPLER_FIELDS:
         value = getattr(req, name)
         if value is None and defaults is not None:
