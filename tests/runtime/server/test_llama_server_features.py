@@ -1,0 +1,181 @@
+"""llama-server features on the real server (``-np 2``): chat template variables
+(``--reasoning``, ``chat_template_kwargs``), the end of the prompt (``add_generation_prompt``,
+``continue_final_message``), per-request ``verbose``, a slot's KV prefix reused by the next
+request (``cache_n``), several prompts in one ``/completion``, ``response_fields``,
+``post_sampling_probs``, timings, an answer that stops at the end of the context, and the
+``--no-metrics`` / ``--tags`` flags. A q8_0 model: a batched row computes exactly what a
+single row does, so greedy answers can be compared."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gguf_tools.synth import SynthSpec
+
+SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=128, ff=64,
+                 dtype="q8_0", seed=3, skew=1.0)
+N_CTX = 256              # two slots
+PROMPT = "the king saw a river near the old house and"
+# a DeepSeek-R1-like ending: the thinking block is closed when enable_thinking is false
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|><think>\n"
+            "{% if not enable_thinking %}</think>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(start_server, synth_model_factory, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "think.jinja"
+    template.write_text(TEMPLATE)
+    return start_server(synth_model_factory(SPEC), "-c", str(N_CTX), "-np", "2", "--temp", "0",
+                        "-s", "7", "--reasoning", "off", "--chat-template-file", str(template),
+                        "--no-metrics", "--tags", "chat,small")
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        yield client
+
+
+def _apply(http, **extra) -> str:
+    r = http.post("/apply-template", json={"messages": [{"role": "user", "content": "hi"}]}
+                  | extra)
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def test_reasoning_off_and_chat_template_kwargs(http):
+    assert _apply(http).endswith("<|assistant|><think>\n</think>")          # --reasoning off
+    opened = _apply(http, chat_template_kwargs={"enable_thinking": True})  # the request wins
+    assert opened.endswith("<|assistant|><think>\n")
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "verbose": True,
+        "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["__verbose"]["prompt"] == opened
+
+
+def test_prompt_end_fields_and_verbose(http):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Wh"}]
+
+    def prompt(**extra) -> str:
+        r = http.post("/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                 "verbose": True} | extra)
+        assert r.status_code == 200, r.text
+        return r.json()["__verbose"]["prompt"]
+
+    assert prompt().endswith("<|assistant|>Wh")                   # a prefill is continued
+    assert prompt(continue_final_message=True) == prompt()
+    assert prompt(add_generation_prompt=True).endswith("Wh<|assistant|><think>\n</think>")
+    r = http.post("/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                             "add_generation_prompt": True,
+                                             "continue_final_message": True})
+    assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
+    r = http.post("/chat/completions", json={"messages": messages[:1], "max_tokens": 1})
+    assert "__verbose" not in r.json()
+
+
+def test_a_slot_reuses_its_kv_prefix(http):
+    body = {"prompt": PROMPT + " once more", "n_predict": 6}
+    first = http.post("/completion", json=body).json()
+    again = http.post("/completion", json=body).json()
+    n_prompt = first["tokens_evaluated"]
+    assert first["timings"]["cache_n"] + first["timings"]["prompt_n"] == n_prompt
+    # the same prompt again: only its last token is evaluated (for the logits to sample)
+    assert again["timings"] == again["timings"] | {"cache_n": n_prompt - 1, "prompt_n": 1}
+    assert again["content"] == first["content"]                 # greedy: the same answer
+    longer = http.post("/completion", json={"prompt": PROMPT + " once more and again",
+                                            "n_predict": 2}).json()
+    assert longer["timings"]["cache_n"] >= n_prompt - 1          # the shared prefix
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                "max_tokens": 2})
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                "max_tokens": 2})
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_several_prompts_answer_a_list(http):
+    tokens = http.post("/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    r = http.post("/completion", json={"prompt": [tokens, PROMPT, {"prompt_string": PROMPT}],
+                                       "n_predict": 4})
+    assert r.status_code == 200, r.text
+    answers = r.json()
+    assert [a["index"] for a in answers] == [0, 1, 2]
+    assert len({a["content"] for a in answers}) == 1               # the same prompt, greedy
+    one = http.post("/completion", json={"prompt": tokens, "n_predict": 4}).json()
+    assert isinstance(one, dict) and one["content"] == answers[0]["content"]
+    r = http.post("/completion", json={"prompt": [tokens, PROMPT], "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+
+
+def test_response_fields(http):
+    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 3, "response_fields": [
+        "content", "generation_settings/n_predict", "timings/predicted_n", "no/such"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"content", "generation_settings/n_predict", "timings/predicted_n"}
+    assert body["generation_settings/n_predict"] == 3 == body["timings/predicted_n"]
+
+
+def test_post_sampling_probs_pick_the_same_tokens(http):
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 1.0, "seed": 11, "n_probs": 5,
+            "return_tokens": True}
+    raw = http.post("/completion", json=body).json()
+    post = http.post("/completion", json=body | {"post_sampling_probs": True}).json()
+    assert post["tokens"] == raw["tokens"]          # the same seeded chain, the same picks
+    for entry in post["completion_probabilities"]:
+        assert 0.0 < entry["prob"] <= 1.0 and "logprob" not in entry
+        probs = [p["prob"] for p in entry["top_probs"]]
+        assert 1 <= len(probs) <= 5 and probs == sorted(probs, reverse=True)
+        assert all(0.0 < p <= 1.0 for p in probs) and sum(probs) <= 1.0 + 1e-5
+    for entry in raw["completion_probabilities"]:
+        assert entry["logprob"] <= 0.0 and len(entry["top_logprobs"]) == 5
+    greedy = http.post("/completion", json=body | {"temperature": 0,
+                                                   "post_sampling_probs": True}).json()
+    assert all(e["prob"] == 1.0 and len(e["top_probs"]) == 1
+               for e in greedy["completion_probabilities"])
+
+
+def test_timings(http):
+    t = http.post("/completion", json={"prompt": PROMPT, "n_predict": 8}).json()["timings"]
+    assert t["predicted_n"] == 8
+    # the first token comes from the prompt's logits: the rate is over 7 decode steps
+    assert math.isclose(t["predicted_per_second"], 7e3 / t["predicted_ms"])
+    one = http.post("/completion", json={"prompt": PROMPT, "n_predict": 1}).json()["timings"]
+    assert one["predicted_per_second"] == 0.0 == one["predicted_per_token_ms"]
+    frames = []
+    with http.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}, "timings_per_token": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frames.append(json.loads(line[6:]))
+    usage = [f for f in frames if not f["choices"]]
+    assert len(usage) == 1 and usage[0]["timings"]["predicted_n"] == 4
+    assert "timings" not in frames[0]
+
+
+def test_answer_stops_at_the_end_of_the_context(http):
+    n_slot = http.get("/props").json()["default_generation_settings"]["n_ctx"]   # a slot's
+    assert n_slot >= N_CTX // 2                      # (llama.cpp may round the context up)
+    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 4 * n_slot,
+                                       "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens_evaluated"] + body["tokens_predicted"] == n_slot
+    assert body["truncated"] is True and body["stop_type"] == "limit"
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4 * n_slot,
+                                           "logit_bias": {}})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= n_slot
+    r = http.post("/completion", json={"prompt": "word " * (2 * n_slot)})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "exceed_context_size_error"
+
+
+def test_no_metrics_and_tags(http):
+    r = http.get("/metrics")
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    assert http.get("/v1/models").json()["data"][0]["tags"] == ["chat", "small"]
