@@ -28,13 +28,13 @@ VALUE_FLAGS = {
     "--tags": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
-            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja"}
+            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja", "--kv-unified": "--kv-unified"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
     "--no-jinja": (False, "templates are always jinja here"),
     "--cont-batching": (False, "one request at a time"),
-    "--kv-unified": (False, "one sequence"), "--swa-full": (False, "one sequence"),
+    "--swa-full": (False, "default SWA cache"),
     "--context-shift": (False, "no context shift"), "--no-ui": (False, "no web UI"),
     "--embedding": (False, "no embeddings (those tests fail)"),
     "--reranking": (False, "no reranking (those tests fail)"),

@@ -66,6 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                        help="requests generated at once, in one batch per step (continuous "
                             "batching; each gets ctx-size / N tokens, as llama-server)")
+    group.add_argument("--kv-unified", action="store_true",
+                       help="with -np N: one KV pool that every request may fill up to -c "
+                            "(a request fails with 500 when the pool is full); default: "
+                            "ctx-size / N each")
     group.add_argument("--slots", dest="slots", action="store_true", default=True,
                        help="serve GET /slots (llama-server's flag; on by default)")
     group.add_argument("--no-slots", dest="slots", action="store_false",
@@ -187,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     settings.n_parallel = args.parallel
+    settings.kv_unified = args.kv_unified and args.parallel > 1
 
     def load() -> Engine:
         engine = Engine(settings, progress=True)

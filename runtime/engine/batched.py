@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from runtime.engine.batch import MultiBatch
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
-from runtime.engine.types import ContextLengthError, GenerationChunk, Timings, Usage
+from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
+                                  Timings, Usage)
 from runtime.residency.types import Phase
 
 _END = object()
@@ -138,6 +139,11 @@ class BatchScheduler:
                 keep = 0                   # a memory that cannot drop a tail: start afresh
                 self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
             self._cached[slot.seq] = []    # known again once the request ends
+            if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
+                for seq in self._free:
+                    if self._cached[seq]:
+                        self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
+                        self._cached[seq] = []
             slot.fed = slot.pos = slot.reused = keep
             slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
             slot.stream = TextStream(slot.params.stop)
@@ -201,6 +207,10 @@ class BatchScheduler:
         if rc != 0:
             if hook is not None:
                 hook.abort_batch()
+            if rc == 1 and self.engine.settings.kv_unified:     # no KV cell left in the pool
+                raise KVCacheFullError(f"Context size has been exceeded: the slots' shared KV "
+                                       f"pool of {self._ll.llama_n_ctx(engine.ctx_ptr)} tokens "
+                                       "is full")
             raise RuntimeError(f"llama_decode failed (status {rc}) on a batch of {batch.n}")
         if hook is not None:
             hook.end_batch()

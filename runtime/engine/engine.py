@@ -110,8 +110,10 @@ class Engine:
         self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
-        # tokens one sequence can hold (the whole context unless it is split into slots)
-        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // max(1, settings.n_parallel)
+        # tokens one sequence can hold (the whole context unless it is split into slots; a
+        # unified pool lets each slot fill it all, the slots together too)
+        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // \
+            (1 if settings.kv_unified else max(1, settings.n_parallel))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
         self._batch = TokenBatch(self.n_batch)

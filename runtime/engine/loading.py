@@ -62,7 +62,7 @@ def make_context_params(settings: EngineSettings, hook) -> object:
     params.flash_attn_type = FLASH_ATTN[settings.flash_attn]
     if settings.n_parallel > 1:         # one KV stream per sequence: a slot sees only itself
         params.n_seq_max = settings.n_parallel
-        params.kv_unified = False
+        params.kv_unified = settings.kv_unified
     if hook is not None:
         params.cb_eval = hook.callback
         params.cb_eval_user_data = hook.user_data

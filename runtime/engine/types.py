@@ -35,6 +35,8 @@ class EngineSettings:
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
     n_parallel: int = 1                # KV sequences (slots) for runtime.engine.batched;
     #                                    each gets n_ctx / n_parallel tokens, as llama-server
+    kv_unified: bool = False           # with n_parallel > 1: one KV pool that every slot may
+    #                                    fill up to n_ctx (llama-server's --kv-unified)
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
     #                                    None: off when a native device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),
@@ -135,6 +137,10 @@ class ContextLengthError(UserError):
     def __init__(self, prompt_tokens: int, n_ctx: int):
         super().__init__(f"prompt has {prompt_tokens} tokens; the context holds {n_ctx}")
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
+
+
+class KVCacheFullError(RuntimeError):
+    """A unified KV pool has no room left for the next batch (the slots share it)."""
 
 
 class EngineBusyError(RuntimeError):

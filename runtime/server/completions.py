@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from runtime.engine.types import ContextLengthError
+from runtime.engine.types import ContextLengthError, KVCacheFullError
 from runtime.errors import UserError
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError
@@ -83,6 +83,8 @@ def _engine_failure(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="remote_device_down")
     if isinstance(exc, UserError):
         return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, KVCacheFullError):       # llama-server's answer: the pool is aborted
+        return APIError(500, str(exc), code="context_full")
     log.error("generation failed: %s: %s", type(exc).__name__, exc)
     return APIError(500, f"Generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 

@@ -71,10 +71,8 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
     n_prompt = len(prompt) if isinstance(prompt, list) else \
         len(engine.tokenize(prompt, add_special=True))
     n_predict = req.n_predict_value()
-    if n_predict is None or n_predict < 0:
-        n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None
-    elif defaults.max_tokens > 0:
-        n_predict = min(n_predict, defaults.max_tokens)    # the server's -n caps requests
+    if n_predict is None or n_predict < 0:      # the server's -n, as llama-server: a
+        n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None   # default only
     # None: up to the end of the context (-1)
     max_tokens = check_context(engine, n_prompt, n_predict if n_predict else None,
                                None, "prompt") if n_predict != 0 else 0

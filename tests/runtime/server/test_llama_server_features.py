@@ -179,3 +179,25 @@ def test_no_metrics_and_tags(http):
     r = http.get("/metrics")
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
     assert http.get("/v1/models").json()["data"][0]["tags"] == ["chat", "small"]
+
+
+def test_kv_unified_lets_one_slot_use_the_whole_pool(start_server, synth_model_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = start_server(synth_model_factory(SPEC), "-c", "128", "-np", "2", "--kv-unified",
+                          "--temp", "0")
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        n_pool = http.get("/props").json()["default_generation_settings"]["n_ctx"]
+        assert n_pool >= 128                    # the whole pool (llama.cpp may round it up)
+        n = n_pool - 8
+        body = {"prompt": "A", "n_predict": n, "ignore_eos": True}
+        r = http.post("/completion", json=body)
+        assert r.status_code == 200 and r.json()["timings"]["predicted_n"] == n   # > pool / 2
+        with ThreadPoolExecutor(2) as pool:         # together they need more than the pool
+            answers = list(pool.map(lambda _: http.post("/completion", json=body), range(2)))
+        for a in answers:       # side by side, the pool is aborted; one after the other, not
+            assert (a.status_code == 200 and a.json()["timings"]["predicted_n"] == n) or (
+                a.status_code == 500
+                and "context size has been exceeded" in a.json()["error"]["message"].lower())
+        r = http.post("/completion", json=body)
+        assert r.status_code == 200 and r.json()["timings"]["predicted_n"] == n
