@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from runtime.engine.batch import MultiBatch
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
-                                  Timings, Usage)
+                                  PromptProgress, Timings, Usage)
 from runtime.residency.types import Phase
 
 _END = object()
@@ -49,6 +49,7 @@ class _Slot:
     max_new: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_prefill: float = 0.0
+    progress: bool = False                 # report the prompt's progress (PromptProgress)
 
     @property
     def prefilling(self) -> bool:
@@ -82,14 +83,17 @@ class BatchScheduler:
     # -- callers' side ------------------------------------------------------------------------
 
     def generate_many(self, requests: Sequence[tuple[list[int], SamplingParams]],
-                      cancel: threading.Event | None = None) -> Iterator[tuple[int, GenerationChunk]]:
+                      cancel: threading.Event | None = None, progress: bool = False,
+                      ) -> Iterator[tuple[int, GenerationChunk]]:
         """Run every ``(prompt tokens, params)`` at once (each in its own slot as slots come
-        free); yields ``(request index, chunk)`` as they are produced."""
+        free); yields ``(request index, chunk)`` as they are produced. ``progress``: chunks
+        with the prompt's progress too, as ``Engine.generate`` gives them."""
         out: queue.SimpleQueue = queue.SimpleQueue()
         for index, (tokens, params) in enumerate(requests):
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
-            self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel))
+            self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel,
+                                    progress=progress))
         self._wake.set()
         remaining = len(requests)
         while remaining:
@@ -152,11 +156,13 @@ class BatchScheduler:
                 else room
             slot.t0 = time.perf_counter()
             self._active.append(slot)
+            self._report(slot)
 
     def _step(self) -> None:
         batch = self._batch
         batch.clear()
         rows: list[tuple[_Slot, int]] = []        # (slot, output index) for slots to sample
+        prefilled: list[_Slot] = []
         kinds = set()
         for slot in list(self._active):
             if slot.cancel is not None and slot.cancel.is_set():
@@ -173,6 +179,7 @@ class BatchScheduler:
                         rows.append((slot, i))
                 slot.fed += take
                 slot.pos += take
+                prefilled.append(slot)
                 kinds.add(Phase.PREFILL)
             elif slot.next_token is not None and batch.room:
                 rows.append((slot, batch.add(slot.next_token, slot.pos, slot.seq, True)))
@@ -188,6 +195,8 @@ class BatchScheduler:
         busy = len({s.seq for s, _ in rows})
         self._rows_total += busy
         self.max_rows = max(self.max_rows, busy)
+        for slot in prefilled:
+            self._report(slot)
         for slot, index in rows:
             self._sample(slot, index)
 
@@ -214,6 +223,13 @@ class BatchScheduler:
             raise RuntimeError(f"llama_decode failed (status {rc}) on a batch of {batch.n}")
         if hook is not None:
             hook.end_batch()
+
+    def _report(self, slot: _Slot) -> None:
+        if slot.progress:
+            report = PromptProgress(len(slot.tokens), slot.reused, slot.fed,  # first: 0 s
+                                    time.perf_counter() - slot.t0 if slot.fed > slot.reused
+                                    else 0.0)
+            slot.out.put((slot.index, GenerationChunk(text="", token=None, progress=report)))
 
     def _sample(self, slot: _Slot, index: int) -> None:
         engine = self.engine

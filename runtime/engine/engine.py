@@ -31,7 +31,8 @@ from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, Timings, TokenLogprob, Usage)
+                                  GenerationChunk, PromptProgress, Timings, TokenLogprob,
+                                  Usage)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -211,9 +212,11 @@ class Engine:
         return self._template
 
     def generate(self, prompt: str | list[int], params: SamplingParams, *,
-                 cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
+                 cancel: threading.Event | None = None,
+                 progress: bool = False) -> Iterator[GenerationChunk]:
         """Stream the completion of ``prompt``. Raises ContextLengthError at once when the
-        prompt does not fit; the iterator raises EngineBusyError if another one is running."""
+        prompt does not fit; the iterator raises EngineBusyError if another one is running.
+        ``progress``: chunks with ``progress`` before the prompt's first batch and after each."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             bos = self._ll.llama_vocab_bos(self._vocab)
@@ -226,7 +229,7 @@ class Engine:
                             f"(0..{self.n_vocab - 1})")
         if len(tokens) >= self.n_ctx:
             raise ContextLengthError(len(tokens), self.n_ctx)
-        return self._run(tokens, params, cancel)
+        return self._run(tokens, params, cancel, progress)
 
     def reset(self) -> None:
         """Forget the KV cache: the next prompt is evaluated from its first token."""
@@ -258,8 +261,8 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------------
 
-    def _run(self, tokens: list[int], params: SamplingParams,
-             cancel: threading.Event | None) -> Iterator[GenerationChunk]:
+    def _run(self, tokens: list[int], params: SamplingParams, cancel: threading.Event | None,
+             progress: bool = False) -> Iterator[GenerationChunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating")
         sampler = None
@@ -269,7 +272,15 @@ class Engine:
             self._turn += 1
             before = self._counters()
             t0 = time.perf_counter()
-            evaluated = self._prefill(tokens, cancel)
+            steps = self._prefill(tokens, cancel)
+            while True:                        # the prefill's progress, then its result
+                try:
+                    report = next(steps)
+                except StopIteration as done:
+                    evaluated = done.value
+                    break
+                if progress:
+                    yield GenerationChunk(text="", token=None, progress=report)
             t1 = time.perf_counter()
             room = self.n_ctx - len(tokens)
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
@@ -342,8 +353,10 @@ class Engine:
             top = tuple((int(t), self.token_bytes(int(t)), float(logp[t])) for t in best)
         return TokenLogprob(token, piece, float(logp[token]), top)
 
-    def _prefill(self, tokens: list[int], cancel: threading.Event | None) -> int | None:
-        """Bring the KV cache to ``tokens`` (reusing the longest common prefix); returns the
+    def _prefill(self, tokens: list[int],
+                 cancel: threading.Event | None) -> Iterator[PromptProgress]:
+        """Bring the KV cache to ``tokens`` (reusing the longest common prefix), yielding the
+        progress before the first batch and after each; returns (StopIteration's value) the
         number of tokens evaluated, or None when cancelled."""
         keep = 0
         for a, b in zip(self._kv, tokens):
@@ -359,7 +372,11 @@ class Engine:
 
             bar = tqdm(total=len(tokens) - keep, desc="prompt", unit="tok", delay=2.0,
                        leave=False, file=sys.stderr, disable=None)
+        t0 = time.perf_counter()
+        report = lambda done: PromptProgress(  # noqa: E731 - nothing evaluated yet: 0 s
+            len(tokens), keep, done, time.perf_counter() - t0 if done > keep else 0.0)
         try:
+            yield report(keep)
             for start in starts:
                 if cancel is not None and cancel.is_set():
                     return None
@@ -367,6 +384,7 @@ class Engine:
                 self._decode(batch, start, Phase.PREFILL)
                 if bar is not None:
                     bar.update(len(batch))
+                yield report(start + len(batch))
         finally:
             if bar is not None:
                 bar.close()

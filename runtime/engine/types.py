@@ -116,6 +116,16 @@ class TokenLogprob:
     top: tuple[tuple[int, bytes, float], ...] = ()   # (token, piece, logprob)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """How far the prompt's evaluation is (tokens; ``processed`` counts the reused prefix)."""
+
+    total: int
+    cached: int             # reused from the KV cache, not evaluated
+    processed: int          # cached + evaluated so far
+    elapsed_s: float        # seconds since the prompt's evaluation began
+
+
 @dataclass(frozen=True)
 class GenerationChunk:
     """One generated token's text (may be "" while UTF-8 or a possible stop string is held
@@ -129,6 +139,7 @@ class GenerationChunk:
     usage: Usage | None = None
     timings: Timings | None = None
     logprob: TokenLogprob | None = None     # with SamplingParams.logprobs (token chunks)
+    progress: PromptProgress | None = None  # with generate(progress=True): text "", no token
 
 
 class ContextLengthError(UserError):

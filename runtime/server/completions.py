@@ -51,11 +51,12 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
             tokens = prep.prompt if isinstance(prep.prompt, list) else \
                 engine.tokenize(prep.prompt, add_special=True)
             items = batcher.generate_many(
-                [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel)
+                [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel,
+                progress=prep.progress)
         else:
             items = ((i, chunk) for i in range(prep.n) if not cancel.is_set()
                      for chunk in engine.generate(prep.prompt, prep.choice_params(i),
-                                                  cancel=cancel))
+                                                  cancel=cancel, progress=prep.progress))
         try:
             for index, chunk in items:
                 if chunk.token is not None:
@@ -292,6 +293,12 @@ class ChatFramer:
                 for i in range(self.prep.n)]
 
     def chunk(self, index: int, chunk: Any) -> list[dict]:
+        if chunk.progress is not None:          # return_progress: llama-server's frame
+            frame = self.base | {"choices": [],
+                                 "prompt_progress": shapes.prompt_progress(chunk.progress)}
+            if self.timings:
+                frame["timings"] = shapes.progress_timings(chunk.progress)
+            return [frame]
         want_lp = self.prep.params.logprobs is not None
         entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
         if self.prep.tool_format is not None:

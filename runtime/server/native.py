@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -87,7 +88,8 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
                              logprobs=req.n_probs or None,
                              post_sampling=req.post_sampling_probs,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
-    return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1)
+    return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
+                    progress=req.return_progress)
 
 
 @router.post("/completion")
@@ -147,13 +149,25 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
     if body.stream:
         async def events():
             n, timings, finish, all_text = 0, None, None, []
+            clock = _RunningTimings(prep.prompt_tokens)
             try:
                 async for _, chunk in job:
-                    if chunk.token is not None:
+                    if chunk.progress is not None:
+                        clock.prompt = chunk.progress
+                        event = {"index": index, "content": "", "tokens": [], "stop": False,
+                                 "id_slot": 0, "tokens_predicted": 0,
+                                 "tokens_evaluated": prep.prompt_tokens,
+                                 "prompt_progress": shapes.prompt_progress(chunk.progress)}
+                        if body.timings_per_token:
+                            event["timings"] = shapes.progress_timings(chunk.progress)
+                        yield json.dumps(event)
+                    elif chunk.token is not None:
                         n += 1
-                        event = {"index": 0, "content": chunk.text, "tokens": [chunk.token],
+                        event = {"index": index, "content": chunk.text, "tokens": [chunk.token],
                                  "stop": False, "id_slot": 0, "tokens_predicted": n,
                                  "tokens_evaluated": prep.prompt_tokens}
+                        if body.timings_per_token:
+                            event["timings"] = clock.now(n)
                         if chunk.logprob is not None:
                             event["completion_probabilities"] = [
                                 _probs(chunk.logprob, body.post_sampling_probs)]
@@ -161,7 +175,7 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                         yield json.dumps(event)
                     elif chunk.text:
                         all_text.append(chunk.text)
-                        yield json.dumps({"index": 0, "content": chunk.text, "tokens": [],
+                        yield json.dumps({"index": index, "content": chunk.text, "tokens": [],
                                           "stop": False, "id_slot": 0, "tokens_predicted": n,
                                           "tokens_evaluated": prep.prompt_tokens})
                     if chunk.finish_reason is not None:
@@ -186,6 +200,24 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                    if body.n_probs else None)
     return JSONResponse(pick_fields(answer, body.response_fields) if body.response_fields
                         else answer)
+
+
+class _RunningTimings:
+    """timings_per_token: a stream's timings so far, from the prompt's last progress report
+    and the event loop's clock since the first token (the final event has the engine's)."""
+
+    def __init__(self, n_prompt: int) -> None:
+        self.n_prompt, self.prompt, self._t_first = n_prompt, None, None
+
+    def now(self, n: int) -> dict:
+        from runtime.engine.types import Timings  # noqa: PLC0415
+
+        t = time.perf_counter()
+        self._t_first = self._t_first or t
+        p = self.prompt
+        return shapes.llama_timings(Timings(
+            prompt_tokens=p.processed - p.cached if p else 0, prompt_s=p.elapsed_s if p else 0.0,
+            completion_tokens=n, generation_s=t - self._t_first), self.n_prompt)
 
 
 def llama_error(err: APIError) -> dict:

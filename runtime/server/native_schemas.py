@@ -77,6 +77,8 @@ class NativeCompletionRequest(BaseModel):
     model: str | None = None
     response_fields: list[str] | None = None            # answer only these ("a/b": nested)
     post_sampling_probs: bool = False                   # n_probs after the sampler chain
+    return_progress: bool = False                       # stream the prompt's progress
+    timings_per_token: bool = False                     # every streamed event has timings
     # llama-server: sample on the GPU backend; the chain here runs on the CPU either way and
     # picks the same tokens, so both values give the same answer
     backend_sampling: bool | None = None

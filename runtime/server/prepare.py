@@ -25,6 +25,7 @@ class Prepared:
     n: int = 1
     tool_format: structured.ToolFormat | None = None   # parse tool calls from the answers
     echo_text: str = ""                               # completions' echo: the prompt text
+    progress: bool = False                            # return_progress: stream the prefill's
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a given seed moves on by one per choice."""
@@ -159,7 +160,8 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
-    return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt)
+    return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
+                    progress=req.return_progress)
 
 
 def prepare_completion(engine: Any, req: CompletionRequest,

@@ -171,6 +171,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool | None = None     # vLLM's name for the prefill
     verbose: bool = False                          # the answer carries "__verbose"
     timings_per_token: bool = False                # llama-server's "timings" in the answer
+    return_progress: bool = False                  # stream the prompt's progress
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.types import TokenLogprob
+from runtime.engine.types import Timings, TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -68,3 +68,16 @@ def llama_timings(t: Any, n_prompt: int) -> dict:
             "predicted_per_token_ms": predicted_ms / steps if steps > 0 and predicted_ms else 0.0,
             "predicted_per_second": 1e3 / predicted_ms * steps
             if steps > 0 and predicted_ms else 0.0}
+
+
+def prompt_progress(report: Any) -> dict:
+    """llama-server's ``prompt_progress`` from a ``PromptProgress``."""
+    return {"total": report.total, "cache": report.cached, "processed": report.processed,
+            "time_ms": report.elapsed_s * 1e3}
+
+
+def progress_timings(report: Any) -> dict:
+    """llama-server's timings while the prompt is evaluated (nothing predicted yet)."""
+    return llama_timings(Timings(prompt_tokens=report.processed - report.cached,
+                                 prompt_s=report.elapsed_s, completion_tokens=0,
+                                 generation_s=0.0), report.processed)

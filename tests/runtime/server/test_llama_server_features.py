@@ -19,6 +19,7 @@ from gguf_tools.synth import SynthSpec
 SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=128, ff=64,
                  dtype="q8_0", seed=3, skew=1.0)
 N_CTX = 256              # two slots
+N_BATCH = 32             # tokens per prompt batch
 PROMPT = "the king saw a river near the old house and"
 # a DeepSeek-R1-like ending: the thinking block is closed when enable_thinking is false
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
@@ -31,6 +32,7 @@ def server(start_server, synth_model_factory, tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "think.jinja"
     template.write_text(TEMPLATE)
     return start_server(synth_model_factory(SPEC), "-c", str(N_CTX), "-np", "2", "--temp", "0",
+                        "-b", str(N_BATCH),
                         "-s", "7", "--reasoning", "off", "--chat-template-file", str(template),
                         "--no-metrics", "--tags", "chat,small")
 
@@ -201,3 +203,38 @@ def test_kv_unified_lets_one_slot_use_the_whole_pool(start_server, synth_model_f
                 and "context size has been exceeded" in a.json()["error"]["message"].lower())
         r = http.post("/completion", json=body)
         assert r.status_code == 200 and r.json()["timings"]["predicted_n"] == n
+
+
+def _events(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_return_progress(http):
+    prompt = "the quick brown fox jumps over the lazy dog " * 6     # several batches
+    events = _events(http, "/completion", {"prompt": prompt, "n_predict": 2,
+                                           "return_progress": True, "timings_per_token": True})
+    progress = [e for e in events if "prompt_progress" in e]
+    total = progress[0]["prompt_progress"]["total"]
+    assert total == events[-1]["tokens_evaluated"]
+    steps = [p["prompt_progress"]["processed"] for p in progress]
+    cache = progress[0]["prompt_progress"]["cache"]
+    # one report before the first batch, then one per batch of at most n_batch tokens
+    assert steps[0] == cache and steps[-1] == total and steps == sorted(set(steps))
+    assert len(steps) == 1 + -(-(total - cache) // N_BATCH) > 2
+    assert progress[0]["timings"]["prompt_n"] == 0 == progress[0]["timings"]["prompt_ms"]
+    assert all(e["timings"]["predicted_n"] == e["tokens_predicted"] for e in events
+               if e.get("tokens"))
+    again = _events(http, "/completion", {"prompt": prompt, "n_predict": 2,
+                                          "return_progress": True})
+    reports = [e["prompt_progress"] for e in again if "prompt_progress" in e]
+    assert [(r["cache"], r["processed"]) for r in reports] == [(total - 1, total - 1),
+                                                               (total - 1, total)]
+    chat = _events(http, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": prompt}], "max_tokens": 2,
+        "return_progress": True})
+    chat_progress = [f["prompt_progress"] for f in chat if "prompt_progress" in f]
+    assert chat_progress and chat_progress[-1]["processed"] == chat_progress[-1]["total"]
+    assert all(not f["choices"] for f in chat if "prompt_progress" in f)
