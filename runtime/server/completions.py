@@ -29,6 +29,7 @@ from runtime.server.errors import APIError
 from runtime.server.prepare import Prepared, context_error, prepare_chat, prepare_completion
 from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
+from runtime.server.tool_stream import ToolCallStream
 
 log = logging.getLogger("moe_offload.server")
 
@@ -273,13 +274,14 @@ async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> di
 
 
 class ChatFramer:
-    """Stream frames of a chat answer. With tools in play a choice's text is held until it
-    ends, then sent as ``tool_calls`` deltas (id and name, then the arguments) or as content."""
+    """Stream frames of a chat answer. With tools in play, content is streamed as it comes
+    except what could be a tool call (tool_stream.py); calls are sent when the choice ends, as
+    ``tool_calls`` deltas (id and name, then the arguments)."""
 
     def __init__(self, base: dict, prep: Prepared, timings: bool = False):
         self.base, self.prep = base, prep
         self.timings = timings       # timings_per_token: llama-server's timings on each end
-        self._held: dict[int, list[str]] = {}
+        self._tools: dict[int, ToolCallStream] = {}
         self._held_lp: dict[int, list] = {}
 
     def _frame(self, index: int, delta: dict, finish: str | None = None,
@@ -302,11 +304,18 @@ class ChatFramer:
         want_lp = self.prep.params.logprobs is not None
         entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
         if self.prep.tool_format is not None:
-            self._held.setdefault(index, []).append(chunk.text or "")
-            self._held_lp.setdefault(index, []).extend(entry)
+            stream = self._tools.setdefault(index, ToolCallStream(self.prep.tool_format))
+            held_lp = self._held_lp.setdefault(index, [])
+            held_lp.extend(entry)
+            text = stream.feed(chunk.text or "")
+            frames = []
+            if text:                # the logprobs held so far go out with the text
+                frames.append(self._frame(index, {"content": text},
+                                          logprobs=list(held_lp) if want_lp else None))
+                held_lp.clear()
             if chunk.finish_reason in (None, CANCELLED):
-                return []
-            return self._release(index, chunk.finish_reason)
+                return frames
+            return frames + self._release(index, chunk.finish_reason)
         frames = []
         if chunk.text or entry:
             frames.append(self._frame(index, {"content": chunk.text or ""},
@@ -319,10 +328,10 @@ class ChatFramer:
         return frames
 
     def _release(self, index: int, finish: str) -> list[dict]:
-        text = "".join(self._held.pop(index, []))
+        text, calls = self._tools.pop(index).finish()
         entries = self._held_lp.pop(index, [])
         lp = entries if self.prep.params.logprobs is not None else None
-        content, calls = structured.parse_tool_calls(text, self.prep.tool_format)
+        content = text.strip()
         if not calls:
             frames = [self._frame(index, {"content": text}, logprobs=lp)] if text or lp else []
             return frames + [self._frame(index, {}, finish)]

@@ -18,7 +18,7 @@ from gguf_tools.synth import SynthSpec
 
 SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=128, ff=64,
                  dtype="q8_0", seed=3, skew=1.0)
-N_CTX = 256              # two slots
+N_CTX = 1280             # two slots
 N_BATCH = 32             # tokens per prompt batch
 PROMPT = "the king saw a river near the old house and"
 # a DeepSeek-R1-like ending: the thinking block is closed when enable_thinking is false
@@ -238,3 +238,18 @@ def test_return_progress(http):
     chat_progress = [f["prompt_progress"] for f in chat if "prompt_progress" in f]
     assert chat_progress and chat_progress[-1]["processed"] == chat_progress[-1]["total"]
     assert all(not f["choices"] for f in chat if "prompt_progress" in f)
+
+
+def test_tools_in_play_still_stream_content(http):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {
+                "type": "object", "properties": {"a": {"type": "integer"}}}}}]}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]
+    assert whole["finish_reason"] == "length" and not whole["message"].get("tool_calls")
+    frames = _events(http, "/v1/chat/completions", body)
+    content = [f["choices"][0]["delta"]["content"] for f in frames
+               if f["choices"] and f["choices"][0]["delta"].get("content")]
+    assert len(content) > 1                      # not held until the end
+    assert "".join(content) == whole["message"]["content"]
