@@ -25,6 +25,7 @@ VALUE_FLAGS = {
     "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
     "--repeat-penalty": None, "--parallel": "-np", "-np": None, "--reasoning": None,
+    "--reasoning-format": None,
     "--tags": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
@@ -49,7 +50,6 @@ DROPPED = {
     "--spec-draft-n-max": (True, "no speculative decoding"),
     "--spec-draft-n-min": (True, "no speculative decoding"),
     "--model-draft": (True, "no speculative decoding"),
-    "--reasoning-format": (True, "no reasoning parser"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
     "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
     "--cache-reuse-hybrid": (True, "no prompt cache"),

@@ -87,6 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
                        help="thinking in chat templates: off renders them with "
                             "enable_thinking=false (a request's chat_template_kwargs wins)")
+    group.add_argument("--reasoning-format", default="auto",
+                       choices=("auto", "deepseek", "none"),
+                       help="chat answers: the text in <think>...</think> goes to "
+                            "reasoning_content (auto, deepseek) or stays in content (none)")
     group.add_argument("--jinja", dest="jinja", action="store_true", default=True,
                        help="accepted: chat templates are always rendered with jinja")
     group.add_argument("--no-jinja", dest="jinja", action="store_false",
@@ -208,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
                                     cors_origins=origins, defaults=defaults,
                                     parallel=args.parallel, aliases=aliases,
                                     verbose=args.verbose, reasoning=args.reasoning,
+                                    reasoning_format=args.reasoning_format,
                                     metrics_endpoint=args.metrics,
                                     tags=tuple(t.strip() for t in args.tags.split(",")
                                                if t.strip())),

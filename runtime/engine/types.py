@@ -150,6 +150,9 @@ class ContextLengthError(UserError):
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
 
 
+CANCELLED = "cancelled"     # finish_reason of a generation its cancel event stopped
+
+
 class KVCacheFullError(RuntimeError):
     """A unified KV pool has no room left for the next batch (the slots share it)."""
 

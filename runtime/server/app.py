@@ -32,6 +32,7 @@ from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.queue import RequestQueue
+from runtime.server.reasoning import FORMATS
 
 
 def _fingerprint() -> str:
@@ -61,6 +62,7 @@ class ServerSettings:
     aliases: tuple[str, ...] = ()      # every name of the model (--alias a,b,c); model_id first
     verbose: bool = False              # answers carry "__verbose" (the prompt), as llama-server -v
     reasoning: str = "auto"            # --reasoning on|off|auto: off renders enable_thinking=false
+    reasoning_format: str = "auto"     # --reasoning-format: auto/deepseek split <think>; none
     metrics_endpoint: bool = True      # GET /metrics (501 with --no-metrics, as llama-server)
     tags: tuple[str, ...] = ()         # --tags: the model's tags in /v1/models
 
@@ -71,6 +73,9 @@ class ServerSettings:
             raise ValueError("api_key must not be empty")
         if self.reasoning not in ("on", "off", "auto"):
             raise ValueError(f"reasoning must be on, off or auto, not {self.reasoning!r}")
+        if self.reasoning_format not in FORMATS:
+            raise ValueError(f"reasoning_format must be auto, deepseek or none, not "
+                             f"{self.reasoning_format!r}")
 
 
 class ApiKeyGuard:

@@ -22,20 +22,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from runtime.engine.types import ContextLengthError, KVCacheFullError
+from runtime.engine.types import CANCELLED, ContextLengthError, KVCacheFullError
 from runtime.errors import UserError
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError
 from runtime.server.prepare import Prepared, context_error, prepare_chat, prepare_completion
 from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
-from runtime.server.tool_stream import ToolCallStream
+from runtime.server.chat_stream import ChatFramer
+from runtime.server.reasoning import split_reasoning
 
 log = logging.getLogger("moe_offload.server")
 
 router = APIRouter()
 
-CANCELLED = "cancelled"              # the engine's finish_reason when the cancel event stopped it
 
 
 def _generation(engine: Any, prep: Prepared, metrics: Any,
@@ -221,8 +221,10 @@ def fingerprint(request: Request) -> str:
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion, streamed or not (``n`` choices, logprobs, tools)."""
-    defaults, reasoning = request.app.state.defaults, request.app.state.settings.reasoning
-    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults, reasoning))
+    defaults, settings = request.app.state.defaults, request.app.state.settings
+    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults,
+                                                              settings.reasoning,
+                                                              settings.reasoning_format))
     cid, created = _ids("chatcmpl")
     base = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
@@ -232,14 +234,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     results = await _collect(request, job, prep)
     choices = []
     for r in results:
-        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        reasoning, text = (None, r.text) if prep.thinking is None else \
+            split_reasoning(r.text, prep.thinking)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = r.finish_reason
         if prep.tool_format is not None:
-            content, calls = structured.parse_tool_calls(r.text, prep.tool_format)
+            content, calls = structured.parse_tool_calls(text, prep.tool_format)
             if calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [c.to_openai() for c in calls]}
                 finish = "tool_calls"
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         logprobs = {"content": [shapes.chat_logprob(lp) for lp in r.logprobs],
                     "refusal": None} if prep.params.logprobs is not None else None
         choices.append({"index": r.index, "message": message, "logprobs": logprobs,
@@ -271,82 +277,6 @@ async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> di
     prep = await anyio.to_thread.run_sync(prepare_chat, engine, body, None,
                                           request.app.state.settings.reasoning)
     return {"input_tokens": prep.prompt_tokens}
-
-
-class ChatFramer:
-    """Stream frames of a chat answer. With tools in play, content is streamed as it comes
-    except what could be a tool call (tool_stream.py); calls are sent when the choice ends, as
-    ``tool_calls`` deltas (id and name, then the arguments)."""
-
-    def __init__(self, base: dict, prep: Prepared, timings: bool = False):
-        self.base, self.prep = base, prep
-        self.timings = timings       # timings_per_token: llama-server's timings on each end
-        self._tools: dict[int, ToolCallStream] = {}
-        self._held_lp: dict[int, list] = {}
-
-    def _frame(self, index: int, delta: dict, finish: str | None = None,
-               logprobs: list | None = None) -> dict:
-        lp = None if logprobs is None else {"content": logprobs, "refusal": None}
-        return self.base | {"choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                         "finish_reason": finish}]}
-
-    def opening(self) -> list[dict]:     # as llama-server: the role, content null
-        return [self._frame(i, {"role": "assistant", "content": None})
-                for i in range(self.prep.n)]
-
-    def chunk(self, index: int, chunk: Any) -> list[dict]:
-        if chunk.progress is not None:          # return_progress: llama-server's frame
-            frame = self.base | {"choices": [],
-                                 "prompt_progress": shapes.prompt_progress(chunk.progress)}
-            if self.timings:
-                frame["timings"] = shapes.progress_timings(chunk.progress)
-            return [frame]
-        want_lp = self.prep.params.logprobs is not None
-        entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
-        if self.prep.tool_format is not None:
-            stream = self._tools.setdefault(index, ToolCallStream(self.prep.tool_format))
-            held_lp = self._held_lp.setdefault(index, [])
-            held_lp.extend(entry)
-            text = stream.feed(chunk.text or "")
-            frames = []
-            if text:                # the logprobs held so far go out with the text
-                frames.append(self._frame(index, {"content": text},
-                                          logprobs=list(held_lp) if want_lp else None))
-                held_lp.clear()
-            if chunk.finish_reason in (None, CANCELLED):
-                return frames
-            return frames + self._release(index, chunk.finish_reason)
-        frames = []
-        if chunk.text or entry:
-            frames.append(self._frame(index, {"content": chunk.text or ""},
-                                      logprobs=entry if want_lp else None))
-        if chunk.finish_reason not in (None, CANCELLED):
-            frames.append(self._frame(index, {}, chunk.finish_reason))
-            if self.timings and chunk.timings is not None:
-                frames[-1]["timings"] = shapes.llama_timings(chunk.timings,
-                                                             self.prep.prompt_tokens)
-        return frames
-
-    def _release(self, index: int, finish: str) -> list[dict]:
-        text, calls = self._tools.pop(index).finish()
-        entries = self._held_lp.pop(index, [])
-        lp = entries if self.prep.params.logprobs is not None else None
-        content = text.strip()
-        if not calls:
-            frames = [self._frame(index, {"content": text}, logprobs=lp)] if text or lp else []
-            return frames + [self._frame(index, {}, finish)]
-        frames = []
-        if content:
-            frames.append(self._frame(index, {"content": content}, logprobs=lp))
-            lp = None
-        for i, call in enumerate(calls):
-            frames.append(self._frame(index, {"tool_calls": [{
-                "index": i, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}]}, logprobs=lp))
-            lp = None
-            frames.append(self._frame(index, {"tool_calls": [{
-                "index": i, "function": {"arguments": call.arguments}}]}))
-        return frames + [self._frame(index, {}, "tool_calls")]
 
 
 @router.post("/v1/completions")

@@ -10,6 +10,7 @@ from runtime.engine.sampling import SamplingParams, check_grammar
 from runtime.errors import UserError
 from runtime.server import structured
 from runtime.server.errors import APIError
+from runtime.server.reasoning import thinking_forced_open
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -26,6 +27,8 @@ class Prepared:
     tool_format: structured.ToolFormat | None = None   # parse tool calls from the answers
     echo_text: str = ""                               # completions' echo: the prompt text
     progress: bool = False                            # return_progress: stream the prefill's
+    # reasoning_format: None = no split; else whether the answer starts inside <think>
+    thinking: bool | None = None
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a given seed moves on by one per choice."""
@@ -109,9 +112,6 @@ def _check_bias(engine: Any, req: _SamplingFields) -> None:
                                 f"(0..{n_vocab - 1})", code="invalid_value", param="logit_bias")
 
 
-REASONING_MODES = ("on", "off", "auto")      # llama-server's --reasoning
-
-
 def template_variables(reasoning: str, kwargs: dict | None) -> dict:
     """The chat template's extra variables, as llama-server passes them: ``enable_thinking``
     (false only with ``--reasoning off``), then the request's ``chat_template_kwargs``."""
@@ -119,7 +119,8 @@ def template_variables(reasoning: str, kwargs: dict | None) -> dict:
 
 
 def prepare_chat(engine: Any, req: ChatCompletionRequest,
-                 defaults: SamplingParams | None = None, reasoning: str = "auto") -> Prepared:
+                 defaults: SamplingParams | None = None, reasoning: str = "auto",
+                 reasoning_format: str = "auto") -> Prepared:
     tools = req.tool_dicts()
     choice = req.tool_choice_value()
     if choice == "none":
@@ -160,8 +161,10 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
+    split = (req.reasoning_format or reasoning_format) != "none"
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
-                    progress=req.return_progress)
+                    progress=req.return_progress,
+                    thinking=thinking_forced_open(prompt) if split else None)
 
 
 def prepare_completion(engine: Any, req: CompletionRequest,

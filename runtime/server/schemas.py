@@ -172,6 +172,8 @@ class ChatCompletionRequest(_SamplingFields):
     verbose: bool = False                          # the answer carries "__verbose"
     timings_per_token: bool = False                # llama-server's "timings" in the answer
     return_progress: bool = False                  # stream the prompt's progress
+    # the thinking split off into reasoning_content (auto/deepseek) or left in (none)
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:

@@ -37,7 +37,7 @@ class ToolCallStream:
             if at >= 0:
                 self._calling = True
                 return self._take(at)
-            return self._take(len(self._held) - _partial_suffix(self._held, HERMES_MARK))
+            return self._take(len(self._held) - partial_suffix(self._held, HERMES_MARK))
         start = self._held.lstrip()
         if not start or any(mark.startswith(start) for mark in WHOLE_ANSWER_STARTS):
             return ""                                   # could still become a call
@@ -59,7 +59,7 @@ class ToolCallStream:
         return out
 
 
-def _partial_suffix(text: str, mark: str) -> int:
+def partial_suffix(text: str, mark: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``mark``."""
     for n in range(min(len(mark) - 1, len(text)), 0, -1):
         if text.endswith(mark[:n]):

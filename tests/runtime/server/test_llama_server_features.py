@@ -253,3 +253,23 @@ def test_tools_in_play_still_stream_content(http):
                if f["choices"] and f["choices"][0]["delta"].get("content")]
     assert len(content) > 1                      # not held until the end
     assert "".join(content) == whole["message"]["content"]
+
+
+def test_reasoning_content(http):
+    # thinking opened by the template: the answer starts in it (it never closes here)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    plain = http.post("/v1/chat/completions", json=body | {"reasoning_format": "none"}).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert text and "reasoning_content" not in plain["choices"][0]["message"]
+    split = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert split["reasoning_content"] == text and split["content"] == ""
+    frames = _events(http, "/v1/chat/completions", body)
+    deltas = [f["choices"][0]["delta"] for f in frames if f["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == text
+    assert not "".join(d.get("content") or "" for d in deltas)
+    closed = http.post("/v1/chat/completions", json=body | {
+        "chat_template_kwargs": {"enable_thinking": False}}).json()["choices"][0]["message"]
+    assert "reasoning_content" not in closed and closed["content"]     # </think> in the prompt
+    r = http.post("/v1/chat/completions", json=body | {"reasoning_format": "legacy"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
