@@ -21,26 +21,26 @@ from pathlib import Path
 VALUE_FLAGS = {
     "--port": None, "--temp": None, "--seed": "-s", "--ctx-size": "-c", "-c": None,
     "--batch-size": "-b", "-b": None, "--ubatch-size": "-ub", "-ub": None,
-    "--threads": "-t", "-t": None, "--host": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
-    "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
-    "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
-    "--repeat-penalty": None, "--parallel": "-np", "-np": None, "--reasoning": None,
-    "--reasoning-format": None,
-    "--tags": None,
+    "--threads": "-t", "-t": None, "--host": None, "--n-gpu-layers": "-ngl", "-ngl": None,
+    "-fa": None, "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
+    "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None,
+    "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
+    "--reasoning": None, "--reasoning-format": None, "--tags": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
-            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja", "--kv-unified": "--kv-unified"}
+            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
+            "--kv-unified": "--kv-unified"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
     "--no-jinja": (False, "templates are always jinja here"),
-    "--cont-batching": (False, "one request at a time"),
+    "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
     "--context-shift": (False, "no context shift"), "--no-ui": (False, "no web UI"),
     "--embedding": (False, "no embeddings (those tests fail)"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
-    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "one slot"),
+    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
     "--pooling": (True, "no embeddings"),

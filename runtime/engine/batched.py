@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from runtime.engine.batch import MultiBatch
+from runtime.engine.logprobs import sample_token
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
                                   PromptProgress, Timings, Usage)
@@ -235,7 +236,7 @@ class BatchScheduler:
         engine = self.engine
         if slot.generated == 0 and slot.t_prefill == 0.0:
             slot.t_prefill = time.perf_counter()
-        token, lp = engine.sample_token(slot.sampler, index, slot.params)
+        token, lp = sample_token(engine, slot.sampler, index, slot.params)
         if self._ll.llama_vocab_is_eog(engine.vocab_ptr, token):
             self._finish(slot, "stop")
             return

@@ -13,7 +13,6 @@ hook as ``cb_eval`` when residency is managed or routes are recorded), then the 
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import threading
@@ -25,14 +24,14 @@ from runtime.engine import interrupt, llama_lib
 from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
+from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, PromptProgress, Timings, TokenLogprob,
-                                  Usage)
+                                  GenerationChunk, PromptProgress, Timings, Usage)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -291,7 +290,7 @@ class Engine:
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
-                token, logprob = self.sample_token(sampler, -1, params)
+                token, logprob = sample_token(self, sampler, -1, params)
                 if self._ll.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
@@ -317,41 +316,6 @@ class Engine:
             if sampler is not None:
                 sampler.close()
             self._busy.release()
-
-    def sample_token(self, sampler: Sampler, index: int,
-                     params: SamplingParams) -> tuple[int, TokenLogprob | None]:
-        """Sample from output row ``index`` (-1: the last); with ``params.logprobs``, also the
-        token's logprob and top k: the model's, or the sampler chain's survivors'
-        (``post_sampling``)."""
-        if params.logprobs is None:
-            return sampler.sample(self.ctx_ptr, index), None
-        logits = self._last_logits(index)
-        if not params.post_sampling:
-            token = sampler.sample(self.ctx_ptr, index)
-            return token, self._logprob(logits, token, self.token_bytes(token), params.logprobs)
-        token, p_token, left = sampler.sample_candidates(logits, params.logprobs)
-        log = lambda p: math.log(p) if p > 0 else -math.inf  # noqa: E731
-        return token, TokenLogprob(token, self.token_bytes(token), log(p_token),
-                                   tuple((t, self.token_bytes(t), log(p)) for t, p in left))
-
-    def _last_logits(self, index: int = -1):
-        """(n_vocab,) float32 copy of output row ``index``'s raw logits (-1: the last)."""
-        import numpy as np  # noqa: PLC0415
-
-        ptr = self._ll.llama_get_logits_ith(self.ctx_ptr, index)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-
-    def _logprob(self, logits, token: int, piece: bytes, k: int) -> TokenLogprob:
-        import numpy as np  # noqa: PLC0415
-
-        shifted = logits.astype(np.float64) - float(logits.max())
-        logp = shifted - np.log(np.exp(shifted).sum())          # (n_vocab,) log-softmax
-        top: tuple = ()
-        if k > 0:
-            best = np.argpartition(-logp, k - 1)[:k]
-            best = best[np.argsort(-logp[best], kind="stable")]
-            top = tuple((int(t), self.token_bytes(int(t)), float(logp[t])) for t in best)
-        return TokenLogprob(token, piece, float(logp[token]), top)
 
     def _prefill(self, tokens: list[int],
                  cancel: threading.Event | None) -> Iterator[PromptProgress]:

@@ -34,7 +34,8 @@ def test_whole_answer_formats():
     assert out == ["", " Hello", " there"] and tail == "" and calls == []
     out, tail, calls = _feed(ToolFormat.LLAMA3, ['{"name": "f", ', '"parameters": {}}'])
     assert out == ["", ""] and [c.name for c in calls] == ["f"] and tail == ""
-    out, tail, calls = _feed(ToolFormat.MISTRAL, ["[TOOL", '_CALLS][{"name": "g", "arguments": {}}]'])
+    out, tail, calls = _feed(ToolFormat.MISTRAL,
+                             ["[TOOL", '_CALLS][{"name": "g", "arguments": {}}]'])
     assert out == ["", ""] and [c.name for c in calls] == ["g"]
     out, tail, calls = _feed(ToolFormat.MISTRAL, ["[TOO", "THING]"])
     assert out == ["", ""] and tail == "[TOOTHING]" and calls == []
