@@ -51,6 +51,7 @@ class _Slot:
     t0: float = field(default_factory=time.perf_counter)
     t_prefill: float = 0.0
     progress: bool = False                 # report the prompt's progress (PromptProgress)
+    reuse_prefix: bool = True              # start from the slot's cached KV prefix
 
     @property
     def prefilling(self) -> bool:
@@ -85,16 +86,17 @@ class BatchScheduler:
 
     def generate_many(self, requests: Sequence[tuple[list[int], SamplingParams]],
                       cancel: threading.Event | None = None, progress: bool = False,
-                      ) -> Iterator[tuple[int, GenerationChunk]]:
+                      reuse_prefix: bool = True) -> Iterator[tuple[int, GenerationChunk]]:
         """Run every ``(prompt tokens, params)`` at once (each in its own slot as slots come
         free); yields ``(request index, chunk)`` as they are produced. ``progress``: chunks
-        with the prompt's progress too, as ``Engine.generate`` gives them."""
+        with the prompt's progress too, as ``Engine.generate`` gives them; ``reuse_prefix``
+        false: the whole prompt is evaluated."""
         out: queue.SimpleQueue = queue.SimpleQueue()
         for index, (tokens, params) in enumerate(requests):
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
             self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel,
-                                    progress=progress))
+                                    progress=progress, reuse_prefix=reuse_prefix))
         self._wake.set()
         remaining = len(requests)
         while remaining:
@@ -138,6 +140,7 @@ class BatchScheduler:
         while self._free and not self._waiting.empty():
             slot = self._waiting.get()
             slot.seq, keep = best_slot(self._free, self._cached, slot.tokens)
+            keep = keep if slot.reuse_prefix else 0
             self._free.remove(slot.seq)
             memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
             if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):

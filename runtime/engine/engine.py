@@ -211,11 +211,12 @@ class Engine:
         return self._template
 
     def generate(self, prompt: str | list[int], params: SamplingParams, *,
-                 cancel: threading.Event | None = None,
-                 progress: bool = False) -> Iterator[GenerationChunk]:
+                 cancel: threading.Event | None = None, progress: bool = False,
+                 reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
         """Stream the completion of ``prompt``. Raises ContextLengthError at once when the
         prompt does not fit; the iterator raises EngineBusyError if another one is running.
-        ``progress``: chunks with ``progress`` before the prompt's first batch and after each."""
+        ``progress``: chunks with ``progress`` before the prompt's first batch and after each;
+        ``reuse_prefix=False`` evaluates the whole prompt (llama-server's cache_prompt=false)."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             bos = self._ll.llama_vocab_bos(self._vocab)
@@ -228,7 +229,7 @@ class Engine:
                             f"(0..{self.n_vocab - 1})")
         if len(tokens) >= self.n_ctx:
             raise ContextLengthError(len(tokens), self.n_ctx)
-        return self._run(tokens, params, cancel, progress)
+        return self._run(tokens, params, cancel, progress, reuse_prefix)
 
     def reset(self) -> None:
         """Forget the KV cache: the next prompt is evaluated from its first token."""
@@ -261,7 +262,7 @@ class Engine:
     # -- generation -------------------------------------------------------------------------
 
     def _run(self, tokens: list[int], params: SamplingParams, cancel: threading.Event | None,
-             progress: bool = False) -> Iterator[GenerationChunk]:
+             progress: bool = False, reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating")
         sampler = None
@@ -271,7 +272,7 @@ class Engine:
             self._turn += 1
             before = self._counters()
             t0 = time.perf_counter()
-            steps = self._prefill(tokens, cancel)
+            steps = self._prefill(tokens, cancel, reuse_prefix)
             while True:                        # the prefill's progress, then its result
                 try:
                     report = next(steps)
@@ -317,8 +318,8 @@ class Engine:
                 sampler.close()
             self._busy.release()
 
-    def _prefill(self, tokens: list[int],
-                 cancel: threading.Event | None) -> Iterator[PromptProgress]:
+    def _prefill(self, tokens: list[int], cancel: threading.Event | None,
+                 reuse_prefix: bool = True) -> Iterator[PromptProgress]:
         """Bring the KV cache to ``tokens`` (reusing the longest common prefix), yielding the
         progress before the first batch and after each; returns (StopIteration's value) the
         number of tokens evaluated, or None when cancelled."""
@@ -327,7 +328,7 @@ class Engine:
             if a != b:
                 break
             keep += 1
-        keep = min(keep, len(tokens) - 1)      # the last prompt token is always evaluated
+        keep = min(keep, len(tokens) - 1) if reuse_prefix else 0   # the last one: always
         self._forget_from(keep)
         starts = range(keep, len(tokens), self.n_batch)
         bar = None

@@ -53,11 +53,13 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
                 engine.tokenize(prep.prompt, add_special=True)
             items = batcher.generate_many(
                 [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel,
-                progress=prep.progress)
+                progress=prep.progress, reuse_prefix=prep.cache_prompt)
         else:
             items = ((i, chunk) for i in range(prep.n) if not cancel.is_set()
                      for chunk in engine.generate(prep.prompt, prep.choice_params(i),
-                                                  cancel=cancel, progress=prep.progress))
+                                                  cancel=cancel, progress=prep.progress,
+                                                  # later choices: this request's prompt
+                                                  reuse_prefix=prep.cache_prompt or i > 0))
         try:
             for index, chunk in items:
                 if chunk.token is not None:

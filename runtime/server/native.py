@@ -89,7 +89,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
                              post_sampling=req.post_sampling_probs,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
-                    progress=req.return_progress)
+                    progress=req.return_progress, cache_prompt=req.cache_prompt is not False)
 
 
 @router.post("/completion")

@@ -71,7 +71,7 @@ class NativeCompletionRequest(BaseModel):
     json_schema: dict[str, Any] | None = None
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     ignore_eos: bool = False
-    cache_prompt: bool | None = None                    # always on here
+    cache_prompt: bool | None = None                    # false: evaluate the whole prompt
     id_slot: int | None = Field(None, ge=-1)            # slots are assigned in arrival order
     n_keep: int | None = None                           # no context shift here: no effect
     model: str | None = None

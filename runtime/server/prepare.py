@@ -29,6 +29,7 @@ class Prepared:
     progress: bool = False                            # return_progress: stream the prefill's
     # reasoning_format: None = no split; else whether the answer starts inside <think>
     thinking: bool | None = None
+    cache_prompt: bool = True                         # false: evaluate the whole prompt
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a given seed moves on by one per choice."""
@@ -163,7 +164,7 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     split = (req.reasoning_format or reasoning_format) != "none"
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
-                    progress=req.return_progress,
+                    progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
                     thinking=thinking_forced_open(prompt) if split else None)
 
 
@@ -186,4 +187,5 @@ def prepare_completion(engine: Any, req: CompletionRequest,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     echo = "" if not req.echo else (prompt if isinstance(prompt, str)
                                     else engine.detokenize(prompt))
-    return Prepared(prompt, n_prompt, params, req.n, echo_text=echo)
+    return Prepared(prompt, n_prompt, params, req.n, echo_text=echo,
+                    cache_prompt=req.cache_prompt is not False)

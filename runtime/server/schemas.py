@@ -2,7 +2,8 @@
 
 Every field is either honoured or refused: an unknown field is a 400 naming it (it would
 otherwise be silently ignored). ``user`` and ``metadata`` are accepted as labels, and
-``cache_prompt`` (llama-server's) as what this server always does (reuse the KV prefix).
+``cache_prompt`` (llama-server's: false evaluates the whole prompt instead of reusing the KV
+prefix).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class _SamplingFields(BaseModel):
     repeat_penalty: float | None = Field(None, gt=0.0)
     grammar: str | None = None                    # GBNF
     json_schema: dict[str, Any] | None = None
-    cache_prompt: bool | None = None              # always on here
+    cache_prompt: bool | None = None              # false: evaluate the whole prompt
     id_slot: int | None = Field(None, ge=-1)      # slots are assigned in arrival order
     n_predict: int | None = Field(None, ge=1)     # llama.cpp's name for max_tokens
 

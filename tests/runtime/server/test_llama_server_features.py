@@ -273,3 +273,14 @@ def test_reasoning_content(http):
     assert "reasoning_content" not in closed and closed["content"]     # </think> in the prompt
     r = http.post("/v1/chat/completions", json=body | {"reasoning_format": "legacy"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
+
+
+def test_cache_prompt_false_evaluates_the_whole_prompt(http):
+    body = {"prompt": PROMPT + " twice", "n_predict": 2}
+    first = http.post("/completion", json=body).json()
+    cached = http.post("/completion", json=body).json()["timings"]
+    fresh = http.post("/completion", json=body | {"cache_prompt": False}).json()
+    assert cached["cache_n"] > 0
+    assert fresh["timings"]["cache_n"] == 0
+    assert fresh["timings"]["prompt_n"] == first["tokens_evaluated"]
+    assert fresh["content"] == first["content"]
