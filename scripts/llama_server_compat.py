@@ -26,10 +26,12 @@ VALUE_FLAGS = {
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None,
     "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
     "--reasoning": None, "--reasoning-format": None, "--tags": None,
+    "--pooling": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
-            "--kv-unified": "--kv-unified"}
+            "--kv-unified": "--kv-unified", "--embedding": "--embedding",
+            "--embeddings": "--embedding"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
@@ -37,13 +39,12 @@ DROPPED = {
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
     "--context-shift": (False, "no context shift"), "--no-ui": (False, "no web UI"),
-    "--embedding": (False, "no embeddings (those tests fail)"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
     "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
-    "--pooling": (True, "no embeddings"),
+
     "--slot-save-path": (True, "no slot save"), "--grp-attn-n": (True, "no self-extend"),
     "--grp-attn-w": (True, "no self-extend"), "--lora": (True, "no LoRA"),
     "--spec-type": (True, "no speculative decoding"),
@@ -110,6 +111,8 @@ def translate(argv: list[str]) -> list[str]:
             sys.exit(2)
     if "--metrics" not in argv:           # llama-server serves /metrics only when asked
         out.append("--no-metrics")
+    if "--embedding" in out and "--pooling" not in out:
+        out += ["--pooling", "mean"]      # the stand-in model has none; the tests' models mean
     if model is None or not Path(model).is_file():
         model = str(synthetic_model(model or wanted or "model"))
     return ["serve", "-m", model, *out]

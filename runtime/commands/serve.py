@@ -66,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                        help="requests generated at once, in one batch per step (continuous "
                             "batching; each gets ctx-size / N tokens, as llama-server)")
+    group.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                       help="serve embeddings (/v1/embeddings, /embedding) instead of "
+                            "completions")
+    group.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
+                       help="how --embedding pools the tokens' vectors (default: the model's)")
     group.add_argument("--kv-unified", action="store_true",
                        help="with -np N: one KV pool that every request may fill up to -c "
                             "(a request fails with 500 when the pool is full); default: "
@@ -196,12 +201,13 @@ def run(args: argparse.Namespace) -> int:
 
     settings.n_parallel = args.parallel
     settings.kv_unified = args.kv_unified and args.parallel > 1
+    settings.embeddings, settings.pooling = args.embedding, args.pooling
 
     def load() -> Engine:
         engine = Engine(settings, progress=True)
         if template is not None:
             engine.use_chat_template(template)
-        if args.parallel > 1:
+        if args.parallel > 1 and not args.embedding:   # embeddings: one input at a time
             from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
 
             engine.batcher = BatchScheduler(engine)
@@ -213,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                                     parallel=args.parallel, aliases=aliases,
                                     verbose=args.verbose, reasoning=args.reasoning,
                                     reasoning_format=args.reasoning_format,
-                                    metrics_endpoint=args.metrics,
+                                    metrics_endpoint=args.metrics, embedding=args.embedding,
                                     tags=tuple(t.strip() for t in args.tags.split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure)

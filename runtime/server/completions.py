@@ -97,6 +97,10 @@ async def _submit(request: Request,
                   prepare: Callable[[Any], Prepared]) -> tuple[Prepared, Job]:
     """Prepare the request off the event loop, then queue its generation (429 when full)."""
     state = request.app.state
+    if state.settings.embedding:
+        raise APIError(501, "This server does not support completions. Start it without "
+                            "`--embeddings`", code="not_supported",
+                       error_type="not_supported_error")
     engine = state.host.engine()                      # 503 while loading
     try:
         prep = await anyio.to_thread.run_sync(prepare, engine)
