@@ -26,7 +26,7 @@ VALUE_FLAGS = {
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None,
     "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
     "--reasoning": None, "--reasoning-format": None, "--tags": None,
-    "--pooling": None,
+    "--pooling": None, "--slot-save-path": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
@@ -45,7 +45,7 @@ DROPPED = {
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
 
-    "--slot-save-path": (True, "no slot save"), "--grp-attn-n": (True, "no self-extend"),
+"--grp-attn-n": (True, "no self-extend"),
     "--grp-attn-w": (True, "no self-extend"), "--lora": (True, "no LoRA"),
     "--spec-type": (True, "no speculative decoding"),
     "--spec-draft-n-max": (True, "no speculative decoding"),

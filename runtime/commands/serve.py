@@ -71,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "completions")
     group.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
                        help="how --embedding pools the tokens' vectors (default: the model's)")
+    group.add_argument("--slot-save-path", default=None, metavar="DIR",
+                       help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
+                            "cache to a file in DIR and back)")
     group.add_argument("--kv-unified", action="store_true",
                        help="with -np N: one KV pool that every request may fill up to -c "
                             "(a request fails with 500 when the pool is full); default: "
@@ -168,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
     defaults = sampling_from_args(args)
+    slot_dir = Path(args.slot_save_path) if args.slot_save_path is not None else None
+    if slot_dir is not None and not slot_dir.is_dir():
+        raise UserError(f"--slot-save-path {slot_dir}: not a directory")
     origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():
@@ -220,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
                                     verbose=args.verbose, reasoning=args.reasoning,
                                     reasoning_format=args.reasoning_format,
                                     metrics_endpoint=args.metrics, embedding=args.embedding,
+                                    slot_save_path=slot_dir,
                                     tags=tuple(t.strip() for t in args.tags.split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from concurrent.futures import Future
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from runtime.engine.logprobs import sample_token
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
                                   PromptProgress, Timings, Usage)
+from runtime.errors import UserError
 from runtime.residency.types import Phase
 
 _END = object()
@@ -75,6 +77,8 @@ class BatchScheduler:
         self._cached: dict[int, list[int]] = {seq: [] for seq in range(self.n_slots)}
         self._active: list[_Slot] = []
         self._closed = False
+        self._calls: list[tuple[int, object, Future]] = []    # slot actions waiting (seq, fn)
+        self._calls_lock = threading.Lock()
         self.steps = 0
         self.max_rows = 0                          # most sequences seen in one batch
         self._rows_total = 0                       # sequences summed over steps
@@ -108,6 +112,30 @@ class BatchScheduler:
                 continue
             yield item
 
+    def call_on_slot(self, seq: int, action):
+        """Run ``action(seq, the tokens its KV holds) -> (result, tokens after)`` on the
+        scheduler thread once slot ``seq`` is idle (slot save/restore/erase); its result."""
+        if not 0 <= seq < self.n_slots:
+            raise UserError("Invalid slot ID")
+        done: Future = Future()
+        with self._calls_lock:
+            self._calls.append((seq, action, done))
+        self._wake.set()
+        return done.result()
+
+    def _run_calls(self) -> None:
+        with self._calls_lock:
+            ready = [c for c in self._calls if c[0] in self._free]
+            self._calls = [c for c in self._calls if c[0] not in self._free]
+        for seq, action, done in ready:
+            try:
+                result, self._cached[seq] = action(seq, list(self._cached[seq]))
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                self._cached[seq] = []
+                done.set_exception(exc)
+            else:
+                done.set_result(result)
+
     def busy_per_step(self) -> float:
         """Mean sequences sampled per decode step."""
         return self._rows_total / self.steps if self.steps else 0.0
@@ -122,6 +150,7 @@ class BatchScheduler:
 
     def _run(self) -> None:
         while not self._closed:
+            self._run_calls()
             self._admit()
             if not self._active:
                 self._wake.wait(0.5)

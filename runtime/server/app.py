@@ -28,6 +28,7 @@ from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
+from runtime.server.slot_routes import router as slot_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
@@ -67,6 +68,7 @@ class ServerSettings:
     metrics_endpoint: bool = True      # GET /metrics (501 with --no-metrics, as llama-server)
     tags: tuple[str, ...] = ()         # --tags: the model's tags in /v1/models
     embedding: bool = False            # --embedding: embeddings routes on, generation off
+    slot_save_path: Any = None         # Path: where /slots/{id}?action=save|restore files go
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -246,6 +248,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(completions_router)
     app.include_router(native_router)
     app.include_router(embeddings_router)
+    app.include_router(slot_router)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key

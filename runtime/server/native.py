@@ -30,7 +30,7 @@ from runtime.server.prepare import (Prepared, _checked_grammar, check_context, s
 router = APIRouter()
 
 NATIVE_PATHS = frozenset({"/completion", "/completions", "/tokenize", "/detokenize",
-                          "/apply-template", "/props", "/slots", "/infill"})
+                          "/apply-template", "/props", "/slots", "/infill", "/embedding"})
 
 
 def _stop_type(finish: str | None, stopping_word: str) -> str:

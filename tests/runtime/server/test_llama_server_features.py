@@ -181,6 +181,8 @@ def test_no_metrics_and_tags(http):
     r = http.get("/metrics")
     assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
     assert http.get("/v1/models").json()["data"][0]["tags"] == ["chat", "small"]
+    r = http.post("/slots/0?action=erase")          # no --slot-save-path
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
 
 
 def test_kv_unified_lets_one_slot_use_the_whole_pool(start_server, synth_model_factory):
@@ -284,3 +286,48 @@ def test_cache_prompt_false_evaluates_the_whole_prompt(http):
     assert fresh["timings"]["cache_n"] == 0
     assert fresh["timings"]["prompt_n"] == first["tokens_evaluated"]
     assert fresh["content"] == first["content"]
+
+
+def test_slot_save_restore_erase(start_server, synth_model_factory, tmp_path):
+    server = start_server(synth_model_factory(SPEC), "-np", "2", "-c", "512", "--temp", "0",
+                          "--slot-save-path", str(tmp_path))
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        body = {"prompt": PROMPT, "n_predict": 4}
+        first = http.post("/completion", json=body).json()
+        n_kv = first["tokens_evaluated"] + 3          # the last token sampled is not decoded
+        saved = http.post("/slots/0?action=save", json={"filename": "s.bin"}).json()
+        assert saved["n_saved"] == n_kv and saved["n_written"] > 0
+        assert (tmp_path / "s.bin").stat().st_size == saved["n_written"]
+        assert http.post("/slots/0?action=erase").json() == {"id_slot": 0, "n_erased": n_kv}
+        restored = http.post("/slots/1?action=restore", json={"filename": "s.bin"}).json()
+        assert restored["n_restored"] == n_kv and restored["n_read"] == saved["n_written"]
+        again = http.post("/completion", json=body).json()     # slot 1 holds the prefix now
+        assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+        assert again["content"] == first["content"]
+        for bad, status in [("/slots/0?action=save", 400), ("/slots/x?action=erase", 400),
+                            ("/slots/9?action=erase", 400), ("/slots/0?action=fly", 400)]:
+            r = http.post(bad, json={"filename": "../escape"})
+            assert r.status_code == status and r.json()["error"]["code"] == status, r.text
+        r = http.post("/slots/0?action=restore", json={"filename": "missing.bin"})
+        assert r.status_code == 400
+    r = httpx.post(f"{server.base_url}/slots/0?action=erase")
+    assert r.status_code == 200
+
+
+def test_slot_actions_on_a_single_engine(start_server, synth_model_factory, tmp_path):
+    server = start_server(synth_model_factory(SPEC), "-c", "256", "--temp", "0",
+                          "--slot-save-path", str(tmp_path))
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        body = {"prompt": PROMPT, "n_predict": 3}
+        first = http.post("/completion", json=body).json()
+        saved = http.post("/slots/0?action=save", json={"filename": "one.bin"}).json()
+        assert saved["n_saved"] == first["tokens_evaluated"] + 2
+        assert http.post("/slots/0?action=erase").json()["n_erased"] == saved["n_saved"]
+        assert http.post("/completion", json=body).json()["timings"]["cache_n"] == 0
+        http.post("/completion", json={"prompt": "something else", "n_predict": 1})
+        assert http.post("/slots/0?action=restore",
+                         json={"filename": "one.bin"}).json()["n_restored"] == saved["n_saved"]
+        again = http.post("/completion", json=body).json()
+        assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
+        assert again["content"] == first["content"]
+        assert http.post("/slots/1?action=erase").status_code == 400
