@@ -31,14 +31,14 @@ VALUE_FLAGS = {
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
             "--kv-unified": "--kv-unified", "--embedding": "--embedding",
-            "--embeddings": "--embedding"}
+            "--embeddings": "--embedding", "--context-shift": "--context-shift"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
     "--no-jinja": (False, "templates are always jinja here"),
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
-    "--context-shift": (False, "no context shift"), "--no-ui": (False, "no web UI"),
+"--no-ui": (False, "no web UI"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
     "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),

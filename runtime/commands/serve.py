@@ -74,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--slot-save-path", default=None, metavar="DIR",
                        help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
                             "cache to a file in DIR and back)")
+    group.add_argument("--context-shift", action="store_true",
+                       help="when a request's context is full, drop the oldest half after its "
+                            "first n_keep tokens and go on generating (llama-server's flag)")
     group.add_argument("--kv-unified", action="store_true",
                        help="with -np N: one KV pool that every request may fill up to -c "
                             "(a request fails with 500 when the pool is full); default: "
@@ -208,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
     settings.n_parallel = args.parallel
     settings.kv_unified = args.kv_unified and args.parallel > 1
     settings.embeddings, settings.pooling = args.embedding, args.pooling
+    settings.context_shift = args.context_shift
 
     def load() -> Engine:
         engine = Engine(settings, progress=True)

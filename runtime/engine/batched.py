@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from runtime.engine.batch import MultiBatch
+from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.logprobs import sample_token
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
@@ -54,6 +55,7 @@ class _Slot:
     t_prefill: float = 0.0
     progress: bool = False                 # report the prompt's progress (PromptProgress)
     reuse_prefix: bool = True              # start from the slot's cached KV prefix
+    shifted: bool = False                  # a context shift moved the KV: not a prefix now
 
     @property
     def prefilling(self) -> bool:
@@ -187,6 +189,8 @@ class BatchScheduler:
             room = self.n_ctx_slot - len(slot.tokens)
             slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
                 else room
+            if self.engine.settings.context_shift and slot.params.max_tokens > 0:
+                slot.max_new = slot.params.max_tokens      # the slot shifts when full
             slot.t0 = time.perf_counter()
             self._active.append(slot)
             self._report(slot)
@@ -215,6 +219,11 @@ class BatchScheduler:
                 prefilled.append(slot)
                 kinds.add(Phase.PREFILL)
             elif slot.next_token is not None and batch.room:
+                if slot.pos >= self.n_ctx_slot:            # full: context shift
+                    keep, drop = shift_plan(slot.pos, slot.params.n_keep, len(slot.tokens))
+                    slot.pos = shift(self._ll, self.engine.ctx_ptr, slot.seq, slot.pos, keep,
+                                     drop)
+                    slot.shifted = True
                 rows.append((slot, batch.add(slot.next_token, slot.pos, slot.seq, True)))
                 slot.decoded.append(slot.next_token)
                 slot.pos += 1
@@ -301,9 +310,9 @@ class BatchScheduler:
             slot.sampler.close()
             slot.sampler = None
         if slot.seq >= 0:
-            if keep_cache:
+            if keep_cache and not slot.shifted:
                 self._cached[slot.seq] = slot.tokens[:slot.fed] + slot.decoded
-            else:
+            else:                          # unknown or shifted: start the slot afresh
                 memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
                 self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
                 self._cached[slot.seq] = []

@@ -24,6 +24,7 @@ from runtime.engine import interrupt, llama_lib
 from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
+from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
@@ -284,6 +285,8 @@ class Engine:
             t1 = time.perf_counter()
             room = self.n_ctx - len(tokens)
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
+            if self.settings.context_shift and params.max_tokens > 0:
+                max_new = params.max_tokens          # the context shifts when it is full
             sampler = Sampler(params, self.n_vocab, self._vocab)
             stream = TextStream(params.stop)
             generated, finish = 0, "length"
@@ -303,6 +306,10 @@ class Engine:
                     finish = "stop"
                     break
                 if generated < max_new:
+                    if len(self._kv) >= self.n_ctx:
+                        keep, drop = shift_plan(len(self._kv), params.n_keep, len(tokens))
+                        shift(self._ll, self.ctx_ptr, 0, len(self._kv), keep, drop)
+                        del self._kv[keep:keep + drop]
                     self._decode([token], len(self._kv), Phase.DECODE)
             if evaluated is None:
                 finish = "cancelled"

@@ -38,6 +38,7 @@ class SamplingParams:
     # logprobs of the candidates left after the sampler chain (llama-server's
     # post_sampling_probs) instead of the raw model's
     post_sampling: bool = False
+    n_keep: int = 0                    # context shift: tokens kept at the start (-1: the prompt)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

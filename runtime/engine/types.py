@@ -37,6 +37,7 @@ class EngineSettings:
     #                                    each gets n_ctx / n_parallel tokens, as llama-server
     kv_unified: bool = False           # with n_parallel > 1: one KV pool that every slot may
     #                                    fill up to n_ctx (llama-server's --kv-unified)
+    context_shift: bool = False        # a full context drops its oldest half and goes on
     embeddings: bool = False           # a context for embeddings (runtime.engine.embedding)
     pooling: str | None = None         # none | mean | cls | last | rank; None: the model's
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);

@@ -59,7 +59,7 @@ def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> 
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "repeat_last_n": 64, "n_predict": p.max_tokens, "max_tokens": p.max_tokens,
             "stop": list(p.stop), "n_probs": p.logprobs or 0, "stream": False,
-            "grammar": p.grammar or "", "ignore_eos": False, "n_keep": 0,
+            "grammar": p.grammar or "", "ignore_eos": False, "n_keep": p.n_keep,
             # llama-server's form; a ban (-100 here) is its -inf, null in JSON
             "logit_bias": [{"token": t, "bias": None if b <= -100 else b}
                            for t, b in p.logit_bias.items()],
@@ -86,7 +86,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
                             f"(0..{engine.n_vocab - 1})", code="invalid_value", param="logit_bias")
     params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
-                             post_sampling=req.post_sampling_probs,
+                             post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False)

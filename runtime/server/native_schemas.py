@@ -73,7 +73,7 @@ class NativeCompletionRequest(BaseModel):
     ignore_eos: bool = False
     cache_prompt: bool | None = None                    # false: evaluate the whole prompt
     id_slot: int | None = Field(None, ge=-1)            # slots are assigned in arrival order
-    n_keep: int | None = None                           # no context shift here: no effect
+    n_keep: int | None = Field(None, ge=-1)             # context shift: tokens kept (-1: prompt)
     model: str | None = None
     response_fields: list[str] | None = None            # answer only these ("a/b": nested)
     post_sampling_probs: bool = False                   # n_probs after the sampler chain

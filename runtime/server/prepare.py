@@ -63,6 +63,8 @@ def check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: i
         raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt")
     if max_tokens is None:
         max_tokens = default if default is not None else n_ctx - n_prompt
+    if getattr(getattr(engine, "settings", None), "context_shift", False):
+        return max_tokens               # the context shifts when it is full
     # as llama-server: the answer stops where the context ends (finish_reason "length")
     return min(max_tokens, n_ctx - n_prompt)
 
@@ -72,13 +74,14 @@ SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "s
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | None = None,
-                    logprobs: int | None = None, post_sampling: bool = False,
+                    logprobs: int | None = None, post_sampling: bool = False, n_keep: int = 0,
                     defaults: SamplingParams | None = None) -> SamplingParams:
     """The request's sampler fields; unset ones take ``defaults`` (the server's own flags,
     as llama-server does), else SamplingParams' defaults."""
     fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
                               "logit_bias": req.logit_bias_ids(), "grammar": grammar,
-                              "logprobs": logprobs, "post_sampling": post_sampling}
+                              "logprobs": logprobs, "post_sampling": post_sampling,
+                              "n_keep": n_keep}
     for name in SAMPLER_FIELDS:
         value = getattr(req, name)
         if value is None and defaults is not None:

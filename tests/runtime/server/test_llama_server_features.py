@@ -331,3 +331,20 @@ def test_slot_actions_on_a_single_engine(start_server, synth_model_factory, tmp_
         assert again["timings"]["cache_n"] == first["tokens_evaluated"] - 1
         assert again["content"] == first["content"]
         assert http.post("/slots/1?action=erase").status_code == 400
+
+
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_context_shift_generates_past_the_context(start_server, synth_model_factory, parallel):
+    server = start_server(synth_model_factory(SPEC), "-c", str(256 * int(parallel)), "-np",
+                          parallel, "--temp", "0", "--context-shift")
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        n_slot = http.get("/props").json()["default_generation_settings"]["n_ctx"]
+        body = {"prompt": PROMPT, "n_predict": n_slot + 40, "ignore_eos": True}
+        for n_keep in (0, -1):
+            r = http.post("/completion", json=body | {"n_keep": n_keep})
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert answer["timings"]["predicted_n"] == n_slot + 40 and answer["truncated"]
+            assert answer["generation_settings"]["n_keep"] == n_keep
+        short = http.post("/completion", json={"prompt": PROMPT, "n_predict": 8}).json()
+        assert short["truncated"] is False and short["timings"]["predicted_n"] == 8
