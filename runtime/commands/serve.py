@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve one model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, with structured output, tools and logprobs) "
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
-                    "/apply-template, /props, /slots, /infill), plus /v1/residency, /metrics, "
-                    "/health.",
+                    "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
+                    "with --embedding), plus /v1/residency, /metrics, /health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
@@ -93,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
                        help="answer GET /metrics with 501 (llama-server's default)")
-    group.add_argument("--tags", default="", metavar="A,B",
+    group.add_argument("--tags", default=None, metavar="A,B",
                        help="the model's tags, listed by /v1/models")
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
                        help="thinking in chat templates: off renders them with "
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
                                     reasoning_format=args.reasoning_format,
                                     metrics_endpoint=args.metrics, embedding=args.embedding,
                                     slot_save_path=slot_dir,
-                                    tags=tuple(t.strip() for t in args.tags.split(",")
+                                    tags=tuple(t.strip() for t in (args.tags or "").split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure)
 
