@@ -25,25 +25,51 @@ router = APIRouter()
 
 def _inputs(body: dict) -> tuple[list[Any], bool]:
     """(the inputs, OpenAI's shape?): ``input`` answers in OpenAI's shape, ``content`` in
-    llama-server's."""
+    llama-server's. As llama-server: a list without numbers holds several inputs; a string,
+    token ids (mixed with strings) or an object is one."""
     if "input" in body:
         value, oai = body.pop("input"), True
     elif "content" in body:
         value, oai = body.pop("content"), False
     else:
-        raise APIError(400, '"input" or "content" must be provided', code="missing_required_parameter",
-                       param="input")
-    is_ids = isinstance(value, list) and value and all(isinstance(x, int) for x in value)
-    items = value if isinstance(value, list) and not is_ids else [value]
+        raise APIError(400, '"input" or "content" must be provided',
+                       code="missing_required_parameter", param="input")
+    several = isinstance(value, list) and not any(
+        isinstance(x, int) and not isinstance(x, bool) for x in value)
+    items = value if several else [value]
     if not items:
         raise APIError(400, '"input" must not be empty', code="invalid_value", param="input")
-    for i, item in enumerate(items):
-        ok = isinstance(item, str) or (isinstance(item, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in item))
-        if not ok:
-            raise APIError(400, f"input[{i}]: must be a string or a list of token ids",
-                           code="invalid_value", param="input")
     return items, oai
+
+
+def _tokens(engine: Any, item: Any, i: int) -> list[int]:
+    """One input's token ids: a string, ids mixed with strings, ``{"prompt_string": ...}`` or
+    ``{"content": [text parts]}`` (text only: no multimodal inputs here)."""
+    bad = APIError(400, f"input[{i}]: a string, token ids, {{\"prompt_string\": ...}} or "
+                        '{"content": [{"type": "text", ...}]} (text only)', code="invalid_value",
+                   param="input")
+    if isinstance(item, dict):
+        if set(item) == {"prompt_string"} and isinstance(item["prompt_string"], str):
+            item = item["prompt_string"]
+        elif set(item) == {"content"} and isinstance(item["content"], list) and all(
+                isinstance(p, dict) and p.get("type") == "text"
+                and isinstance(p.get("text"), str) for p in item["content"]):
+            item = "".join(p["text"] for p in item["content"])
+        else:
+            raise bad
+    if isinstance(item, str):
+        return engine.tokenize(item, add_special=True)
+    if not isinstance(item, list):
+        raise bad
+    tokens: list[int] = []
+    for part in item:
+        if isinstance(part, str):
+            tokens.extend(engine.tokenize(part, add_special=not tokens))
+        elif isinstance(part, int) and not isinstance(part, bool):
+            tokens.append(part)
+        else:
+            raise bad
+    return tokens
 
 
 async def _embed_all(request: Request, body: dict, oai: bool | None = None):
@@ -70,8 +96,7 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
     if oai and not pooled(engine):
         raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different "
                             "pooling type", code="invalid_value")
-    tokens = [engine.tokenize(x, add_special=True) if isinstance(x, str) else list(x)
-              for x in items]
+    tokens = [_tokens(engine, x, i) for i, x in enumerate(items)]
     if any(not 0 <= t < engine.n_vocab for ids in tokens for t in ids):
         raise APIError(400, f"input: token ids must be in [0, {engine.n_vocab})",
                        code="invalid_value", param="input")

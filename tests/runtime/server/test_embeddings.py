@@ -13,7 +13,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def mean_server(start_server, tiny_model):
-    return start_server(tiny_model, "--embedding", "--pooling", "mean", "--metrics")
+    return start_server(tiny_model, "--embedding", "--pooling", "mean", "--metrics", "-b", "64")
 
 
 def test_openai_embeddings(mean_server):
@@ -39,6 +39,20 @@ def test_openai_embeddings(mean_server):
         assert http.post("/completion", json={"prompt": "x"}).status_code == 501
         assert http.post("/v1/embeddings", json={"input": "x", "dimensions": 3}).status_code == 400
         assert http.post("/v1/embeddings", json={}).status_code == 400
+        forms = http.post("/v1/embeddings", json={"input": [
+            "hello world", {"prompt_string": "hello world"},
+            {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]},
+            [12, 34, "world"]]}).json()["data"]
+        for d in forms[:3]:            # f32 threads may differ in the last bits between calls
+            assert d["embedding"] == pytest.approx(vectors[0], abs=1e-5)
+        assert len(forms) == 4 and forms[3]["embedding"] != pytest.approx(vectors[0], abs=1e-3)
+        one = http.post("/v1/embeddings", json={"input": [12, 34, "world"]}).json()["data"]
+        assert len(one) == 1 and one[0]["embedding"] == pytest.approx(forms[3]["embedding"],
+                                                                      abs=1e-5)
+        for bad in ([], {"content": "x"}, {"content": [{"type": "image_url"}]}, [1.5]):
+            assert http.post("/v1/embeddings", json={"input": bad}).status_code == 400, bad
+        r = http.post("/v1/embeddings", json={"input": "word " * 100})   # > -b 64
+        assert r.status_code == 400 and "too large" in r.json()["error"]["message"]
         metrics = http.get("/metrics").text
         assert "llamacpp:tokens_predicted_total 0" in metrics
 
