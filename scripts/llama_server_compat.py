@@ -4,10 +4,11 @@
 llama.cpp's server tests (tools/server/tests) start ``$LLAMA_SERVER_BIN_PATH`` with
 llama-server's flags. This maps them onto ``moe-offload serve``: the flags with a meaning here
 are translated, the ones about llama-server internals (KV types, draft models, the web UI,
-context shift ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
+LoRA ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
-once into ``~/.cache/moe-offload/llama-server-compat/``. Tests whose assertions depend on the
-text of llama.cpp's own test models cannot pass against it; the others can.
+once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
+``mean``, as the tests' embedding models do). Tests whose assertions depend on the text or the
+vocabulary of llama.cpp's own test models cannot pass against it; the others can.
 
     LLAMA_SERVER_BIN_PATH=scripts/llama-server  pytest tools/server/tests/unit/...
 """
