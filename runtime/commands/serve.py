@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="how --embedding pools the tokens' vectors (default: the model's)")
     group.add_argument("--slot-save-path", default=None, metavar="DIR",
                        help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
-                            "cache to a file in DIR and back)")
+                            "cache to a file in DIR and back; DIR is made if missing)")
     group.add_argument("--context-shift", action="store_true",
                        help="when a request's context is full, drop the oldest half after its "
                             "first n_keep tokens and go on generating (llama-server's flag)")
@@ -175,8 +175,12 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
     defaults = sampling_from_args(args)
     slot_dir = Path(args.slot_save_path) if args.slot_save_path is not None else None
-    if slot_dir is not None and not slot_dir.is_dir():
-        raise UserError(f"--slot-save-path {slot_dir}: not a directory")
+    if slot_dir is not None:               # made when missing, as llama-server does
+        try:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--slot-save-path {slot_dir}: cannot create it "
+                            f"({exc.strerror})") from None
     origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():

@@ -56,6 +56,7 @@ class _Slot:
     progress: bool = False                 # report the prompt's progress (PromptProgress)
     reuse_prefix: bool = True              # start from the slot's cached KV prefix
     shifted: bool = False                  # a context shift moved the KV: not a prefix now
+    want_seq: int = -1                     # the slot asked for (id_slot); -1: any
 
     @property
     def prefilling(self) -> bool:
@@ -72,6 +73,7 @@ class BatchScheduler:
         self._ll = engine._ll  # noqa: SLF001 - the scheduler is the engine's other driver
         self._batch = MultiBatch(engine.n_batch)
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[_Slot] = []           # arrived, not admitted yet (FIFO)
         self._wake = threading.Event()
         self._free = list(range(self.n_slots))
         # seq -> the tokens its KV holds, kept after a request ends so that the next one
@@ -92,17 +94,22 @@ class BatchScheduler:
 
     def generate_many(self, requests: Sequence[tuple[list[int], SamplingParams]],
                       cancel: threading.Event | None = None, progress: bool = False,
-                      reuse_prefix: bool = True) -> Iterator[tuple[int, GenerationChunk]]:
+                      reuse_prefix: bool = True,
+                      id_slot: int = -1) -> Iterator[tuple[int, GenerationChunk]]:
         """Run every ``(prompt tokens, params)`` at once (each in its own slot as slots come
         free); yields ``(request index, chunk)`` as they are produced. ``progress``: chunks
         with the prompt's progress too, as ``Engine.generate`` gives them; ``reuse_prefix``
-        false: the whole prompt is evaluated."""
+        false: the whole prompt is evaluated; ``id_slot`` >= 0: in that slot (one after
+        another), else the free one sharing the longest prefix."""
+        if not -1 <= id_slot < self.n_slots:
+            raise UserError(f"id_slot: {id_slot} is not a slot (0..{self.n_slots - 1})")
         out: queue.SimpleQueue = queue.SimpleQueue()
         for index, (tokens, params) in enumerate(requests):
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
             self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel,
-                                    progress=progress, reuse_prefix=reuse_prefix))
+                                    progress=progress, reuse_prefix=reuse_prefix,
+                                    want_seq=id_slot))
         self._wake.set()
         remaining = len(requests)
         while remaining:
@@ -168,32 +175,42 @@ class BatchScheduler:
                 self._active.clear()
 
     def _admit(self) -> None:
-        while self._free and not self._waiting.empty():
-            slot = self._waiting.get()
-            slot.seq, keep = best_slot(self._free, self._cached, slot.tokens)
-            keep = keep if slot.reuse_prefix else 0
-            self._free.remove(slot.seq)
-            memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
-            if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
-                keep = 0                   # a memory that cannot drop a tail: start afresh
-                self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
-            self._cached[slot.seq] = []    # known again once the request ends
-            if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
-                for seq in self._free:
-                    if self._cached[seq]:
-                        self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
-                        self._cached[seq] = []
-            slot.fed = slot.pos = slot.reused = keep
-            slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
-            slot.stream = TextStream(slot.params.stop)
-            room = self.n_ctx_slot - len(slot.tokens)
-            slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
-                else room
-            if self.engine.settings.context_shift and slot.params.max_tokens > 0:
-                slot.max_new = slot.params.max_tokens      # the slot shifts when full
-            slot.t0 = time.perf_counter()
-            self._active.append(slot)
-            self._report(slot)
+        while not self._waiting.empty():
+            self._pending.append(self._waiting.get())
+        waiting, self._pending = self._pending, []
+        for slot in waiting:      # in arrival order; one that wants a busy slot waits for it
+            if not self._free or (slot.want_seq >= 0 and slot.want_seq not in self._free):
+                self._pending.append(slot)
+                continue
+            self._start(slot)
+
+    def _start(self, slot: _Slot) -> None:
+        slot.seq, keep = best_slot(self._free, self._cached, slot.tokens) \
+            if slot.want_seq < 0 else (slot.want_seq, shared_prefix(
+                self._cached[slot.want_seq], slot.tokens))
+        keep = keep if slot.reuse_prefix else 0
+        self._free.remove(slot.seq)
+        memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
+        if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
+            keep = 0                   # a memory that cannot drop a tail: start afresh
+            self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+        self._cached[slot.seq] = []    # known again once the request ends
+        if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
+            for seq in self._free:
+                if self._cached[seq]:
+                    self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
+                    self._cached[seq] = []
+        slot.fed = slot.pos = slot.reused = keep
+        slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
+        slot.stream = TextStream(slot.params.stop)
+        room = self.n_ctx_slot - len(slot.tokens)
+        slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
+            else room
+        if self.engine.settings.context_shift and slot.params.max_tokens > 0:
+            slot.max_new = slot.params.max_tokens      # the slot shifts when full
+        slot.t0 = time.perf_counter()
+        self._active.append(slot)
+        self._report(slot)
 
     def _step(self) -> None:
         batch = self._batch
@@ -326,13 +343,16 @@ def best_slot(free: Sequence[int], cached: dict[int, list[int]],
     """The free sequence whose KV shares the longest prefix with ``tokens`` (the lowest id on
     a tie) and how many tokens of it to keep: never the whole prompt, since its last token is
     evaluated again to give the logits to sample from."""
-    def shared(seq: int) -> int:
-        n = 0
-        for a, b in zip(cached.get(seq, ()), tokens):
-            if a != b:
-                break
-            n += 1
-        return n
+    seq = max(sorted(free), key=lambda s: shared_prefix(cached.get(s, []), tokens, cap=False))
+    return seq, shared_prefix(cached.get(seq, []), tokens)  # max keeps the lowest of equals
 
-    seq = max(sorted(free), key=shared)      # max keeps the first of equals: the lowest id
-    return seq, min(shared(seq), len(tokens) - 1)
+
+def shared_prefix(cached: list[int], tokens: list[int], cap: bool = True) -> int:
+    """Tokens at the start of ``tokens`` that ``cached`` holds; with ``cap``, at most all
+    but the last (it is evaluated again for the logits to sample from)."""
+    n = 0
+    for a, b in zip(cached, tokens):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(tokens) - 1) if cap else n

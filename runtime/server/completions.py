@@ -53,7 +53,7 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
                 engine.tokenize(prep.prompt, add_special=True)
             items = batcher.generate_many(
                 [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel,
-                progress=prep.progress, reuse_prefix=prep.cache_prompt)
+                progress=prep.progress, reuse_prefix=prep.cache_prompt, id_slot=prep.id_slot)
         else:
             items = ((i, chunk) for i in range(prep.n) if not cancel.is_set()
                      for chunk in engine.generate(prep.prompt, prep.choice_params(i),

@@ -24,8 +24,8 @@ from runtime.server import shapes, structured
 from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
 from runtime.server.errors import APIError
 from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
-from runtime.server.prepare import (Prepared, _checked_grammar, check_context, sampling_params,
-                                    template_variables)
+from runtime.server.prepare import (Prepared, _checked_grammar, check_context, checked_slot,
+                                    sampling_params, template_variables)
 
 router = APIRouter()
 
@@ -89,7 +89,8 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
                              post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
-                    progress=req.return_progress, cache_prompt=req.cache_prompt is not False)
+                    progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
+                    id_slot=checked_slot(engine, req.id_slot))
 
 
 @router.post("/completion")
@@ -134,7 +135,7 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
     def final(text: str, tokens: list[int], finish: str | None, timings: Any, n: int,
               probs: list | None) -> dict:
         out = {"index": index, "content": text, "tokens": tokens if body.return_tokens else [],
-               "id_slot": 0, "stop": True, "model": model, "tokens_predicted": n,
+               "id_slot": max(prep.id_slot, 0), "stop": True, "model": model, "tokens_predicted": n,
                "tokens_evaluated": prep.prompt_tokens, "generation_settings": settings,
                "prompt": prompt_text, "has_new_line": "\n" in text,
                # the context filled up before the answer ended
@@ -155,7 +156,7 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                     if chunk.progress is not None:
                         clock.prompt = chunk.progress
                         event = {"index": index, "content": "", "tokens": [], "stop": False,
-                                 "id_slot": 0, "tokens_predicted": 0,
+                                 "id_slot": max(prep.id_slot, 0), "tokens_predicted": 0,
                                  "tokens_evaluated": prep.prompt_tokens,
                                  "prompt_progress": shapes.prompt_progress(chunk.progress)}
                         if body.timings_per_token:
@@ -164,8 +165,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                     elif chunk.token is not None:
                         n += 1
                         event = {"index": index, "content": chunk.text, "tokens": [chunk.token],
-                                 "stop": False, "id_slot": 0, "tokens_predicted": n,
-                                 "tokens_evaluated": prep.prompt_tokens}
+                                 "stop": False, "id_slot": max(prep.id_slot, 0),
+                                 "tokens_predicted": n, "tokens_evaluated": prep.prompt_tokens}
                         if body.timings_per_token:
                             event["timings"] = clock.now(n)
                         if chunk.logprob is not None:
@@ -176,7 +177,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                     elif chunk.text:
                         all_text.append(chunk.text)
                         yield json.dumps({"index": index, "content": chunk.text, "tokens": [],
-                                          "stop": False, "id_slot": 0, "tokens_predicted": n,
+                                          "stop": False, "id_slot": max(prep.id_slot, 0),
+                                          "tokens_predicted": n,
                                           "tokens_evaluated": prep.prompt_tokens})
                     if chunk.finish_reason is not None:
                         finish, timings = chunk.finish_reason, chunk.timings

@@ -72,7 +72,7 @@ class NativeCompletionRequest(BaseModel):
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     ignore_eos: bool = False
     cache_prompt: bool | None = None                    # false: evaluate the whole prompt
-    id_slot: int | None = Field(None, ge=-1)            # slots are assigned in arrival order
+    id_slot: int | None = Field(None, ge=-1)            # the -np slot to use (-1: any free)
     n_keep: int | None = Field(None, ge=-1)             # context shift: tokens kept (-1: prompt)
     model: str | None = None
     response_fields: list[str] | None = None            # answer only these ("a/b": nested)

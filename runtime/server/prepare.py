@@ -30,12 +30,24 @@ class Prepared:
     # reasoning_format: None = no split; else whether the answer starts inside <think>
     thinking: bool | None = None
     cache_prompt: bool = True                         # false: evaluate the whole prompt
+    id_slot: int = -1                                 # the -np slot asked for; -1: any
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a given seed moves on by one per choice."""
         if index == 0 or self.params.seed < 0:
             return self.params
         return replace(self.params, seed=(self.params.seed + index) & 0x7FFFFFFF)
+
+
+def checked_slot(engine: Any, id_slot: int | None) -> int:
+    """The request's ``id_slot`` (-1: any), or a 400 when there is no such slot."""
+    n_slots = int(getattr(getattr(engine, "settings", None), "n_parallel", 1) or 1)
+    if id_slot is None or id_slot == -1:
+        return -1
+    if not 0 <= id_slot < n_slots:
+        raise APIError(400, f"id_slot: {id_slot} is not a slot (0..{n_slots - 1})",
+                       code="invalid_value", param="id_slot")
+    return id_slot
 
 
 def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = None) -> APIError:
@@ -168,6 +180,7 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     split = (req.reasoning_format or reasoning_format) != "none"
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
+                    id_slot=checked_slot(engine, req.id_slot),
                     thinking=thinking_forced_open(prompt) if split else None)
 
 
@@ -191,4 +204,5 @@ def prepare_completion(engine: Any, req: CompletionRequest,
     echo = "" if not req.echo else (prompt if isinstance(prompt, str)
                                     else engine.detokenize(prompt))
     return Prepared(prompt, n_prompt, params, req.n, echo_text=echo,
-                    cache_prompt=req.cache_prompt is not False)
+                    cache_prompt=req.cache_prompt is not False,
+                    id_slot=checked_slot(engine, req.id_slot))

@@ -46,7 +46,7 @@ class _SamplingFields(BaseModel):
     grammar: str | None = None                    # GBNF
     json_schema: dict[str, Any] | None = None
     cache_prompt: bool | None = None              # false: evaluate the whole prompt
-    id_slot: int | None = Field(None, ge=-1)      # slots are assigned in arrival order
+    id_slot: int | None = Field(None, ge=-1)      # the -np slot to use (-1: any free one)
     n_predict: int | None = Field(None, ge=1)     # llama.cpp's name for max_tokens
 
     @model_validator(mode="after")

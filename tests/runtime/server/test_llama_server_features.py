@@ -348,3 +348,17 @@ def test_context_shift_generates_past_the_context(start_server, synth_model_fact
             assert answer["generation_settings"]["n_keep"] == n_keep
         short = http.post("/completion", json={"prompt": PROMPT, "n_predict": 8}).json()
         assert short["truncated"] is False and short["timings"]["predicted_n"] == 8
+
+
+def test_id_slot_picks_the_slot(http):
+    body = {"prompt": PROMPT + " in slot one", "n_predict": 2, "id_slot": 1}
+    http.post("/completion", json=body)
+    # the same prompt asked of slot 0 cannot reuse slot 1's KV; asked of slot 1, it does
+    other = http.post("/completion", json=body | {"id_slot": 0}).json()["timings"]
+    same = http.post("/completion", json=body).json()["timings"]
+    assert same["cache_n"] > other["cache_n"]
+    r = http.post("/completion", json=body | {"id_slot": 2})
+    assert r.status_code == 400 and "id_slot" in r.json()["error"]["message"]
+    choices = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2, "id_slot": 0})
+    assert choices.status_code == 200 and len(choices.json()["choices"]) == 2   # one by one
