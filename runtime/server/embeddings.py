@@ -1,7 +1,7 @@
 """Embeddings, as llama-server serves them with ``--embedding``: ``POST /v1/embeddings``
-(OpenAI's shape; also ``/embeddings`` with ``input``) and llama-server's ``POST /embedding``
-(``content``; ``[{"index", "embedding": [[...]]}]``, one vector per token with pooling
-``none``). Inputs: a string, token ids, or a list of them (one answer each). Without
+(OpenAI's shape; ``content`` instead of ``input`` answers llama-server's) and llama-server's
+``POST /embedding`` and ``/embeddings`` (``[{"index", "embedding": [[...]]}]``, one vector per
+token with pooling ``none``). Inputs: a string, token ids, or a list of them (one answer each). Without
 ``--embedding`` these routes are 501, and with it the generation routes are.
 """
 from __future__ import annotations
@@ -129,7 +129,6 @@ def _b64(vector: list[float]) -> str:
 
 
 @router.post("/v1/embeddings")
-@router.post("/embeddings")
 async def embeddings(request: Request) -> JSONResponse:
     """OpenAI's embeddings (``content`` instead of ``input`` answers llama-server's shape)."""
     from runtime.server.native import _json_object  # noqa: PLC0415
@@ -147,6 +146,7 @@ async def embeddings(request: Request) -> JSONResponse:
 
 
 @router.post("/embedding")
+@router.post("/embeddings")
 async def embedding(request: Request) -> JSONResponse:
     """llama-server's native embeddings: ``[{"index", "embedding": [[...], ...]}]``."""
     from runtime.server.native import _json_object  # noqa: PLC0415

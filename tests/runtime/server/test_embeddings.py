@@ -65,6 +65,8 @@ def test_pooling_none_gives_one_vector_per_token(start_server, tiny_model):
         r = http.post("/embedding", json={"content": "hello world"})
         assert r.status_code == 200
         assert len(r.json()[0]["embedding"]) == len(tokens)
+        r = http.post("/embeddings", json={"input": "hello world"})    # llama-server's shape too
+        assert r.status_code == 200 and len(r.json()[0]["embedding"]) == len(tokens)
         r = http.post("/v1/embeddings", json={"input": "hello world"})
         assert r.status_code == 400 and "not OAI compatible" in r.json()["error"]["message"]
 
