@@ -4,10 +4,11 @@
 llama.cpp's server tests (tools/server/tests) start ``$LLAMA_SERVER_BIN_PATH`` with
 llama-server's flags. This maps them onto ``moe-offload serve``: the flags with a meaning here
 are translated, the ones about llama-server internals (KV types, draft models, the web UI,
-context shift ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
+LoRA ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
-once into ``~/.cache/moe-offload/llama-server-compat/``. Tests whose assertions depend on the
-text of llama.cpp's own test models cannot pass against it; the others can.
+once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
+``mean``, as the tests' embedding models do). Tests whose assertions depend on the text or the
+vocabulary of llama.cpp's own test models cannot pass against it; the others can.
 
     LLAMA_SERVER_BIN_PATH=scripts/llama-server  pytest tools/server/tests/unit/...
 """
@@ -21,34 +22,36 @@ from pathlib import Path
 VALUE_FLAGS = {
     "--port": None, "--temp": None, "--seed": "-s", "--ctx-size": "-c", "-c": None,
     "--batch-size": "-b", "-b": None, "--ubatch-size": "-ub", "-ub": None,
-    "--threads": "-t", "-t": None, "--n-gpu-layers": "-ngl", "-ngl": None, "-fa": None,
-    "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
-    "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None, "--min-p": None,
-    "--repeat-penalty": None, "--parallel": "-np", "-np": None,
+    "--threads": "-t", "-t": None, "--host": None, "--n-gpu-layers": "-ngl", "-ngl": None,
+    "-fa": None, "--flash-attn": "-fa", "--n-predict": "-n", "-n": None, "--api-key": None,
+    "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None,
+    "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
+    "--reasoning": None, "--reasoning-format": None, "--tags": None,
+    "--pooling": None, "--slot-save-path": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
-            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja"}
+            "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
+            "--kv-unified": "--kv-unified", "--embedding": "--embedding",
+            "--embeddings": "--embedding", "--context-shift": "--context-shift"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
     "--no-jinja": (False, "templates are always jinja here"),
-    "--cont-batching": (False, "one request at a time"),
-    "--kv-unified": (False, "one sequence"), "--swa-full": (False, "one sequence"),
-    "--context-shift": (False, "no context shift"), "--no-ui": (False, "no web UI"),
-    "--embedding": (False, "no embeddings (those tests fail)"),
+    "--cont-batching": (False, "always on with -np N"),
+    "--swa-full": (False, "default SWA cache"),
+"--no-ui": (False, "no web UI"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
-    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "one slot"),
+    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
-    "--pooling": (True, "no embeddings"), "--tags": (True, "no model tags"),
-    "--slot-save-path": (True, "no slot save"), "--grp-attn-n": (True, "no self-extend"),
+
+"--grp-attn-n": (True, "no self-extend"),
     "--grp-attn-w": (True, "no self-extend"), "--lora": (True, "no LoRA"),
     "--spec-type": (True, "no speculative decoding"),
     "--spec-draft-n-max": (True, "no speculative decoding"),
     "--spec-draft-n-min": (True, "no speculative decoding"),
     "--model-draft": (True, "no speculative decoding"),
-    "--reasoning-format": (True, "no reasoning parser"), "--reasoning": (True, "no reasoning"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
     "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
     "--cache-reuse-hybrid": (True, "no prompt cache"),
@@ -85,9 +88,6 @@ def translate(argv: list[str]) -> list[str]:
         if flag in VALUE_FLAGS:
             out += [VALUE_FLAGS[flag] or flag, value]
             i += 2
-        elif flag == "--host":
-            out += ["--host", value.split(",")[0].strip()]
-            i += 2
         elif flag == "--alias":
             out += ["--alias", value]
             i += 2
@@ -110,6 +110,10 @@ def translate(argv: list[str]) -> list[str]:
         else:
             sys.stderr.write(f"llama-server-compat: unknown llama-server flag {flag}\n")
             sys.exit(2)
+    if "--metrics" not in argv:           # llama-server serves /metrics only when asked
+        out.append("--no-metrics")
+    if "--embedding" in out and "--pooling" not in out:
+        out += ["--pooling", "mean"]      # the stand-in model has none; the tests' models mean
     if model is None or not Path(model).is_file():
         model = str(synthetic_model(model or wanted or "model"))
     return ["serve", "-m", model, *out]

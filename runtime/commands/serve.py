@@ -39,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve one model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, with structured output, tools and logprobs) "
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
-                    "/apply-template, /props, /slots, /infill), plus /v1/residency, /metrics, "
-                    "/health.",
+                    "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
+                    "with --embedding), plus /v1/residency, /metrics, /health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             action.help += "; the default of requests that do not set it"
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (0.0.0.0 exposes the server to the network)")
+                       help="address to listen on; a,b listens on several (0.0.0.0 exposes "
+                            "the server to the network)")
     group.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
     group.add_argument("--api-key", default=None, metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every "
@@ -66,6 +67,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                        help="requests generated at once, in one batch per step (continuous "
                             "batching; each gets ctx-size / N tokens, as llama-server)")
+    group.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
+                       help="serve embeddings (/v1/embeddings, /embedding) instead of "
+                            "completions")
+    group.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
+                       help="how --embedding pools the tokens' vectors (default: the model's)")
+    group.add_argument("--slot-save-path", default=None, metavar="DIR",
+                       help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
+                            "cache to a file in DIR and back; DIR is made if missing)")
+    group.add_argument("--context-shift", action="store_true",
+                       help="when a request's context is full, drop the oldest half after its "
+                            "first n_keep tokens and go on generating (llama-server's flag)")
+    group.add_argument("--kv-unified", action="store_true",
+                       help="with -np N: one KV pool that every request may fill up to -c "
+                            "(a request fails with 500 when the pool is full); default: "
+                            "ctx-size / N each")
     group.add_argument("--slots", dest="slots", action="store_true", default=True,
                        help="serve GET /slots (llama-server's flag; on by default)")
     group.add_argument("--no-slots", dest="slots", action="store_false",
@@ -74,8 +90,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        metavar="ORIGINS",
                        help="comma-separated browser origins allowed by CORS ('*' = any; "
                             "'' = no CORS headers)")
-    group.add_argument("--metrics", action="store_true",
-                       help="accepted for llama-server compatibility: /metrics is always on")
+    group.add_argument("--metrics", dest="metrics", action="store_true", default=True,
+                       help="serve GET /metrics (on by default here; llama-server's flag)")
+    group.add_argument("--no-metrics", dest="metrics", action="store_false",
+                       help="answer GET /metrics with 501 (llama-server's default)")
+    group.add_argument("--tags", default=None, metavar="A,B",
+                       help="the model's tags, listed by /v1/models")
+    group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
+                       help="thinking in chat templates: off renders them with "
+                            "enable_thinking=false (a request's chat_template_kwargs wins)")
+    group.add_argument("--reasoning-format", default="auto",
+                       choices=("auto", "deepseek", "none"),
+                       help="chat answers: the text in <think>...</think> goes to "
+                            "reasoning_content (auto, deepseek) or stays in content (none)")
     group.add_argument("--jinja", dest="jinja", action="store_true", default=True,
                        help="accepted: chat templates are always rendered with jinja")
     group.add_argument("--no-jinja", dest="jinja", action="store_false",
@@ -113,6 +140,11 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("moe-offload: %(message)s"))
@@ -147,6 +179,13 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
     defaults = sampling_from_args(args)
+    slot_dir = Path(args.slot_save_path) if args.slot_save_path is not None else None
+    if slot_dir is not None:               # made when missing, as llama-server does
+        try:
+            slot_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--slot-save-path {slot_dir}: cannot create it "
+                            f"({exc.strerror})") from None
     origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():
@@ -155,21 +194,33 @@ def run(args: argparse.Namespace) -> int:
     model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
 
     _setup_logging()
-    sock = _listen(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    shown = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+    if not hosts:
+        raise UserError("--host: no address given")
+    socks: list[socket.socket] = []
+    try:
+        for h in hosts:        # one port for all: the first picks it when --port is 0
+            socks.append(_listen(h, socks[0].getsockname()[1] if socks else args.port))
+    except UserError:
+        for s in socks:
+            s.close()
+        raise
+    shown = ", ".join(_url(s) for s in socks)
     load_errors: list[str] = []
     t0 = time.perf_counter()
 
     def on_ready() -> None:
-        log.info("model %s loaded in %.1f s; serving %s/v1", model_id, time.perf_counter() - t0,
-                 shown)
+        log.info("model %s loaded in %.1f s; serving %s", model_id, time.perf_counter() - t0,
+                 ", ".join(f"{_url(s)}/v1" for s in socks))
 
     def on_failure(message: str) -> None:      # from the loader thread
         load_errors.append(message)
         server.should_exit = True
 
     settings.n_parallel = args.parallel
+    settings.kv_unified = args.kv_unified and args.parallel > 1
+    settings.embeddings, settings.pooling = args.embedding, args.pooling
+    settings.context_shift = args.context_shift
     capture = None
     if args.write_profile is not None:
         from runtime.engine.record import ProfileCapture  # noqa: PLC0415
@@ -187,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
             capture.attach(engine, str(model_path))
         if template is not None:
             engine.use_chat_template(template)
-        if args.parallel > 1:
+        if args.parallel > 1 and not args.embedding:   # embeddings: one input at a time
             from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
 
             engine.batcher = BatchScheduler(engine)
@@ -197,7 +248,12 @@ def run(args: argparse.Namespace) -> int:
                                     max_waiting=args.queue_size, slots_endpoint=args.slots,
                                     cors_origins=origins, defaults=defaults,
                                     parallel=args.parallel, aliases=aliases,
-                                    verbose=args.verbose),
+                                    verbose=args.verbose, reasoning=args.reasoning,
+                                    reasoning_format=args.reasoning_format,
+                                    metrics_endpoint=args.metrics, embedding=args.embedding,
+                                    slot_save_path=slot_dir,
+                                    tags=tuple(t.strip() for t in (args.tags or "").split(",")
+                                               if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure,
                      on_closed=None if capture is None else on_closed)
 
@@ -210,9 +266,10 @@ def run(args: argparse.Namespace) -> int:
                                    timeout_graceful_shutdown=3, lifespan="on"))
     log.info("listening on %s (loading %s)", shown, model_path.name)
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
-        sock.close()
+        for s in socks:
+            s.close()
     if load_errors:
         message = load_errors[0]
         raise UserError(message if message.startswith(str(model_path)) else

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import queue
 import threading
+from concurrent.futures import Future
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from runtime.engine.batch import MultiBatch
+from runtime.engine.context_shift import shift, shift_plan
+from runtime.engine.logprobs import sample_token
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
-from runtime.engine.types import ContextLengthError, GenerationChunk, Timings, Usage
+from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
+                                  PromptProgress, Timings, Usage)
+from runtime.errors import UserError
 from runtime.residency.types import Phase
 
 _END = object()
@@ -39,13 +44,19 @@ class _Slot:
     cancel: threading.Event | None
     sampler: Sampler | None = None
     stream: TextStream | None = None
-    fed: int = 0                           # prompt tokens decoded so far
+    fed: int = 0                           # prompt tokens in the KV so far (reused or decoded)
+    reused: int = 0                        # prompt tokens found in the slot's KV (prefix)
+    decoded: list[int] = field(default_factory=list)   # generated tokens decoded into the KV
     pos: int = 0                           # next position in the sequence
     next_token: int | None = None          # sampled, to decode in the next step
     generated: int = 0
     max_new: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_prefill: float = 0.0
+    progress: bool = False                 # report the prompt's progress (PromptProgress)
+    reuse_prefix: bool = True              # start from the slot's cached KV prefix
+    shifted: bool = False                  # a context shift moved the KV: not a prefix now
+    want_seq: int = -1                     # the slot asked for (id_slot); -1: any
 
     @property
     def prefilling(self) -> bool:
@@ -62,10 +73,16 @@ class BatchScheduler:
         self._ll = engine._ll  # noqa: SLF001 - the scheduler is the engine's other driver
         self._batch = MultiBatch(engine.n_batch)
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[_Slot] = []           # arrived, not admitted yet (FIFO)
         self._wake = threading.Event()
         self._free = list(range(self.n_slots))
+        # seq -> the tokens its KV holds, kept after a request ends so that the next one
+        # with the same prefix evaluates only the rest (llama-server's cache_prompt)
+        self._cached: dict[int, list[int]] = {seq: [] for seq in range(self.n_slots)}
         self._active: list[_Slot] = []
         self._closed = False
+        self._calls: list[tuple[int, object, Future]] = []    # slot actions waiting (seq, fn)
+        self._calls_lock = threading.Lock()
         self.steps = 0
         self.max_rows = 0                          # most sequences seen in one batch
         self._rows_total = 0                       # sequences summed over steps
@@ -76,14 +93,23 @@ class BatchScheduler:
     # -- callers' side ------------------------------------------------------------------------
 
     def generate_many(self, requests: Sequence[tuple[list[int], SamplingParams]],
-                      cancel: threading.Event | None = None) -> Iterator[tuple[int, GenerationChunk]]:
+                      cancel: threading.Event | None = None, progress: bool = False,
+                      reuse_prefix: bool = True,
+                      id_slot: int = -1) -> Iterator[tuple[int, GenerationChunk]]:
         """Run every ``(prompt tokens, params)`` at once (each in its own slot as slots come
-        free); yields ``(request index, chunk)`` as they are produced."""
+        free); yields ``(request index, chunk)`` as they are produced. ``progress``: chunks
+        with the prompt's progress too, as ``Engine.generate`` gives them; ``reuse_prefix``
+        false: the whole prompt is evaluated; ``id_slot`` >= 0: in that slot (one after
+        another), else the free one sharing the longest prefix."""
+        if not -1 <= id_slot < self.n_slots:
+            raise UserError(f"id_slot: {id_slot} is not a slot (0..{self.n_slots - 1})")
         out: queue.SimpleQueue = queue.SimpleQueue()
         for index, (tokens, params) in enumerate(requests):
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
-            self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel))
+            self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel,
+                                    progress=progress, reuse_prefix=reuse_prefix,
+                                    want_seq=id_slot))
         self._wake.set()
         remaining = len(requests)
         while remaining:
@@ -94,6 +120,30 @@ class BatchScheduler:
                 remaining -= 1
                 continue
             yield item
+
+    def call_on_slot(self, seq: int, action):
+        """Run ``action(seq, the tokens its KV holds) -> (result, tokens after)`` on the
+        scheduler thread once slot ``seq`` is idle (slot save/restore/erase); its result."""
+        if not 0 <= seq < self.n_slots:
+            raise UserError("Invalid slot ID")
+        done: Future = Future()
+        with self._calls_lock:
+            self._calls.append((seq, action, done))
+        self._wake.set()
+        return done.result()
+
+    def _run_calls(self) -> None:
+        with self._calls_lock:
+            ready = [c for c in self._calls if c[0] in self._free]
+            self._calls = [c for c in self._calls if c[0] not in self._free]
+        for seq, action, done in ready:
+            try:
+                result, self._cached[seq] = action(seq, list(self._cached[seq]))
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                self._cached[seq] = []
+                done.set_exception(exc)
+            else:
+                done.set_result(result)
 
     def busy_per_step(self) -> float:
         """Mean sequences sampled per decode step."""
@@ -109,6 +159,7 @@ class BatchScheduler:
 
     def _run(self) -> None:
         while not self._closed:
+            self._run_calls()
             self._admit()
             if not self._active:
                 self._wake.wait(0.5)
@@ -118,29 +169,54 @@ class BatchScheduler:
                 self._step()
             except BaseException as exc:  # noqa: BLE001 - every waiting caller learns of it
                 for slot in self._active:
-                    self._release(slot)
+                    self._release(slot, keep_cache=False)
                     slot.out.put(exc)
                     slot.out.put(_END)
                 self._active.clear()
 
     def _admit(self) -> None:
-        while self._free and not self._waiting.empty():
-            slot = self._waiting.get()
-            slot.seq = self._free.pop(0)
-            memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
+        while not self._waiting.empty():
+            self._pending.append(self._waiting.get())
+        waiting, self._pending = self._pending, []
+        for slot in waiting:      # in arrival order; one that wants a busy slot waits for it
+            if not self._free or (slot.want_seq >= 0 and slot.want_seq not in self._free):
+                self._pending.append(slot)
+                continue
+            self._start(slot)
+
+    def _start(self, slot: _Slot) -> None:
+        slot.seq, keep = best_slot(self._free, self._cached, slot.tokens) \
+            if slot.want_seq < 0 else (slot.want_seq, shared_prefix(
+                self._cached[slot.want_seq], slot.tokens))
+        keep = keep if slot.reuse_prefix else 0
+        self._free.remove(slot.seq)
+        memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
+        if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
+            keep = 0                   # a memory that cannot drop a tail: start afresh
             self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
-            slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
-            slot.stream = TextStream(slot.params.stop)
-            room = self.n_ctx_slot - len(slot.tokens)
-            slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
-                else room
-            slot.t0 = time.perf_counter()
-            self._active.append(slot)
+        self._cached[slot.seq] = []    # known again once the request ends
+        if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
+            for seq in self._free:
+                if self._cached[seq]:
+                    self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
+                    self._cached[seq] = []
+        slot.fed = slot.pos = slot.reused = keep
+        slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
+        slot.stream = TextStream(slot.params.stop)
+        room = self.n_ctx_slot - len(slot.tokens)
+        slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
+            else room
+        if self.engine.settings.context_shift and slot.params.max_tokens > 0:
+            slot.max_new = slot.params.max_tokens      # the slot shifts when full
+        slot.t0 = time.perf_counter()
+        self._active.append(slot)
+        self._report(slot)
 
     def _step(self) -> None:
         batch = self._batch
         batch.clear()
         rows: list[tuple[_Slot, int]] = []        # (slot, output index) for slots to sample
+        prefilled: list[_Slot] = []
         kinds = set()
         for slot in list(self._active):
             if slot.cancel is not None and slot.cancel.is_set():
@@ -157,9 +233,16 @@ class BatchScheduler:
                         rows.append((slot, i))
                 slot.fed += take
                 slot.pos += take
+                prefilled.append(slot)
                 kinds.add(Phase.PREFILL)
             elif slot.next_token is not None and batch.room:
+                if slot.pos >= self.n_ctx_slot:            # full: context shift
+                    keep, drop = shift_plan(slot.pos, slot.params.n_keep, len(slot.tokens))
+                    slot.pos = shift(self._ll, self.engine.ctx_ptr, slot.seq, slot.pos, keep,
+                                     drop)
+                    slot.shifted = True
                 rows.append((slot, batch.add(slot.next_token, slot.pos, slot.seq, True)))
+                slot.decoded.append(slot.next_token)
                 slot.pos += 1
                 slot.next_token = None
                 kinds.add(Phase.DECODE)
@@ -171,6 +254,8 @@ class BatchScheduler:
         busy = len({s.seq for s, _ in rows})
         self._rows_total += busy
         self.max_rows = max(self.max_rows, busy)
+        for slot in prefilled:
+            self._report(slot)
         for slot, index in rows:
             self._sample(slot, index)
 
@@ -190,24 +275,31 @@ class BatchScheduler:
         if rc != 0:
             if hook is not None:
                 hook.abort_batch()
+            if rc == 1 and self.engine.settings.kv_unified:     # no KV cell left in the pool
+                raise KVCacheFullError(f"Context size has been exceeded: the slots' shared KV "
+                                       f"pool of {self._ll.llama_n_ctx(engine.ctx_ptr)} tokens "
+                                       "is full")
             raise RuntimeError(f"llama_decode failed (status {rc}) on a batch of {batch.n}")
         if hook is not None:
             hook.end_batch()
+
+    def _report(self, slot: _Slot) -> None:
+        if slot.progress:
+            report = PromptProgress(len(slot.tokens), slot.reused, slot.fed,  # first: 0 s
+                                    time.perf_counter() - slot.t0 if slot.fed > slot.reused
+                                    else 0.0)
+            slot.out.put((slot.index, GenerationChunk(text="", token=None, progress=report)))
 
     def _sample(self, slot: _Slot, index: int) -> None:
         engine = self.engine
         if slot.generated == 0 and slot.t_prefill == 0.0:
             slot.t_prefill = time.perf_counter()
-        logits = engine._last_logits(index) if slot.params.logprobs is not None else None  # noqa: SLF001
-        token = slot.sampler.sample(engine.ctx_ptr, index)
+        token, lp = sample_token(engine, slot.sampler, index, slot.params)
         if self._ll.llama_vocab_is_eog(engine.vocab_ptr, token):
             self._finish(slot, "stop")
             return
         slot.generated += 1
-        piece = engine.token_bytes(token)
-        text = slot.stream.feed(piece)
-        lp = None if logits is None else engine._logprob(logits, token, piece,  # noqa: SLF001
-                                                         slot.params.logprobs)
+        text = slot.stream.feed(engine.token_bytes(token))
         slot.out.put((slot.index, GenerationChunk(text=text, token=token, logprob=lp)))
         if slot.stream.stopped:
             self._finish(slot, "stop")
@@ -219,7 +311,7 @@ class BatchScheduler:
     def _finish(self, slot: _Slot, reason: str) -> None:
         now = time.perf_counter()
         prefill_end = slot.t_prefill or now
-        timings = Timings(prompt_tokens=slot.fed, prompt_s=prefill_end - slot.t0,
+        timings = Timings(prompt_tokens=slot.fed - slot.reused, prompt_s=prefill_end - slot.t0,
                           completion_tokens=slot.generated, generation_s=now - prefill_end)
         slot.out.put((slot.index, GenerationChunk(
             text=slot.stream.finish() if slot.stream else "", token=None, finish_reason=reason,
@@ -228,13 +320,39 @@ class BatchScheduler:
         self._release(slot)
         self._active.remove(slot)
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: _Slot, keep_cache: bool = True) -> None:
+        """Free the slot; its KV stays for the next request's prefix unless ``keep_cache``
+        is false (a failed decode: what the KV holds is unknown)."""
         if slot.sampler is not None:
             slot.sampler.close()
             slot.sampler = None
         if slot.seq >= 0:
-            memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
-            self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+            if keep_cache and not slot.shifted:
+                self._cached[slot.seq] = slot.tokens[:slot.fed] + slot.decoded
+            else:                          # unknown or shifted: start the slot afresh
+                memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
+                self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+                self._cached[slot.seq] = []
             self._free.append(slot.seq)
             self._free.sort()
             slot.seq = -1
+
+
+def best_slot(free: Sequence[int], cached: dict[int, list[int]],
+              tokens: list[int]) -> tuple[int, int]:
+    """The free sequence whose KV shares the longest prefix with ``tokens`` (the lowest id on
+    a tie) and how many tokens of it to keep: never the whole prompt, since its last token is
+    evaluated again to give the logits to sample from."""
+    seq = max(sorted(free), key=lambda s: shared_prefix(cached.get(s, []), tokens, cap=False))
+    return seq, shared_prefix(cached.get(seq, []), tokens)  # max keeps the lowest of equals
+
+
+def shared_prefix(cached: list[int], tokens: list[int], cap: bool = True) -> int:
+    """Tokens at the start of ``tokens`` that ``cached`` holds; with ``cap``, at most all
+    but the last (it is evaluated again for the logits to sample from)."""
+    n = 0
+    for a, b in zip(cached, tokens):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(tokens) - 1) if cap else n

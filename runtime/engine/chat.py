@@ -23,6 +23,9 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 ROLES = ("system", "user", "assistant", "tool")
+# firefunction-v2's template wants ``datetime`` and ``functions`` (the tools as JSON text);
+# llama.cpp recognises it by this piece of its source
+FIREFUNCTION_MARK = " functools["
 
 
 def _raise(message: str) -> None:
@@ -51,15 +54,21 @@ class ChatTemplate:
             raise UserError(f"chat template: cannot parse ({exc})") from None
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """The prompt for ``messages`` (each ``{"role": ..., "content": ...}``, plus
         ``tool_calls`` / ``tool_call_id`` where present); ``tools`` reaches the template as
-        the variable ``tools`` (None: undefined, as Hugging Face renders without tools)."""
+        the variable ``tools`` (None: undefined, as Hugging Face renders without tools);
+        ``variables`` are more template variables (llama-server's ``chat_template_kwargs``,
+        ``enable_thinking`` among them)."""
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES \
                     or not isinstance(m.get("content"), str):
                 raise UserError(f"messages[{i}]: needs a role in {ROLES} and string content")
         extra = {"tools": tools} if tools else {}
+        if FIREFUNCTION_MARK in self.source:     # its own variables, as llama.cpp's chat.cpp
+            extra |= {"datetime": datetime.now().strftime("%b %d %Y %H:%M:%S GMT"),
+                      "functions": json.dumps(tools, indent=2) if tools else ""}
+        extra |= variables or {}
         try:
             return self._template.render(
                 **extra, messages=messages, add_generation_prompt=add_generation_prompt,
@@ -91,7 +100,8 @@ class BuiltinChatTemplate:
         self.render([{"role": "user", "content": "x"}])     # UserError for an unknown name
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, variables: dict | None = None) -> str:
+        """``variables``: none of the built-in templates has any; they change nothing."""
         import ctypes  # noqa: PLC0415
 
         from runtime.engine.llama_lib import bindings  # noqa: PLC0415

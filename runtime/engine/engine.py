@@ -24,13 +24,15 @@ from runtime.engine import interrupt, llama_lib
 from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
+from runtime.engine.context_shift import shift, shift_plan
+from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, Timings, TokenLogprob, Usage)
+                                  GenerationChunk, PromptProgress, Timings, Usage)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -110,8 +112,10 @@ class Engine:
         self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
-        # tokens one sequence can hold (the whole context unless it is split into slots)
-        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // max(1, settings.n_parallel)
+        # tokens one sequence can hold (the whole context unless it is split into slots; a
+        # unified pool lets each slot fill it all, the slots together too)
+        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // \
+            (1 if settings.kv_unified else max(1, settings.n_parallel))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
         self._batch = TokenBatch(self.n_batch)
@@ -178,10 +182,11 @@ class Engine:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="ignore")
 
     def chat_prompt(self, messages: list[dict], *, tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, variables: dict | None = None) -> str:
         """The prompt for ``messages`` by the model's chat template (ChatML if it has none);
-        ``tools`` (OpenAI's tool list) is passed to the template as ``tools``."""
-        return self.chat_template.render(messages, tools=tools,
+        ``tools`` (OpenAI's tool list) is passed to the template as ``tools``, ``variables``
+        as more template variables."""
+        return self.chat_template.render(messages, tools=tools, variables=variables,
                                          add_generation_prompt=add_generation_prompt)
 
     def use_chat_template(self, source: str) -> None:
@@ -208,9 +213,12 @@ class Engine:
         return self._template
 
     def generate(self, prompt: str | list[int], params: SamplingParams, *,
-                 cancel: threading.Event | None = None) -> Iterator[GenerationChunk]:
+                 cancel: threading.Event | None = None, progress: bool = False,
+                 reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
         """Stream the completion of ``prompt``. Raises ContextLengthError at once when the
-        prompt does not fit; the iterator raises EngineBusyError if another one is running."""
+        prompt does not fit; the iterator raises EngineBusyError if another one is running.
+        ``progress``: chunks with ``progress`` before the prompt's first batch and after each;
+        ``reuse_prefix=False`` evaluates the whole prompt (llama-server's cache_prompt=false)."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             bos = self._ll.llama_vocab_bos(self._vocab)
@@ -223,7 +231,7 @@ class Engine:
                             f"(0..{self.n_vocab - 1})")
         if len(tokens) >= self.n_ctx:
             raise ContextLengthError(len(tokens), self.n_ctx)
-        return self._run(tokens, params, cancel)
+        return self._run(tokens, params, cancel, progress, reuse_prefix)
 
     def reset(self) -> None:
         """Forget the KV cache: the next prompt is evaluated from its first token."""
@@ -255,8 +263,8 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------------
 
-    def _run(self, tokens: list[int], params: SamplingParams,
-             cancel: threading.Event | None) -> Iterator[GenerationChunk]:
+    def _run(self, tokens: list[int], params: SamplingParams, cancel: threading.Event | None,
+             progress: bool = False, reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating")
         sampler = None
@@ -266,10 +274,20 @@ class Engine:
             self._turn += 1
             before = self._counters()
             t0 = time.perf_counter()
-            evaluated = self._prefill(tokens, cancel)
+            steps = self._prefill(tokens, cancel, reuse_prefix)
+            while True:                        # the prefill's progress, then its result
+                try:
+                    report = next(steps)
+                except StopIteration as done:
+                    evaluated = done.value
+                    break
+                if progress:
+                    yield GenerationChunk(text="", token=None, progress=report)
             t1 = time.perf_counter()
             room = self.n_ctx - len(tokens)
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
+            if self.settings.context_shift and params.max_tokens > 0:
+                max_new = params.max_tokens          # the context shifts when it is full
             sampler = Sampler(params, self.n_vocab, self._vocab)
             stream = TextStream(params.stop)
             generated, finish = 0, "length"
@@ -277,20 +295,22 @@ class Engine:
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
-                logits = self._last_logits() if params.logprobs is not None else None
-                token = sampler.sample(self.ctx_ptr, -1)
+                token, logprob = sample_token(self, sampler, -1, params)
                 if self._ll.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
                 generated += 1
                 piece = self.token_bytes(token)
                 text = stream.feed(piece)
-                yield GenerationChunk(text=text, token=token, logprob=None if logits is None
-                                      else self._logprob(logits, token, piece, params.logprobs))
+                yield GenerationChunk(text=text, token=token, logprob=logprob)
                 if stream.stopped:
                     finish = "stop"
                     break
                 if generated < max_new:
+                    if len(self._kv) >= self.n_ctx:
+                        keep, drop = shift_plan(len(self._kv), params.n_keep, len(tokens))
+                        shift(self._ll, self.ctx_ptr, 0, len(self._kv), keep, drop)
+                        del self._kv[keep:keep + drop]
                     self._decode([token], len(self._kv), Phase.DECODE)
             if evaluated is None:
                 finish = "cancelled"
@@ -306,34 +326,17 @@ class Engine:
                 sampler.close()
             self._busy.release()
 
-    def _last_logits(self, index: int = -1):
-        """(n_vocab,) float32 copy of output row ``index``'s raw logits (-1: the last)."""
-        import numpy as np  # noqa: PLC0415
-
-        ptr = self._ll.llama_get_logits_ith(self.ctx_ptr, index)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
-
-    def _logprob(self, logits, token: int, piece: bytes, k: int) -> TokenLogprob:
-        import numpy as np  # noqa: PLC0415
-
-        shifted = logits.astype(np.float64) - float(logits.max())
-        logp = shifted - np.log(np.exp(shifted).sum())          # (n_vocab,) log-softmax
-        top: tuple = ()
-        if k > 0:
-            best = np.argpartition(-logp, k - 1)[:k]
-            best = best[np.argsort(-logp[best], kind="stable")]
-            top = tuple((int(t), self.token_bytes(int(t)), float(logp[t])) for t in best)
-        return TokenLogprob(token, piece, float(logp[token]), top)
-
-    def _prefill(self, tokens: list[int], cancel: threading.Event | None) -> int | None:
-        """Bring the KV cache to ``tokens`` (reusing the longest common prefix); returns the
+    def _prefill(self, tokens: list[int], cancel: threading.Event | None,
+                 reuse_prefix: bool = True) -> Iterator[PromptProgress]:
+        """Bring the KV cache to ``tokens`` (reusing the longest common prefix), yielding the
+        progress before the first batch and after each; returns (StopIteration's value) the
         number of tokens evaluated, or None when cancelled."""
         keep = 0
         for a, b in zip(self._kv, tokens):
             if a != b:
                 break
             keep += 1
-        keep = min(keep, len(tokens) - 1)      # the last prompt token is always evaluated
+        keep = min(keep, len(tokens) - 1) if reuse_prefix else 0   # the last one: always
         self._forget_from(keep)
         starts = range(keep, len(tokens), self.n_batch)
         bar = None
@@ -342,7 +345,11 @@ class Engine:
 
             bar = tqdm(total=len(tokens) - keep, desc="prompt", unit="tok", delay=2.0,
                        leave=False, file=sys.stderr, disable=None)
+        t0 = time.perf_counter()
+        report = lambda done: PromptProgress(  # noqa: E731 - nothing evaluated yet: 0 s
+            len(tokens), keep, done, time.perf_counter() - t0 if done > keep else 0.0)
         try:
+            yield report(keep)
             for start in starts:
                 if cancel is not None and cancel.is_set():
                     return None
@@ -350,6 +357,7 @@ class Engine:
                 self._decode(batch, start, Phase.PREFILL)
                 if bar is not None:
                     bar.update(len(batch))
+                yield report(start + len(batch))
         finally:
             if bar is not None:
                 bar.close()

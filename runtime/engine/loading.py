@@ -48,6 +48,10 @@ def thread_counts(settings: EngineSettings) -> tuple[int, int]:
     return n_threads, n_threads_batch
 
 
+# llama_pooling_type by name (None: LLAMA_POOLING_TYPE_UNSPECIFIED, the model's own)
+POOLING = {None: -1, "none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+
+
 def make_context_params(settings: EngineSettings, hook) -> object:
     """``llama_context_params`` from llama.cpp's defaults plus the settings; ``hook`` (a
     RoutingHook or None) becomes ``cb_eval``. Batch sizes are clamped as llama-cpp-python
@@ -62,7 +66,11 @@ def make_context_params(settings: EngineSettings, hook) -> object:
     params.flash_attn_type = FLASH_ATTN[settings.flash_attn]
     if settings.n_parallel > 1:         # one KV stream per sequence: a slot sees only itself
         params.n_seq_max = settings.n_parallel
-        params.kv_unified = False
+        params.kv_unified = settings.kv_unified
+    if settings.embeddings:             # pooled embeddings want a whole input in one ubatch
+        params.embeddings = True
+        params.n_ubatch = n_batch
+        params.pooling_type = POOLING[settings.pooling]
     if hook is not None:
         params.cb_eval = hook.callback
         params.cb_eval_user_data = hook.user_data

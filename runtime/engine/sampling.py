@@ -15,6 +15,7 @@ from runtime.errors import UserError
 PENALTY_LAST_N = 64          # tokens the repeat penalty looks back over (llama-cpp-python's)
 DEFAULT_SEED = 0xFFFFFFFF    # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
 MAX_TOP_LOGPROBS = 20        # OpenAI's limit on top_logprobs
+TOKEN_DATA = [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]   # llama_token_data's layout
 
 
 @dataclass
@@ -34,6 +35,10 @@ class SamplingParams:
     grammar: str | None = None         # GBNF (root rule "root"): llama.cpp's grammar sampler
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to logit
     logprobs: int | None = None        # None: off; k >= 0: each token's logprob + top k
+    # logprobs of the candidates left after the sampler chain (llama-server's
+    # post_sampling_probs) instead of the raw model's
+    post_sampling: bool = False
+    n_keep: int = 0                    # context shift: tokens kept at the start (-1: the prompt)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +115,34 @@ class Sampler:
     def sample(self, ctx: int, idx: int = -1) -> int:
         """Pick a token from the logits of output ``idx`` (-1: the last) and accept it."""
         return int(self._ll.llama_sampler_sample(self._chain, ctx, idx))
+
+    def sample_candidates(self, logits,
+                          k: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """Pick a token from ``logits`` ((n_vocab,) float32) as ``sample`` does (the same
+        apply-then-accept steps, so a seeded chain picks the same tokens), and return the
+        token's probability after the chain, and the candidates the chain left with theirs,
+        the ``k`` most probable first. A greedy chain leaves one: the token, probability 1."""
+        import ctypes  # noqa: PLC0415
+
+        import numpy as np  # noqa: PLC0415
+
+        ll = self._ll
+        n = int(logits.shape[0])
+        data = (ll.llama_token_data * n)()
+        view = np.frombuffer(data, dtype=TOKEN_DATA)          # (n_vocab,) shares data
+        view["id"], view["logit"], view["p"] = np.arange(n), logits, 0.0
+        cur = ll.llama_token_data_array(ctypes.cast(data, ctypes.POINTER(ll.llama_token_data)),
+                                        n, -1, False)
+        ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
+        left = np.frombuffer((ll.llama_token_data * cur.size).from_address(
+            ctypes.addressof(cur.data.contents)), dtype=TOKEN_DATA)   # (size,) after the chain
+        token = int(left["id"][cur.selected])
+        ll.llama_sampler_accept(self._chain, token)
+        if not left["p"].any():                # greedy: no distribution was computed
+            return token, 1.0, [(token, 1.0)]
+        order = np.argsort(-left["p"], kind="stable")[:max(k, 1)]
+        return token, float(left["p"][cur.selected]), [
+            (int(left["id"][i]), float(left["p"][i])) for i in order if left["p"][i] > 0]
 
     def close(self) -> None:
         if self._chain:

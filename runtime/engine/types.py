@@ -35,6 +35,11 @@ class EngineSettings:
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
     n_parallel: int = 1                # KV sequences (slots) for runtime.engine.batched;
     #                                    each gets n_ctx / n_parallel tokens, as llama-server
+    kv_unified: bool = False           # with n_parallel > 1: one KV pool that every slot may
+    #                                    fill up to n_ctx (llama-server's --kv-unified)
+    context_shift: bool = False        # a full context drops its oldest half and goes on
+    embeddings: bool = False           # a context for embeddings (runtime.engine.embedding)
+    pooling: str | None = None         # none | mean | cls | last | rank; None: the model's
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
     #                                    None: off when a native device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),
@@ -114,6 +119,16 @@ class TokenLogprob:
     top: tuple[tuple[int, bytes, float], ...] = ()   # (token, piece, logprob)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """How far the prompt's evaluation is (tokens; ``processed`` counts the reused prefix)."""
+
+    total: int
+    cached: int             # reused from the KV cache, not evaluated
+    processed: int          # cached + evaluated so far
+    elapsed_s: float        # seconds since the prompt's evaluation began
+
+
 @dataclass(frozen=True)
 class GenerationChunk:
     """One generated token's text (may be "" while UTF-8 or a possible stop string is held
@@ -127,6 +142,7 @@ class GenerationChunk:
     usage: Usage | None = None
     timings: Timings | None = None
     logprob: TokenLogprob | None = None     # with SamplingParams.logprobs (token chunks)
+    progress: PromptProgress | None = None  # with generate(progress=True): text "", no token
 
 
 class ContextLengthError(UserError):
@@ -135,6 +151,13 @@ class ContextLengthError(UserError):
     def __init__(self, prompt_tokens: int, n_ctx: int):
         super().__init__(f"prompt has {prompt_tokens} tokens; the context holds {n_ctx}")
         self.prompt_tokens, self.n_ctx = prompt_tokens, n_ctx
+
+
+CANCELLED = "cancelled"     # finish_reason of a generation its cancel event stopped
+
+
+class KVCacheFullError(RuntimeError):
+    """A unified KV pool has no room left for the next batch (the slots share it)."""
 
 
 class EngineBusyError(RuntimeError):

@@ -26,12 +26,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from runtime.engine.sampling import SamplingParams
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
+from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
+from runtime.server.slot_routes import router as slot_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.queue import RequestQueue
+from runtime.server.reasoning import FORMATS
 
 
 def _fingerprint() -> str:
@@ -60,12 +63,23 @@ class ServerSettings:
     parallel: int = 1                  # requests generated at once (-np; continuous batching)
     aliases: tuple[str, ...] = ()      # every name of the model (--alias a,b,c); model_id first
     verbose: bool = False              # answers carry "__verbose" (the prompt), as llama-server -v
+    reasoning: str = "auto"            # --reasoning on|off|auto: off renders enable_thinking=false
+    reasoning_format: str = "auto"     # --reasoning-format: auto/deepseek split <think>; none
+    metrics_endpoint: bool = True      # GET /metrics (501 with --no-metrics, as llama-server)
+    tags: tuple[str, ...] = ()         # --tags: the model's tags in /v1/models
+    embedding: bool = False            # --embedding: embeddings routes on, generation off
+    slot_save_path: Any = None         # Path: where /slots/{id}?action=save|restore files go
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.reasoning not in ("on", "off", "auto"):
+            raise ValueError(f"reasoning must be on, off or auto, not {self.reasoning!r}")
+        if self.reasoning_format not in FORMATS:
+            raise ValueError(f"reasoning_format must be auto, deepseek or none, not "
+                             f"{self.reasoning_format!r}")
 
 
 class ApiKeyGuard:
@@ -118,7 +132,8 @@ async def list_models(request: Request) -> dict:
     aliases = request.app.state.settings.aliases or (host.model_id,)
     return {"object": "list", "data": [{
         "id": host.model_id, "object": "model", "created": request.app.state.started,
-        "owned_by": "moe-offload", "aliases": list(aliases), "tags": []}]}
+        "owned_by": "moe-offload", "aliases": list(aliases),
+        "tags": list(request.app.state.settings.tags)}]}
 
 
 @info_router.get("/v1/residency")
@@ -144,6 +159,10 @@ async def residency(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus text: request and token counters, then the manager's moe_expert_* series."""
     state = request.app.state
+    if not state.settings.metrics_endpoint:
+        raise APIError(501, "This server does not support metrics endpoint (start it without "
+                            "--no-metrics).", code="not_supported",
+                       error_type="not_supported_error")
     engine = state.host.engine_if_ready()
     manager = getattr(engine, "manager", None) if engine is not None else None
     residency_text = manager.snapshot().to_prometheus() if manager is not None else None
@@ -233,6 +252,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(info_router)
     app.include_router(completions_router)
     app.include_router(native_router)
+    app.include_router(embeddings_router)
+    app.include_router(slot_router)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key

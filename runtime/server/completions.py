@@ -22,19 +22,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from runtime.engine.types import ContextLengthError
+from runtime.engine.types import CANCELLED, ContextLengthError, KVCacheFullError
 from runtime.errors import UserError
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError
 from runtime.server.prepare import Prepared, context_error, prepare_chat, prepare_completion
 from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
+from runtime.server.chat_stream import ChatFramer
+from runtime.server.reasoning import split_reasoning
 
 log = logging.getLogger("moe_offload.server")
 
 router = APIRouter()
 
-CANCELLED = "cancelled"              # the engine's finish_reason when the cancel event stopped it
 
 
 def _generation(engine: Any, prep: Prepared, metrics: Any,
@@ -51,11 +52,14 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
             tokens = prep.prompt if isinstance(prep.prompt, list) else \
                 engine.tokenize(prep.prompt, add_special=True)
             items = batcher.generate_many(
-                [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel)
+                [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel,
+                progress=prep.progress, reuse_prefix=prep.cache_prompt, id_slot=prep.id_slot)
         else:
             items = ((i, chunk) for i in range(prep.n) if not cancel.is_set()
                      for chunk in engine.generate(prep.prompt, prep.choice_params(i),
-                                                  cancel=cancel))
+                                                  cancel=cancel, progress=prep.progress,
+                                                  # later choices: this request's prompt
+                                                  reuse_prefix=prep.cache_prompt or i > 0))
         try:
             for index, chunk in items:
                 if chunk.token is not None:
@@ -83,6 +87,8 @@ def _engine_failure(exc: BaseException) -> APIError:
         return APIError(503, str(exc), code="remote_device_down")
     if isinstance(exc, UserError):
         return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, KVCacheFullError):       # llama-server's answer: the pool is aborted
+        return APIError(500, str(exc), code="context_full")
     log.error("generation failed: %s: %s", type(exc).__name__, exc)
     return APIError(500, f"Generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 
@@ -91,6 +97,10 @@ async def _submit(request: Request,
                   prepare: Callable[[Any], Prepared]) -> tuple[Prepared, Job]:
     """Prepare the request off the event loop, then queue its generation (429 when full)."""
     state = request.app.state
+    if state.settings.embedding:
+        raise APIError(501, "This server does not support completions. Start it without "
+                            "`--embeddings`", code="not_supported",
+                       error_type="not_supported_error")
     engine = state.host.engine()                      # 503 while loading
     try:
         prep = await anyio.to_thread.run_sync(prepare, engine)
@@ -166,6 +176,7 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
     cuts the answer short, becomes an OpenAI error frame instead of the end."""
     generated = 0
     finished = 0
+    timings = None
     extra = {"usage": None} if include_usage else {}
     try:
         for frame in framer.opening():
@@ -174,6 +185,7 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
             if shutdown.is_set():
                 job.cancel.set()      # the worker stops this generation
             generated += chunk.token is not None
+            timings = chunk.timings or timings
             for frame in framer.chunk(index, chunk):
                 yield _sse(frame | extra)
             if chunk.finish_reason not in (None, CANCELLED):
@@ -184,8 +196,11 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
                                 code="server_shutdown").body())
             return
         if include_usage:
-            yield _sse(framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
-                                                                           generated)})
+            frame = framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
+                                                                        generated)}
+            if getattr(framer, "timings", False) and timings is not None:
+                frame["timings"] = shapes.llama_timings(timings, prep.prompt_tokens)
+            yield _sse(frame)
         yield "[DONE]"
     except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, end the stream
         yield _sse(_engine_failure(exc).body())
@@ -212,31 +227,40 @@ def fingerprint(request: Request) -> str:
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion, streamed or not (``n`` choices, logprobs, tools)."""
-    defaults = request.app.state.defaults
-    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults))
+    defaults, settings = request.app.state.defaults, request.app.state.settings
+    prep, job = await _submit(request, lambda e: prepare_chat(e, body, defaults,
+                                                              settings.reasoning,
+                                                              settings.reasoning_format))
     cid, created = _ids("chatcmpl")
     base = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
     if body.stream:
-        return _event_source(job, prep, body.include_usage_in_stream(), ChatFramer(base, prep))
+        return _event_source(job, prep, body.include_usage_in_stream(),
+                             ChatFramer(base, prep, timings=body.timings_per_token))
     results = await _collect(request, job, prep)
     choices = []
     for r in results:
-        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        reasoning, text = (None, r.text) if prep.thinking is None else \
+            split_reasoning(r.text, prep.thinking)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = r.finish_reason
         if prep.tool_format is not None:
-            content, calls = structured.parse_tool_calls(r.text, prep.tool_format)
+            content, calls = structured.parse_tool_calls(text, prep.tool_format)
             if calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [c.to_openai() for c in calls]}
                 finish = "tool_calls"
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         logprobs = {"content": [shapes.chat_logprob(lp) for lp in r.logprobs],
                     "refusal": None} if prep.params.logprobs is not None else None
         choices.append({"index": r.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish})
     answer = base | {"object": "chat.completion", "choices": choices,
                      "usage": _usage_with_cache(prep, results)}
-    if request.app.state.settings.verbose:       # llama-server --verbose: the prompt too
+    if results and results[0].timings is not None:        # llama-server's, always there
+        answer["timings"] = shapes.llama_timings(results[0].timings, prep.prompt_tokens)
+    if request.app.state.settings.verbose or body.verbose:   # llama-server's: the prompt too
         answer["__verbose"] = {"prompt": prep.prompt}
     return JSONResponse(answer)
 
@@ -256,66 +280,9 @@ def _usage_with_cache(prep: Prepared, results: list) -> dict:
 async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
     """How many prompt tokens the request would take (llama-server's)."""
     engine = request.app.state.host.engine()
-    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body)
+    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body, None,
+                                          request.app.state.settings.reasoning)
     return {"input_tokens": prep.prompt_tokens}
-
-
-class ChatFramer:
-    """Stream frames of a chat answer. With tools in play a choice's text is held until it
-    ends, then sent as ``tool_calls`` deltas (id and name, then the arguments) or as content."""
-
-    def __init__(self, base: dict, prep: Prepared):
-        self.base, self.prep = base, prep
-        self._held: dict[int, list[str]] = {}
-        self._held_lp: dict[int, list] = {}
-
-    def _frame(self, index: int, delta: dict, finish: str | None = None,
-               logprobs: list | None = None) -> dict:
-        lp = None if logprobs is None else {"content": logprobs, "refusal": None}
-        return self.base | {"choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                         "finish_reason": finish}]}
-
-    def opening(self) -> list[dict]:     # as llama-server: the role, content null
-        return [self._frame(i, {"role": "assistant", "content": None})
-                for i in range(self.prep.n)]
-
-    def chunk(self, index: int, chunk: Any) -> list[dict]:
-        want_lp = self.prep.params.logprobs is not None
-        entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
-        if self.prep.tool_format is not None:
-            self._held.setdefault(index, []).append(chunk.text or "")
-            self._held_lp.setdefault(index, []).extend(entry)
-            if chunk.finish_reason in (None, CANCELLED):
-                return []
-            return self._release(index, chunk.finish_reason)
-        frames = []
-        if chunk.text or entry:
-            frames.append(self._frame(index, {"content": chunk.text or ""},
-                                      logprobs=entry if want_lp else None))
-        if chunk.finish_reason not in (None, CANCELLED):
-            frames.append(self._frame(index, {}, chunk.finish_reason))
-        return frames
-
-    def _release(self, index: int, finish: str) -> list[dict]:
-        text = "".join(self._held.pop(index, []))
-        entries = self._held_lp.pop(index, [])
-        lp = entries if self.prep.params.logprobs is not None else None
-        content, calls = structured.parse_tool_calls(text, self.prep.tool_format)
-        if not calls:
-            frames = [self._frame(index, {"content": text}, logprobs=lp)] if text or lp else []
-            return frames + [self._frame(index, {}, finish)]
-        frames = []
-        if content:
-            frames.append(self._frame(index, {"content": content}, logprobs=lp))
-            lp = None
-        for i, call in enumerate(calls):
-            frames.append(self._frame(index, {"tool_calls": [{
-                "index": i, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": ""}}]}, logprobs=lp))
-            lp = None
-            frames.append(self._frame(index, {"tool_calls": [{
-                "index": i, "function": {"arguments": call.arguments}}]}))
-        return frames + [self._frame(index, {}, "tool_calls")]
 
 
 @router.post("/v1/completions")

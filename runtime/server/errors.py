@@ -99,7 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
     def answer(request: Request, err: APIError) -> JSONResponse:
         from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
 
-        if request.url.path in NATIVE_PATHS:      # llama-server's own shape there
+        if request.url.path in NATIVE_PATHS or request.url.path.startswith("/slots/"):      # llama-server's own shape there
             return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
         return err.response()
 

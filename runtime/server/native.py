@@ -10,7 +10,10 @@ batching, runtime/engine/batched.py).
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,12 +24,13 @@ from runtime.server import shapes, structured
 from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
 from runtime.server.errors import APIError
 from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
-from runtime.server.prepare import Prepared, check_context, sampling_params, _checked_grammar
+from runtime.server.prepare import (Prepared, _checked_grammar, check_context, checked_slot,
+                                    sampling_params, template_variables)
 
 router = APIRouter()
 
 NATIVE_PATHS = frozenset({"/completion", "/completions", "/tokenize", "/detokenize",
-                          "/apply-template", "/props", "/slots", "/infill"})
+                          "/apply-template", "/props", "/slots", "/infill", "/embedding"})
 
 
 def _stop_type(finish: str | None, stopping_word: str) -> str:
@@ -37,24 +41,15 @@ def _stop_type(finish: str | None, stopping_word: str) -> str:
     return "none"
 
 
-def _timings(t: Any) -> dict:
-    if t is None:
-        return {}
-    prompt_ms, predicted_ms = t.prompt_s * 1e3, t.generation_s * 1e3
-    return {"cache_n": 0, "prompt_n": t.prompt_tokens, "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / t.prompt_tokens if t.prompt_tokens else 0.0,
-            "prompt_per_second": t.prompt_tps, "predicted_n": t.completion_tokens,
-            "predicted_ms": predicted_ms,
-            "predicted_per_token_ms":
-                predicted_ms / t.completion_tokens if t.completion_tokens else 0.0,
-            "predicted_per_second": t.generation_tps}
-
-
-def _probs(lp: Any) -> dict:
-    text = lp.piece.decode("utf-8", errors="ignore")
-    return {"id": lp.token, "token": text, "bytes": list(lp.piece), "logprob": lp.logprob,
-            "top_logprobs": [{"id": t, "token": p.decode("utf-8", errors="ignore"),
-                              "bytes": list(p), "logprob": v} for t, p, v in lp.top]}
+def _probs(lp: Any, post_sampling: bool = False) -> dict:
+    """One entry of ``completion_probabilities``: logprobs of the model, or probabilities
+    after the sampler chain (``post_sampling_probs``)."""
+    def entry(token: int, piece: bytes, logprob: float) -> dict:
+        value = {"prob": math.exp(logprob)} if post_sampling else {"logprob": logprob}
+        return {"id": token, "token": piece.decode("utf-8", errors="ignore"),
+                "bytes": list(piece)} | value
+    return entry(lp.token, lp.piece, lp.logprob) | {
+        "top_probs" if post_sampling else "top_logprobs": [entry(*t) for t in lp.top]}
 
 
 def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> dict:
@@ -64,7 +59,7 @@ def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> 
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "repeat_last_n": 64, "n_predict": p.max_tokens, "max_tokens": p.max_tokens,
             "stop": list(p.stop), "n_probs": p.logprobs or 0, "stream": False,
-            "grammar": p.grammar or "", "ignore_eos": False, "n_keep": 0,
+            "grammar": p.grammar or "", "ignore_eos": False, "n_keep": p.n_keep,
             # llama-server's form; a ban (-100 here) is its -inf, null in JSON
             "logit_bias": [{"token": t, "bias": None if b <= -100 else b}
                            for t, b in p.logit_bias.items()],
@@ -77,10 +72,8 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
     n_prompt = len(prompt) if isinstance(prompt, list) else \
         len(engine.tokenize(prompt, add_special=True))
     n_predict = req.n_predict_value()
-    if n_predict is None or n_predict < 0:
-        n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None
-    elif defaults.max_tokens > 0:
-        n_predict = min(n_predict, defaults.max_tokens)    # the server's -n caps requests
+    if n_predict is None or n_predict < 0:      # the server's -n, as llama-server: a
+        n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None   # default only
     # None: up to the end of the context (-1)
     max_tokens = check_context(engine, n_prompt, n_predict if n_predict else None,
                                None, "prompt") if n_predict != 0 else 0
@@ -93,18 +86,45 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
                             f"(0..{engine.n_vocab - 1})", code="invalid_value", param="logit_bias")
     params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
+                             post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
-    return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1)
+    return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
+                    progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
+                    id_slot=checked_slot(engine, req.id_slot))
 
 
 @router.post("/completion")
 @router.post("/completions")
 async def completion(body: NativeCompletionRequest, request: Request):
-    """llama-server's native completion, streamed or not."""
-    return await _answer(body, request)
+    """llama-server's native completion, streamed or not; several prompts give a list."""
+    prompts = body.prompts()
+    if prompts is None:
+        return await _answer(body, request)
+    if body.stream:
+        raise APIError(400, "prompt: several prompts cannot be streamed here (send one per "
+                            "request)", code="unsupported_parameter", param="prompt")
+    answers = await asyncio.gather(*[
+        _answer(body.model_copy(update={"prompt": p}), request, index=i)
+        for i, p in enumerate(prompts)])       # side by side: one batch with -np N
+    return JSONResponse([json.loads(a.body) for a in answers])
 
 
-async def _answer(body: NativeCompletionRequest, request: Request):
+def pick_fields(answer: dict, fields: list[str]) -> dict:
+    """``response_fields``: only these keys of the answer, "a/b" reaching into "a" (a missing
+    one is left out, as llama-server does)."""
+    out = {}
+    for name in fields:
+        value: Any = answer
+        for key in name.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[name] = value
+    return out
+
+
+async def _answer(body: NativeCompletionRequest, request: Request, index: int = 0):
     defaults = request.app.state.defaults
     prep, job = await _submit(request, lambda e: _prepare(e, body, defaults))
     engine = request.app.state.host.engine()
@@ -114,12 +134,15 @@ async def _answer(body: NativeCompletionRequest, request: Request):
 
     def final(text: str, tokens: list[int], finish: str | None, timings: Any, n: int,
               probs: list | None) -> dict:
-        out = {"index": 0, "content": text, "tokens": tokens if body.return_tokens else [],
-               "id_slot": 0, "stop": True, "model": model, "tokens_predicted": n,
+        out = {"index": index, "content": text, "tokens": tokens if body.return_tokens else [],
+               "id_slot": max(prep.id_slot, 0), "stop": True, "model": model, "tokens_predicted": n,
                "tokens_evaluated": prep.prompt_tokens, "generation_settings": settings,
-               "prompt": prompt_text, "has_new_line": "\n" in text, "truncated": False,
+               "prompt": prompt_text, "has_new_line": "\n" in text,
+               # the context filled up before the answer ended
+               "truncated": finish == "length" and prep.prompt_tokens + n >= engine.n_ctx,
                "stop_type": _stop_type(finish, ""), "stopping_word": "",
-               "tokens_cached": prep.prompt_tokens + n, "timings": _timings(timings)}
+               "tokens_cached": prep.prompt_tokens + n, "timings": shapes.llama_timings(timings,
+                                                                       prep.prompt_tokens)}
         if probs:
             out["completion_probabilities"] = probs
         return out
@@ -127,21 +150,35 @@ async def _answer(body: NativeCompletionRequest, request: Request):
     if body.stream:
         async def events():
             n, timings, finish, all_text = 0, None, None, []
+            clock = _RunningTimings(prep.prompt_tokens)
             try:
                 async for _, chunk in job:
-                    if chunk.token is not None:
+                    if chunk.progress is not None:
+                        clock.prompt = chunk.progress
+                        event = {"index": index, "content": "", "tokens": [], "stop": False,
+                                 "id_slot": max(prep.id_slot, 0), "tokens_predicted": 0,
+                                 "tokens_evaluated": prep.prompt_tokens,
+                                 "prompt_progress": shapes.prompt_progress(chunk.progress)}
+                        if body.timings_per_token:
+                            event["timings"] = shapes.progress_timings(chunk.progress)
+                        yield json.dumps(event)
+                    elif chunk.token is not None:
                         n += 1
-                        event = {"index": 0, "content": chunk.text, "tokens": [chunk.token],
-                                 "stop": False, "id_slot": 0, "tokens_predicted": n,
-                                 "tokens_evaluated": prep.prompt_tokens}
+                        event = {"index": index, "content": chunk.text, "tokens": [chunk.token],
+                                 "stop": False, "id_slot": max(prep.id_slot, 0),
+                                 "tokens_predicted": n, "tokens_evaluated": prep.prompt_tokens}
+                        if body.timings_per_token:
+                            event["timings"] = clock.now(n)
                         if chunk.logprob is not None:
-                            event["completion_probabilities"] = [_probs(chunk.logprob)]
+                            event["completion_probabilities"] = [
+                                _probs(chunk.logprob, body.post_sampling_probs)]
                         all_text.append(chunk.text)
                         yield json.dumps(event)
                     elif chunk.text:
                         all_text.append(chunk.text)
-                        yield json.dumps({"index": 0, "content": chunk.text, "tokens": [],
-                                          "stop": False, "id_slot": 0, "tokens_predicted": n,
+                        yield json.dumps({"index": index, "content": chunk.text, "tokens": [],
+                                          "stop": False, "id_slot": max(prep.id_slot, 0),
+                                          "tokens_predicted": n,
                                           "tokens_evaluated": prep.prompt_tokens})
                     if chunk.finish_reason is not None:
                         finish, timings = chunk.finish_reason, chunk.timings
@@ -160,9 +197,29 @@ async def _answer(body: NativeCompletionRequest, request: Request):
     results = await _collect(request, job, prep)
     r = results[0]
     tokens = [lp.token for lp in r.logprobs]
-    return JSONResponse(final(r.text, tokens or r.tokens, r.finish_reason, r.timings,
-                              r.completion_tokens,
-                              [_probs(lp) for lp in r.logprobs] if body.n_probs else None))
+    answer = final(r.text, tokens or r.tokens, r.finish_reason, r.timings, r.completion_tokens,
+                   [_probs(lp, body.post_sampling_probs) for lp in r.logprobs]
+                   if body.n_probs else None)
+    return JSONResponse(pick_fields(answer, body.response_fields) if body.response_fields
+                        else answer)
+
+
+class _RunningTimings:
+    """timings_per_token: a stream's timings so far, from the prompt's last progress report
+    and the event loop's clock since the first token (the final event has the engine's)."""
+
+    def __init__(self, n_prompt: int) -> None:
+        self.n_prompt, self.prompt, self._t_first = n_prompt, None, None
+
+    def now(self, n: int) -> dict:
+        from runtime.engine.types import Timings  # noqa: PLC0415
+
+        t = time.perf_counter()
+        self._t_first = self._t_first or t
+        p = self.prompt
+        return shapes.llama_timings(Timings(
+            prompt_tokens=p.processed - p.cached if p else 0, prompt_s=p.elapsed_s if p else 0.0,
+            completion_tokens=n, generation_s=t - self._t_first), self.n_prompt)
 
 
 def llama_error(err: APIError) -> dict:
@@ -206,7 +263,9 @@ async def apply_template(request: Request) -> dict:
 
     body = await _json_object(request)
     req = ChatCompletionRequest.model_validate({"messages": body.get("messages"),
-                                                "tools": body.get("tools")})
+                                                "tools": body.get("tools"),
+                                                "chat_template_kwargs":
+                                                    body.get("chat_template_kwargs")})
     engine = request.app.state.host.engine()
     template = engine.chat_template
     messages = structured.history_messages(
@@ -219,7 +278,10 @@ async def apply_template(request: Request) -> dict:
     try:
         return {"prompt": engine.chat_prompt(messages, tools=req.tool_dicts()
                                              if structured.template_knows_tools(template.source)
-                                             else None, add_generation_prompt=add)}
+                                             else None, add_generation_prompt=add,
+                                             variables=template_variables(
+                                                 request.app.state.settings.reasoning,
+                                                 req.chat_template_kwargs))}
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

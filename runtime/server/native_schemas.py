@@ -71,10 +71,27 @@ class NativeCompletionRequest(BaseModel):
     json_schema: dict[str, Any] | None = None
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
     ignore_eos: bool = False
-    cache_prompt: bool | None = None                    # always on here
-    id_slot: int | None = Field(None, ge=-1)            # slots are assigned in arrival order
-    n_keep: int | None = None                           # no context shift here: no effect
+    cache_prompt: bool | None = None                    # false: evaluate the whole prompt
+    id_slot: int | None = Field(None, ge=-1)            # the -np slot to use (-1: any free)
+    n_keep: int | None = Field(None, ge=-1)             # context shift: tokens kept (-1: prompt)
     model: str | None = None
+    response_fields: list[str] | None = None            # answer only these ("a/b": nested)
+    post_sampling_probs: bool = False                   # n_probs after the sampler chain
+    return_progress: bool = False                       # stream the prompt's progress
+    timings_per_token: bool = False                     # every streamed event has timings
+    # llama-server: sample on the GPU backend; the chain here runs on the CPU either way and
+    # picks the same tokens, so both values give the same answer
+    backend_sampling: bool | None = None
+
+    def prompts(self) -> list[Any] | None:
+        """llama-server's several prompts in one request: a list holding token lists, objects
+        or only strings (a list mixing token ids and strings is one prompt); None: one."""
+        p = self.prompt
+        if not isinstance(p, list) or not p:
+            return None
+        if any(isinstance(x, (list, dict)) for x in p) or all(isinstance(x, str) for x in p):
+            return p if len(p) > 1 or not isinstance(p[0], str) else None
+        return None
 
     def n_predict_value(self) -> int | None:
         return self.n_predict if self.n_predict is not None else self.max_tokens

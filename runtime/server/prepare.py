@@ -10,6 +10,7 @@ from runtime.engine.sampling import SamplingParams, check_grammar
 from runtime.errors import UserError
 from runtime.server import structured
 from runtime.server.errors import APIError
+from runtime.server.reasoning import thinking_forced_open
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -25,12 +26,28 @@ class Prepared:
     n: int = 1
     tool_format: structured.ToolFormat | None = None   # parse tool calls from the answers
     echo_text: str = ""                               # completions' echo: the prompt text
+    progress: bool = False                            # return_progress: stream the prefill's
+    # reasoning_format: None = no split; else whether the answer starts inside <think>
+    thinking: bool | None = None
+    cache_prompt: bool = True                         # false: evaluate the whole prompt
+    id_slot: int = -1                                 # the -np slot asked for; -1: any
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a given seed moves on by one per choice."""
         if index == 0 or self.params.seed < 0:
             return self.params
         return replace(self.params, seed=(self.params.seed + index) & 0x7FFFFFFF)
+
+
+def checked_slot(engine: Any, id_slot: int | None) -> int:
+    """The request's ``id_slot`` (-1: any), or a 400 when there is no such slot."""
+    n_slots = int(getattr(getattr(engine, "settings", None), "n_parallel", 1) or 1)
+    if id_slot is None or id_slot == -1:
+        return -1
+    if not 0 <= id_slot < n_slots:
+        raise APIError(400, f"id_slot: {id_slot} is not a slot (0..{n_slots - 1})",
+                       code="invalid_value", param="id_slot")
+    return id_slot
 
 
 def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = None) -> APIError:
@@ -51,16 +68,17 @@ def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = 
 
 def check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: int | None,
                   param: str) -> int:
-    """Resolve max_tokens and refuse a request that cannot fit the context window (tokens)."""
+    """Resolve max_tokens (tokens), at most what is left of the context after the prompt;
+    refuse a prompt that does not fit the context window."""
     n_ctx = int(engine.n_ctx)
     if n_prompt >= n_ctx:
         raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt")
     if max_tokens is None:
         max_tokens = default if default is not None else n_ctx - n_prompt
-    if n_prompt + max_tokens > n_ctx:
-        raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt",
-                            max_tokens)
-    return max_tokens
+    if getattr(getattr(engine, "settings", None), "context_shift", False):
+        return max_tokens               # the context shifts when it is full
+    # as llama-server: the answer stops where the context ends (finish_reason "length")
+    return min(max_tokens, n_ctx - n_prompt)
 
 
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed",
@@ -68,13 +86,14 @@ SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "s
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | None = None,
-                    logprobs: int | None = None,
+                    logprobs: int | None = None, post_sampling: bool = False, n_keep: int = 0,
                     defaults: SamplingParams | None = None) -> SamplingParams:
     """The request's sampler fields; unset ones take ``defaults`` (the server's own flags,
     as llama-server does), else SamplingParams' defaults."""
     fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
                               "logit_bias": req.logit_bias_ids(), "grammar": grammar,
-                              "logprobs": logprobs}
+                              "logprobs": logprobs, "post_sampling": post_sampling,
+                              "n_keep": n_keep}
     for name in SAMPLER_FIELDS:
         value = getattr(req, name)
         if value is None and defaults is not None:
@@ -109,8 +128,15 @@ def _check_bias(engine: Any, req: _SamplingFields) -> None:
                                 f"(0..{n_vocab - 1})", code="invalid_value", param="logit_bias")
 
 
+def template_variables(reasoning: str, kwargs: dict | None) -> dict:
+    """The chat template's extra variables, as llama-server passes them: ``enable_thinking``
+    (false only with ``--reasoning off``), then the request's ``chat_template_kwargs``."""
+    return {"enable_thinking": reasoning != "off"} | (kwargs or {})
+
+
 def prepare_chat(engine: Any, req: ChatCompletionRequest,
-                 defaults: SamplingParams | None = None) -> Prepared:
+                 defaults: SamplingParams | None = None, reasoning: str = "auto",
+                 reasoning_format: str = "auto") -> Prepared:
     tools = req.tool_dicts()
     choice = req.tool_choice_value()
     if choice == "none":
@@ -128,11 +154,16 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
                             "with response_format, json_schema or grammar",
                        code="invalid_value", param="tool_choice")
     grammar = structured.call_grammar(functions, fmt) if functions is not None else output_grammar
-    # a last assistant message is the start of the answer (prefill): the model continues it
-    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    # a last assistant message is the start of the answer (prefill): the model continues it,
+    # unless the request asks for a generation prompt after it
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") \
+        and not req.add_generation_prompt
+    add_prompt = not prefill if req.add_generation_prompt is None else req.add_generation_prompt
     try:
         prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
-                                    add_generation_prompt=not prefill)
+                                    add_generation_prompt=add_prompt and not prefill,
+                                    variables=template_variables(reasoning,
+                                                                 req.chat_template_kwargs))
         if prefill:     # templates close every turn; the prefill must stay open
             end = prompt.rfind(messages[-1]["content"])
             if messages[-1]["content"] and end >= 0:
@@ -146,7 +177,11 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
-    return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt)
+    split = (req.reasoning_format or reasoning_format) != "none"
+    return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
+                    progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
+                    id_slot=checked_slot(engine, req.id_slot),
+                    thinking=thinking_forced_open(prompt) if split else None)
 
 
 def prepare_completion(engine: Any, req: CompletionRequest,
@@ -168,4 +203,6 @@ def prepare_completion(engine: Any, req: CompletionRequest,
                              grammar=_checked_grammar(engine, grammar, "grammar"))
     echo = "" if not req.echo else (prompt if isinstance(prompt, str)
                                     else engine.detokenize(prompt))
-    return Prepared(prompt, n_prompt, params, req.n, echo_text=echo)
+    return Prepared(prompt, n_prompt, params, req.n, echo_text=echo,
+                    cache_prompt=req.cache_prompt is not False,
+                    id_slot=checked_slot(engine, req.id_slot))

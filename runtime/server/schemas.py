@@ -2,7 +2,8 @@
 
 Every field is either honoured or refused: an unknown field is a 400 naming it (it would
 otherwise be silently ignored). ``user`` and ``metadata`` are accepted as labels, and
-``cache_prompt`` (llama-server's) as what this server always does (reuse the KV prefix).
+``cache_prompt`` (llama-server's: false evaluates the whole prompt instead of reusing the KV
+prefix).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ class _SamplingFields(BaseModel):
     repeat_penalty: float | None = Field(None, gt=0.0)
     grammar: str | None = None                    # GBNF
     json_schema: dict[str, Any] | None = None
-    cache_prompt: bool | None = None              # always on here
-    id_slot: int | None = Field(None, ge=-1)      # slots are assigned in arrival order
+    cache_prompt: bool | None = None              # false: evaluate the whole prompt
+    id_slot: int | None = Field(None, ge=-1)      # the -np slot to use (-1: any free one)
     n_predict: int | None = Field(None, ge=1)     # llama.cpp's name for max_tokens
 
     @model_validator(mode="after")
@@ -124,7 +125,7 @@ class ChatMessage(BaseModel):
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i}: only text parts are supported (got {kind!r})")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n\n".join(texts)        # as llama-server joins them
 
     def text(self) -> str:
         return self.content or ""
@@ -165,9 +166,23 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # llama-server's: more chat template variables, the prompt's end, debugging and timings
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None      # None: unless the last turn is a prefill
+    continue_final_message: bool | None = None     # vLLM's name for the prefill
+    verbose: bool = False                          # the answer carries "__verbose"
+    timings_per_token: bool = False                # llama-server's "timings" in the answer
+    return_progress: bool = False                  # stream the prompt's progress
+    # the thinking split off into reasoning_content (auto/deepseek) or left in (none)
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both "
+                             "be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message at the end")
         roles = [m.role for m in self.messages]
         if roles[-2:] == ["assistant", "assistant"]:
             raise ValueError("messages: two assistant messages at the end (the last one may "

@@ -1,10 +1,11 @@
-"""The JSON shapes of answers: OpenAI's logprobs (chat and completions), choices, usage."""
+"""The JSON shapes of answers: OpenAI's logprobs (chat and completions), choices, usage, and
+llama-server's timings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.types import TokenLogprob
+from runtime.engine.types import Timings, TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -50,3 +51,33 @@ class ChoiceResult:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+
+def llama_timings(t: Any, n_prompt: int) -> dict:
+    """llama-server's timings. The first token comes from the prompt's last logits, so the
+    generation rate is over the n - 1 decode steps after it (0 for one token)."""
+    if t is None:
+        return {}
+    prompt_ms, predicted_ms = t.prompt_s * 1e3, t.generation_s * 1e3
+    steps = t.completion_tokens - 1
+    return {"cache_n": max(0, n_prompt - t.prompt_tokens), "prompt_n": t.prompt_tokens,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / t.prompt_tokens if t.prompt_tokens else 0.0,
+            "prompt_per_second": t.prompt_tps, "predicted_n": t.completion_tokens,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / steps if steps > 0 and predicted_ms else 0.0,
+            "predicted_per_second": 1e3 / predicted_ms * steps
+            if steps > 0 and predicted_ms else 0.0}
+
+
+def prompt_progress(report: Any) -> dict:
+    """llama-server's ``prompt_progress`` from a ``PromptProgress``."""
+    return {"total": report.total, "cache": report.cached, "processed": report.processed,
+            "time_ms": report.elapsed_s * 1e3}
+
+
+def progress_timings(report: Any) -> dict:
+    """llama-server's timings while the prompt is evaluated (nothing predicted yet)."""
+    return llama_timings(Timings(prompt_tokens=report.processed - report.cached,
+                                 prompt_s=report.elapsed_s, completion_tokens=0,
+                                 generation_s=0.0), report.processed)

@@ -1,0 +1,62 @@
+"""Embeddings of a prompt from an engine whose context was made for them
+(``EngineSettings(embeddings=True, pooling=...)``), as llama-server's ``--embedding``: one
+decode of the whole input (through the same routing hook, so the residency manager sees it),
+then the pooled vector of the sequence, or one vector per token with pooling ``none``.
+
+    vectors = embed(engine, engine.tokenize("hello"))     # [[n_embd floats]] when pooled
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import UserError
+from runtime.residency.types import Phase
+
+POOLING_NONE = 0       # LLAMA_POOLING_TYPE_NONE
+
+
+def pooled(engine: Any) -> bool:
+    return int(engine._ll.llama_pooling_type(engine.ctx_ptr)) != POOLING_NONE  # noqa: SLF001
+
+
+def embed(engine: Any, tokens: list[int], normalize: int = 2) -> list[list[float]]:
+    """The input's embedding (pooled: one vector, normalized as llama.cpp's
+    ``common_embd_normalize``: -1 none, 0 int16 max-abs, 1 taxicab, 2 euclidean, p > 2
+    p-norm) or its tokens' (pooling none: raw, one per token)."""
+    if not tokens:
+        raise UserError("Input content cannot be empty")
+    if len(tokens) > engine.n_batch:
+        raise UserError(f"input ({len(tokens)} tokens) is too large to process. increase the "
+                        f"physical batch size (-b, now {engine.n_batch})")
+    ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001 - embedding is the engine's other use
+    n_embd = int(ll.llama_model_n_embd(engine.model_ptr))
+    with engine._busy:  # noqa: SLF001
+        engine._forget_from(0)  # noqa: SLF001
+        try:
+            engine._decode(list(tokens), 0, Phase.PREFILL)  # noqa: SLF001
+            rows = [ll.llama_get_embeddings_seq(ctx, 0)] if pooled(engine) else \
+                [ll.llama_get_embeddings_ith(ctx, i) for i in range(len(tokens))]
+            if any(not row for row in rows):
+                raise RuntimeError("llama.cpp returned no embeddings for this input")
+            vectors = [np.ctypeslib.as_array(row, shape=(n_embd,)).astype(np.float64)
+                       for row in rows]                       # each (n_embd,)
+        finally:
+            engine._forget_from(0)  # noqa: SLF001 - the next input starts afresh
+    if len(rows) == 1 and pooled(engine):
+        vectors = [normalized(vectors[0], normalize)]
+    return [v.tolist() for v in vectors]
+
+
+def normalized(v: np.ndarray, norm: int) -> np.ndarray:
+    """llama.cpp's common_embd_normalize."""
+    if norm < 0:
+        return v
+    if norm == 0:
+        scale = np.abs(v).max() / 32760.0
+    elif norm == 2:
+        scale = float(np.sqrt((v * v).sum()))
+    else:
+        scale = float((np.abs(v) ** norm).sum() ** (1.0 / norm))
+    return v / scale if scale > 0 else v * 0.0

@@ -1,0 +1,84 @@
+"""A slot's KV state to a file and back (llama-server's ``/slots/{id}?action=save|restore``,
+and ``erase``), with llama.cpp's ``llama_state_seq_save_file`` / ``_load_file``: the file holds
+the sequence's KV cells and its tokens, so a restored slot serves the next request's prefix.
+
+The context is driven by one thread at a time: with ``-np`` the batch scheduler runs the
+action between steps once the slot is idle (``BatchScheduler.call_on_slot``); a single
+engine runs it under its generation lock.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.errors import UserError
+
+SlotAction = Callable[[int, list[int]], tuple[Any, list[int]]]  # (seq, its tokens) -> (result, tokens after)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFile:
+    """What a save or restore moved: tokens, bytes and seconds."""
+
+    n_tokens: int
+    n_bytes: int
+    seconds: float
+
+
+def on_slot(engine: Any, seq: int, action: SlotAction) -> Any:
+    """Run ``action`` on sequence ``seq`` when nothing else drives the context."""
+    batcher = getattr(engine, "batcher", None)
+    if batcher is not None:
+        return batcher.call_on_slot(seq, action)
+    if seq != 0:
+        raise UserError("Invalid slot ID")
+    with engine._busy:  # noqa: SLF001 - the engine's own lock: no generation meanwhile
+        result, tokens = action(0, list(engine._kv))  # noqa: SLF001
+        engine._kv[:] = tokens  # noqa: SLF001
+        return result
+
+
+def save(engine: Any, seq: int, path: str) -> SlotFile:
+    ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
+
+    def action(seq: int, tokens: list[int]) -> tuple[SlotFile, list[int]]:
+        t0 = time.perf_counter()
+        ids = (ll.llama_token * max(1, len(tokens)))(*tokens)
+        n = ll.llama_state_seq_save_file(ctx, path.encode(), seq, ids, len(tokens))
+        if n == 0:
+            raise UserError(f"cannot save the slot's state to {path}")
+        return SlotFile(len(tokens), int(n), time.perf_counter() - t0), tokens
+    return on_slot(engine, seq, action)
+
+
+def restore(engine: Any, seq: int, path: str) -> SlotFile:
+    ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
+
+    def action(seq: int, tokens: list[int]) -> tuple[SlotFile, list[int]]:
+        t0 = time.perf_counter()
+        memory = ll.llama_get_memory(ctx)
+        ll.llama_memory_seq_rm(memory, seq, -1, -1)
+        capacity = int(engine.n_ctx)
+        ids = (ll.llama_token * capacity)()
+        count = ctypes.c_size_t(0)
+        n = ll.llama_state_seq_load_file(ctx, path.encode(), seq, ids, capacity,
+                                         ctypes.byref(count))
+        if n == 0:                      # the slot stays empty and usable
+            ll.llama_memory_seq_rm(memory, seq, -1, -1)
+            raise UserError("Unable to restore slot, no available space in KV cache or "
+                            "invalid slot save file")
+        return SlotFile(count.value, int(n), time.perf_counter() - t0), list(ids[:count.value])
+    return on_slot(engine, seq, action)
+
+
+def erase(engine: Any, seq: int) -> int:
+    """Empty the slot's KV; returns how many tokens it held."""
+    ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
+
+    def action(seq: int, tokens: list[int]) -> tuple[int, list[int]]:
+        ll.llama_memory_seq_rm(ll.llama_get_memory(ctx), seq, -1, -1)
+        return len(tokens), []
+    return on_slot(engine, seq, action)

@@ -1,0 +1,155 @@
+"""Embeddings, as llama-server serves them with ``--embedding``: ``POST /v1/embeddings``
+(OpenAI's shape; ``content`` instead of ``input`` answers llama-server's) and llama-server's
+``POST /embedding`` and ``/embeddings`` (``[{"index", "embedding": [[...]]}]``, one vector per
+token with pooling ``none``). Inputs: a string, token ids, or a list of them (one answer each). Without
+``--embedding`` these routes are 501, and with it the generation routes are.
+"""
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from runtime.engine.embedding import embed, pooled
+from runtime.engine.types import Timings
+from runtime.errors import UserError
+from runtime.server.errors import APIError
+from runtime.server.queue import QueueClosed, QueueFull
+
+router = APIRouter()
+
+
+def _inputs(body: dict) -> tuple[list[Any], bool]:
+    """(the inputs, OpenAI's shape?): ``input`` answers in OpenAI's shape, ``content`` in
+    llama-server's. As llama-server: a list without numbers holds several inputs; a string,
+    token ids (mixed with strings) or an object is one."""
+    if "input" in body:
+        value, oai = body.pop("input"), True
+    elif "content" in body:
+        value, oai = body.pop("content"), False
+    else:
+        raise APIError(400, '"input" or "content" must be provided',
+                       code="missing_required_parameter", param="input")
+    several = isinstance(value, list) and not any(
+        isinstance(x, int) and not isinstance(x, bool) for x in value)
+    items = value if several else [value]
+    if not items:
+        raise APIError(400, '"input" must not be empty', code="invalid_value", param="input")
+    return items, oai
+
+
+def _tokens(engine: Any, item: Any, i: int) -> list[int]:
+    """One input's token ids: a string, ids mixed with strings, ``{"prompt_string": ...}`` or
+    ``{"content": [text parts]}`` (text only: no multimodal inputs here)."""
+    bad = APIError(400, f"input[{i}]: a string, token ids, {{\"prompt_string\": ...}} or "
+                        '{"content": [{"type": "text", ...}]} (text only)', code="invalid_value",
+                   param="input")
+    if isinstance(item, dict):
+        if set(item) == {"prompt_string"} and isinstance(item["prompt_string"], str):
+            item = item["prompt_string"]
+        elif set(item) == {"content"} and isinstance(item["content"], list) and all(
+                isinstance(p, dict) and p.get("type") == "text"
+                and isinstance(p.get("text"), str) for p in item["content"]):
+            item = "".join(p["text"] for p in item["content"])
+        else:
+            raise bad
+    if isinstance(item, str):
+        return engine.tokenize(item, add_special=True)
+    if not isinstance(item, list):
+        raise bad
+    tokens: list[int] = []
+    for part in item:
+        if isinstance(part, str):
+            tokens.extend(engine.tokenize(part, add_special=not tokens))
+        elif isinstance(part, int) and not isinstance(part, bool):
+            tokens.append(part)
+        else:
+            raise bad
+    return tokens
+
+
+async def _embed_all(request: Request, body: dict, oai: bool | None = None):
+    state = request.app.state
+    if not state.settings.embedding:
+        raise APIError(501, "This server does not support embeddings. Start it with "
+                            "`--embeddings`", code="not_supported", error_type="not_supported_error")
+    engine = state.host.engine()
+    items, oai_shape = _inputs(body)
+    oai = oai_shape if oai is None else oai
+    fmt = body.pop("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise APIError(400, "encoding_format: the format to return the embeddings in. Can be "
+                            "either float or base64", code="invalid_value", param="encoding_format")
+    norm = body.pop("embd_normalize", 2)
+    if isinstance(norm, bool) or not isinstance(norm, int):
+        raise APIError(400, "embd_normalize: must be an integer", code="invalid_value",
+                       param="embd_normalize")
+    body.pop("model", None)
+    if body:
+        name = sorted(body)[0]
+        raise APIError(400, f"{name}: this field is not supported by this server",
+                       code="unsupported_parameter", param=name)
+    if oai and not pooled(engine):
+        raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different "
+                            "pooling type", code="invalid_value")
+    tokens = [_tokens(engine, x, i) for i, x in enumerate(items)]
+    if any(not 0 <= t < engine.n_vocab for ids in tokens for t in ids):
+        raise APIError(400, f"input: token ids must be in [0, {engine.n_vocab})",
+                       code="invalid_value", param="input")
+    results = []
+    for ids in tokens:                # one after another: the engine holds one sequence
+        def work(_cancel, ids=ids):
+            import time  # noqa: PLC0415
+
+            t0 = time.perf_counter()
+            vectors = embed(engine, ids, norm)
+            state.llamacpp.observe(Timings(len(ids), time.perf_counter() - t0, 0, 0.0),
+                                   len(ids))
+            yield vectors
+        try:
+            job = state.queue.submit(work)
+        except (QueueFull, QueueClosed) as exc:
+            raise APIError(429 if isinstance(exc, QueueFull) else 503, str(exc),
+                           code="queue_full" if isinstance(exc, QueueFull) else
+                           "server_shutdown") from exc
+        try:
+            async for vectors in job:
+                results.append((ids, vectors))
+        except UserError as exc:
+            raise APIError(400, str(exc), code="invalid_value", param="input") from exc
+    return results, oai, fmt
+
+
+def _b64(vector: list[float]) -> str:
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> JSONResponse:
+    """OpenAI's embeddings (``content`` instead of ``input`` answers llama-server's shape)."""
+    from runtime.server.native import _json_object  # noqa: PLC0415
+
+    results, oai, fmt = await _embed_all(request, await _json_object(request))
+    if not oai:
+        return JSONResponse([{"index": i, "embedding": v} for i, (_, v) in enumerate(results)])
+    n = sum(len(ids) for ids, _ in results)
+    return JSONResponse({
+        "object": "list", "model": request.app.state.host.model_id,
+        "data": [{"object": "embedding", "index": i,
+                  "embedding": _b64(v[0]) if fmt == "base64" else v[0]}
+                 for i, (_, v) in enumerate(results)],
+        "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+@router.post("/embedding")
+@router.post("/embeddings")
+async def embedding(request: Request) -> JSONResponse:
+    """llama-server's native embeddings: ``[{"index", "embedding": [[...], ...]}]``."""
+    from runtime.server.native import _json_object  # noqa: PLC0415
+
+    results, _, _ = await _embed_all(request, await _json_object(request), oai=False)
+    return JSONResponse([{"index": i, "embedding": v} for i, (_, v) in enumerate(results)])
