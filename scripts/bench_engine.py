@@ -47,6 +47,8 @@ class PlainLlama:
 
     def __init__(self, model: str, n_ctx: int, threads: int):
         import llama_cpp
+        from runtime.engine.llama_lib import bindings
+        bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
         self.ll = llama_cpp.llama_cpp
         self.llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads,

@@ -20,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import sys
 from collections import deque
@@ -129,8 +130,49 @@ def bindings() -> ModuleType:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import llama_cpp.llama_cpp as ll  # noqa: PLC0415 - must follow select_library_dir
         ll.llama_backend_init()
+        _guard_amx(ll)
         _bindings = ll
     return _bindings
+
+
+def cpu_has_amx() -> bool:
+    """The CPU reports AMX int8 tiles (what ggml-cpu's AMX buffer type uses)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split()
+                    return "amx_int8" in flags and "amx_tile" in flags
+    except OSError:
+        pass
+    return False
+
+
+AMX_NOTE = ("this libllama's AMX kernels crash on this CPU (ggml-org/llama.cpp#26954): extra "
+            "CPU buffer types (AMX, repacking) are off; `moe-offload native build` makes a "
+            "build with the fix")
+amx_fallback: str | None = None     # AMX_NOTE when _guard_amx turned extra buffer types off
+
+
+def _guard_amx(ll) -> None:
+    """llama-cpp-python 0.3.36's ggml loads the AMX tile config from a stack temporary whose
+    stores GCC drops: on an AMX CPU the first tile instruction raises SIGILL (or worse), in
+    every q8_0/q4 matmul llama.cpp gives to its AMX buffer type. Our patched build carries the
+    fix (native/patches/0003); for any other libllama on such a CPU, model loads default to no
+    extra buffer types, so llama.cpp never picks AMX (this covers ``llama_cpp.Llama`` too)."""
+    global amx_fallback
+    if not cpu_has_amx() or hasattr(ll._lib, "llama_moe_cache_register"):
+        return
+    default_params = ll.llama_model_default_params
+
+    def without_extra_bufts():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    ll.llama_model_default_params = without_extra_bufts
+    amx_fallback = AMX_NOTE
+    logging.getLogger("moe_offload").info("%s", AMX_NOTE)
 
 
 class _Ggml:
@@ -283,7 +325,7 @@ def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None 
     ll = bindings()
     params = ll.llama_model_default_params()
     params.n_gpu_layers = int(n_gpu_layers)
-    params.use_extra_bufts = bool(repack)
+    params.use_extra_bufts = bool(repack) and amx_fallback is None
     if overrides is not None and overrides.rules:
         params.tensor_buft_overrides = overrides.pointer
     callback = None

@@ -229,8 +229,12 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
         const int rc = dc_route(h->caches[d], layer, p->experts, (int32_t) n, h->phase);
         if (rc != 0) {
             char msg[128];
-            snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
-                     "(status %d)", layer, rc);
+            if (rc <= -100)
+                snprintf(msg, sizeof msg, "device cache: layer %d: the id planes could not be "
+                         "written (moe_cache_route status %d)", layer, -100 - rc);
+            else
+                snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
+                         "(status %d)", layer, rc);
             fail(h, msg);
         }
     }

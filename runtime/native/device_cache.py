@@ -80,6 +80,13 @@ class ExpertSource:
         os.close(self._fd)
 
 
+def route_error(rc: int) -> str:
+    """What a non-zero ``dc_route`` status means (one line)."""
+    if rc <= -100:
+        return f"the id planes could not be written (moe_cache_route status {-100 - rc})"
+    return f"the residency core refused the layer-step (status {rc})"
+
+
 class DeviceCache:
     """One device's slot cache: the manager's (inline) Transport for its device, and a
     RouteObserver. The mechanism is C (runtime/native/slot_cache.c, one ``dc_cache``): the
@@ -98,7 +105,7 @@ class DeviceCache:
     synchronous = True     # forward mode: runs between a layer's router and its experts
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
-                 workers: int = COPY_WORKERS, wait_in_prefill: bool = True):
+                 n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True):
         from runtime.residency.core.build import load_core  # noqa: PLC0415
 
         self.manager, self.device, self.cache, self.source = manager, device, cache, source
@@ -110,11 +117,13 @@ class DeviceCache:
         shim_ffi = ffi()
         table_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_table_set))
         slot_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_slot_set))
+        route = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_route))
         f = self.ffi
         handle = self.lib.dc_create(
             manager.core_handle(device), f.cast("void *", int(shim_ffi.cast("uintptr_t",
                                                                             cache.handle))),
-            f.cast("dc_table_set_fn", table_set), f.cast("dc_slot_set_fn", slot_set), n_layer,
+            f.cast("dc_table_set_fn", table_set), f.cast("dc_slot_set_fn", slot_set),
+            f.cast("dc_route_fn", route), n_used, n_layer,
             n_expert, f.new("int32_t[]", pool_of_layer), len(slots), f.new("int32_t[]", slots),
             f.cast("char *", int(shim_ffi.cast("uintptr_t", source.base))), max(workers, 4),
             int(wait_in_prefill))
@@ -151,8 +160,7 @@ class DeviceCache:
         rc = self.lib.dc_route(self._dc, event.layer, self.ffi.from_buffer("int32_t[]", experts),
                                len(experts), int(event.phase))
         if rc != 0:
-            raise RuntimeError(f"{self.device}: the residency core refused layer {event.layer} "
-                               f"(status {rc})")
+            raise RuntimeError(f"{self.device}: layer {event.layer}: {route_error(rc)}")
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
         # copies started in a batch complete before the next batch's decisions: the tables
@@ -280,7 +288,7 @@ def attach(engine) -> DeviceCaches | None:
             continue
         try:
             shim_cache = ShimCache.create(lib, engine.model_ptr, ggml_device_name(device),
-                                          capacity)
+                                          capacity, max_tokens=engine.n_ubatch)
         except ShimError as exc:
             notice(f"{device}: device expert cache off ({exc})")
             continue
@@ -291,7 +299,8 @@ def attach(engine) -> DeviceCaches | None:
                    f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
             continue
         source = ExpertSource(engine.settings.model_path, index)
-        cache = DeviceCache(manager, device, shim_cache, source)
+        cache = DeviceCache(manager, device, shim_cache, source,
+                            n_used=engine.facts.n_expert_used)
         # the cache's pools (one per expert layout, its slots' bytes: the sinks live inside
         # the budget but are never charged) become the manager's, per pool
         manager.set_pools(device, cache.pools())

@@ -26,6 +26,8 @@ struct dc_cache {
     void *shim;
     dc_table_set_fn table_set;
     dc_slot_set_fn slot_set;
+    dc_route_fn route;
+    int32_t n_used;
     int32_t n_layer, n_expert, n_flat, n_pool, wait_in_prefill;
     int32_t *pool_of_layer;
     int32_t **free_slots; int32_t *n_free;    /* per pool: a stack of free slots */
@@ -49,13 +51,17 @@ struct dc_cache {
 static void *worker(void *arg);
 
 dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
+                    dc_route_fn route, int32_t n_used,
                     int32_t n_layer, int32_t n_expert, const int32_t *pool_of_layer,
                     int32_t n_pool, const int32_t *slots, const char *file_base,
                     int32_t workers, int32_t wait_in_prefill) {
-    if (core == NULL || n_layer <= 0 || n_expert <= 0 || n_pool < 0) return NULL;
+    if (core == NULL || route == NULL || n_used <= 0 || n_layer <= 0 || n_expert <= 0 ||
+        n_pool < 0)
+        return NULL;
     dc_cache *c = calloc(1, sizeof *c);
     if (c == NULL) return NULL;
     c->core = core; c->shim = shim; c->table_set = table_set; c->slot_set = slot_set;
+    c->route = route; c->n_used = n_used;
     c->n_layer = n_layer; c->n_expert = n_expert; c->n_flat = n_layer * n_expert;
     c->n_pool = n_pool; c->wait_in_prefill = wait_in_prefill; c->base = file_base;
     c->pool_of_layer = malloc((size_t) n_layer * sizeof *c->pool_of_layer);
@@ -315,8 +321,10 @@ int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int3
         publish_locked(c);
     }
     free(buf);
+    /* the id planes from the table as published now: the graph reads them next */
+    const int src = c->route(c->shim, layer, experts, n / c->n_used);
     pthread_mutex_unlock(&c->mu);
-    return 0;
+    return src == 0 ? 0 : -100 - src;
 }
 
 static void settle_locked(dc_cache *c) {

@@ -5,6 +5,10 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from runtime.engine.llama_lib import bindings  # noqa: E402
+
+bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
+
 from gguf_tools.synth import SynthSpec  # noqa: E402
 from gguf_tools.synth_layouts import LAYOUTS  # noqa: E402
 

@@ -17,9 +17,8 @@ from runtime.native.source import resolve_source
 
 def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
-                                               "0002-moe-cold-path-anchors.patch",
-                                               "0003-moe-distinct-cold-ids-and-biases.patch",
-                                               "0004-moe-cache-graph-nodes.patch"]
+                                               "0002-ggml-cpu-mul-mat-id-used-matrices.patch",
+                                               "0003-ggml-cpu-amx-tile-config.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -29,7 +28,7 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     graph = (tree / "src" / "llama-graph.cpp").read_text()
     assert "llama_moe_cache_find(down_exps)" in graph and "ffn_moe_cold_ids" in graph
-    assert "ffn_moe_cold_pos" in graph
+    assert "ffn_moe_pick" in graph and "moe_cache_anchors_ok" not in graph
     assert (tree / "include" / "llama-moe-cache.h").is_file()
 
 

@@ -12,9 +12,11 @@ PROMPT = "the quick brown fox jumps over the lazy dog and then"
 
 @pytest.fixture(scope="module")
 def plain(native_build, q8_model):
+    """Residency off, in the placement a device cache loads with: no extra CPU buffer types
+    (AMX or repacked weights compute with other kernels, which round differently)."""
     return run_child("engine", {"model": str(q8_model), "lib_dir": native_build.lib_dir,
-                                "slots": None, "prompt": PROMPT, "max_tokens": 24},
-                     native_build.lib_dir)
+                                "slots": None, "prompt": PROMPT, "max_tokens": 24,
+                                "repack": False}, native_build.lib_dir)
 
 
 @pytest.mark.parametrize("budget, policy", [("160KB", "lru"), ("300KB", "lru"),

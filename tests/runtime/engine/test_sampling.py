@@ -19,6 +19,8 @@ from runtime.errors import UserError
 ], ids=["defaults", "top-p-only", "repeat-penalty"])
 def test_seeded_sampling_matches_llama_cpp_python(tiny_model, make_settings, prompt, kw):
     import llama_cpp
+    from runtime.engine.llama_lib import bindings
+    bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     n = 40
     llm = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=512, verbose=False, seed=kw["seed"])

@@ -26,6 +26,8 @@ def client(server) -> openai.OpenAI:
 def vocab(tiny_model: Path):
     """The model's tokenizer through plain llama-cpp-python (vocab only), to count tokens."""
     import llama_cpp
+    from runtime.engine.llama_lib import bindings
+    bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     return llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)
 
@@ -44,6 +46,8 @@ def test_model_list_names_the_served_model(client: openai.OpenAI) -> None:
 
 def test_completion_matches_plain_llama_cpp_greedy(client: openai.OpenAI, tiny_model: Path) -> None:
     import llama_cpp
+    from runtime.engine.llama_lib import bindings
+    bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     llm = llama_cpp.Llama(str(tiny_model), n_ctx=N_CTX, verbose=False)
     expected = llm.create_completion(PROMPT, max_tokens=12, temperature=0)
