@@ -31,7 +31,7 @@ struct layer_state {
     ggml_tensor * remap = nullptr;                  // I32 {3 * n_used * max_tokens}: the id planes
     std::vector<int32_t> table;                     // expert -> slot, -1 = not resident
     bool host_plain = false;                        // experts in a plain host buffer: the cold
-                                                    // path may repeat ids (ggml-cpu's generic
+                                                    // path may skip rows (-1, ggml-cpu's generic
                                                     // MUL_MAT_ID) for batches not offloaded
     bool registered = false;
 };
@@ -57,6 +57,7 @@ struct moe_cache {
     int32_t n_sink = 0;   // sink slots per pool (the model's n_expert_used)
     int32_t max_tokens = 0;
     int32_t min_batch = 32;  // GGML_OP_OFFLOAD_MIN_BATCH: larger batches may run on a GPU
+    bool slots_plain = false;  // slots in a plain host buffer: ggml-cpu computes the hot path
     // moe_cache_route's scratch (under table_mutex)
     std::vector<int32_t> planes, misses, seen, mark;
     int32_t seen_gen = 0, mark_gen = 0;
@@ -74,14 +75,18 @@ static bool source_is_host(const ggml_tensor * t) {
 // may the cold path repeat an expert id within a token? Only ggml-cpu's generic MUL_MAT_ID
 // handles repeats: the tensor must sit in a plain host buffer (not repacked, not a device; the
 // scheduler offloads large batches to a GPU, which moe_cache_route checks per batch)
-static bool plain_host(const ggml_tensor * t) {
-    if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
+static bool plain_host_buffer(ggml_backend_buffer_t buffer) {
+    if (buffer == nullptr || !ggml_backend_buffer_is_host(buffer)) {
         return false;
     }
-    const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer));
+    const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(buffer));
     const size_t len = strlen(name);
     const bool pinned = len > 5 && strcmp(name + len - 5, "_Host") == 0;  // e.g. CUDA_Host
     return strcmp(name, "CPU") == 0 || strcmp(name, "CPU_Mapped") == 0 || pinned;
+}
+
+static bool plain_host(const ggml_tensor * t) {
+    return plain_host_buffer(t->buffer);
 }
 
 static void free_cache(moe_cache * c) {
@@ -222,6 +227,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
             free_cache(c);
             return MOE_CACHE_ERR_ALLOC;
         }
+        c->slots_plain = plain_host_buffer(c->buffer);
         // zeroed: sink slots compute finite values (never used), id planes are valid ids
         ggml_backend_buffer_clear(c->buffer, 0);
     }
@@ -439,17 +445,22 @@ int moe_cache_route(moe_cache_t c, int32_t layer, const int32_t * ids, int32_t n
         std::fill(c->mark.begin(), c->mark.end(), 0);
         c->seen_gen = c->mark_gen = 0;
     }
-    // the batch's non-resident experts, in order of first use: fillers that cost no extra bytes
-    const int32_t gen = ++c->seen_gen;
-    c->misses.clear();
-    for (int64_t i = 0; i < n; ++i) {
-        const int32_t e = ids[i];
-        if (l.table[e] < 0 && c->seen[e] != gen) {
-            c->seen[e] = gen;
-            c->misses.push_back(e);
+    // ggml-cpu's generic MUL_MAT_ID computes the batch (not offloaded): no row for id -1
+    const bool cpu_batch = n_tokens < c->min_batch;
+    const bool skip_cold = l.host_plain && cpu_batch;
+    const bool skip_hot = c->slots_plain && cpu_batch;
+    if (!skip_cold) {
+        // the batch's non-resident experts, in order of first use: fillers at no extra bytes
+        const int32_t gen = ++c->seen_gen;
+        c->misses.clear();
+        for (int64_t i = 0; i < n; ++i) {
+            const int32_t e = ids[i];
+            if (l.table[e] < 0 && c->seen[e] != gen) {
+                c->seen[e] = gen;
+                c->misses.push_back(e);
+            }
         }
     }
-    const bool repeats = l.host_plain && n_tokens < c->min_batch;
     for (int32_t t = 0; t < n_tokens; ++t) {
         const int32_t * sel = ids + (int64_t) t * k;
         int32_t * h = hot + (int64_t) t * k;
@@ -461,42 +472,53 @@ int moe_cache_route(moe_cache_t c, int32_t layer, const int32_t * ids, int32_t n
             if (slot >= 0) {
                 h[i] = slot;
                 pk[i] = k + i;
+                cd[i] = -1;                        // a filler below, unless rows can be skipped
             } else {
-                h[i] = n_slots + i;
-                pk[i] = m;
-                cd[m++] = sel[i];
+                h[i] = skip_hot ? -1 : n_slots + i;
+                pk[i] = i;
+                cd[i] = sel[i];
+                m++;
             }
         }
-        if (m == k) {
+        if (m == k || skip_cold) {
             continue;
         }
-        if (repeats) {
-            const int32_t f = m > 0 ? cd[0] : (c->misses.empty() ? sel[0] : c->misses[0]);
-            for (int32_t j = m; j < k; ++j) {
-                cd[j] = f;
-            }
-            continue;
-        }
-        // distinct ids: other tokens' misses, then other non-resident experts, then any
+        // distinct ids at the resident experts' positions: other tokens' misses, then other
+        // non-resident experts, then any expert the token does not route to
         const int32_t tg = ++c->mark_gen;
         for (int32_t i = 0; i < k; ++i) {
             c->mark[sel[i]] = tg;
         }
-        int32_t j = m;
-        for (size_t u = 0; j < k && u < c->misses.size(); ++u) {
-            const int32_t e = c->misses[u];
-            if (c->mark[e] != tg) {
-                c->mark[e] = tg;
-                cd[j++] = e;
+        int32_t u = 0;
+        int32_t e_scan = 0;
+        int32_t pass = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            if (cd[i] >= 0) {
+                continue;
             }
-        }
-        for (int32_t pass = 0; pass < 2 && j < k; ++pass) {
-            for (int32_t e = 0; j < k && e < l.n_expert; ++e) {
-                if (c->mark[e] != tg && (pass == 1 || l.table[e] < 0)) {
-                    c->mark[e] = tg;
-                    cd[j++] = e;
+            int32_t f = -1;
+            while (f < 0 && u < (int32_t) c->misses.size()) {
+                const int32_t e = c->misses[u++];
+                if (c->mark[e] != tg) {
+                    f = e;
                 }
             }
+            while (f < 0 && pass < 2) {
+                if (e_scan >= l.n_expert) {
+                    e_scan = 0;
+                    pass++;
+                    continue;
+                }
+                const int32_t e = e_scan++;
+                if (c->mark[e] != tg && (pass == 1 || l.table[e] < 0)) {
+                    f = e;
+                }
+            }
+            if (f < 0) {
+                f = sel[i];   // fewer experts than 2 k: the resident expert itself (distinct)
+            }
+            c->mark[f] = tg;
+            cd[i] = f;
         }
     }
     ggml_backend_tensor_set(l.remap, c->planes.data(), 0, (size_t) (3 * n) * sizeof(int32_t));

@@ -110,11 +110,13 @@ int moe_cache_table_set(moe_cache_t cache, int32_t layer, int32_t expert, int32_
 int moe_cache_table_get(moe_cache_t cache, int32_t layer, int32_t expert, int32_t * slot_out);
 
 // The id planes of `layer` for this evaluation, from `ids` ([n_tokens][n_expert_used], the
-// layer's routed experts) and the table as it is now. Non-resident experts of a token go to
-// the cold path first; its remaining cold entries repeat one of them where ggml-cpu computes
-// the batch (expert tensors in a plain host buffer, n_tokens < GGML_OP_OFFLOAD_MIN_BATCH, 32)
-// and are distinct otherwise (other tokens' misses first: the scheduler copies no extra
-// expert for them). A layer without slots, or n_tokens > max_tokens, needs nothing (OK).
+// layer's routed experts) and the table as it is now. Both paths keep the routing positions.
+// Where ggml-cpu computes the batch (n_tokens < GGML_OP_OFFLOAD_MIN_BATCH, 32), each path
+// computes only its own rows: the cold path's other positions (expert tensors in a plain host
+// buffer) and the slot path's misses (slots in host memory) are -1, which the patched ggml-cpu
+// skips; otherwise cold positions of resident experts hold distinct fillers (other tokens'
+// misses first: the scheduler copies no extra expert for them) and slot misses go to sink
+// slots. A layer without slots, or n_tokens > max_tokens, needs nothing (OK).
 int moe_cache_route(moe_cache_t cache, int32_t layer, const int32_t * ids, int32_t n_tokens);
 
 // A complete cb_eval (user data: the cache) for a context nobody else observes: reads each

@@ -34,6 +34,10 @@ from runtime.residency.config import is_cache_device
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
 COPY_WORKERS = 4            # copies in flight per device
+# a copy into host-memory slots is a memcpy that competes for the same cores as the decode: an
+# expert this small is copied inside its layer-step (and computed from its slot at once)
+# instead of waking a worker; device slots always copy on the workers (DMA runs beside compute)
+HOST_INLINE_COPY_BYTES = 256 << 10
 _GGML_NAMES = {"cuda": "CUDA", "vulkan": "Vulkan"}
 _notified: set[str] = set()
 
@@ -105,7 +109,8 @@ class DeviceCache:
     synchronous = True     # forward mode: runs between a layer's router and its experts
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
-                 n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True):
+                 n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True,
+                 inline_copy_bytes: int = 0):
         from runtime.residency.core.build import load_core  # noqa: PLC0415
 
         self.manager, self.device, self.cache, self.source = manager, device, cache, source
@@ -130,6 +135,8 @@ class DeviceCache:
         if handle == f.NULL:
             raise ShimError(f"{device}: the slot cache could not start")
         self._dc = handle
+        if inline_copy_bytes:
+            self.lib.dc_set_inline_bytes(handle, int(inline_copy_bytes))
         for layer, parts in source.parts.items():
             self.lib.dc_set_parts(handle, layer, len(parts),
                                   f.new("int32_t[]", [p[0] for p in parts]),
@@ -299,8 +306,10 @@ def attach(engine) -> DeviceCaches | None:
                    f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
             continue
         source = ExpertSource(engine.settings.model_path, index)
+        host = ggml_device_name(device) == "CPU"
         cache = DeviceCache(manager, device, shim_cache, source,
-                            n_used=engine.facts.n_expert_used)
+                            n_used=engine.facts.n_expert_used,
+                            inline_copy_bytes=HOST_INLINE_COPY_BYTES if host else 0)
         # the cache's pools (one per expert layout, its slots' bytes: the sinks live inside
         # the budget but are never charged) become the manager's, per pool
         manager.set_pools(device, cache.pools())

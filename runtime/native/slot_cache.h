@@ -34,7 +34,10 @@ dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_s
 /* where a layer's expert e lives in the file: part i at file_base + offset[i] + e * stride[i] */
 int dc_set_parts(dc_cache *c, int32_t layer, int32_t n, const int32_t *proj,
                  const int64_t *offset, const int64_t *stride);
-void dc_free(dc_cache *c);                  /* finishes the copies in flight first */
+void dc_free(dc_cache *c);
+/* experts of at most ``nbytes`` (all projections) are copied on the calling thread, inside
+ * the layer-step, and published at once; larger ones on the workers (default 0: all) */
+void dc_set_inline_bytes(dc_cache *c, int64_t nbytes);                  /* finishes the copies in flight first */
 
 /* transport side (the manager's decisions made elsewhere, e.g. manager.prefetch) */
 int dc_submit(dc_cache *c, int32_t flat, int32_t prefetch);

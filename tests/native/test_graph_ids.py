@@ -1,8 +1,9 @@
 """What the patched graph feeds MUL_MAT_ID, read back through cb_eval (the id planes the shim's
-moe_cache_route writes): slot ids are distinct within every token (resident experts at their
-slots, the rest at sink slots); the cold path repeats a miss for small batches over plain host
-buffers, and takes distinct non-resident ids for batches a scheduler may offload; every routing
-position is gathered back from the one path that computed it."""
+moe_cache_route writes). For batches a scheduler may offload (>= 32 tokens): slot ids are
+distinct within every token (resident experts at their slots, the rest at sink slots) and the
+cold path takes distinct non-resident ids. For small batches, which ggml-cpu computes, each
+path names only its own rows and -1 elsewhere (no row computed). Every routing position is
+gathered back from the one path that computed it."""
 from __future__ import annotations
 
 import numpy as np
@@ -30,33 +31,33 @@ def test_slot_ids(ids, layer):
     topk = ids["seen"][f"ffn_moe_topk-{layer}"]           # [prefill, decode]
     hot = ids["seen"][f"ffn_moe_hot_ids-{layer}"]
     assert [len(t) for t in topk] == [len(PROMPT), 1] and len(hot) == 2
-    for batch_topk, batch_hot in zip(topk, hot):
+    for small, batch_topk, batch_hot in zip((False, True), topk, hot):
         for experts, slots in zip(batch_topk, batch_hot):
-            assert len(set(slots)) == len(slots)            # distinct within the token
+            if not small:
+                assert len(set(slots)) == len(slots)        # distinct within the token
             for pos, (e, s) in enumerate(zip(experts, slots)):
                 want = _resident_slot(layer, e, n_slots)
-                assert s == (want if want is not None else n_slots + pos)
+                miss = -1 if small else n_slots + pos       # cpu-slots: ggml-cpu skips -1
+                assert s == (want if want is not None else miss)
 
 
 def _check_pick(experts, cold_ids, pick, layer, n_slots):
     k = len(experts)
     for pos, (e, p) in enumerate(zip(experts, pick)):
         if _resident_slot(layer, e, n_slots) is None:
-            assert p < k and cold_ids[p] == e          # a miss: from the cold output holding it
+            assert p == pos and cold_ids[pos] == e     # a miss: the cold path, same position
         else:
-            assert p == k + pos                        # a hit: from the slot path, same position
+            assert p == k + pos                        # a hit: the slot path, same position
 
 
 @pytest.mark.parametrize("layer", range(4))
-def test_repeats_for_the_small_batch(ids, layer):
+def test_no_rows_for_hits_in_the_small_batch(ids, layer):
     n_slots = ids["n_slots"]
     cold = ids["seen"][f"ffn_moe_cold_ids-{layer}"]
     assert len(cold) == 2                                   # [prefill, decode]
     (experts,) = ids["seen"][f"ffn_moe_topk-{layer}"][1]
     (cold_ids,) = cold[1]
-    misses = [e for e in experts if _resident_slot(layer, e, n_slots) is None]
-    fill = misses[0] if misses else experts[0]
-    assert cold_ids == misses + [fill] * (len(experts) - len(misses))
+    assert cold_ids == [e if _resident_slot(layer, e, n_slots) is None else -1 for e in experts]
     _check_pick(experts, cold_ids, ids["seen"][f"ffn_moe_pick-{layer}"][1][0], layer, n_slots)
 
 
