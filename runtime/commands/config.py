@@ -66,6 +66,31 @@ def _layers(layers) -> str:
     return ",".join(out)
 
 
+def _remote_lines(config, largest: int | None, facts=None) -> list[str]:
+    """Each rpc:HOST:PORT device: contacted with a short timeout; its capacity and link, or
+    a UserError (one line naming it) when unreachable or over its memory. With a model, the
+    plan a load with the default context would make."""
+    from runtime.rpc.setup import plan_for, resolve_remotes  # noqa: PLC0415
+
+    lines = []
+    resolved = resolve_remotes(config, largest_expert=largest)
+    for budget, _dev, info, capacity in resolved:
+        bw = f", {info.bandwidth_bps / 1e9:.2f} GB/s" if info.bandwidth_bps else ""
+        lines.append(f"  devices.{budget.device} = {budget.text!r}: {capacity} bytes "
+                     f"({format_size(capacity)}) of {format_size(info.free_bytes)} free / "
+                     f"{format_size(info.total_bytes)}; reachable, rpc {info.proto}, "
+                     f"rtt {info.rtt_s * 1e3:.2f} ms{bw}")
+    if config.remotes:
+        lines.append(f"  rpc.mode = {config.rpc_mode!r}, rpc.timeout_s = {config.rpc_timeout_s:g}")
+    if config.remotes and facts is not None:
+        from runtime.engine.types import EngineSettings  # noqa: PLC0415
+
+        settings = EngineSettings(model_path=facts.path)
+        plan = plan_for(config, facts, settings, resolved)
+        lines.append(f"  at -c {settings.n_ctx} -ub {settings.n_ubatch}: {plan.describe()}")
+    return lines
+
+
 def run_check(args: argparse.Namespace) -> int:
     config = config_from_args(args, path=args.file)
     facts = None
@@ -80,7 +105,7 @@ def run_check(args: argparse.Namespace) -> int:
         lines.append(f"  model {facts.path}: {len(moe_bytes)} MoE layers x {facts.n_expert} "
                      f"experts, largest expert {largest} bytes, all experts "
                      f"{facts.total_expert_bytes} bytes")
-    if not config.devices:
+    if not config.devices and not config.remotes:
         lines.append("  devices: none configured (each device gets 'auto' when used)")
     for budget in config.devices:
         mem = probe_device_memory(budget.device)
@@ -102,6 +127,7 @@ def run_check(args: argparse.Namespace) -> int:
         lines.append(line)
         if facts is not None:
             lines.extend(_pool_lines(args.model, budget.device, capacity, facts))
+    lines.extend(_remote_lines(config, largest, facts))
     lines.append(f"  policy.phase_specific = {str(config.phase_specific).lower()}")
     for phase in (Phase.PREFILL, Phase.DECODE):
         pp = config.policies_for(phase)

@@ -24,6 +24,9 @@ def register(subparsers) -> None:
                         "attention then runs without flash attention)")
     b.add_argument("--generic-cpu", action="store_true",
                    help="no -march=native (a build to copy to other machines)")
+    b.add_argument("--rpc", action="store_true",
+                   help="also build ggml's RPC backend (GGML_RPC=ON): `moe-offload rpc-server` "
+                        "and rpc:HOST:PORT devices in a residency config need it")
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs")
     b.add_argument("--json", action="store_true", help="print the build record as JSON")
     b.set_defaults(func=_build)
@@ -40,11 +43,11 @@ def _build(args: argparse.Namespace) -> int:
         raise UserError(f"--jobs {args.jobs}: must be at least 1")
     info = build(BuildRequest(backend=args.backend, source=args.source, cuda_arch=args.cuda_arch,
                               cuda_fa=not args.no_cuda_fa, native_cpu=not args.generic_cpu,
-                              jobs=args.jobs))
+                              jobs=args.jobs, rpc=args.rpc))
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
     else:
-        print(f"built {info.backend}: {info.lib_dir}")
+        print(f"built {info.backend}{' + rpc' if info.rpc else ''}: {info.lib_dir}")
         print(f"use it: LLAMA_CPP_LIB_PATH={info.lib_dir} (or EngineSettings.lib_dir; "
               "runtime.native.preferred_lib_dir(devices) finds it)")
     return 0

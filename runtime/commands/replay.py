@@ -2,13 +2,15 @@
 
     moe-offload replay TRACE [TRACE...] --capacity SIZE [--capacity SIZE...]
         (--policy NAME | --config FILE) [--policy ... / --config ...]
-        [--cost FILE] [--json] [--plot OUT.png]
+        [--cost FILE] [--profile FILE] [--json] [--plot OUT.png]
 
 SIZE is bytes with units (``6GiB``), a share of the trace model's expert bytes (``20%``), or
 ``recorded``: the pools (layers and capacities) of the device a live run recorded the trace
 with (``trace record --config ...``), which replays that run's decisions exactly.
 Each policy / config is a row, each capacity a column; every cell also gets the Belady ceiling
 of its trace and capacity. Output: the markdown matrix (default) or a JSON list of cells.
+Prefetches are timed on the cost model (runtime/replay/timing.py): a late one is a demand miss.
+``--profile FILE`` (``moe-offload profile``) warm-starts the learned policies of every cell.
 """
 from __future__ import annotations
 
@@ -76,12 +78,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "device the trace was recorded with); repeat for more columns")
     p.add_argument("--policy", action=_Row, dest="rows", default=[], metavar="NAME",
                    help="eviction policy under demand admission (lru, lfu, lfu-decay, "
-                        "phase-weighted), belady (offline, with bypass) or belady-forced; "
-                        "repeat for more rows")
+                        "phase-weighted, next-visit), belady (offline, with bypass) or "
+                        "belady-forced; repeat for more rows")
     p.add_argument("--config", action=_Row, dest="rows", metavar="FILE",
                    help="residency TOML with phase-specific policies; repeat for more rows")
     p.add_argument("--cost", metavar="FILE",
                    help="take the [cost] table of this TOML for every row")
+    p.add_argument("--profile", metavar="FILE",
+                   help="a routing profile of the same model (moe-offload profile) to "
+                        "warm-start next-visit and affinity in every cell")
     p.add_argument("--json", action="store_true", help="print a JSON list of cells")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of demand-miss bytes "
                                                      "against capacity")
@@ -116,6 +121,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--capacity: a value is given twice ({', '.join(args.capacity)})")
     rows = _rows(args)
     traces = [(path, read_trace(path)) for path in args.traces]
+    profile = None
+    if args.profile:
+        from runtime.residency.profile import read_profile
+        profile = read_profile(args.profile)
+        for path, trace in traces:
+            h = trace.header
+            profile.check_model(h.n_layer, h.n_expert, h.expert_bytes,
+                                f"{args.profile} (for {path})")
     cells = []
     preps = []
     for path, trace in traces:
@@ -128,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         for label, config in rows:
             for cap in capacities:
                 cells.append(replay_cell(prep, cap.resolve(total), config, label=label,
-                                         capacity_label=cap.label))
+                                         capacity_label=cap.label, profile=profile))
     replayed = sum(p.accesses * p.runs for p in preps)
     if args.json:
         json.dump([c.to_json() for c in cells], sys.stdout, indent=1)

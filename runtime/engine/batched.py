@@ -177,9 +177,16 @@ class BatchScheduler:
     def _decode(self, phase: Phase) -> None:
         engine, batch = self.engine, self._batch
         hook = engine.hook
+        remote = getattr(engine, "remote", None)
+        if remote is not None:
+            remote.check()                 # a lost remote: RemoteDeviceLost, nothing decoded
         if hook is not None:
             hook.begin_batch(phase, 0, batch.n, batch.n_outputs)
         rc = self._ll.llama_decode(engine.ctx_ptr, batch.batch)
+        if remote is not None and remote.lost_now():
+            if hook is not None:
+                hook.abort_batch()
+            remote.check()
         if rc != 0:
             if hook is not None:
                 hook.abort_batch()

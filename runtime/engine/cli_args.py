@@ -45,6 +45,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
                        help="plain llama.cpp placement: no residency manager, no routing hook")
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
     if residency:
+        g.add_argument("--auto", action="store_true",
+                       help="plan the residency config from this machine's free memory at "
+                            "load (what `moe-offload plan` prints; -ngl 99 with a GPU)")
+        g.add_argument("--profile", metavar="FILE", default=None,
+                       help="a routing profile of this model (moe-offload profile) that "
+                            "warm-starts eviction next-visit and prefetch affinity")
         add_config_arguments(parser)
         show_residency_defaults(parser)
 
@@ -124,12 +130,25 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     from runtime.residency.config_cli import config_from_args  # noqa: PLC0415
 
     manage = hasattr(args, "no_residency") and not args.no_residency
-    config = config_from_args(args) if manage else None
+    gpu_layers = args.gpu_layers
+    if manage and getattr(args, "auto", False):
+        from runtime.residency.config_cli import config_from_text  # noqa: PLC0415
+        from runtime.residency.planner import plan_model  # noqa: PLC0415
+
+        if getattr(args, "config", None):
+            raise UserError("--auto plans the residency config itself: give --auto or "
+                            "--config, not both")
+        planned = plan_model(args.model, args.ctx_size or 4096)
+        config = config_from_text(planned.to_toml(), args, source="--auto")
+        gpu_layers = gpu_layers or planned.gpu_layers
+    else:
+        config = config_from_args(args) if manage else None
     return EngineSettings(
         model_path=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
-        n_gpu_layers=args.gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+        n_gpu_layers=gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
         seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
-        verbose=args.verbose, config=config, flash_attn=args.flash_attn)
+        verbose=args.verbose, config=config, flash_attn=args.flash_attn,
+        profile_path=getattr(args, "profile", None) if manage else None)
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -60,19 +60,29 @@ class Engine:
         self._ll = llama_lib.bindings()
         llama_lib.set_logging(settings.verbose)
         has_gpu = bool(wiring.gpu_devices())
+        self.remote = None                   # runtime.rpc.setup.RemoteSetup: rpc devices
+        remote_config = wiring.remote_config(settings, self.config)
+        if remote_config is not None:
+            from runtime.rpc.setup import setup_remotes  # noqa: PLC0415
+
+            self.remote = setup_remotes(remote_config, self.facts, settings)
         self.manager, self.residency_devices = wiring.build_manager(
-            self.config, self.facts, has_gpu=has_gpu)
+            self.config, self.facts, has_gpu=has_gpu, profile_path=settings.profile_path)
         native_cache = settings.manage_residency and wiring.native_cache_ready(self.config, lib_dir)
         self.placement = placement if placement is not None else wiring.plan(
             settings, self.config, self.facts, self.manager, has_gpu=has_gpu,
             native_cache=native_cache)
-        self._overrides = llama_lib.BuftOverrides(
-            [(pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
+        remote_rules = list(self.remote.rules) if self.remote is not None else []
+        self._overrides = llama_lib.BuftOverrides(remote_rules + [
+            (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         repack = settings.repack if settings.repack is not None else not native_cache
+        llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
-                                            repack=repack)
+                                            repack=repack, remote=self.remote)
         try:
             self._init_context()
+            if self.remote is not None:     # what llama.cpp really put on each remote
+                self.remote.verify_buffers(llama_lib.set_logging(settings.verbose).buffers)
         except BaseException:
             self.close()
             raise
@@ -81,7 +91,11 @@ class Engine:
         settings = self.settings
         self.hook = None
         if settings.manage_residency or settings.capture_all_tokens:
-            assembler = RouteAssembler(self.facts.moe_layers, self.facts.n_expert_used,
+            moe_layers = self.facts.moe_layers
+            if self.remote is not None:    # whole layers remote: reading their routing would
+                remote = self.remote.remote_whole_layers()   # cost a round trip each
+                moe_layers = tuple(layer for layer in moe_layers if layer not in remote)
+            assembler = RouteAssembler(moe_layers, self.facts.n_expert_used,
                                        self.facts.n_layer)
             assembler.strict = settings.capture_all_tokens
             self.hook = NativeHook(assembler, self.facts.n_layer)
@@ -342,6 +356,8 @@ class Engine:
         return len(tokens) - keep
 
     def _decode(self, tokens: list[int], first_pos: int, phase: Phase) -> None:
+        if self.remote is not None:
+            self.remote.check()            # a lost remote: RemoteDeviceLost, nothing decoded
         all_outputs = self.settings.capture_all_tokens and phase == Phase.PREFILL
         n_outputs = self._batch.fill(tokens, first_pos, all_outputs=all_outputs)
         if self.hook is not None:
@@ -351,6 +367,8 @@ class Engine:
             with interrupt.deferred():
                 self.decode_calls += 1
                 rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
+                if self.remote is not None:
+                    self.remote.check()    # its outputs are zeros: never sample from them
                 if rc != 0:
                     if self.hook is not None:
                         self.hook.abort_batch()

@@ -287,6 +287,7 @@ class LogControl:
     def __init__(self) -> None:
         self.verbose = False
         self.recent: deque[str] = deque(maxlen=20)
+        self.buffers: deque[str] = deque(maxlen=64)    # "... buffer size = X MiB" lines
         self._callback = bindings().llama_log_callback(self._on_log)
         bindings().llama_log_set(self._callback, ctypes.c_void_p(0))
 
@@ -294,6 +295,8 @@ class LogControl:
         message = text.decode("utf-8", errors="replace")
         if self.verbose:
             sys.stderr.write(message)
+        if "buffer size =" in message:
+            self.buffers.append(message.strip())
         if level in (3, 4) and message.strip():  # GGML_LOG_LEVEL_WARN, _ERROR (ggml.h)
             self.recent.append(message.strip())
 
@@ -318,16 +321,24 @@ def set_logging(verbose: bool) -> LogControl:
 
 def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None = None,
                progress: Callable[[float], None] | None = None,
-               use_mmap: bool = True, repack: bool = True) -> int:
+               use_mmap: bool = True, repack: bool = True, devices=None,
+               tensor_split=None) -> int:
     """``llama_model_load_from_file`` with default params plus ours; returns the model
     pointer or raises RuntimeError with llama.cpp's last logged complaint. ``repack=False``:
-    no extra CPU buffer types (llama.cpp's --no-repack), so CPU weights stay in the mapping."""
+    no extra CPU buffer types (llama.cpp's --no-repack), so CPU weights stay in the mapping.
+    ``devices``: a NULL-terminated ctypes array of ``ggml_backend_dev_t`` to offload to (None:
+    every GPU-type device); ``tensor_split``: a ctypes ``float[llama_max_devices()]`` of
+    layer proportions per device (None: by free memory). Both as runtime/rpc/setup.py makes them."""
     ll = bindings()
     params = ll.llama_model_default_params()
     params.n_gpu_layers = int(n_gpu_layers)
     params.use_extra_bufts = bool(repack) and amx_fallback is None
     if overrides is not None and overrides.rules:
         params.tensor_buft_overrides = overrides.pointer
+    if devices is not None:
+        params.devices = ctypes.cast(devices, ctypes.c_void_p)
+    if tensor_split is not None:
+        params.tensor_split = ctypes.cast(tensor_split, ctypes.POINTER(ctypes.c_float))
     callback = None
     if progress is not None:
         def on_progress(fraction: float, _user: int) -> bool:

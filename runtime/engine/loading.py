@@ -10,9 +10,10 @@ from runtime.errors import UserError
 
 
 def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverrides, *,
-                       progress: bool = True, repack: bool = True) -> int:
+                       progress: bool = True, repack: bool = True, remote=None) -> int:
     """Load the model (a tqdm bar on stderr while llama.cpp reports progress); returns the
-    ``llama_model *``. A file llama.cpp refuses is a UserError naming it."""
+    ``llama_model *``. A file llama.cpp refuses is a UserError naming it. ``remote``: a
+    runtime.rpc.setup.RemoteSetup (its devices, tensor_split and n_gpu_layers win)."""
     from tqdm import tqdm  # noqa: PLC0415
 
     bar = tqdm(total=100, desc=f"loading {os.path.basename(settings.model_path)}", unit="%",
@@ -25,9 +26,14 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
     try:
         # Ctrl-C while loading: the progress callback cancels the load, then it is raised
         with interrupt.deferred():
-            return llama_lib.load_model(settings.model_path, n_gpu_layers=settings.n_gpu_layers,
-                                        overrides=overrides, progress=on_progress,
-                                        repack=repack)
+            ngl = settings.n_gpu_layers
+            if remote is not None and remote.n_gpu_layers is not None:
+                ngl = remote.n_gpu_layers
+            return llama_lib.load_model(
+                settings.model_path, n_gpu_layers=ngl, overrides=overrides,
+                progress=on_progress, repack=repack,
+                devices=remote.devices if remote is not None else None,
+                tensor_split=remote.tensor_split if remote is not None else None)
     except RuntimeError as exc:
         raise UserError(f"{settings.model_path}: llama.cpp cannot load it ({exc})") from None
     finally:

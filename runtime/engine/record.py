@@ -2,6 +2,7 @@
 
     moe-offload trace record -m MODEL.gguf (-p PROMPT | -f FILE) [-n N] [--chat] [--temp T] -o OUT
         [--config FILE | --devices.cpu-slots 2MB ...] [--no-residency] [--stats-json FILE]
+        [--write-profile PROFILE]
 
 Every prompt token of every MoE layer is captured (logits are requested for every prompt
 token, so even the last layer routes them all) and every generated token is tagged decode.
@@ -9,7 +10,9 @@ The run takes every placement flag ``complete`` takes: with a residency config t
 and its tiers run as in ``complete`` while the routes are recorded, and the trace header
 carries the pools (layers and capacities) of the fastest managed device, so that
 ``moe-offload replay TRACE --capacity recorded`` replays the same decisions;
-``--stats-json FILE`` writes the manager's final snapshot (the JSON of ``GET /v1/residency``).
+``--stats-json FILE`` writes the manager's final snapshot (the JSON of ``GET /v1/residency``);
+``--write-profile PROFILE`` the routing profile of the recorded decode tokens (as
+``moe-offload profile OUT -o PROFILE``).
 With ``--chat`` the prompt goes through the model's chat template; with ``--chat -f FILE``
 each non-empty line of FILE is one user turn, answered before the next (trace column
 ``turn``). OUT ending in ``.csv`` is route_trace v1 CSV, anything else the binary format.
@@ -68,6 +71,9 @@ def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p, residency=True)
     add_sampling_args(p, predict_default=64)
     add_stats_json_arg(p)
+    p.add_argument("--write-profile", metavar="PROFILE", default=None,
+                   help="also write the routing profile of the recorded decode tokens (as "
+                        "`moe-offload profile OUT -o PROFILE`)")
     p.set_defaults(func=run_record)
 
 
@@ -120,6 +126,12 @@ def run_record(args: argparse.Namespace) -> int:
     sys.stderr.write(f"recorded {rows} routing rows ({recorder.tokens[Phase.PREFILL]} prompt + "
                      f"{recorder.tokens[Phase.DECODE]} generated tokens, {len(turns)} turn(s)) "
                      f"to {out}\n")
+    if args.write_profile:
+        from runtime.residency.profile import build_profile, write_profile  # noqa: PLC0415
+        from runtime.traces.files import read_trace  # noqa: PLC0415
+
+        write_profile(args.write_profile, build_profile([read_trace(out)], names=[str(out)]))
+        sys.stderr.write(f"profile of its decode tokens -> {args.write_profile}\n")
     return 0
 
 

@@ -32,9 +32,11 @@ def _gpu_memory(index: int) -> tuple[int, int] | None:
     return (gpus[index].free_bytes, gpus[index].total_bytes) if index < len(gpus) else None
 
 
-def build_manager(config, facts, *, has_gpu: bool):
+def build_manager(config, facts, *, has_gpu: bool, profile_path: str | None = None):
     """(manager, managed devices fastest first); (None, ()) when residency is off. Devices
-    are the configured ones, or "cuda:0" / "cpu" when the config names none."""
+    are the configured ones, or "cuda:0" / "cpu" when the config names none. A routing
+    profile (``profile_path``) warm-starts every device's learned policies; one of another
+    model is a UserError naming the file."""
     if config is None:
         return None, ()
     from runtime.residency.capacity import (probe_device_memory,  # noqa: PLC0415
@@ -51,7 +53,27 @@ def build_manager(config, facts, *, has_gpu: bool):
         memory = probe_device_memory(device)
         free, total = memory if memory is not None else (None, None)
         manager.resolve_device(device, free_bytes=free, total_bytes=total)
+    if profile_path is not None:
+        from runtime.residency.profile import read_profile  # noqa: PLC0415
+
+        profile = read_profile(profile_path)
+        profile.check_model(facts.n_layer, facts.n_expert, facts.expert_bytes, profile_path)
+        for device in names:
+            manager.warm_start(device, profile)
     return manager, tuple(names)
+
+
+def remote_config(settings: EngineSettings, config):
+    """The config whose rpc:HOST:PORT devices this model uses (also with residency off), or
+    None when it names none."""
+    if config is None:
+        if settings.config is not None:
+            config = settings.config
+        elif settings.config_path is not None:
+            from runtime.residency.config import load_config  # noqa: PLC0415
+
+            config = load_config(settings.config_path)
+    return config if config is not None and getattr(config, "remotes", ()) else None
 
 
 def library_dir(settings: EngineSettings, config) -> str | None:
@@ -62,6 +84,10 @@ def library_dir(settings: EngineSettings, config) -> str | None:
     MOE_OFFLOAD_NATIVE=off keeps the stock library regardless."""
     if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
         return settings.lib_dir
+    if remote_config(settings, config) is not None:        # remotes need the RPC build
+        from runtime.rpc.server import rpc_library_dir  # noqa: PLC0415
+
+        return rpc_library_dir()
     return cache_library_dir(_cache_devices(config))
 
 

@@ -31,6 +31,7 @@ class EngineSettings:
                                        # requests logits for every prompt token
     lib_dir: str | None = None         # directory of a (patched) libllama.so; None = the wheel's
     config: Any = None                 # a built ResidencyConfig; wins over config_path
+    profile_path: str | None = None    # a routing profile warm-starting the learned policies
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default
     n_parallel: int = 1                # KV sequences (slots) for runtime.engine.batched;
     #                                    each gets n_ctx / n_parallel tokens, as llama-server

@@ -56,6 +56,7 @@ class BuildRequest:
     cuda_fa: bool = True             # the FlashAttention CUDA kernels (about half the compile time)
     native_cpu: bool = True
     jobs: int | None = None          # parallel compile jobs; None: CMAKE_BUILD_PARALLEL_LEVEL or cores
+    rpc: bool = False                # GGML_RPC=ON: ggml's RPC backend (libggml-rpc, remote devices)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -75,6 +76,7 @@ class BuildInfo:
     cmake_args: tuple[str, ...]
     built_at: float          # unix time
     build_seconds: float
+    rpc: bool = False        # libggml-rpc built (moe-offload rpc-server, rpc:HOST:PORT devices)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +116,9 @@ def cmake_args(req: BuildRequest) -> tuple[str, ...]:
                  "-DGGML_CUDA_NCCL=OFF", f"-DGGML_CUDA_FA={'ON' if req.cuda_fa else 'OFF'}"]
     elif req.backend == "vulkan":
         args.append("-DGGML_VULKAN=ON")
+    if req.rpc:
+        # TCP only: RDMA would link libibverbs where found, a dependency the remote may lack
+        args += ["-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF"]
     return tuple(args)
 
 
@@ -144,11 +149,14 @@ def list_builds(root: Path | None = None) -> list[BuildInfo]:
     return sorted(builds, key=lambda b: b.built_at, reverse=True)
 
 
-def find_build(backend: str | None = None) -> BuildInfo | None:
-    """The newest build made from the current patches and shim (of ``backend``, if given)."""
+def find_build(backend: str | None = None, *, rpc: bool = False) -> BuildInfo | None:
+    """The newest build made from the current patches and shim (of ``backend``, if given;
+    with ``rpc``, only a build with the RPC backend). A build with RPC serves everything a
+    build without it does."""
     current = patches_hash()
     for b in list_builds():
-        if b.patches_hash == current and (backend is None or b.backend == backend):
+        if (b.patches_hash == current and (backend is None or b.backend == backend)
+                and (b.rpc or not rpc)):
             return b
     return None
 
@@ -246,7 +254,8 @@ def _build_locked(req, source, fingerprint, key, root, log, vulkan) -> BuildInfo
     info = BuildInfo(key=key, backend=req.backend, lib_dir=str(final / "lib"),
                      patches_hash=patches_hash(), source=str(source.path),
                      source_fingerprint=fingerprint, cmake_args=cmake_args(req),
-                     built_at=time.time(), build_seconds=round(time.time() - started, 1))
+                     built_at=time.time(), build_seconds=round(time.time() - started, 1),
+                     rpc=req.rpc)
     (staging / "build.json").write_text(json.dumps(info.to_dict(), indent=2) + "\n")
     shutil.copy2(log_file, staging / "build.log")
     shutil.rmtree(final, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The llama.cpp source a native build starts from, and the fingerprints that key the cache.
 
 Source: the llama.cpp that llama-cpp-python 0.3.36 vendors (``vendor/llama.cpp`` of its sdist,
-upstream commit 0c1e57098). Got with ``pip download --no-binary :all: --no-deps
+upstream commit 0c1e57098). Got with ``pip download --no-binary llama-cpp-python --no-deps
 llama-cpp-python==0.3.36`` into the cache (once), or from a path: the sdist ``.tar.gz``, an
 unpacked sdist, a llama.cpp tree, or a pruned archive (``scripts/make_source_archive.py``).
 Only the parts a library build needs are extracted (see ``NEEDED``).
@@ -50,7 +50,9 @@ def download_sdist(dest_dir: Path) -> Path:
     if target.is_file():
         return target
     dest_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+    # only llama-cpp-python as source: ":all:" would also build its build requirements from
+    # source to prepare its metadata (minutes of compiling cmake/ninja on 2 cores)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-binary", "llama-cpp-python", "--no-deps",
            "-q", SDIST_REQUIREMENT, "-d", str(dest_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not target.is_file():

@@ -14,13 +14,16 @@ def native_status() -> dict:
     fresh = [b for b in builds if b.patches_hash == current]
     backends = [be for be in BACKENDS if any(b.backend == be for b in fresh)]
     preferred = find_build("cpu") or (fresh[0] if fresh else None)
+    rpc = find_build(rpc=True)
     return {
         "built": bool(fresh),
         "dir": preferred.lib_dir if preferred else None,
         "backends": backends,
+        "rpc": rpc is not None,
+        "rpc_dir": rpc.lib_dir if rpc else None,
         "builds": [{"backend": b.backend, "dir": b.lib_dir, "key": b.key,
                     "built_at": b.built_at, "build_seconds": b.build_seconds,
-                    "source": b.source} for b in fresh],
+                    "source": b.source, "rpc": b.rpc} for b in fresh],
         "stale": len(builds) - len(fresh),
         "cache": str(cache_root()),
         "patches": [p.name for p in patch_files()],
@@ -34,6 +37,8 @@ def format_status(status: dict) -> str:
     if status["built"]:
         lines.append(f"dir: {status['dir']}")
         lines.append(f"backends: {', '.join(status['backends'])}")
+        lines.append(f"rpc: yes ({status['rpc_dir']})" if status["rpc"] else
+                     "rpc: no (`moe-offload native build --rpc` builds ggml's RPC backend)")
     else:
         lines.append("run `moe-offload native build` to build the patched llama.cpp; until then "
                      "the stock llama-cpp-python libraries run everything but the device cache")

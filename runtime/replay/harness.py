@@ -20,6 +20,7 @@ import numpy as np
 
 from runtime.replay.belady import BoundResult, cold_miss_bytes, next_use
 from runtime.replay.cost_model import CostModel
+from runtime.replay.timing import PrefetchTiming, prefetch_timing
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.errors import UserError
 from runtime.residency.manager import ExpertResidencyManager, PoolSpec
@@ -93,7 +94,12 @@ def prepare(trace: RouteTrace, name: str | None = None) -> PreparedTrace:
 
 @dataclass(frozen=True)
 class PhaseResult:
-    """One phase of one cell, from the manager's counters."""
+    """One phase of one cell, from the manager's counters with honest prefetch timing
+    (runtime/replay/timing.py): a prefetch that arrived after its first use is a demand miss
+    of the phase that used it (in ``misses`` and ``demand_miss_bytes``, and in
+    ``prefetch_late_bytes``), not a hit. ``prefetch_used_bytes`` counts prefetches used in
+    time; every prefetched byte used neither in time nor late is wasted (evicted unused or
+    still unused at the end), never a saving."""
 
     accesses: int
     hits: int
@@ -105,6 +111,12 @@ class PhaseResult:
     transient_uses: int
     admissions: int
     evictions: int
+    prefetch_late_bytes: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        """Every byte moved: demand misses (a late prefetch's bytes once) and prefetches."""
+        return self.demand_miss_bytes + self.prefetch_issued_bytes - self.prefetch_late_bytes
 
     @property
     def hit_rate(self) -> float:
@@ -117,19 +129,25 @@ class PhaseResult:
             "prefetch_issued_bytes": self.prefetch_issued_bytes,
             "prefetch_used_bytes": self.prefetch_used_bytes,
             "prefetch_wasted_bytes": self.prefetch_wasted_bytes,
+            "prefetch_late_bytes": self.prefetch_late_bytes, "bytes_moved": self.bytes_moved,
             "transient_uses": self.transient_uses, "admissions": self.admissions,
             "evictions": self.evictions,
         }
 
     @classmethod
-    def from_counters(cls, c) -> PhaseResult:
-        return cls(accesses=c.accesses, hits=c.hits, misses=c.misses,
-                   demand_miss_bytes=c.demand_miss_bytes,
+    def from_counters(cls, c, late: int = 0, late_bytes: int = 0,
+                      wasted_bytes: int | None = None) -> PhaseResult:
+        """From the manager's PhaseCounters; ``late`` / ``late_bytes``: the phase's late
+        prefetches; ``wasted_bytes``: the phase's prefetched bytes never used (None: the
+        core's count, those evicted unused)."""
+        return cls(accesses=c.accesses, hits=c.hits - late, misses=c.misses + late,
+                   demand_miss_bytes=c.demand_miss_bytes + late_bytes,
                    prefetch_issued_bytes=c.prefetch_issued_bytes,
-                   prefetch_used_bytes=c.prefetch_used_bytes,
-                   prefetch_wasted_bytes=c.prefetch_wasted_bytes,
+                   prefetch_used_bytes=c.prefetch_used_bytes - late_bytes,
+                   prefetch_wasted_bytes=(c.prefetch_wasted_bytes if wasted_bytes is None
+                                          else wasted_bytes),
                    transient_uses=c.transient_uses, admissions=c.admissions,
-                   evictions=c.evictions)
+                   evictions=c.evictions, prefetch_late_bytes=late_bytes)
 
 
 @dataclass(frozen=True)
@@ -186,15 +204,17 @@ def offline_needs(config: ResidencyConfig) -> tuple[bool, bool]:
 
 
 def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, *,
-                label: str, capacity_label: str = "", with_belady: bool = True) -> CellResult:
+                label: str, capacity_label: str = "", with_belady: bool = True,
+                profile=None) -> CellResult:
     """Replay ``prep`` through a simulated manager; with the Belady ceiling when asked.
     ``capacity_bytes`` None: the device pools the trace recorded (a live run's, exactly).
 
     The ceiling is the manager's ``belady`` preset (eviction belady, admission belady-bypass)
     through the same core; tests hold it equal to ``belady.belady_ceiling``, an offline loop
-    written apart from the manager, on real and random traces.
+    written apart from the manager, on real and random traces. ``profile``: a RoutingProfile
+    that warm-starts the learned policies (never the ceiling).
     """
-    cell = _run(prep, capacity_bytes, config, label, capacity_label)
+    cell = _run(prep, capacity_bytes, config, label, capacity_label, profile)
     if not with_belady or capacity_bytes is None:
         return cell
     ceiling = prep.ceiling(capacity_bytes)
@@ -203,23 +223,36 @@ def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: Residen
 
 
 def _run(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, label: str,
-         capacity_label: str) -> CellResult:
+         capacity_label: str, profile=None) -> CellResult:
     h = prep.trace.header
     prep.runs += 1
     mgr = simulated_manager(h, capacity_bytes, config)
-    miss_kind = mgr.replay(DEVICE, prep.bounds, prep.layer_arr, prep.phase_arr, prep.expert_i32,
-                           prep.next_use() if offline_needs(config)[0] else None,
-                           offline_needs(config)[1])
+    if profile is not None:
+        mgr.warm_start(DEVICE, profile)
+    outcome = mgr.replay(DEVICE, prep.bounds, prep.layer_arr, prep.phase_arr, prep.expert_i32,
+                         prep.next_use() if offline_needs(config)[0] else None,
+                         offline_needs(config)[1])
     cost = CostModel(config.cost, h.expert_bytes, h.dense_bytes)
-    _price(cost, prep, miss_kind)
+    timing = prefetch_timing(cost, prep.bounds, prep.layer_arr, prep.phase_arr,
+                             prep.multi_token, prep.experts, outcome, h.n_expert,
+                             h.n_expert_used)
+    priced = outcome.miss_kind
+    if len(outcome.prefetch_batch):          # late first uses are misses, in-time ones hits
+        priced = priced.copy()
+        priced[priced == 4] = 0
+        priced[timing.late_rows] = 2
+    _price(cost, prep, priced)
     snap = mgr.snapshot().device(DEVICE)
     for phase in PHASES:
         cost.add_prefetch_bytes(phase, snap.phase(phase).prefetch_issued_bytes)
     ttft, tpot = cost.estimate(prefill_turns=prep.prefill_turns,
                                decode_tokens=prep.decode_tokens)
-    prefill = PhaseResult.from_counters(snap.phase(Phase.PREFILL))
-    decode = _sum_phases(PhaseResult.from_counters(snap.phase(Phase.DECODE)),
-                         PhaseResult.from_counters(snap.phase(Phase.MIXED)))
+    wasted = _unused_prefetch_bytes(prep, outcome, h)
+    phase_results = [PhaseResult.from_counters(snap.phase(ph), int(timing.late[ph]),
+                                               int(timing.late_bytes[ph]), int(wasted[ph]))
+                     for ph in PHASES]
+    prefill = phase_results[Phase.PREFILL]
+    decode = _sum_phases(phase_results[Phase.DECODE], phase_results[Phase.MIXED])
     total = capacity_bytes if capacity_bytes is not None else sum(p.capacity_bytes
                                                                    for p in h.pools)
     return CellResult(trace=prep.name, policy=label, capacity_bytes=total,
@@ -242,6 +275,17 @@ def simulated_manager(header, capacity_bytes: int | None, config: ResidencyConfi
     mgr.bind_model(header.expert_bytes, header.n_expert)
     mgr.set_pools(DEVICE, [PoolSpec(tuple(p.layers), p.capacity_bytes) for p in header.pools])
     return mgr
+
+
+def _unused_prefetch_bytes(prep: PreparedTrace, outcome, header) -> np.ndarray:
+    """(3,) bytes of the prefetches never used, by the phase that issued them."""
+    used = np.zeros(len(outcome.prefetch_batch), dtype=bool)
+    used[outcome.prefetch_event[outcome.miss_kind == 4]] = True
+    unused = ~used
+    layer = outcome.prefetch_flat[unused].astype(np.int64) // header.n_expert
+    phase = prep.phase_arr[outcome.prefetch_batch[unused]].astype(np.int64)
+    return np.bincount(phase, weights=np.asarray(header.expert_bytes, dtype=np.float64)[layer],
+                       minlength=3).astype(np.int64)
 
 
 def _price(cost: CostModel, prep: PreparedTrace, miss_kind: np.ndarray) -> None:

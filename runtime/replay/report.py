@@ -1,7 +1,8 @@
 """The replay matrix as markdown: per trace, policy rows x capacity columns.
 
 The headline table gives decode demand-miss MiB per decode token and its ratio to the Belady
-ceiling of the same cell; a detail table lists every counter that went into it.
+ceiling of the same cell (late prefetches count as demand misses: runtime/replay/timing.py);
+a detail table lists every counter that went into it, and the bytes moved in all.
 """
 from __future__ import annotations
 
@@ -66,17 +67,19 @@ def trace_markdown(cells: list[CellResult]) -> str:
         lines.append("| " + " | ".join(cols) + " |")
     lines += ["", "<details><summary>all counters</summary>", "",
               "| policy | capacity | prefill MiB | decode MiB | decode hit rate | "
-              "prefetch issued / used / wasted MiB | transient uses | Belady MiB | "
-              "est TTFT s | est TPOT ms |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "prefetch issued / used / late / wasted MiB | moved MiB | transient uses | "
+              "Belady MiB | est TTFT s | est TPOT ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         pf = [c.prefill.prefetch_issued_bytes + c.decode.prefetch_issued_bytes,
               c.prefill.prefetch_used_bytes + c.decode.prefetch_used_bytes,
+              c.prefill.prefetch_late_bytes + c.decode.prefetch_late_bytes,
               c.prefill.prefetch_wasted_bytes + c.decode.prefetch_wasted_bytes]
+        moved = c.prefill.bytes_moved + c.decode.bytes_moved
         lines.append(
             f"| {c.policy} | {c.capacity_label} | {c.prefill.demand_miss_bytes / MIB:,.0f} | "
             f"{c.decode.demand_miss_bytes / MIB:,.0f} | {c.decode.hit_rate:.3f} | "
-            f"{' / '.join(f'{x / MIB:,.0f}' for x in pf)} | "
+            f"{' / '.join(f'{x / MIB:,.0f}' for x in pf)} | {moved / MIB:,.0f} | "
             f"{c.prefill.transient_uses + c.decode.transient_uses:,} | "
             f"{_mib(c.belady_demand_miss_bytes)} | {c.est_ttft_s:.3f} | "
             f"{c.est_tpot_s * 1e3:.2f} |")

@@ -19,13 +19,15 @@ from runtime.units import parse_percent, parse_size
 DEVICE_RE = re.compile(r"^(cpu|cpu-slots|(cuda|vulkan):(0|[1-9][0-9]*))$")
 GPU_KINDS = ("cuda", "vulkan")     # cuda:N, vulkan:N: the Nth GPU of that ggml backend
 # "auto" budgets: the share of the device's free (RAM: available) memory at load
-AUTO_SHARE = {"cuda": 0.80, "vulkan": 0.80, "cpu": 0.50, "cpu-slots": 0.25}
+AUTO_SHARE = {"cuda": 0.80, "vulkan": 0.80, "cpu": 0.50, "cpu-slots": 0.25, "rpc": 0.80}
+RPC_MODES = ("auto", "layers", "experts", "llama")   # runtime/rpc/plan.py
 
 
 def device_kind(device: str) -> str:
-    """"cuda" for cuda:N, "vulkan" for vulkan:N, else the device name itself."""
+    """"cuda" for cuda:N, "vulkan" for vulkan:N, "rpc" for rpc:HOST:PORT[/N], else the
+    device name itself."""
     kind = device.split(":", 1)[0]
-    return kind if kind in GPU_KINDS else device
+    return kind if kind in GPU_KINDS or kind == "rpc" else device
 
 
 def is_gpu(device: str) -> bool:
@@ -78,9 +80,14 @@ class ResidencyConfig:
     devices: tuple[DeviceBudget, ...] = ()
     phase_specific: bool = True
     prefill: PhasePolicies = PhasePolicies(prefetch=PolicySpec("chunk-plan", (("depth", 1.0),)))
-    decode: PhasePolicies = PhasePolicies()
+    # decode: eviction next-visit (beats lru in every cell of the real traces: README, replay)
+    decode: PhasePolicies = PhasePolicies(eviction=make_spec("eviction", "next-visit"))
     cost: CostParams = field(default_factory=CostParams)
     source: str = "<defaults>"
+    # remote devices (rpc:HOST:PORT[/N]): planned by runtime/rpc/plan.py, not by the manager
+    remotes: tuple[DeviceBudget, ...] = ()
+    rpc_mode: str = "auto"             # [rpc] mode: auto | layers | experts | llama
+    rpc_timeout_s: float = 20.0        # [rpc] timeout_s: a link silent this long is down
 
     def policies_for(self, phase: Phase) -> PhasePolicies:
         """The policies serving ``phase``: MIXED and phase_specific=false use decode's."""
@@ -99,8 +106,13 @@ class ResidencyConfig:
 
 def parse_budget(device: str, value: object, where: str) -> DeviceBudget:
     """One ``[devices]`` entry; UserError naming ``where`` on a bad value."""
-    if not DEVICE_RE.match(device):
-        raise UserError(f"{where}: unknown device {device!r} (valid: cuda:N, vulkan:N, cpu, cpu-slots)")
+    if device.startswith("rpc:"):
+        from runtime.rpc.endpoint import parse_rpc_device  # noqa: PLC0415
+
+        device = parse_rpc_device(device, where).name       # canonical: rpc:host:port[/N]
+    elif not DEVICE_RE.match(device):
+        raise UserError(f"{where}: unknown device {device!r} (valid: cuda:N, vulkan:N, cpu, "
+                        "cpu-slots, rpc:HOST:PORT[/N])")
     if isinstance(value, str) and value.strip().lower() == "auto":
         return DeviceBudget(device, "auto", share=AUTO_SHARE[device_kind(device)], auto=True)
     try:
@@ -145,11 +157,26 @@ def parse_config(data: Mapping, *, source: str = "<config>") -> ResidencyConfig:
     """A ResidencyConfig from parsed TOML; UserError "SOURCE: key: problem" on bad input."""
     base = ResidencyConfig()
     for key in data:
-        if key not in ("devices", "policy", "cost"):
-            raise UserError(f"{source}: {key}: unknown section (valid: devices, policy, cost)")
-    devices = []
+        if key not in ("devices", "policy", "cost", "rpc"):
+            raise UserError(f"{source}: {key}: unknown section (valid: devices, policy, cost, rpc)")
+    devices, remotes = [], []
     for device, value in _table(data, "devices", source).items():
-        devices.append(parse_budget(str(device), value, f"{source}: devices.{device}"))
+        budget = parse_budget(str(device), value, f"{source}: devices.{device}")
+        if any(b.device == budget.device for b in devices + remotes):
+            raise UserError(f"{source}: devices.{device}: {budget.device} is named twice")
+        (remotes if budget.device.startswith("rpc:") else devices).append(budget)
+    rpc = _table(data, "rpc", source)
+    for key in rpc:
+        if key not in ("mode", "timeout_s"):
+            raise UserError(f"{source}: rpc.{key}: unknown key (valid: mode, timeout_s)")
+    rpc_mode = rpc.get("mode", base.rpc_mode)
+    if rpc_mode not in RPC_MODES:
+        raise UserError(f"{source}: rpc.mode: {rpc_mode!r} is not one of {', '.join(RPC_MODES)}")
+    rpc_timeout = rpc.get("timeout_s", base.rpc_timeout_s)
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) \
+            or not 0 < rpc_timeout <= 3600:
+        raise UserError(f"{source}: rpc.timeout_s: must be a number of seconds in (0, 3600], "
+                        f"got {rpc_timeout!r}")
     policy = _table(data, "policy", source)
     for key in policy:
         if key not in ("phase_specific", "prefill", "decode"):
@@ -174,7 +201,8 @@ def parse_config(data: Mapping, *, source: str = "<config>") -> ResidencyConfig:
         cost_values[key] = float(value)
     return ResidencyConfig(devices=tuple(devices), phase_specific=phase_specific,
                            prefill=prefill, decode=decode, cost=CostParams(**cost_values),
-                           source=source)
+                           source=source, remotes=tuple(remotes), rpc_mode=rpc_mode,
+                           rpc_timeout_s=float(rpc_timeout))
 
 
 def read_toml(path: str | Path) -> dict:

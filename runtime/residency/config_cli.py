@@ -78,6 +78,19 @@ def config_from_args(args: argparse.Namespace, *, path: str | None = None) -> Re
     return load_config(file, overrides=overrides_from_args(args))
 
 
+def config_from_text(text: str, args: argparse.Namespace, *, source: str) -> ResidencyConfig:
+    """A config from TOML text (``--auto``'s plan) with every given flag merged over it."""
+    import tomllib  # noqa: PLC0415
+
+    from runtime.residency.config import parse_config  # noqa: PLC0415
+
+    data = tomllib.loads(text)
+    overrides = overrides_from_args(args)
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return parse_config(data, source=source)
+
+
 def _convert(key: str, kind: str, value: str) -> object:
     if kind == "bool":
         low = value.strip().lower()

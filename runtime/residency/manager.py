@@ -56,6 +56,19 @@ _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
 @dataclass(frozen=True)
+class ReplayOutcome:
+    """What ``replay`` reports beyond the counters: per row and per prefetch."""
+
+    miss_kind: np.ndarray       # (n_rows,) int8: at the first row of each missed key 1
+                                # admitted, 2 transient, 3 joined a transfer; 4 at the first
+                                # use (a hit) of a prefetched key; 0 elsewhere
+    prefetch_event: np.ndarray  # (n_rows,) int64: at rows of kind 4, the prefetch's index
+                                # in prefetch_batch / prefetch_flat; -1 elsewhere
+    prefetch_batch: np.ndarray  # (n_prefetches,) int64 the batch that issued it, issue order
+    prefetch_flat: np.ndarray   # (n_prefetches,) int32 its key (layer * n_expert + expert)
+
+
+@dataclass(frozen=True)
 class PoolSpec:
     """Layers that share one capacity on a device (the native cache: one expert layout)."""
 
@@ -392,13 +405,13 @@ class ExpertResidencyManager:
 
     def replay(self, device: str, bounds: np.ndarray, layers: np.ndarray, phases: np.ndarray,
                experts: np.ndarray, next_use: np.ndarray | None = None,
-               upcoming: bool = False) -> np.ndarray:
+               upcoming: bool = False) -> ReplayOutcome:
         """Replay: every layer batch ``experts[bounds[b]:bounds[b + 1]]`` (layer ``layers[b]``,
         phase ``phases[b]``) as one access, in order, with no lease: the same decisions as that
         many ``access_layer(..., lease=False)`` calls, in one core call. ``next_use`` (one per
         row) for offline policies; ``upcoming``: hand each batch the next one (prefetch belady).
-        Returns (n_rows,) int8: 1 admitted, 2 transient, 3 joined a transfer, at the first row
-        of each missed key; 0 elsewhere. Simulated devices only (nothing is moved)."""
+        Returns a ReplayOutcome (each row's miss kind, and every prefetch issued with the
+        batch that issued it). Simulated devices only (nothing is moved)."""
         dev = self._device(device)
         if not dev.sim:
             raise RuntimeError(f"replay: {device} is served by a real transport")
@@ -415,11 +428,14 @@ class ExpertResidencyManager:
             layer = int(bad_layer[0]) if bad_layer.size else int(layers[~moe[layers]][0])
             raise UserError(f"replay: layer {layer} has no routed experts in the model")
         miss_kind = np.zeros(len(experts), dtype=np.int8)
+        pf_event = np.full(len(experts), -1, dtype=np.int64)
         with self._lock:
-            rc = dev.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind)
+            rc = dev.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind,
+                                 pf_event)
             if rc != 0:
                 self._raise_access(dev, rc, -1)
-        return miss_kind
+            pf_batch, pf_flat = dev.core.replay_prefetches()
+        return ReplayOutcome(miss_kind, pf_event, pf_batch, pf_flat)
 
     def release(self, access: LayerAccess) -> None:
         """End the leases of an access. Idempotent."""
@@ -500,6 +516,17 @@ class ExpertResidencyManager:
     def is_static(self, device: str) -> bool:
         dev = self._devices.get(device)
         return dev is not None and dev.static
+
+    def warm_start(self, device: str, profile) -> None:
+        """Seed the device's learned policies (eviction next-visit, prefetch affinity) from a
+        RoutingProfile (runtime/residency/profile.py); UserError for another model's."""
+        if self._expert_bytes is None:
+            raise UserError("residency manager: no model bound yet (call bind_model first)")
+        profile.check_model(len(self._expert_bytes), self._n_expert, self._expert_bytes,
+                            "profile")
+        dev = self._device(device)
+        with self._lock:
+            dev.core.warm_start(profile.frequency, profile.pair, profile.count)
 
     # ---- queries -------------------------------------------------------------------------
     def is_resident(self, device: str, key: ExpertKey) -> bool:

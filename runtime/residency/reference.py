@@ -31,6 +31,8 @@ from runtime.residency.core import (ABSENT, COUNTERS, ERR_EXPERT, ERR_LAYER, ERR
                                     ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
                                     ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
                                     RESIDENT_MAX, CorePolicy)
+from runtime.residency.reference_affinity import AffinityModel
+from runtime.residency.reference_next_visit import NextVisitModel
 
 C = {name: i for i, name in enumerate(COUNTERS)}   # counter name -> index, the core's order
 
@@ -63,6 +65,12 @@ class ReferenceCore:
         self.uses = [[0] * n for _ in range(3)]
         self.decay = [-math.inf] * n
         self.next_use = [NEVER] * n
+        self.nv = (NextVisitModel(n_layer, n_expert, self.moe_layers, policy.nv_learning_rate)
+                   if any(o[0] == "next-visit" for o in policy.orders) else None)
+        self.af = None
+        if any(p[0] == "affinity" for p in policy.prefetch):
+            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity)
+            self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
@@ -73,6 +81,7 @@ class ReferenceCore:
         self.next_ticket = 1
         self.is_static = False
         self.last_bad = 0
+        self.pf_event_of: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------
     def set_inline(self, inline: bool) -> None:
@@ -129,6 +138,8 @@ class ReferenceCore:
             return self.decay[f]
         if name == "phase-weighted":
             return p1 * float(u[0][f]) + p2 * float(u[1][f] + u[2][f])
+        if name == "next-visit":
+            return -self.nv.expected(f)
         return -float(self.next_use[f])                         # belady
 
     def _key(self, order: int, f: int) -> tuple:
@@ -222,6 +233,10 @@ class ReferenceCore:
         self.seq += len(el)
         missed: list[int] = []
         tr = 0
+        if self.nv is not None:
+            self.nv.visit(layer, el, phase)
+        if self.af is not None:
+            self.af.observe(layer, el, phase)
         for i, e in enumerate(el):
             f = base + e
             if self.state[f] > RESIDENT_MAX:
@@ -359,12 +374,29 @@ class ReferenceCore:
                 return
             ul, ue, _ = upcoming
             plan = list(dict.fromkeys(int(ul) * ne + int(e) for e in ue))
+        elif name == "affinity":
+            if phase != 1:
+                return
+            got = self.af.plan(layer, lambda f: self.state[f] == ABSENT)
+            if not got:
+                return
+            spent = 0.0
+            for f, _ in got:
+                if self.state[f] == ABSENT:
+                    spent = spent + float(self.nbytes[f])
+            before = len(res["prefetched"])
+            mine = [-(1.0 + float(len(self.moe_layers)) * (1.0 / q - 1.0)) for _, q in got]
+            self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
+            for _, f, _ in res["prefetched"][before:]:
+                spent = spent - float(self.nbytes[f])
+            self.af.refund(spent)
+            return
         if plan:
             self._prefetch_flats(plan, phase, seq0, res)
 
-    def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict) -> None:
+    def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict, mine=None) -> None:
         order = self.policy.phase_order[phase]
-        for f in flats:
+        for i, f in enumerate(flats):
             if self.state[f] != ABSENT:
                 continue
             pool = self._pool(f)
@@ -373,12 +405,14 @@ class ReferenceCore:
             b = self.nbytes[f]
             self.last[f] = self.seq
             self.seq += 1
-            mine = self._key(order, f)
+            own = self._key(order, f)
+            if mine is not None and self.policy.orders[order][0] == "next-visit":
+                own = (mine[i], self.last[f], f)
             free = pool.capacity - pool.resident_bytes - pool.pending_bytes
             victims: list[int] = []
             freed = 0
             for v in self._candidates(pool, order, seq0):
-                if free + freed >= b or self._key(order, v) >= mine:
+                if free + freed >= b or self._key(order, v) >= own:
                     break
                 victims.append(v)
                 freed += self.nbytes[v]
@@ -413,8 +447,10 @@ class ReferenceCore:
             self._prefetch_flats(flats, phase, self.seq, res)
         return (0, 0, 0, 0, 0, (), (), (), (), tuple(res["new"]), tuple(res["prefetched"]))
 
-    def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind):
+    def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind,
+               pf_event=None):
         n_b = len(starts) - 1
+        self.log = []                       # (batch, flat) of each prefetch, issue order
         for b in range(n_b):
             s, e = int(starts[b]), int(starts[b + 1])
             up = None
@@ -423,10 +459,14 @@ class ReferenceCore:
                        np.arange(e, int(starts[b + 2]))) if b + 1 < n_b
                       else (int(layers[b]), experts[e:e], np.arange(e, e)))
             el = experts[s:e]
+            unused = set(self.pf_unused)
             res = self.access(int(layers[b]), el, int(phases[b]),
                               None if next_use is None else next_use[s:e], up)
             if res[0] != 0:
                 return res[0]
+            for _tid, f, _victims in res[10]:
+                self.pf_event_of[f] = len(self.log)
+                self.log.append((b, f))
             miss_kind[s:e] = 0
             admitted, transient, tickets = set(res[5]), set(res[7]), res[8]
             base = int(layers[b]) * self.n_expert
@@ -441,7 +481,29 @@ class ReferenceCore:
                                                  for t in tickets):
                     kind = 3
                 miss_kind[s + i] = kind
+                if f in unused:             # its first use since it was prefetched: a hit
+                    miss_kind[s + i] = 4
+                    if pf_event is not None:
+                        pf_event[s + i] = self.pf_event_of[f]
         return 0
+
+    def replay_prefetches(self) -> tuple[np.ndarray, np.ndarray]:
+        log = getattr(self, "log", [])
+        return (np.array([b for b, _ in log], dtype=np.int64),
+                np.array([f for _, f in log], dtype=np.int32))
+
+    def warm_start(self, frequency, pair, count) -> None:
+        freq = np.asarray(frequency, dtype=np.float64).reshape(-1).tolist()
+        if self.nv is not None:
+            self.nv.h = [list(freq) for _ in self.nv.h]
+        pair, count = np.asarray(pair), np.asarray(count)
+        if self.af is not None and self.af.n_moe >= 2 and pair.size:
+            for i, e, x in zip(*np.nonzero(pair)):
+                key = (int(i), int(e), int(x))
+                self.af.pair[key] = self.af.pair.get(key, 0) + int(pair[i, e, x])
+            for i, e in zip(*np.nonzero(count)):
+                key = (int(i), int(e))
+                self.af.count[key] = self.af.count.get(key, 0) + int(count[i, e])
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, tid: int):

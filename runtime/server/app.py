@@ -126,10 +126,15 @@ async def residency(request: Request) -> Response:
     """The residency manager's snapshot as JSON."""
     engine = request.app.state.host.engine()
     manager = getattr(engine, "manager", None)
-    if manager is None:
+    remote = getattr(engine, "remote", None)
+    if manager is None and remote is None:
         raise APIError(404, "Residency management is off for this model, so there is no "
                             "snapshot.", code="residency_disabled")
-    payload = manager.snapshot().to_json()
+    payload = manager.snapshot().to_json() if manager is not None else {}
+    if remote is not None:              # the remote plan and each remote's link state
+        if isinstance(payload, str):
+            payload = json.loads(payload)
+        payload["remote"] = remote.to_dict()
     if not isinstance(payload, str):
         payload = json.dumps(payload)
     return Response(payload, media_type="application/json")
@@ -151,6 +156,9 @@ async def metrics(request: Request) -> Response:
     decodes = batcher.steps if batcher is not None else getattr(engine, "decode_calls", 0)
     busy = batcher.busy_per_step() if batcher is not None else float(bool(decodes))
     text += state.llamacpp.render(queue, decodes, busy)
+    remote = getattr(engine, "remote", None) if engine is not None else None
+    if remote is not None:
+        text += remote.to_prometheus()
     response = Response(text, media_type=CONTENT_TYPE)
     # raw, in llama-server's casing (Starlette lowercases header names it is given)
     response.raw_headers.append((b"Process-Start-Time-Unix", str(state.started).encode()))
@@ -200,7 +208,16 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         """200 ``{"status": "ok"}`` when the model is loaded, 503 with an error body before."""
         host: ModelHost = request.app.state.host
         if host.state is LoadState.READY:
-            return JSONResponse({"status": "ok"})
+            remote = getattr(host.engine_if_ready(), "remote", None)
+            status = remote.status() if remote is not None else {}
+            down = [d for d, state in status.items() if state == "down"]
+            if down:                    # up, but cannot generate until reloaded
+                body = error_body(f"{', '.join(down)}: remote device down; restart the server "
+                                  "once it is back", "unavailable_error", "remote_device_down")
+                body["devices"] = status
+                return JSONResponse(body, status_code=503)
+            return JSONResponse({"status": "ok", "devices": status} if status else
+                                {"status": "ok"})
         if host.state is LoadState.LOADING:
             return JSONResponse(error_body("Loading model", "unavailable_error",
                                            "model_loading"), status_code=503)

@@ -76,6 +76,11 @@ def _engine_failure(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ContextLengthError):
         return context_error(exc.prompt_tokens, exc.n_ctx, "prompt")
+    from runtime.rpc.setup import RemoteDeviceLost  # noqa: PLC0415
+
+    if isinstance(exc, RemoteDeviceLost):
+        log.error("generation failed: %s", exc)
+        return APIError(503, str(exc), code="remote_device_down")
     if isinstance(exc, UserError):
         return APIError(400, str(exc), code="invalid_request")
     log.error("generation failed: %s: %s", type(exc).__name__, exc)

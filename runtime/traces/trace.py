@@ -159,6 +159,11 @@ class RouteTrace:
         check_rows(self.header, {name: getattr(self, name) for name in COLUMNS}, where,
                    source=self.source)
 
+    def take(self, rows: np.ndarray, source: str | None = None) -> RouteTrace:
+        """The trace of ``rows`` (indices or a bool mask, execution order kept)."""
+        return RouteTrace(header=self.header, source=source or self.source,
+                          **{name: getattr(self, name)[rows] for name in COLUMNS})
+
     # -- views replay uses ------------------------------------------------------------------
 
     def batch_bounds(self) -> np.ndarray:

@@ -21,13 +21,15 @@ Q8_SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=16, top_k=4, embd=128, ff
 
 @pytest.fixture(scope="session")
 def native_build():
-    """The current patched CPU build (built here if missing: a few minutes on 2 cores)."""
+    """The current patched CPU build with the RPC backend (built here if missing: a few
+    minutes on 2 cores). One build serves the native tests and tests/runtime/rpc: a build with
+    GGML_RPC=ON is the same libllama plus libggml-rpc."""
     from runtime.native.build import BuildRequest, build
 
     def say(line: str) -> None:          # past pytest's capture: a build takes minutes
         print(f"\n[tests/native, once per cache] {line}", file=sys.__stderr__, flush=True)
 
-    return build(BuildRequest(backend="cpu"), log=say)
+    return build(BuildRequest(backend="cpu", rpc=True), log=say)
 
 
 @pytest.fixture(scope="session")

@@ -56,8 +56,8 @@ _KEEP: list = []      # ctypes objects llama.cpp points to while the model lives
 def _load(ll, path, ngl: int = 0, experts_on_cpu: bool = False, extra_bufts: bool = True):
     """The model; ``ngl`` layers on the first GPU-like device, with ``experts_on_cpu`` every
     routed-expert tensor in a host buffer (how the engine loads for a device cache);
-    ``extra_bufts=False``: no AMX / repacked CPU weights (llama.cpp's --no-repack)."""
-    ll.llama_backend_init()
+    ``extra_bufts=False``: no AMX / repacked CPU weights (llama.cpp's --no-repack).
+    ``ll`` comes from ``llama_lib.bindings()``, which initialised the backend."""
     mp = ll.llama_model_default_params()
     mp.n_gpu_layers = ngl
     if not extra_bufts:

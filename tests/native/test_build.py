@@ -18,7 +18,8 @@ from runtime.native.source import resolve_source
 def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
                                                "0002-ggml-cpu-mul-mat-id-used-matrices.patch",
-                                               "0003-ggml-cpu-amx-tile-config.patch"]
+                                               "0003-ggml-cpu-amx-tile-config.patch",
+                                               "0004-rpc-errors-not-abort.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -30,17 +31,24 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert "llama_moe_cache_find(down_exps)" in graph and "ffn_moe_cold_ids" in graph
     assert "ffn_moe_pick" in graph and "moe_cache_anchors_ok" not in graph
     assert (tree / "include" / "llama-moe-cache.h").is_file()
+    rpc = (tree / "ggml" / "src" / "ggml-rpc" / "ggml-rpc.cpp").read_text()
+    assert "ggml_backend_rpc_failure_count" in rpc and "GGML_ABORT(\"Failed to connect" not in rpc
 
 
 def test_build_is_cached_and_complete(native_build):
     lib = Path(native_build.lib_dir)
     for name in ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so",
-                 "libmoe_cache.so"):
+                 "libmoe_cache.so", "libggml-rpc.so"):
         assert (lib / name).exists(), name
     nm = subprocess.run(["nm", "-D", "--defined-only", str(lib / "libllama.so")],
                         capture_output=True, text=True).stdout
     assert "llama_moe_cache_register" in nm and "llama_moe_cache_find" in nm
-    again = build(BuildRequest(backend="cpu"))         # same key: nothing is rebuilt
+    rpc_nm = subprocess.run(["nm", "-D", "--defined-only", str(lib / "libggml-rpc.so")],
+                            capture_output=True, text=True).stdout
+    assert "ggml_backend_rpc_start_server" in rpc_nm
+    assert "ggml_backend_rpc_failure_count" in rpc_nm        # patch 0004
+    assert native_build.rpc is True
+    again = build(BuildRequest(backend="cpu", rpc=True))   # same key: nothing is rebuilt
     assert again == native_build
     assert read_build(lib.parent).built_at == native_build.built_at
     newest = find_build("cpu")          # the newest current build (any source)
@@ -56,6 +64,7 @@ def test_key_depends_on_backend_and_flags():
     assert cuda != base
     assert build_key("src", BuildRequest(backend="cuda", cuda_arch="90", cuda_fa=False)) != cuda
     assert build_key("src", BuildRequest(backend="cpu", native_cpu=False)) != base
+    assert build_key("src", BuildRequest(backend="cpu", rpc=True)) != base
 
 
 def test_status_json_is_truthful(native_build, capsys):
@@ -65,6 +74,9 @@ def test_status_json_is_truthful(native_build, capsys):
     assert "cpu" in status["backends"]
     assert any(b["dir"] == native_build.lib_dir for b in status["builds"])
     assert status["patches"] == [p.name for p in patch_files()]
+    assert status["rpc"] is True and status["rpc_dir"] is not None
+    assert main(["native", "status"]) == 0
+    assert "rpc: yes" in capsys.readouterr().out
 
 
 def test_status_without_any_build(tmp_path, monkeypatch, capsys):

@@ -138,10 +138,14 @@ def test_other_architectures(native_build, synth_model_factory, tmp_path, name):
     spec = ARCH_SPECS[name]
     model = synth_model_factory(spec)
     facts = read_model_facts(model)
-    ref_logits, ref = _logits(model, native_build.lib_dir, tmp_path, "ref", n_expert=spec.experts)
+    # plain CPU kernels on both sides: llama.cpp's AMX kernels (dense and shared-expert
+    # weights) gave prompt logits that differ between two graphs by up to 2.5 on an AMX CPU
+    ref_logits, ref = _logits(model, native_build.lib_dir, tmp_path, "ref", n_expert=spec.experts,
+                              extra_bufts=False)
     for fraction, fill in ((0.5, "even"), (1.0, "all")):
         logits, res = _logits(model, native_build.lib_dir, tmp_path, f"{name}-{fraction}",
-                              _capacity(model, fraction), fill, n_expert=spec.experts)
+                              _capacity(model, fraction), fill, n_expert=spec.experts,
+                              extra_bufts=False)
         diff = float(np.abs(logits - ref_logits).max())
         print(f"{name} ({spec.dtype}), {fraction:.0%} in slots, {res['resident']} resident: "
               f"max abs logit diff {diff:.3g}")

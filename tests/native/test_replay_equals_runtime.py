@@ -1,8 +1,8 @@
 """Replay = runtime, exactly: a trace recorded live with a native device cache (``trace record
 --config`` with a cpu-slots device, on a mixed-type model whose layers fall in two pools),
 replayed with the recorded pools and the same policy, gives the live run's per-phase hits,
-misses, admissions and evictions, for every eviction policy the runtime accepts, at three
-cache sizes."""
+misses, admissions and evictions, for every eviction policy the runtime accepts (and the
+affinity prefetch), at three cache sizes."""
 from __future__ import annotations
 
 import json
@@ -39,17 +39,23 @@ def q4km_model(synth_model_factory):
 
 
 @pytest.mark.parametrize("share", [0.2, 0.45, 0.8])
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "lfu-decay", "phase-weighted"])
+@pytest.mark.parametrize("eviction,decode_prefetch", [
+    ("lru", "none"), ("lfu", "none"), ("lfu-decay", "none"), ("phase-weighted", "none"),
+    ("next-visit", "none"), ("next-visit", "affinity")])
 def test_replay_of_a_live_trace_decides_alike(native_build, q4km_model, tmp_path, share,
-                                              eviction):
+                                              eviction, decode_prefetch):
     from gguf_tools.facts import read_model_facts
 
     facts = read_model_facts(q4km_model)
     budget = int(facts.total_expert_bytes * share)
     config = tmp_path / "c.toml"
+    # an unlimited link without latency: replay times prefetches on the cost model (a late
+    # one is a miss there, a hit live); affinity's budget per layer-step comes from [cost]
     config.write_text(f'[devices]\n"cpu-slots" = "{budget}B"\n'
                       f'[policy.prefill]\neviction = "{eviction}"\nprefetch = "chunk-plan"\n'
-                      f'[policy.decode]\neviction = "{eviction}"\n')
+                      f'[policy.decode]\neviction = "{eviction}"\n'
+                      f'prefetch = "{decode_prefetch}"\n[cost]\nlink_gbps = 1000000\n'
+                      'link_latency_us = 0\n')
     trace, stats = tmp_path / "t.rtb", tmp_path / "live.json"
     cli("trace", "record", "-m", str(q4km_model), "-p", "the quick brown fox jumps over the "
         "lazy dog and then runs far away", "-n", "40", "--temp", "0", "--config", str(config),

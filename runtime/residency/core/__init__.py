@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from runtime.residency.types import Phase
 
-EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4}
+EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4,
+                  "next-visit": 5}
 ADMISSION_KINDS = {"always": 0, "reuse-threshold": 1, "transient-on-pressure": 2,
                    "belady-bypass": 3}
-PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3}
+PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3, "affinity": 4}
 # the one parameter of each admission / prefetch policy the core reads
 _ADMISSION_PARAM = {"reuse-threshold": "break_even", "transient-on-pressure": "window"}
 _PREFETCH_PARAM = {"chunk-plan": "depth", "popularity": "top_n"}
@@ -48,6 +49,9 @@ class CorePolicy:
     admission: tuple[tuple[str, float], ...]       # per phase: (name, parameter)
     prefetch: tuple[tuple[str, float], ...]        # per phase: (name, parameter); MIXED none
     track_next_use: bool                           # an offline policy: accesses need next_use
+    nv_learning_rate: float = 0.0                  # next-visit's model; 0: none
+    affinity: tuple[float, float, float] = (0.0, 0.0, 0.0)   # prefetch affinity: top_n,
+                                                   # min_precision, link bytes per layer-step
 
     @classmethod
     def from_config(cls, config) -> CorePolicy:
@@ -60,15 +64,21 @@ class CorePolicy:
             if pp.eviction not in specs:
                 specs.append(pp.eviction)
         rates = set()
+        nv_rates = set()
         orders = []
         for spec in specs:
             kw = spec.kwargs()
             if spec.name == "lfu-decay":
                 rates.add(math.log(2.0) / kw["half_life"])
+            if spec.name == "next-visit":
+                nv_rates.add(kw["learning_rate"])
             orders.append((spec.name, kw.get("w_prefill", 0.0), kw.get("w_decode", 0.0)))
         if len(rates) > 1:
             raise UserError(f"{config.source}: lfu-decay half_life must be the same in every "
                             "phase")
+        if len(nv_rates) > 1:
+            raise UserError(f"{config.source}: next-visit learning_rate must be the same in "
+                            "every phase")
         admission = tuple((pp.admission.name,
                            pp.admission.kwargs().get(_ADMISSION_PARAM.get(pp.admission.name, ""),
                                                      0.0)) for pp in phases)
@@ -76,11 +86,20 @@ class CorePolicy:
                      pp.prefetch.kwargs().get(_PREFETCH_PARAM.get(pp.prefetch.name, ""), 0.0))
                     for pp in phases]
         prefetch[Phase.MIXED] = ("none", 0.0)
+        affinity = {(kw["top_n"], kw["min_precision"],
+                     config.cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6)
+                    for kw in (pp.prefetch.kwargs() for pp in phases[:2]
+                               if pp.prefetch.name == "affinity")}
+        if len(affinity) > 1:
+            raise UserError(f"{config.source}: prefetch affinity's parameters must be the same "
+                            "in every phase")
         offline = any(pp.eviction.name == "belady" or pp.admission.name == "belady-bypass"
                       for pp in phases)
         return cls(orders=tuple(orders), decay_rate=rates.pop() if rates else 0.0,
                    phase_order=tuple(specs.index(pp.eviction) for pp in phases),
-                   admission=admission, prefetch=tuple(prefetch), track_next_use=offline)
+                   admission=admission, prefetch=tuple(prefetch), track_next_use=offline,
+                   nv_learning_rate=nv_rates.pop() if nv_rates else 0.0,
+                   affinity=affinity.pop() if affinity else (0.0, 0.0, 0.0))
 
     def needs_upcoming(self, phase: int) -> bool:
         return self.prefetch[phase][0] == "belady"

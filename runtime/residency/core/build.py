@@ -28,8 +28,11 @@ from runtime.errors import UserError
 HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
-SOURCES = (HERE / "residency_core.c", ENGINE / "route_hook.c", NATIVE / "slot_cache.c")
+SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "affinity.c",
+           ENGINE / "route_hook.c",
+           NATIVE / "slot_cache.c")
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h")
+INTERNAL = (HERE / "next_visit.h", HERE / "affinity.h")    # included by the sources only (not part of the cdef)
 _lock = threading.Lock()
 _loaded: tuple | None = None
 
@@ -40,7 +43,7 @@ def _cdef() -> str:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS, *INTERNAL)))
     return cache_dir("residency") / f"moe_offload_native-{digest.hexdigest()[:16]}.so"
 
 

@@ -41,12 +41,15 @@ class NativeCore:
             p.order_kind[i] = EVICTION_KINDS[name]
             p.order_p1[i], p.order_p2[i] = p1, p2
         p.decay_rate = policy.decay_rate
+        p.nv_learning_rate = policy.nv_learning_rate
         for ph in range(3):
             p.phase_order[ph] = policy.phase_order[ph]
             p.admission[ph] = ADMISSION_KINDS[policy.admission[ph][0]]
             p.admission_p1[ph] = policy.admission[ph][1]
             p.prefetch[ph] = PREFETCH_KINDS[policy.prefetch[ph][0]]
             p.prefetch_p1[ph] = policy.prefetch[ph][1]
+            if policy.prefetch[ph][0] == "affinity":
+                p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.affinity
         p.track_next_use = int(policy.track_next_use)
         p.inline_transport = int(inline)
         self._eb = ffi.new("int64_t[]", [int(b) for b in expert_bytes])
@@ -143,8 +146,9 @@ class NativeCore:
 
     def replay(self, starts: np.ndarray, layers: np.ndarray, phases: np.ndarray,
                experts: np.ndarray, next_use: np.ndarray | None, with_upcoming: bool,
-               miss_kind: np.ndarray) -> int:
-        """Every batch of a trace through access() (no leases); see rc_replay."""
+               miss_kind: np.ndarray, pf_event: np.ndarray | None = None) -> int:
+        """Every batch of a trace through access() (no leases); see rc_replay. ``pf_event``
+        (n rows, int64) gets the prefetch log index at the rows of kind 4."""
         ffi = self.ffi
         starts = np.ascontiguousarray(starts, dtype=np.int64)
         layers = np.ascontiguousarray(layers, dtype=np.int32)
@@ -156,7 +160,29 @@ class NativeCore:
                                   ffi.from_buffer("int32_t[]", layers),
                                   ffi.from_buffer("int8_t[]", phases),
                                   ffi.from_buffer("int32_t[]", experts), nu, int(with_upcoming),
-                                  ffi.from_buffer("int8_t[]", miss_kind))
+                                  ffi.from_buffer("int8_t[]", miss_kind),
+                                  ffi.NULL if pf_event is None else
+                                  ffi.from_buffer("int64_t[]", pf_event))
+
+    def replay_prefetches(self) -> tuple[np.ndarray, np.ndarray]:
+        """(batch (n,) int64, flat (n,) int32) of every prefetch the latest replay issued."""
+        b, f = self.ffi.new("int64_t **"), self.ffi.new("int32_t **")
+        n = self.lib.rc_replay_prefetches(self._c, b, f)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
+        return (np.frombuffer(self.ffi.buffer(b[0], 8 * n), dtype=np.int64).copy(),
+                np.frombuffer(self.ffi.buffer(f[0], 4 * n), dtype=np.int32).copy())
+
+    def warm_start(self, frequency: np.ndarray, pair: np.ndarray, count: np.ndarray) -> None:
+        """Seed the learned policies from a routing profile (see rc_warm_start): frequency
+        (n_layer, n_expert) float64, pair (n_moe - 1, E, E) and count (n_moe - 1, E) int32."""
+        ffi = self.ffi
+        freq = np.ascontiguousarray(frequency, dtype=np.float64).reshape(-1)
+        pair = np.ascontiguousarray(pair, dtype=np.int32).reshape(-1)
+        count = np.ascontiguousarray(count, dtype=np.int32).reshape(-1)
+        self.lib.rc_warm_start(self._c, ffi.from_buffer("double[]", freq),
+                               ffi.from_buffer("int32_t[]", pair) if pair.size else ffi.NULL,
+                               ffi.from_buffer("int32_t[]", count) if count.size else ffi.NULL)
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, ticket_id: int):

@@ -16,6 +16,8 @@
  *     touched, then brought in while victims rank strictly below it.
  */
 #include "residency_core.h"
+#include "next_visit.h"
+#include "affinity.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -28,9 +30,9 @@
 #define EVICTING 10
 #define NEVER (((int64_t) 1) << 62)
 
-enum { EV_LRU, EV_LFU, EV_LFU_DECAY, EV_PHASE_WEIGHTED, EV_BELADY };
+enum { EV_LRU, EV_LFU, EV_LFU_DECAY, EV_PHASE_WEIGHTED, EV_BELADY, EV_NEXT_VISIT };
 enum { AD_ALWAYS, AD_REUSE, AD_TOP, AD_BELADY_BYPASS };
-enum { PF_NONE, PF_CHUNK_PLAN, PF_POPULARITY, PF_BELADY };
+enum { PF_NONE, PF_CHUNK_PLAN, PF_POPULARITY, PF_BELADY, PF_AFFINITY };
 enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_TRANSIENT,
        C_TRANSIENT_BYTES, C_EVICTIONS, C_EVICTED_BYTES, C_PF_ISSUED, C_PF_ISSUED_BYTES,
        C_PF_USED_BYTES, C_PF_WASTED_BYTES, C_TRANSITION_HITS };
@@ -38,24 +40,24 @@ enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_T
 typedef struct { int32_t *v; int32_t n, cap; } ivec;
 typedef struct { int64_t *v; int32_t n, cap; } lvec;
 
+/* room for one more element of ``size`` bytes in ``*v`` (``n`` used of ``*cap``) */
+static int vec_room(void **v, int32_t n, int32_t *cap, size_t size) {
+    if (n < *cap) return 0;
+    const int32_t c = *cap ? 2 * *cap : 16;
+    void *grown = realloc(*v, (size_t) c * size);
+    if (grown == NULL) return -1;
+    *v = grown; *cap = c;
+    return 0;
+}
+
 static int ivec_push(ivec *a, int32_t x) {
-    if (a->n == a->cap) {
-        int32_t cap = a->cap ? 2 * a->cap : 16;
-        int32_t *v = realloc(a->v, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        a->v = v; a->cap = cap;
-    }
+    if (vec_room((void **) &a->v, a->n, &a->cap, sizeof *a->v)) return -1;
     a->v[a->n++] = x;
     return 0;
 }
 
 static int lvec_push(lvec *a, int64_t x) {
-    if (a->n == a->cap) {
-        int32_t cap = a->cap ? 2 * a->cap : 16;
-        int64_t *v = realloc(a->v, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        a->v = v; a->cap = cap;
-    }
+    if (vec_room((void **) &a->v, a->n, &a->cap, sizeof *a->v)) return -1;
     a->v[a->n++] = x;
     return 0;
 }
@@ -93,6 +95,24 @@ struct rc_core {
     int64_t *uses;                /* (3, n_flat) routed count per phase */
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
+    nv_model *nv;                 /* eviction next-visit's model, or NULL */
+    /* next-visit's victim search: per layer, its best victim ignoring protection (the lowest
+     * (score, last seq, flat) of the layer's keys in the order), valid while the layer's
+     * keys did not move in the order (dirty) and the model did not change for the layer */
+    int32_t *nvb_f;               /* (n_layer,) -1: none */
+    int64_t *nvb_ver, *nvb_vis;   /* (n_layer,) model version and layer visits it was found at */
+    uint8_t *nvb_dirty;           /* (n_layer,) */
+    double *nvb_s;                /* (n_layer,) the score of nvb_s_f[l] in call nvb_s_call[l] */
+    int32_t *nvb_s_f;
+    int64_t *nvb_s_call;
+    af_model *af;                 /* prefetch affinity's model, or NULL */
+    int32_t *af_plan;             /* (n_expert,) scratch: its plan */
+    double *af_q;                 /* (n_expert,) the plan's predicted probabilities */
+    /* replay's prefetch log (rc_replay_prefetches): the batch and key of every prefetch
+     * issued during the latest rc_replay, in issue order; pf_event_of[f]: f's entry */
+    int64_t replay_batch;         /* the batch rc_replay runs, -1 outside it */
+    lvec log_batch; ivec log_flat;
+    int64_t *pf_event_of;         /* (n_flat,) */
     uint8_t *pinned, *pf_unused;  /* (n_flat,) */
     int32_t *lease_count;         /* (n_flat,) */
     int64_t *seen;                /* (n_flat,) call stamp: first occurrence within a call */
@@ -106,7 +126,7 @@ struct rc_core {
     ticket *tickets; int32_t n_tickets, cap_tickets;
     /* results of the last call (valid until the next one) */
     ivec r_touched, r_missed, r_missed_row, r_miss_kind, r_admitted, r_evicted, r_transient, r_victims,
-         r_aside, r_plan, r_pf_flats, r_pf_nv, r_pf_victims;
+         r_aside, r_plan, r_pf_flats, r_pf_nv, r_pf_victims, r_pf_used_row;
     lvec r_tickets, r_new, r_pf_ids;
     int32_t cur_order;            /* the order heap_less compares by */
 };
@@ -123,6 +143,7 @@ static double score(const rc_core *c, int32_t order, int32_t f) {
     case EV_PHASE_WEIGHTED:
         return c->pol.order_p1[order] * (double) u[f]
              + c->pol.order_p2[order] * (double) (u[n + f] + u[2 * n + f]);
+    case EV_NEXT_VISIT: return -nv_expected(c->nv, f);
     default: return -(double) c->next_use[f];
     }
 }
@@ -139,6 +160,16 @@ static inline int key_less(const rc_core *c, int32_t order, int32_t a, int32_t b
     return a < b;
 }
 
+/* the order a heap keeps: the policy's, except next-visit, whose score moves with the layer
+ * cycle: its heap is only the pool's resident set (kept in lru order) and pop_victim scans it */
+static inline int heap_less(const rc_core *c, int32_t order, int32_t a, int32_t b) {
+    if (c->pol.order_kind[order] == EV_NEXT_VISIT) {
+        const int64_t la = c->last_seq[a], lb = c->last_seq[b];
+        return la != lb ? la < lb : a < b;
+    }
+    return key_less(c, order, a, b);
+}
+
 static void heap_swap(heap *h, int32_t i, int32_t j) {
     int32_t a = h->items[i], b = h->items[j];
     h->items[i] = b; h->items[j] = a;
@@ -148,7 +179,7 @@ static void heap_swap(heap *h, int32_t i, int32_t j) {
 static void sift_up(const rc_core *c, int32_t o, heap *h, int32_t i) {
     while (i > 0) {
         int32_t p = (i - 1) / 2;
-        if (!key_less(c, o, h->items[i], h->items[p])) break;
+        if (!heap_less(c, o, h->items[i], h->items[p])) break;
         heap_swap(h, i, p);
         i = p;
     }
@@ -157,8 +188,8 @@ static void sift_up(const rc_core *c, int32_t o, heap *h, int32_t i) {
 static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
     for (;;) {
         int32_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < h->n && key_less(c, o, h->items[l], h->items[m])) m = l;
-        if (r < h->n && key_less(c, o, h->items[r], h->items[m])) m = r;
+        if (l < h->n && heap_less(c, o, h->items[l], h->items[m])) m = l;
+        if (r < h->n && heap_less(c, o, h->items[r], h->items[m])) m = r;
         if (m == i) return;
         heap_swap(h, i, m);
         i = m;
@@ -167,6 +198,7 @@ static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
 
 static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
     if (h->pos[f] >= 0) return 0;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
     if (h->n == h->cap) {
         int32_t cap = h->cap ? 2 * h->cap : 64;
         int32_t *v = realloc(h->items, (size_t) cap * sizeof *v);
@@ -182,6 +214,7 @@ static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
 static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
     int32_t i = h->pos[f];
     if (i < 0) return;
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) c->nvb_dirty[f / c->n_expert] = 1;
     h->n--;
     if (i != h->n) {
         const int32_t moved = h->items[h->n];
@@ -216,8 +249,75 @@ static int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
 
 /* the lowest unprotected key of the order (taken out of that heap), or -1; protected keys
  * met on the way wait in r_aside until settle() */
+/* next-visit: the lowest unprotected key of `layer` in order o, or -1. Within one layer the
+ * layer distance is common, so the layer's best changes only when its keys move in the order
+ * or the model changes for it: cached per layer (ignoring protection; a protected cached best
+ * means a scan of the layer) */
+/* (s, flat) below (bs, best) in the total order (score, last seq, flat) */
+static inline int nv_below(const rc_core *c, double s, int32_t f, double bs, int32_t best) {
+    if (best < 0) return 1;
+    if (s != bs) return s < bs;
+    if (c->last_seq[f] != c->last_seq[best]) return c->last_seq[f] < c->last_seq[best];
+    return f < best;
+}
+
+/* the layer's lowest key in the order (skipping protected keys when `unprotected`); its
+ * score in *out_s */
+static int32_t nv_scan_layer(rc_core *c, const heap *h, int32_t layer, int64_t seq0,
+                             int unprotected, double *out_s) {
+    const int32_t base = layer * c->n_expert;
+    int32_t f = -1;
+    double bs = 0.0;
+    for (int32_t e = 0; e < c->n_expert; e++) {
+        const int32_t g = base + e;
+        if (h->pos[g] < 0 || (unprotected && protected_key(c, g, seq0))) continue;
+        const double s = -nv_expected(c->nv, g);
+        if (nv_below(c, s, g, bs, f)) { f = g; bs = s; }
+    }
+    *out_s = bs;
+    return f;
+}
+
+static int32_t nv_layer_best(rc_core *c, const heap *h, int32_t o, int32_t layer,
+                             int64_t seq0, double *out_s) {
+    (void) o;
+    const nv_model *m = c->nv;
+    int32_t f = c->nvb_f[layer];
+    if (c->nvb_dirty[layer] || c->nvb_ver[layer] != m->version ||
+        c->nvb_vis[layer] != m->vis[layer]) {
+        f = nv_scan_layer(c, h, layer, seq0, 0, out_s);
+        c->nvb_f[layer] = f;
+        c->nvb_dirty[layer] = 0;
+        c->nvb_ver[layer] = m->version;
+        c->nvb_vis[layer] = m->vis[layer];
+    } else if (f >= 0) {                          /* scores hold within one call */
+        if (c->nvb_s_call[layer] != c->call || c->nvb_s_f[layer] != f) {
+            c->nvb_s[layer] = -nv_expected(c->nv, f);
+            c->nvb_s_f[layer] = f;
+            c->nvb_s_call[layer] = c->call;
+        }
+        *out_s = c->nvb_s[layer];
+    }
+    if (f < 0 || !protected_key(c, f, seq0)) return f;
+    return nv_scan_layer(c, h, layer, seq0, 1, out_s);
+}
+
 static int32_t pop_victim(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
+    if (c->pol.order_kind[o] == EV_NEXT_VISIT) {  /* the lowest of the layers' best */
+        const int32_t pi = (int32_t) (p - c->pools);
+        int32_t best = -1;
+        double bs = 0.0;
+        for (int32_t k = 0; k < c->n_moe; k++) {
+            const int32_t l = c->moe_layers[k];
+            if (c->pool_of_layer[l] != pi) continue;
+            double s;
+            const int32_t f = nv_layer_best(c, h, o, l, seq0, &s);
+            if (f >= 0 && nv_below(c, s, f, bs, best)) { best = f; bs = s; }
+        }
+        if (best >= 0) heap_remove(c, o, h, best);
+        return best;
+    }
     while (h->n > 0) {
         int32_t f = h->items[0];
         if (c->pol.order_kind[o] == EV_LRU && c->last_seq[f] >= seq0) return -1;  /* the rest
@@ -369,6 +469,8 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     c->pf_unused = calloc((size_t) n, 1);
     c->lease_count = calloc((size_t) n, sizeof *c->lease_count);
     c->seen = calloc((size_t) n, sizeof *c->seen);
+    c->pf_event_of = calloc((size_t) n, sizeof *c->pf_event_of);
+    c->replay_batch = -1;
     c->pins_by_layer = calloc((size_t) n_layer, sizeof *c->pins_by_layer);
     if (policy->decay_rate > 0) c->decay_log = malloc((size_t) n * sizeof *c->decay_log);
     if (policy->track_next_use) c->next_use = malloc((size_t) n * sizeof *c->next_use);
@@ -376,7 +478,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     for (int p = 0; p < 3; p++) chunk |= policy->prefetch[p] == PF_CHUNK_PLAN;
     if (chunk) c->last_experts = calloc((size_t) 3 * n_layer, sizeof *c->last_experts);
     if (!c->bytes_flat || !c->pool_of_layer || !c->pool_of_flat || !c->moe_layers || !c->state || !c->last_seq ||
-        !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen ||
+        !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen || !c->pf_event_of ||
         !c->pins_by_layer || (policy->decay_rate > 0 && !c->decay_log) ||
         (policy->track_next_use && !c->next_use) || (chunk && !c->last_experts)) {
         rc_free(c);
@@ -388,6 +490,36 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (expert_bytes[l] > 0) c->moe_layers[c->n_moe++] = l;
     }
     memset(c->state, ABSENT, (size_t) n);
+    for (int32_t o = 0; o < policy->n_orders; o++)
+        if (policy->order_kind[o] == EV_NEXT_VISIT && c->nv == NULL) {
+            c->nv = nv_create(n_layer, n_expert, c->moe_layers, c->n_moe,
+                              policy->nv_learning_rate);
+            c->nvb_f = malloc((size_t) n_layer * sizeof *c->nvb_f);
+            c->nvb_ver = malloc((size_t) n_layer * sizeof *c->nvb_ver);
+            c->nvb_vis = malloc((size_t) n_layer * sizeof *c->nvb_vis);
+            c->nvb_dirty = malloc((size_t) n_layer);
+            c->nvb_s = malloc((size_t) n_layer * sizeof *c->nvb_s);
+            c->nvb_s_f = malloc((size_t) n_layer * sizeof *c->nvb_s_f);
+            c->nvb_s_call = malloc((size_t) n_layer * sizeof *c->nvb_s_call);
+            for (int32_t l = 0; c->nvb_s_call != NULL && l < n_layer; l++) c->nvb_s_call[l] = -1;
+            if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) n_layer);
+            if (c->nv == NULL || !c->nvb_f || !c->nvb_ver || !c->nvb_vis || !c->nvb_dirty ||
+                !c->nvb_s || !c->nvb_s_f || !c->nvb_s_call) {
+                rc_free(c);
+                return NULL;
+            }
+        }
+    for (int32_t ph = 0; ph < 3; ph++)
+        if (policy->prefetch[ph] == PF_AFFINITY && c->af == NULL) {
+            c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
+                              policy->prefetch_p2[ph], policy->prefetch_p3[ph]);
+            c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
+            c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
+            if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
+                rc_free(c);
+                return NULL;
+            }
+        }
     for (int32_t i = 0; i < n; i++) {
         c->last_seq[i] = -1;
         if (c->decay_log) c->decay_log[i] = -INFINITY;
@@ -418,6 +550,12 @@ void rc_free(rc_core *c) {
     if (c == NULL) return;
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
+    nv_free(c->nv);
+    free(c->nvb_f); free(c->nvb_ver); free(c->nvb_vis); free(c->nvb_dirty);
+    free(c->nvb_s); free(c->nvb_s_f); free(c->nvb_s_call);
+    af_free(c->af);
+    free(c->af_plan);
+    free(c->af_q);
     for (int32_t i = 0; i < c->n_tickets; i++) {
         free(c->tickets[i].victims);
         free(c->tickets[i].before);
@@ -429,9 +567,10 @@ void rc_free(rc_core *c) {
         for (int32_t i = 0; i < 3 * c->n_layer; i++) free(c->last_experts[i].v);
     ivec *iv[] = {&c->r_touched, &c->r_missed, &c->r_missed_row, &c->r_miss_kind, &c->r_admitted,
                   &c->r_evicted, &c->r_transient, &c->r_victims, &c->r_aside, &c->r_plan,
-                  &c->r_pf_flats, &c->r_pf_nv, &c->r_pf_victims};
+                  &c->r_pf_flats, &c->r_pf_nv, &c->r_pf_victims, &c->r_pf_used_row, &c->log_flat};
     for (size_t i = 0; i < sizeof iv / sizeof *iv; i++) free(iv[i]->v);
-    free(c->r_tickets.v); free(c->r_new.v); free(c->r_pf_ids.v);
+    free(c->r_tickets.v); free(c->r_new.v); free(c->r_pf_ids.v); free(c->log_batch.v);
+    free(c->pf_event_of);
     free(c->tickets); free(c->leases); free(c->pins_by_layer); free(c->last_experts);
     free(c->bytes_flat); free(c->pool_of_layer); free(c->pool_of_flat); free(c->moe_layers); free(c->state);
     free(c->last_seq); free(c->uses); free(c->decay_log); free(c->next_use); free(c->pinned);
@@ -535,7 +674,7 @@ static void result_reset(rc_core *c) {
     c->r_touched.n = c->r_missed.n = c->r_missed_row.n = c->r_miss_kind.n = 0;
     c->r_admitted.n = c->r_evicted.n = c->r_transient.n = 0;
     c->r_victims.n = c->r_aside.n = 0;
-    c->r_pf_flats.n = c->r_pf_nv.n = c->r_pf_victims.n = 0;
+    c->r_pf_flats.n = c->r_pf_nv.n = c->r_pf_victims.n = c->r_pf_used_row.n = 0;
     c->r_tickets.n = c->r_new.n = c->r_pf_ids.n = 0;
 }
 
@@ -551,8 +690,20 @@ static void result_out(rc_core *c, rc_result *out) {
 }
 
 /* bring `flats` in (priority order) where victims rank strictly below each one */
+/* v ranks strictly below f, whose score is `mine` (NAN: its own) */
+static int ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, double mine) {
+    if (mine != mine) return key_less(c, o, v, f);
+    const double sv = score(c, o, v);
+    if (sv != mine) return sv < mine;
+    if (c->last_seq[v] != c->last_seq[f]) return c->last_seq[v] < c->last_seq[f];
+    return v < f;
+}
+
+/* bring `flats` in (priority order) where victims rank strictly below each one; mine[i]
+ * (or NULL) overrides flats[i]'s own score under next-visit (prefetch affinity: its
+ * predicted expected time) */
 static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase,
-                          int64_t seq0) {
+                          int64_t seq0, const double *mine) {
     const int32_t o = c->pol.phase_order[phase];
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
@@ -567,7 +718,9 @@ static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t p
         while (free_b + freed < b) {
             int32_t v = pop_victim(c, p, o, seq0);
             if (v < 0) break;
-            if (!key_less(c, o, v, f)) {          /* worth as much as what we would bring */
+            const double own = mine != NULL && c->pol.order_kind[o] == EV_NEXT_VISIT ? mine[i]
+                                                                                     : NAN;
+            if (!ranks_below(c, o, v, f, own)) {  /* worth as much as what we would bring */
                 heap_push(c, o, &p->h[o], v);
                 break;
             }
@@ -582,6 +735,11 @@ static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t p
         int64_t *t = p->counters[phase];
         t[C_PF_ISSUED]++;
         t[C_PF_ISSUED_BYTES] += b;
+        if (c->replay_batch >= 0) {
+            c->pf_event_of[f] = c->log_batch.n;
+            if (lvec_push(&c->log_batch, c->replay_batch) < 0 || ivec_push(&c->log_flat, f) < 0)
+                return RC_ERR_NOMEM;
+        }
         c->pinned[f] = 1;
         if (ivec_push(&c->pins_by_layer[f / c->n_expert], f) < 0) return RC_ERR_NOMEM;
         for (int32_t j = 0; j < c->r_victims.n; j++)
@@ -678,9 +836,26 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
             c->seen[f] = c->call;
             if (ivec_push(plan, f) < 0) return RC_ERR_NOMEM;
         }
+    } else if (kind == PF_AFFINITY) {
+        if (phase != 1) return RC_OK;
+        const int32_t np = af_plan(c->af, layer, c->state, ABSENT, c->bytes_flat, c->af_plan,
+                                   c->af_q);
+        if (np == 0) return RC_OK;
+        double spent = 0.0;
+        for (int32_t i = 0; i < np; i++)
+            if (c->state[c->af_plan[i]] == ABSENT) spent = spent + (double) c->bytes_flat[c->af_plan[i]];
+        const int32_t before = c->r_pf_flats.n;
+        double mine[np];
+        for (int32_t i = 0; i < np; i++)           /* next layer: 1 + n_moe (1 / q - 1) */
+            mine[i] = -(1.0 + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
+        const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
+        for (int32_t i = before; i < c->r_pf_flats.n; i++)
+            spent = spent - (double) c->bytes_flat[c->r_pf_flats.v[i]];
+        af_refund(c->af, spent);
+        return rc;
     }
     if (plan->n == 0) return RC_OK;
-    return prefetch_flats(c, plan->v, plan->n, phase, seq0);
+    return prefetch_flats(c, plan->v, plan->n, phase, seq0, NULL);
 }
 
 static int rc_prefetch_impl(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out) {
@@ -690,7 +865,7 @@ static int rc_prefetch_impl(rc_core *c, const int32_t *flats, int32_t n, int32_t
     for (int32_t i = 0; i < n; i++)
         if (flats[i] < 0 || flats[i] >= c->n_flat || c->pool_of_layer[flats[i] / c->n_expert] < 0)
             return RC_ERR_EXPERT;
-    int rc = prefetch_flats(c, flats, n, phase, c->seq);
+    int rc = prefetch_flats(c, flats, n, phase, c->seq, NULL);
     result_out(c, out);
     return rc;
 }
@@ -850,6 +1025,8 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     const int64_t call = c->call;
     const double rate = c->pol.decay_rate;
     int32_t tr = 0;
+    if (c->nv != NULL) nv_visit(c->nv, layer, el, n, phase);
+    if (c->af != NULL) af_observe(c->af, layer, el, n, phase);
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = base + el[i];
@@ -900,6 +1077,8 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
             if (c->pf_unused[f]) {
                 c->pf_unused[f] = 0;
                 used++;
+                if (c->replay_batch >= 0 && ivec_push(&c->r_pf_used_row, i) < 0)
+                    return RC_ERR_NOMEM;
             }
         }
         if (used) {
@@ -925,9 +1104,11 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
 
 static int rc_replay_impl(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
-              int32_t with_upcoming, int8_t *miss_kind) {
+              int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event) {
     rc_result r;
+    c->log_batch.n = c->log_flat.n = 0;
     for (int64_t b = 0; b < n_batches; b++) {
+        c->replay_batch = b;
         const int64_t s = starts[b], e = starts[b + 1];
         int32_t up_layer = -1, n_up = 0;
         const int32_t *up_e = NULL;
@@ -947,13 +1128,23 @@ static int rc_replay_impl(rc_core *c, int64_t n_batches, const int64_t *starts, 
         int rc = rc_access_impl(c, layers[b], experts + s, (int32_t) (e - s), phases[b],
                            next_use ? next_use + s : NULL, up_layer, up_e, up_i, n_up, 0, 0, &r);
         free(up_i);
-        if (rc != RC_OK) return rc;
+        if (rc != RC_OK) {
+            c->replay_batch = -1;
+            return rc;
+        }
         if (miss_kind != NULL) {
             memset(miss_kind + s, 0, (size_t) (e - s));
             for (int32_t i = 0; i < c->r_missed.n; i++)
                 miss_kind[s + c->r_missed_row.v[i]] = (int8_t) c->r_miss_kind.v[i];
+            for (int32_t i = 0; i < c->r_pf_used_row.n; i++) {
+                const int32_t row = c->r_pf_used_row.v[i];
+                miss_kind[s + row] = 4;
+                if (pf_event != NULL)
+                    pf_event[s + row] = c->pf_event_of[layers[b] * c->n_expert + experts[s + row]];
+            }
         }
     }
+    c->replay_batch = -1;
     return RC_OK;
 }
 
@@ -1048,7 +1239,7 @@ int64_t rc_counter(const rc_core *c, int32_t p, int32_t phase, int32_t k) {
 static int heap_ok(const rc_core *c, int32_t o, const heap *h) {
     for (int32_t i = 0; i < h->n; i++) {
         if (h->pos[h->items[i]] != i) return 0;
-        if (i > 0 && key_less(c, o, h->items[i], h->items[(i - 1) / 2])) return 0;
+        if (i > 0 && heap_less(c, o, h->items[i], h->items[(i - 1) / 2])) return 0;
     }
     return 1;
 }
@@ -1121,9 +1312,24 @@ int rc_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t p
 }
 int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
-              int32_t with_upcoming, int8_t *miss_kind) {
+              int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event) {
     LOCKED(rc_replay_impl(c, n_batches, starts, layers, phases, experts, next_use, with_upcoming,
-                          miss_kind));
+                          miss_kind, pf_event));
+}
+int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair,
+                  const int32_t *count) {
+    pthread_mutex_lock(&c->mu);
+    if (c->nv != NULL && frequency != NULL) nv_warm_start(c->nv, frequency);
+    if (c->af != NULL && pair != NULL && count != NULL) af_warm_start(c->af, pair, count);
+    if (c->nvb_dirty != NULL) memset(c->nvb_dirty, 1, (size_t) c->n_layer);
+    pthread_mutex_unlock(&c->mu);
+    return RC_OK;
+}
+
+int64_t rc_replay_prefetches(const rc_core *c, const int64_t **batch, const int32_t **flat) {
+    *batch = c->log_batch.v;
+    *flat = c->log_flat.v;
+    return c->log_batch.n;
 }
 int rc_ticket(const rc_core *cc, int64_t id, rc_ticket_info *out) {
     rc_core *c = (rc_core *) cc;

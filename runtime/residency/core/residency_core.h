@@ -32,16 +32,20 @@ typedef struct rc_core rc_core;
  * admission and a prefetch policy (kind + one parameter each) */
 typedef struct {
     int32_t n_orders;             /* 1..3 */
-    int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady */
+    int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady,
+                                     5 next-visit */
     double order_p1[3];           /* phase-weighted: w_prefill */
     double order_p2[3];           /* phase-weighted: w_decode */
     double decay_rate;            /* lfu-decay: ln 2 / half_life (0: no decayed counts) */
+    double nv_learning_rate;      /* next-visit: the model's learning rate (next_visit.h) */
     int32_t phase_order[3];       /* phase -> order index */
     int32_t admission[3];         /* 0 always, 1 reuse-threshold, 2 transient-on-pressure,
                                      3 belady-bypass */
     double admission_p1[3];       /* break_even | window */
-    int32_t prefetch[3];          /* 0 none, 1 chunk-plan, 2 popularity, 3 belady */
+    int32_t prefetch[3];          /* 0 none, 1 chunk-plan, 2 popularity, 3 belady, 4 affinity */
     double prefetch_p1[3];        /* depth | top_n */
+    double prefetch_p2[3];        /* affinity: min_precision */
+    double prefetch_p3[3];        /* affinity: link bytes per layer-step (affinity.h) */
     int32_t track_next_use;       /* an offline policy: access() needs next_use */
     int32_t inline_transport;     /* admissions commit inside access() (no tickets) */
 } rc_policy;
@@ -95,11 +99,17 @@ void rc_release(rc_core *c, int64_t lease_id);
 
 /* replay: n_batches layer-steps over rows experts[starts[b] .. starts[b+1]) with no leases;
  * miss_kind[row] (n rows) gets 1 admitted, 2 transient, 3 joined a pending transfer for the
- * first row of each missed key, else 0. next_use (n rows) or NULL; upcoming: the next
- * batch (belady prefetch) when with_upcoming. Stops at the first error (its code). */
+ * first row of each missed key, 4 the first use (a hit) of a prefetched key, else 0;
+ * pf_event[row] (n rows, or NULL) gets, at the rows of kind 4, the index of that prefetch in
+ * the replay's prefetch log (rc_replay_prefetches; other rows are left as they are).
+ * next_use (n rows) or NULL; upcoming: the next batch (belady prefetch) when with_upcoming.
+ * Stops at the first error (its code). */
 int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
               const int8_t *phases, const int32_t *experts, const int64_t *next_use,
-              int32_t with_upcoming, int8_t *miss_kind);
+              int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event);
+/* the latest rc_replay's prefetches in issue order: batch[i] issued flat[i]; returns their
+ * number (the arrays stay valid until the next rc_replay or rc_free) */
+int64_t rc_replay_prefetches(const rc_core *c, const int64_t **batch, const int32_t **flat);
 
 /* the live hooks' calling pattern, for benchmarks: n_steps layer-steps (layers[i], experts
  * [i * k, (i + 1) * k)) as rc_access calls with a lease each, the previous one released in
@@ -110,6 +120,12 @@ int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const 
 /* offline: for each of n accesses to flat keys (0 <= key < n_keys), the index of the next
  * access to the same key, or `never` */
 void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, int64_t *out);
+
+/* warm start from a routing profile (runtime/residency/profile.py): frequency (n_flat,) the
+ * share of decode tokens routed to each key seeds next-visit's frequency estimates (every
+ * time scale); pair ((n_moe - 1) * E * E,) and count ((n_moe - 1) * E,) seed affinity's
+ * table (added to it). NULL: leave that part; a policy without the model ignores it. */
+int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair, const int32_t *count);
 
 /* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
  * committed already; out->evicted lists the victims) */

@@ -8,6 +8,10 @@ Python reference); what each one does:
     lfu-decay       exponentially decayed count: a use ``half_life`` accesses ago counts half
     phase-weighted  w_prefill * prefill uses + w_decode * (decode + mixed) uses
     belady          offline: -(next use)
+    next-visit      -(expected layer-steps to the next use): the layer's distance in the cycle
+                    + n_moe_layers * (1/p - 1), p = P(routed at its layer's next visit) from
+                    a logistic model over age and frequency at three time scales, learned
+                    online at decode layer-steps (core/next_visit.h); ``learning_rate``
   admission (a demand miss is admitted, or used transiently)
     always                 admit whenever victims exist
     reuse-threshold        decode: admit once routed >= break_even times (prefill: always)
@@ -17,6 +21,12 @@ Python reference); what each one does:
     chunk-plan   prefill: the next ``depth`` layers' experts of the previous chunk
     popularity   the next layer's ``top_n`` most routed experts
     belady       offline: the next layer-step's experts
+    affinity     decode: the next layer's experts most often routed after this layer's for the
+                 same token (an online cross-layer table), at most ``top_n``, each predicted
+                 at >= ``min_precision``, issued only while the measured precision of the
+                 predictions stays >= min_precision, and no more bytes than the link
+                 carries in ``layer_us`` (one layer-step's compute) at [cost] link_gbps;
+                 ranked against victims by its expected next use (core/affinity.h)
 """
 from __future__ import annotations
 
@@ -34,6 +44,7 @@ _REGISTRY: dict[str, dict[str, dict[str, float]]] = {
         "lfu-decay": {"half_life": 4096.0},
         "phase-weighted": {"w_prefill": 1.0, "w_decode": 4.0},
         "belady": {},
+        "next-visit": {"learning_rate": 0.016},
     },
     "admission": {
         "always": {},
@@ -46,10 +57,11 @@ _REGISTRY: dict[str, dict[str, dict[str, float]]] = {
         "chunk-plan": {"depth": 1.0},
         "popularity": {"top_n": 4.0},
         "belady": {},
+        "affinity": {"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
     },
 }
 # parameters that must be > 0 (the rest must be >= 0)
-_POSITIVE = {"half_life", "depth"}
+_POSITIVE = {"half_life", "depth", "learning_rate", "layer_us"}
 OFFLINE_ONLY = {("eviction", "belady"), ("admission", "belady-bypass"), ("prefetch", "belady")}
 
 

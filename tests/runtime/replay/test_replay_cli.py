@@ -147,8 +147,10 @@ def test_console_command_reports_file_and_line(tmp_path):
 
 def test_offline_prefetch_gets_the_next_layer_step(capsys, synth_trace, tmp_path):
     cfg = tmp_path / "oracle.toml"
+    # an unlimited link: every prefetch arrives in time (replay times them: test_timing.py)
     cfg.write_text('[policy]\nphase_specific = false\n[policy.decode]\neviction = "belady"\n'
-                   'admission = "belady-bypass"\nprefetch = "belady"\n')
+                   'admission = "belady-bypass"\nprefetch = "belady"\n'
+                   '[cost]\nlink_gbps = 1000000\n')
     code, out, err = _run(capsys, "replay", synth_trace, "--capacity", "25%", "--config", cfg,
                           "--policy", "lru", "--json")
     assert code == 0, err

@@ -106,7 +106,7 @@ def test_flags_override_file(tmp_path):
     ('[devices]\ncpu = "120%"\n', "cfg.toml: devices.cpu: percentage must be in"),
     ('[policy.decode]\neviction = "mru"\n',
      "cfg.toml: policy.decode.eviction: unknown eviction policy 'mru' (valid: lru, lfu, "
-     "lfu-decay, phase-weighted, belady)"),
+     "lfu-decay, phase-weighted, belady, next-visit)"),
     ('[policy.prefill]\nadmission = "never"\n', "valid: always, reuse-threshold"),
     ('[policy]\nphase_specific = "yes"\n',
      "cfg.toml: policy.phase_specific: must be true or false"),

@@ -13,10 +13,13 @@ from runtime.residency.core import CorePolicy, make_core
 from runtime.residency.policies.factory import make_spec
 
 EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
+             ("next-visit", {"learning_rate": 0.05}),
              ("phase-weighted", {"w_prefill": 1.0, "w_decode": 3.0})]
 ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
               ("transient-on-pressure", {"window": 20.0})]
-PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0})]
+PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0}),
+              # the link carries 125 bytes per layer-step at the default 25 GB/s
+              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.005})]
 N_LAYER, N_EXPERT = 4, 6
 EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes
 MOE = [0, 2, 3]
@@ -168,3 +171,58 @@ def test_rejected_call_changes_nothing():
         assert np.array_equal(c.states(), before[0]) and c.counters(0, 1) == before[1]
         out = c.access(0, np.array([3], dtype=np.int32), 1)
         assert out[6] == (0,), kind            # lru is still expert 0, not 2
+
+
+@pytest.mark.parametrize("ev", [("lru", {}), ("next-visit", {"learning_rate": 0.05})])
+@pytest.mark.parametrize("pf", [PREFETCHES[2], PREFETCHES[3]], ids=["popularity", "affinity"])
+def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
+    """replay's per-row kinds (4: first use of a prefetched key), the prefetch each such row
+    used, and the prefetch log (batch, key) are the same in both cores."""
+    pol = policy(ev, ("always", {}), pf)
+    s = zipf_stream(40, 3, N_EXPERT, 2, seed=5)
+    batches = [(MOE[layer], 0 if t < 3 else 1, s[t, layer]) for t in range(40) for layer in range(3)]
+    experts = np.concatenate([b[2] for b in batches]).astype(np.int32)
+    bounds = np.concatenate([[0], np.cumsum([len(b[2]) for b in batches])]).astype(np.int64)
+    layers = np.array([b[0] for b in batches], dtype=np.int32)
+    phases = np.array([b[1] for b in batches], dtype=np.int8)
+    got = []
+    for kind in ("native", "reference"):
+        c = make_core(kind, N_LAYER, N_EXPERT, EXPERT_BYTES, pol, inline=True)
+        c.set_capacity(0, 500)
+        kinds = np.zeros(len(experts), dtype=np.int8)
+        events = np.full(len(experts), -1, dtype=np.int64)
+        assert c.replay(bounds, layers, phases, experts, None, False, kinds, events) == 0
+        got.append((kinds, events, *c.replay_prefetches(), c.counters(0, 1)))
+    (k0, e0, b0, f0, c0), (k1, e1, b1, f1, c1) = got
+    assert (k0 == 4).sum() > 0 and len(b0) > 0
+    assert np.array_equal(k0, k1) and np.array_equal(e0, e1)
+    assert np.array_equal(b0, b1) and np.array_equal(f0, f1) and c0 == c1
+    # each use points at a prefetch of its own key, issued in an earlier batch
+    rows = np.flatnonzero(k0 == 4)
+    batch_of = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    assert np.array_equal(f0[e0[rows]], layers[batch_of[rows]] * N_EXPERT + experts[rows])
+    assert (b0[e0[rows]] < batch_of[rows]).all()
+
+
+def test_warm_start_equals_reference(zipf_stream):
+    """A routing profile's frequencies and affinity table seed both cores alike."""
+    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), PREFETCHES[3])
+    rng = np.random.default_rng(2)
+    freq = rng.uniform(0, 1, (N_LAYER, N_EXPERT))
+    table = rng.integers(0, 5, (len(MOE) - 1, N_EXPERT, N_EXPERT)).astype(np.int32)
+    count = table.sum(axis=2).astype(np.int32) // 2
+    cold, warm = pair(pol, True), pair(pol, True)
+    for c in warm:
+        c.warm_start(freq, table, count)
+    s = zipf_stream(30, 3, N_EXPERT, 2, seed=8)
+    outs = {}
+    for name, cores in (("cold", cold), ("warm", warm)):
+        for c in cores:
+            c.set_capacity(0, 450)
+        for t in range(30):
+            for i, layer in enumerate(MOE):
+                out = [c.access(layer, s[t, i].astype(np.int32), 1) for c in cores]
+                assert out[0] == out[1]
+                outs.setdefault(name, []).append(out[0])
+        same_state(cores)
+    assert outs["cold"] != outs["warm"]            # the profile changed decisions

@@ -15,9 +15,9 @@ K = ExpertKey
 
 
 @pytest.mark.parametrize("role,valid", [
-    ("eviction", "lru, lfu, lfu-decay, phase-weighted, belady"),
+    ("eviction", "lru, lfu, lfu-decay, phase-weighted, belady, next-visit"),
     ("admission", "always, reuse-threshold, transient-on-pressure, belady-bypass"),
-    ("prefetch", "none, chunk-plan, popularity, belady")])
+    ("prefetch", "none, chunk-plan, popularity, belady, affinity")])
 def test_factory_lists_valid_names(role, valid):
     with pytest.raises(UserError) as err:
         factory.make_spec(role, "nope", where="x.toml: policy.decode." + role)

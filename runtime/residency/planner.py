@@ -1,0 +1,173 @@
+"""Automatic placement: a residency config from a model file and the machine's free memory.
+
+``plan(model, memory, ctx)`` splits each device's free memory into what the model needs
+besides experts (dense weights, the KV cache, a reserve for compute buffers and the OS) and
+an expert budget, fastest device first:
+
+* with a GPU: the dense weights and the KV cache go to the GPU (``-ngl 99``), the rest of its
+  free memory (less GPU_RESERVE) holds experts (the native device cache); host RAM (less
+  RAM_RESERVE) keeps the experts the GPU does not hold (the RAM tier), the rest stays on
+  storage;
+* without one: dense weights and the KV cache stay in RAM, the rest of the available RAM
+  (less RAM_RESERVE) holds experts; the others page from the file.
+
+A budget it cannot meet (the dense weights and KV cache alone exceed the free memory) is a
+UserError, one line. The TOML it renders explains each number in a comment and names the
+policies (next-visit eviction, affinity prefetch in decode).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.errors import UserError
+from runtime.units import format_size
+
+GIB = 1 << 30
+RAM_RESERVE = GIB          # bytes: the OS, Python, llama.cpp's host buffers
+GPU_RESERVE = GIB // 2     # bytes: compute buffers, the cache's staging
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    device: str            # "cuda:0", "vulkan:0", "cpu"
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class PlannedDevice:
+    device: str
+    budget_bytes: int      # expert bytes this device keeps
+    why: str               # one comment line
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    devices: tuple[PlannedDevice, ...]
+    gpu_layers: int        # -ngl to run with
+    notes: tuple[str, ...]
+
+    def to_toml(self) -> str:
+        lines = [f"# moe-offload plan for {self.model}"]
+        lines += [f"# {n}" for n in self.notes]
+        lines += [f"# run with: -ngl {self.gpu_layers} --config THIS_FILE", "", "[devices]"]
+        for d in self.devices:
+            lines += [f"# {d.why}", f'"{d.device}" = "{d.budget_bytes}B"   '
+                      f"# {format_size(d.budget_bytes)}"]
+        lines += ["", "[policy.decode]",
+                  "# learned next-use estimate (README, replay): fewer demand misses than lru",
+                  'eviction = "next-visit"',
+                  "# cross-layer prefetch, only while its measured precision pays",
+                  'prefetch = "affinity"', ""]
+        return "\n".join(lines)
+
+
+def kv_bytes_per_token(path: str) -> int:
+    """K and V bytes per context token over all layers (f16 cache), from the GGUF metadata."""
+    from gguf_tools.facts import field_value, open_gguf  # noqa: PLC0415
+
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+
+    def num(key: str, default: int = 0) -> int:
+        v = field_value(reader, f"{arch}.{key}")
+        if isinstance(v, list):
+            v = max(v) if v else default
+        return int(v) if v is not None else default
+
+    n_layer, embd = num("block_count"), num("embedding_length")
+    heads = num("attention.head_count", 1) or 1
+    heads_kv = num("attention.head_count_kv", heads) or heads
+    k_len = num("attention.key_length", embd // heads) or embd // heads
+    v_len = num("attention.value_length", k_len) or k_len
+    return n_layer * heads_kv * (k_len + v_len) * 2
+
+
+def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> Plan:
+    """The placement for ``facts`` (ModelFacts) on devices with ``memory`` (a "cpu" entry
+    required; GPUs optional, fastest first)."""
+    ram = next((m for m in memory if m.device == "cpu"), None)
+    if ram is None:
+        raise UserError("plan: host RAM could not be measured")
+    gpus = [m for m in memory if m.device != "cpu"]
+    dense, experts = facts.dense_bytes, facts.total_expert_bytes
+    kv = kv_per_token * ctx
+    need = f"dense weights {format_size(dense)} + KV cache {format_size(kv)} (ctx {ctx})"
+    notes = [f"{facts.n_layer} layers, {facts.n_expert} experts x {len(facts.moe_layers)} MoE "
+             f"layers, expert bytes {format_size(experts)}, dense {format_size(dense)}"]
+    devices: list[PlannedDevice] = []
+    left = experts                                  # expert bytes not yet placed
+    if gpus:
+        gpu = gpus[0]
+        room = gpu.free_bytes - dense - kv - GPU_RESERVE
+        if room < 0:
+            raise UserError(f"{facts.path}: {need} need {format_size(dense + kv + GPU_RESERVE)}"
+                            f" on {gpu.device} with its reserve, only "
+                            f"{format_size(gpu.free_bytes)} free")
+        budget = min(room, experts)
+        devices.append(PlannedDevice(gpu.device, budget, (
+            f"{gpu.device}: {format_size(gpu.free_bytes)} free - {need} - reserve "
+            f"{format_size(GPU_RESERVE)} = {format_size(room)} for experts")))
+        left -= budget
+        ram_room = ram.free_bytes - RAM_RESERVE
+        if left > 0 and ram_room > 0:
+            budget = min(ram_room, experts)
+            devices.append(PlannedDevice("cpu", budget, (
+                f"cpu: {format_size(ram.free_bytes)} available - reserve "
+                f"{format_size(RAM_RESERVE)}: experts kept in RAM (the rest page from the "
+                "file)")))
+        gpu_layers = 99
+    else:
+        room = ram.free_bytes - dense - kv - RAM_RESERVE
+        if room <= 0:
+            raise UserError(f"{facts.path}: {need} need "
+                            f"{format_size(dense + kv + RAM_RESERVE)} of RAM with its "
+                            f"reserve, only {format_size(ram.free_bytes)} available")
+        budget = min(room, experts)
+        rest = ("every expert fits" if budget == experts else
+                f"{format_size(experts - budget)} of experts page from the file")
+        devices.append(PlannedDevice("cpu", budget, (
+            f"cpu: {format_size(ram.free_bytes)} available - {need} - reserve "
+            f"{format_size(RAM_RESERVE)} = {format_size(room)}: {rest}")))
+        gpu_layers = 0
+        notes.append("no GPU: experts in RAM, the rest on storage")
+    return Plan(model=facts.path, devices=tuple(devices), gpu_layers=gpu_layers,
+                notes=tuple(notes))
+
+
+def measured_memory(stated: dict[str, int]) -> list:
+    """Every device's (free, total) memory, GPUs first; ``stated`` wins over measurement."""
+    from runtime.residency.capacity import probe_device_memory  # noqa: PLC0415
+
+    out = []
+    gpus = [d for d in stated if d != "cpu"]
+    if not gpus and "cpu" not in stated:
+        try:
+            from runtime.engine.residency_setup import gpu_devices  # noqa: PLC0415
+
+            found = gpu_devices()
+        except Exception:           # no usable ggml library: plan for RAM and storage
+            found = []
+        out += [DeviceMemory(f"cuda:{i}" if "CUDA" in d.name.upper() else f"vulkan:{i}",
+                             d.free_bytes, d.total_bytes) for i, d in enumerate(found)]
+    out += [DeviceMemory(d, stated[d], stated[d]) for d in gpus]
+    if "cpu" in stated:
+        out.append(DeviceMemory("cpu", stated["cpu"], stated["cpu"]))
+    else:
+        mem = probe_device_memory("cpu")
+        if mem is not None:
+            out.append(DeviceMemory("cpu", *mem))
+    return out
+
+
+def plan_model(path: str, ctx: int, stated: dict[str, int] | None = None) -> Plan:
+    """The plan for the model file at ``path`` on this machine (``stated``: free bytes per
+    device that replace measurement)."""
+    from gguf_tools.facts import read_model_facts  # noqa: PLC0415
+
+    if ctx <= 0:
+        raise UserError(f"-c: the context size must be positive, got {ctx}")
+    facts = read_model_facts(path)
+    return plan(facts, measured_memory(stated or {}), ctx=ctx,
+                kv_per_token=kv_bytes_per_token(path))

@@ -1,0 +1,167 @@
+"""Routing profiles: what earlier runs of a model routed, to warm-start the learned policies.
+
+A profile holds, from the decode tokens of one or more traces of the same model:
+  frequency (n_layer, n_expert) float64   the share of decode tokens routed to each expert
+  pair      (n_moe - 1, E, E) int32       tokens routed to e at MoE layer i and e' at i + 1
+  count     (n_moe - 1, E) int32          tokens routed to e at MoE layer i (with layer i + 1)
+Eviction next-visit starts its frequency estimates at ``frequency`` and prefetch affinity its
+table at ``pair`` / ``count`` (``ExpertResidencyManager.warm_start``), instead of from nothing:
+the first decode tokens of a cold start miss most of their experts.
+
+File: a NumPy ``.npz`` (no pickles) with those arrays and ``header``, the UTF-8 JSON of
+{"format": "moe-offload routing profile", "version": 1, "model", "arch", "n_layer",
+"n_expert", "n_expert_used", "expert_bytes", "decode_tokens", "traces"}.
+
+    prof = build_profile([read_trace("a.rtb"), read_trace("b.rtb")])
+    write_profile("model.profile.npz", prof)
+    prof = read_profile("model.profile.npz"); prof.check_model(n_layer, n_expert, bytes, where)
+"""
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from runtime.errors import UserError
+
+FORMAT, VERSION = "moe-offload routing profile", 1
+
+
+@dataclass(frozen=True)
+class RoutingProfile:
+    model: str
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_expert_used: int
+    expert_bytes: tuple[int, ...]   # (n_layer,) 0: dense
+    decode_tokens: int
+    traces: tuple[str, ...]
+    frequency: np.ndarray           # (n_layer, n_expert) float64
+    pair: np.ndarray                # (n_moe - 1, n_expert, n_expert) int32
+    count: np.ndarray               # (n_moe - 1, n_expert) int32
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, b in enumerate(self.expert_bytes) if b > 0)
+
+    def check_model(self, n_layer: int, n_expert: int, expert_bytes, where: str) -> None:
+        """UserError (one line) unless the profile was made for this model shape."""
+        mine = (self.n_layer, self.n_expert, tuple(int(b) for b in self.expert_bytes))
+        theirs = (int(n_layer), int(n_expert), tuple(int(b) for b in expert_bytes))
+        if mine[:2] != theirs[:2]:
+            raise UserError(f"{where}: the profile is of a model with {self.n_layer} layers x "
+                            f"{self.n_expert} experts ({self.model}), not {n_layer} x "
+                            f"{n_expert}")
+        if mine[2] != theirs[2]:
+            layer = next(i for i, (a, b) in enumerate(zip(mine[2], theirs[2])) if a != b)
+            raise UserError(f"{where}: the profile is of another model ({self.model}): layer "
+                            f"{layer} experts are {mine[2][layer]} bytes there, "
+                            f"{theirs[2][layer]} here")
+
+
+def build_profile(traces, names: list[str] | None = None) -> RoutingProfile:
+    """A profile from the decode tokens of ``traces`` (RouteTrace, the same model); UserError
+    when they disagree on the model or hold no decode token."""
+    if not traces:
+        raise UserError("profile: give at least one trace")
+    h = traces[0].header
+    names = names or [t.source for t in traces]
+    for t, name in zip(traces[1:], names[1:]):
+        o = t.header
+        if (o.n_layer, o.n_expert, tuple(o.expert_bytes)) != (h.n_layer, h.n_expert,
+                                                             tuple(h.expert_bytes)):
+            raise UserError(f"{name}: a trace of another model than {names[0]} "
+                            f"({o.n_layer} x {o.n_expert} against {h.n_layer} x {h.n_expert})")
+    moe = [i for i, b in enumerate(h.expert_bytes) if b > 0]
+    index = np.full(h.n_layer, -1, dtype=np.int64)
+    index[moe] = np.arange(len(moe))
+    n_pair = max(len(moe) - 1, 0)
+    routed = np.zeros((h.n_layer, h.n_expert), dtype=np.int64)
+    pair = np.zeros((n_pair, h.n_expert, h.n_expert), dtype=np.int64)
+    count = np.zeros((n_pair, h.n_expert), dtype=np.int64)
+    tokens = 0
+    for t in traces:
+        dec = np.flatnonzero(t.phase == 1)
+        if not len(dec):
+            continue
+        turn, step = t.turn[dec].astype(np.int64), t.step[dec].astype(np.int64)
+        layer, expert = t.layer[dec].astype(np.int64), t.expert[dec].astype(np.int64)
+        token = np.unique(turn * (1 << 32) + step, return_inverse=True)[1]
+        tokens += int(token.max()) + 1
+        # distinct (token, layer, expert): one routing each
+        key = np.unique((token * h.n_layer + layer) * h.n_expert + expert)
+        tok, rest = np.divmod(key, h.n_layer * h.n_expert)
+        lay, exp = np.divmod(rest, h.n_expert)
+        np.add.at(routed, (lay, exp), 1)
+        # pairs: the same token at MoE layers i and i + 1
+        idx = index[lay]
+        by = {}
+        for k, (a, i, e) in enumerate(zip(tok.tolist(), idx.tolist(), exp.tolist())):
+            by.setdefault((a, i), []).append(e)
+        for (a, i), experts in by.items():
+            nxt = by.get((a, i + 1))
+            if nxt is None or i + 1 >= len(moe):
+                continue
+            count[i, experts] += 1
+            pair[i][np.ix_(experts, nxt)] += 1
+    if tokens == 0:
+        raise UserError(f"{names[0]}: no decode tokens to build a profile from")
+    return RoutingProfile(model=h.model, arch=h.arch, n_layer=h.n_layer, n_expert=h.n_expert,
+                          n_expert_used=h.n_expert_used, expert_bytes=tuple(h.expert_bytes),
+                          decode_tokens=tokens, traces=tuple(str(n) for n in names),
+                          frequency=routed / float(tokens), pair=pair.astype(np.int32),
+                          count=count.astype(np.int32))
+
+
+def write_profile(path: str | Path, prof: RoutingProfile) -> None:
+    header = {"format": FORMAT, "version": VERSION, "model": prof.model, "arch": prof.arch,
+              "n_layer": prof.n_layer, "n_expert": prof.n_expert,
+              "n_expert_used": prof.n_expert_used, "expert_bytes": list(prof.expert_bytes),
+              "decode_tokens": prof.decode_tokens, "traces": list(prof.traces)}
+    raw = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    try:
+        with open(path, "wb") as f:
+            np.savez_compressed(f, header=raw, frequency=prof.frequency, pair=prof.pair,
+                                count=prof.count)
+    except OSError as err:
+        raise UserError(f"{path}: cannot write ({err.strerror})") from None
+
+
+def read_profile(path: str | Path) -> RoutingProfile:
+    """The profile in ``path``; UserError (one line) for a missing, corrupt or foreign file."""
+    bad = f"{path}: not a routing profile (moe-offload profile writes them)"
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ("header", "frequency", "pair", "count")}
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, not a profile") from None
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        raise UserError(bad) from None
+    try:
+        head = json.loads(arrays["header"].tobytes().decode())
+        if head.get("format") != FORMAT or head.get("version") != VERSION:
+            raise ValueError
+        prof = RoutingProfile(
+            model=str(head["model"]), arch=str(head["arch"]), n_layer=int(head["n_layer"]),
+            n_expert=int(head["n_expert"]), n_expert_used=int(head["n_expert_used"]),
+            expert_bytes=tuple(int(b) for b in head["expert_bytes"]),
+            decode_tokens=int(head["decode_tokens"]), traces=tuple(head["traces"]),
+            frequency=arrays["frequency"].astype(np.float64), pair=arrays["pair"],
+            count=arrays["count"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise UserError(bad) from None
+    n_pair = max(len(prof.moe_layers) - 1, 0)
+    if (len(prof.expert_bytes) != prof.n_layer
+            or prof.frequency.shape != (prof.n_layer, prof.n_expert)
+            or prof.pair.shape != (n_pair, prof.n_expert, prof.n_expert)
+            or prof.count.shape != (n_pair, prof.n_expert)
+            or not np.isfinite(prof.frequency).all() or (prof.frequency < 0).any()
+            or (prof.frequency > 1).any() or (prof.pair < 0).any() or (prof.count < 0).any()):
+        raise UserError(f"{path}: a corrupt routing profile (arrays do not match its header)")
+    return prof

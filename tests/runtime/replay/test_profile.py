@@ -1,0 +1,95 @@
+"""Routing profiles: built from traces, refused when corrupt or of another model, and a warm
+start that pays: a profile of a trace's first decode half lowers the second half's misses."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.errors import UserError
+from runtime.replay.harness import prepare, replay_cell
+from runtime.residency.config import PhasePolicies, ResidencyConfig
+from runtime.residency.policies.factory import make_spec
+from runtime.residency.profile import build_profile, read_profile, write_profile
+
+DATA = Path(__file__).parents[1] / "traces" / "data"
+REAL_TRACES = sorted(DATA.glob("*.route.csv"))
+
+
+def _halves(trace):
+    """(rows of the first half of the decode tokens, rows of the second half)."""
+    dec = trace.phase == 1
+    steps = np.unique(trace.step[dec])
+    mid = steps[len(steps) // 2]
+    return np.flatnonzero(dec & (trace.step < mid)), np.flatnonzero(dec & (trace.step >= mid))
+
+
+def _learned() -> ResidencyConfig:
+    pp = PhasePolicies(admission=make_spec("admission", "always"),
+                       prefetch=make_spec("prefetch", "affinity"),
+                       eviction=make_spec("eviction", "next-visit"))
+    return ResidencyConfig(phase_specific=False, prefill=pp, decode=pp)
+
+
+def test_profile_of_the_first_half_lowers_the_second_halfs_misses(real_prep):
+    trace = real_prep.trace
+    first, second = _halves(trace)
+    prof = build_profile([trace.take(first)])
+    later = prepare(trace.take(second), name="second half")
+    cap = int(0.1 * trace.header.total_expert_bytes)   # above ~20% gpt-oss's second half fits
+    cold = replay_cell(later, cap, _learned(), label="cold", with_belady=False)
+    warm = replay_cell(later, cap, _learned(), label="warm", with_belady=False, profile=prof)
+    print(f"{real_prep.name}: second-half decode demand-miss MiB cold "
+          f"{cold.decode.demand_miss_bytes / 2**20:,.0f}, warm "
+          f"{warm.decode.demand_miss_bytes / 2**20:,.0f}")
+    assert warm.decode.demand_miss_bytes < cold.decode.demand_miss_bytes
+
+
+def test_profile_round_trips_and_counts_the_decode_routing(tmp_path):
+    from runtime.traces.files import read_trace
+
+    trace = read_trace(REAL_TRACES[0])
+    prof = build_profile([trace])
+    path = tmp_path / "p.npz"
+    write_profile(path, prof)
+    back = read_profile(path)
+    assert back.decode_tokens == trace.token_count(1) == prof.decode_tokens
+    assert np.array_equal(back.frequency, prof.frequency) and np.array_equal(back.pair, prof.pair)
+    # each decode token routes top-k distinct experts per MoE layer
+    k, n_moe = trace.header.n_expert_used, len(prof.moe_layers)
+    assert np.isclose(prof.frequency.sum(), k * n_moe)
+    assert prof.count.sum() == prof.decode_tokens * (n_moe - 1) * k
+    assert prof.pair.sum() == prof.decode_tokens * (n_moe - 1) * k * k
+
+
+def _cli(*argv):
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_refuses_a_corrupt_or_foreign_profile_in_one_line(tmp_path):
+    qwen, gpt = (p for p in sorted(REAL_TRACES, key=lambda p: "qwen" not in p.name))
+    prof = tmp_path / "qwen.npz"
+    done = _cli("profile", qwen, "-o", prof)
+    assert done.returncode == 0, done.stderr
+    other = _cli("replay", gpt, "--capacity", "10%", "--policy", "next-visit", "--profile", prof)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+    assert "the profile is of a model with 48 layers" in other.stderr
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a profile")
+    got = _cli("replay", qwen, "--capacity", "10%", "--policy", "next-visit", "--profile", bad)
+    assert got.returncode == 2
+    assert got.stderr.strip() == (f"moe-offload: error: {bad}: not a routing profile "
+                                  "(moe-offload profile writes them)")
+    ok = _cli("replay", qwen, "--capacity", "10%", "--policy", "next-visit", "--profile", prof)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_profile_of_traces_of_two_models_is_refused():
+    from runtime.traces.files import read_trace
+
+    with pytest.raises(UserError, match="a trace of another model"):
+        build_profile([read_trace(p) for p in REAL_TRACES])
