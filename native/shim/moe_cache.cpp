@@ -61,6 +61,8 @@ struct moe_cache {
     // moe_cache_route's scratch (under table_mutex)
     std::vector<int32_t> planes, misses, seen, mark;
     int32_t seen_gen = 0, mark_gen = 0;
+    // moe_cache_eval: per layer, the router output of the evaluation running (nullptr once routed)
+    std::vector<const ggml_tensor *> eval_topk;
 };
 
 static bool source_is_host(const ggml_tensor * t) {
@@ -525,27 +527,60 @@ int moe_cache_route(moe_cache_t c, int32_t layer, const int32_t * ids, int32_t n
     return MOE_CACHE_OK;
 }
 
-bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
-    auto * c = (moe_cache *) user_data;
+// "<prefix><il>" with nothing after the layer number: the layer, else -1
+static int layer_of(const char * name, const char * prefix) {
+    const size_t n = strlen(prefix);
+    if (strncmp(name, prefix, n) != 0) {
+        return -1;
+    }
     int layer = -1;
     int used = 0;
-    if (c == nullptr || sscanf(t->name, "ffn_moe_topk-%d%n", &layer, &used) != 1 || t->name[used] != '\0' ||
-        layer < 0 || layer >= (int32_t) c->layers.size() || !c->layers[layer].registered) {
+    if (sscanf(name + n, "%d%n", &layer, &used) != 1 || name[n + used] != '\0') {
+        return -1;
+    }
+    return layer;
+}
+
+bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
+    auto * c = (moe_cache *) user_data;
+    if (c == nullptr || strncmp(t->name, "ffn_moe_", 8) != 0) {
+        return false;
+    }
+    const int32_t n_layer = (int32_t) c->layers.size();
+    // the router output: remembered (it stays live: the expert matmuls read it), not a stop
+    const int topk = layer_of(t->name, "ffn_moe_topk-");
+    if (topk >= 0) {
+        if (ask && topk < n_layer) {
+            c->eval_topk.resize(c->layers.size(), nullptr);
+            c->eval_topk[topk] = t;
+        }
+        return false;
+    }
+    // the first view of a layer's id planes: after the final router weights (a dependency), so a
+    // backend's fused top-k + weights kernel stays whole; the planes are written here
+    int layer = -1;
+    for (const char * prefix : { "ffn_moe_hot_ids-", "ffn_moe_pick-", "ffn_moe_cold_ids-" }) {
+        layer = layer < 0 ? layer_of(t->name, prefix) : layer;
+    }
+    if (layer < 0 || layer >= n_layer || !c->layers[layer].registered ||
+        (int32_t) c->eval_topk.size() <= layer || c->eval_topk[layer] == nullptr) {
         return false;
     }
     if (ask) {
         return true;
     }
-    if (t->type != GGML_TYPE_I32 || t->ne[0] != c->n_sink || t->ne[2] != 1 || t->ne[3] != 1) {
+    const ggml_tensor * ids_t = c->eval_topk[layer];
+    c->eval_topk[layer] = nullptr;          // routed: the layer's other plane views pass
+    if (ids_t->type != GGML_TYPE_I32 || ids_t->ne[0] != c->n_sink || ids_t->ne[2] != 1 || ids_t->ne[3] != 1) {
         return false;   // stops the graph: not the router output this cache knows
     }
-    const int64_t n_tokens = t->ne[1];
-    std::vector<int32_t> span(ggml_nbytes(t) / sizeof(int32_t) + 1);
-    ggml_backend_tensor_get(t, span.data(), 0, ggml_nbytes(t));
+    const int64_t n_tokens = ids_t->ne[1];
+    std::vector<int32_t> span(ggml_nbytes(ids_t) / sizeof(int32_t) + 1);
+    ggml_backend_tensor_get(ids_t, span.data(), 0, ggml_nbytes(ids_t));
     std::vector<int32_t> ids((size_t) (n_tokens * c->n_sink));
     for (int64_t r = 0; r < n_tokens; ++r) {
         for (int32_t i = 0; i < c->n_sink; ++i) {
-            ids[(size_t) (r * c->n_sink + i)] = span[(size_t) ((r * t->nb[1] + i * t->nb[0]) / sizeof(int32_t))];
+            ids[(size_t) (r * c->n_sink + i)] = span[(size_t) ((r * ids_t->nb[1] + i * ids_t->nb[0]) / sizeof(int32_t))];
         }
     }
     return moe_cache_route(c, layer, ids.data(), (int32_t) n_tokens) == MOE_CACHE_OK;

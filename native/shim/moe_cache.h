@@ -119,9 +119,10 @@ int moe_cache_table_get(moe_cache_t cache, int32_t layer, int32_t expert, int32_
 // slots. A layer without slots, or n_tokens > max_tokens, needs nothing (OK).
 int moe_cache_route(moe_cache_t cache, int32_t layer, const int32_t * ids, int32_t n_tokens);
 
-// A complete cb_eval (user data: the cache) for a context nobody else observes: reads each
-// cached layer's "ffn_moe_topk-<il>" and calls moe_cache_route; returns false (stops the
-// graph) when a route is refused.
+// A complete cb_eval (user data: the cache) for a context nobody else observes: remembers each
+// cached layer's "ffn_moe_topk-<il>", stops at the layer's first id-plane view (after its final
+// router weights, so a backend's fused top-k + weights kernel stays whole) and calls
+// moe_cache_route there; returns false (stops the graph) when a route is refused.
 bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data);
 
 #ifdef __cplusplus

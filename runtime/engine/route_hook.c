@@ -16,10 +16,20 @@
 #define HOOK_LEASE_BASE (((int64_t) 1) << 50)   /* apart from the manager's lease ids */
 
 enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2 };
-static const char *const k_stages[] = {"ffn_moe_weights", "ffn_moe_weights_softmax",
-                                       "ffn_moe_weights_norm", "ffn_moe_weights_scaled"};
-static const char *const k_flush[] = {"ffn_moe_weighted", "ffn_moe_gate_up", "ffn_moe_up",
-                                      "ffn_moe_gate"};
+/* the node names the hook reads or flushes on (before "-<layer>"), with their lengths: a node
+ * name is matched by its length first (cb_eval asks about every node of every graph) */
+typedef struct { const char *name; size_t len; int kind, stage; } node_name;
+static const node_name k_names[] = {
+    {"ffn_moe_topk", 12, K_TOPK, -1},
+    {"ffn_moe_weights", 15, K_WEIGHTS, 0},           /* the weight stages, in graph order */
+    {"ffn_moe_weights_softmax", 23, K_WEIGHTS, 1},
+    {"ffn_moe_weights_norm", 20, K_WEIGHTS, 2},
+    {"ffn_moe_weights_scaled", 22, K_WEIGHTS, 3},
+    {"ffn_moe_weighted", 16, K_FLUSH, -1},           /* the first nodes after the weights */
+    {"ffn_moe_gate_up", 15, K_FLUSH, -1},
+    {"ffn_moe_up", 10, K_FLUSH, -1},
+    {"ffn_moe_gate", 12, K_FLUSH, -1},
+};
 
 typedef struct {
     int present, done, has_experts, stage;   /* stage -1: no weights yet */
@@ -400,27 +410,25 @@ static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) 
 static int parse(const char *name, int32_t n_layer, int32_t *layer, int32_t *stage) {
     if (strncmp(name, "ffn_moe_", 8) != 0) return K_NONE;
     const char *dash = strrchr(name, '-');
-    if (dash == NULL || dash[1] == '\0') return K_NONE;
-    char *end;
-    long l = strtol(dash + 1, &end, 10);
-    if (*end != '\0' || l < 0 || l >= n_layer) return K_NONE;
+    if (dash == NULL || dash[1] < '0' || dash[1] > '9') return K_NONE;
     const size_t len = (size_t) (dash - name);
-    *layer = (int32_t) l;
-    if (len == 12 && strncmp(name, "ffn_moe_topk", 12) == 0) return K_TOPK;
-    for (int s = 0; s < 4; s++)
-        if (strlen(k_stages[s]) == len && strncmp(name, k_stages[s], len) == 0) {
-            *stage = s;
-            return K_WEIGHTS;
-        }
-    for (int s = 0; s < 4; s++)
-        if (strlen(k_flush[s]) == len && strncmp(name, k_flush[s], len) == 0) return K_FLUSH;
+    for (size_t i = 0; i < sizeof k_names / sizeof k_names[0]; i++) {
+        const node_name *n = &k_names[i];
+        if (n->len != len || memcmp(name, n->name, len) != 0) continue;
+        /* derived names ("ffn_moe_topk-3 (reshaped)") end past the layer number */
+        char *end;
+        const long l = strtol(dash + 1, &end, 10);
+        if (*end != '\0' || l >= n_layer) return K_NONE;
+        *layer = (int32_t) l;
+        *stage = n->stage;
+        return n->kind;
+    }
     return K_NONE;
 }
 
 static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     const char *name = (const char *) tensor + h->name_off;
-    if (strncmp(name, "ffn_moe_", 8) != 0 || memchr(name, ' ', strnlen(name, NAME_BYTES)))
-        return false;
+    if (strncmp(name, "ffn_moe_", 8) != 0) return false;
     if (h->error) return ask;                /* ask: compute up to here; data: stop the graph */
     if (!h->in_batch) return false;          /* a decode nobody framed */
     int32_t layer = -1, stage = -1;
