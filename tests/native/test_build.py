@@ -19,7 +19,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
                                                "0002-ggml-cpu-mul-mat-id-used-matrices.patch",
                                                "0003-ggml-cpu-amx-tile-config.patch",
-                                               "0004-rpc-errors-not-abort.patch"]
+                                               "0004-rpc-errors-not-abort.patch",
+                                               "0005-ggml-vulkan-mmid-prealloc-per-graph.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -33,6 +34,10 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert (tree / "include" / "llama-moe-cache.h").is_file()
     rpc = (tree / "ggml" / "src" / "ggml-rpc" / "ggml-rpc.cpp").read_text()
     assert "ggml_backend_rpc_failure_count" in rpc and "GGML_ABORT(\"Failed to connect" not in rpc
+    cpu = (tree / "ggml" / "src" / "ggml-cpu" / "ggml-cpu.c").read_text()
+    assert "memset(matrix_row_counts" not in cpu and "used_as" in cpu        # patch 0002
+    vulkan = (tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp").read_text()
+    assert "sized for every mmid of" in vulkan                                 # patch 0005
 
 
 def test_build_is_cached_and_complete(native_build):
