@@ -15,7 +15,7 @@
 #define NAME_BYTES 64
 #define HOOK_LEASE_BASE (((int64_t) 1) << 50)   /* apart from the manager's lease ids */
 
-enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2 };
+enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2, K_PLANES = 3 };
 /* the node names the hook reads or flushes on (before "-<layer>"), with their lengths: a node
  * name is matched by its length first (cb_eval asks about every node of every graph) */
 typedef struct { const char *name; size_t len; int kind, stage; } node_name;
@@ -29,6 +29,12 @@ static const node_name k_names[] = {
     {"ffn_moe_gate_up", 15, K_FLUSH, -1},
     {"ffn_moe_up", 10, K_FLUSH, -1},
     {"ffn_moe_gate", 12, K_FLUSH, -1},
+    /* a device cache's id-plane views (patched graph): after the final weights, before any
+     * reader; a layer not flushed yet (the first batch, final stage unknown) flushes there, at
+     * a data callback, so its planes are written before a split copies them */
+    {"ffn_moe_hot_ids", 15, K_PLANES, -1},
+    {"ffn_moe_pick", 12, K_PLANES, -1},
+    {"ffn_moe_cold_ids", 16, K_PLANES, -1},
 };
 
 typedef struct {
@@ -436,6 +442,7 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     if (kind == K_NONE || !h->is_moe[layer]) return false;
     const int final = h->final_stage[layer];
     if (ask) {
+        if (kind == K_PLANES) return h->pend[layer].present && !h->pend[layer].done;
         if (kind == K_FLUSH) {
             flush(h, layer);
             return false;
@@ -447,7 +454,9 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
         return final < 0 || final == stage;
     }
     void *data;
-    if (kind == K_TOPK) {
+    if (kind == K_PLANES) {
+        flush(h, layer);
+    } else if (kind == K_TOPK) {
         const int64_t n = read_elems(h, tensor, 26, &data);
         if (n < 0 || n % h->k) { fail(h, "ffn_moe_topk: unexpected tensor"); return false; }
         on_topk(h, layer, (const int32_t *) data, (int32_t) (n / h->k));
