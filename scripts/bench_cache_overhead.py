@@ -15,8 +15,9 @@ interleaved (``--reps`` rounds, medians), greedy decode from an empty KV cache:
   cache 25% lru    cpu-slots at 25% of the expert bytes, admit every miss, LRU
 ``--device cuda:0`` (or vulkan:0) with ``-ngl 99`` measures the same on a GPU (the patched
 library from $LLAMA_CPP_LIB_PATH, else the newest build of that backend): the experts stay in
-host memory, the cache's slots live on the device. Printed: decode ms/token, the difference to
-"experts on CPU" per token and per MoE layer, and whether the greedy tokens equal the reference
+host memory, the cache's slots live on the device. Printed: decode ms/token (wall, and this
+process's CPU time per decode token), the difference to "experts on CPU" per token and per MoE
+layer on both clocks, and whether the greedy tokens equal the reference
 (they must: same bytes; on a GPU the cold and hot kernels differ, so the line says so).
 """
 from __future__ import annotations
@@ -70,16 +71,26 @@ def _engines(model: Path, lib_dir: str, threads: int, n_gen: int, device: str, n
     }
 
 
-def _decode(engine, n_gen: int) -> tuple[float, list[int]]:
-    """Seconds per decode token (the prompt's time left out) and the tokens."""
+def _generate(engine, n_gen: int):
     from runtime.engine.sampling import SamplingParams
 
     engine.reset()                                   # from an empty KV cache
+    c0 = time.process_time()
     chunks = list(engine.generate(PROMPT_TOKENS, SamplingParams(max_tokens=n_gen,
                                                                 temperature=0.0)))
+    return chunks, time.process_time() - c0
+
+
+def _decode(engine, n_gen: int) -> tuple[float, float, list[int]]:
+    """Wall seconds per decode token (the prompt's time left out), CPU seconds per decode
+    token ((cpu(n_gen tokens) - cpu(1 token)) / (n_gen - 1): this process, every thread; on a
+    shared machine wall time also measures the neighbours) and the tokens."""
+    chunks, cpu = _generate(engine, n_gen)
+    _, cpu_one = _generate(engine, 1)
     timings = chunks[-1].timings
     tokens = [c.token for c in chunks if c.token is not None]
-    return timings.generation_s / max(timings.completion_tokens, 1), tokens
+    return (timings.generation_s / max(timings.completion_tokens, 1),
+            (cpu - cpu_one) / max(n_gen - 1, 1), tokens)
 
 
 def main() -> int:
@@ -109,27 +120,32 @@ def main() -> int:
     engines = _engines(model, lib_dir, args.threads, args.n_gen, args.device,
                        args.gpu_layers)
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_times: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, list[int]] = {}
     started = time.perf_counter()
     for _ in range(args.reps):
         for name, engine in engines.items():
-            seconds, toks = _decode(engine, args.n_gen)
+            seconds, cpu_seconds, toks = _decode(engine, args.n_gen)
             times[name].append(seconds)
+            cpu_times[name].append(cpu_seconds)
             tokens.setdefault(name, toks)
     for engine in engines.values():
         engine.close()
     base = statistics.median(times["experts on CPU"])
+    cpu_base = statistics.median(cpu_times["experts on CPU"])
     ref = tokens["experts on CPU"]
     print(f"model: {model.name} ({n_moe} MoE layers); {args.n_gen} decode tokens, "
           f"{args.reps} rounds, -t {args.threads}, device {args.device}, -ngl "
           f"{args.gpu_layers}; {time.perf_counter() - started:.0f} s")
     print()
-    print("| configuration | decode ms/token | + ms/token | + µs per MoE layer | greedy = ref |")
-    print("|---|---:|---:|---:|---|")
+    print("| configuration | decode ms/token | + ms/token | + µs per MoE layer | CPU ms/token "
+          "| + CPU µs per MoE layer | greedy = ref |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for name, samples in times.items():
-        t = statistics.median(samples)
+        t, c = statistics.median(samples), statistics.median(cpu_times[name])
         print(f"| {name} | {t * 1e3:.2f} | {(t - base) * 1e3:+.2f} | "
-              f"{(t - base) * 1e6 / n_moe:+.0f} | {'yes' if tokens[name] == ref else 'NO'} |")
+              f"{(t - base) * 1e6 / n_moe:+.0f} | {c * 1e3:.2f} | "
+              f"{(c - cpu_base) * 1e6 / n_moe:+.0f} | {'yes' if tokens[name] == ref else 'NO'} |")
     print()
     print("command: python scripts/bench_cache_overhead.py "
           + " ".join(shlex.quote(a) for a in sys.argv[1:]))

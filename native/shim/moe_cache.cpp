@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <climits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -26,9 +28,11 @@ struct layer_state {
     int32_t pool = -1;
     size_t expert_bytes = 0;                        // all projections of one expert
     int64_t n_expert = 0;
-    ggml_tensor * ids  = nullptr;                   // I32 {1, n_expert}
-    ggml_tensor * mask = nullptr;                   // F32 {1, n_expert}
+    ggml_tensor * remap = nullptr;                  // I32 {3 * n_used * max_tokens}: the id planes
     std::vector<int32_t> table;                     // expert -> slot, -1 = not resident
+    bool host_plain = false;                        // experts in a plain host buffer: the cold
+                                                    // path may skip rows (-1, ggml-cpu's generic
+                                                    // MUL_MAT_ID) for batches not offloaded
     bool registered = false;
 };
 
@@ -51,6 +55,14 @@ struct moe_cache {
     ggml_backend_buffer_t buffer = nullptr;
     std::mutex table_mutex;
     int32_t n_sink = 0;   // sink slots per pool (the model's n_expert_used)
+    int32_t max_tokens = 0;
+    int32_t min_batch = 32;  // GGML_OP_OFFLOAD_MIN_BATCH: larger batches may run on a GPU
+    bool slots_plain = false;  // slots in a plain host buffer: ggml-cpu computes the hot path
+    // moe_cache_route's scratch (under table_mutex)
+    std::vector<int32_t> planes, misses, seen, mark;
+    int32_t seen_gen = 0, mark_gen = 0;
+    // moe_cache_eval: per layer, the router output of the evaluation running (nullptr once routed)
+    std::vector<const ggml_tensor *> eval_topk;
 };
 
 static bool source_is_host(const ggml_tensor * t) {
@@ -60,6 +72,23 @@ static bool source_is_host(const ggml_tensor * t) {
     // repacked CPU layouts (CPU_REPACK, AMX, KLEIDIAI) are not the file's bytes
     const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer));
     return strstr(name, "REPACK") == nullptr && strstr(name, "AMX") == nullptr && strstr(name, "KLEIDI") == nullptr;
+}
+
+// may the cold path repeat an expert id within a token? Only ggml-cpu's generic MUL_MAT_ID
+// handles repeats: the tensor must sit in a plain host buffer (not repacked, not a device; the
+// scheduler offloads large batches to a GPU, which moe_cache_route checks per batch)
+static bool plain_host_buffer(ggml_backend_buffer_t buffer) {
+    if (buffer == nullptr || !ggml_backend_buffer_is_host(buffer)) {
+        return false;
+    }
+    const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(buffer));
+    const size_t len = strlen(name);
+    const bool pinned = len > 5 && strcmp(name + len - 5, "_Host") == 0;  // e.g. CUDA_Host
+    return strcmp(name, "CPU") == 0 || strcmp(name, "CPU_Mapped") == 0 || pinned;
+}
+
+static bool plain_host(const ggml_tensor * t) {
+    return plain_host_buffer(t->buffer);
 }
 
 static void free_cache(moe_cache * c) {
@@ -77,8 +106,9 @@ static void free_cache(moe_cache * c) {
     delete c;
 }
 
-int moe_cache_create(const llama_model * model, const char * device, size_t capacity_bytes, moe_cache_t * out) {
-    if (model == nullptr || device == nullptr || out == nullptr) {
+int moe_cache_create(const llama_model * model, const char * device, size_t capacity_bytes, int32_t max_tokens,
+                     moe_cache_t * out) {
+    if (model == nullptr || device == nullptr || out == nullptr || max_tokens < 1) {
         return MOE_CACHE_ERR_ARG;
     }
     *out = nullptr;
@@ -87,6 +117,10 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         return MOE_CACHE_ERR_DEVICE;
     }
     auto * c = new moe_cache();
+    c->max_tokens = max_tokens;
+    if (const char * env = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
+        c->min_batch = atoi(env);
+    }
     const int32_t n_layer = llama_model_n_layer(model);
     c->layers.resize(n_layer);
 
@@ -115,6 +149,10 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         }
         l.n_expert = down->ne[2];
         l.table.assign(l.n_expert, -1);
+        l.host_plain = true;
+        for (const ggml_tensor * t : l.exps) {
+            l.host_plain = l.host_plain && (t == nullptr || plain_host(t));
+        }
         total_expert_bytes += l.expert_bytes * l.n_expert;
         auto it = pool_of.find(sig);
         if (it == pool_of.end()) {
@@ -144,6 +182,10 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         return MOE_CACHE_ERR_MODEL;
     }
     c->n_sink = n_sink;
+    if ((int64_t) 3 * n_sink * max_tokens > INT32_MAX / 4) {
+        free_cache(c);
+        return MOE_CACHE_ERR_ARG;
+    }
 
     // slots per pool: the capacity split in proportion to the pool's expert bytes, sinks included
     size_t n_tensors = 0;
@@ -162,7 +204,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         p.owner.assign(p.n_slots, {-1, -1});
         n_tensors += MOE_CACHE_PROJ_COUNT;
     }
-    n_tensors += 2 * c->layers.size();
+    n_tensors += c->layers.size();
 
     ggml_init_params params = { ggml_tensor_overhead() * (n_tensors + 8), nullptr, true };
     c->ctx = ggml_init(params);
@@ -178,9 +220,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
             }
         }
         for (int32_t il : p.layers) {
-            layer_state & l = c->layers[il];
-            l.ids  = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, 1, l.n_expert);
-            l.mask = ggml_new_tensor_2d(c->ctx, GGML_TYPE_F32, 1, l.n_expert);
+            c->layers[il].remap = ggml_new_tensor_1d(c->ctx, GGML_TYPE_I32, (int64_t) 3 * n_sink * max_tokens);
         }
     }
     if (ggml_get_first_tensor(c->ctx) != nullptr) {
@@ -189,7 +229,8 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
             free_cache(c);
             return MOE_CACHE_ERR_ALLOC;
         }
-        // zeroed slots compute to finite values (0) even for entries pointing at an empty slot
+        c->slots_plain = plain_host_buffer(c->buffer);
+        // zeroed: sink slots compute finite values (never used), id planes are valid ids
         ggml_backend_buffer_clear(c->buffer, 0);
         // weights: the scheduler runs the ops that read them on this device (with the dense
         // layers elsewhere, e.g. on a remote or a GPU next to CPU layers, it would otherwise
@@ -204,7 +245,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
             layer_state & l = c->layers[il];
             llama_moe_cache_layer reg = {
                 p.slots[MOE_CACHE_PROJ_UP], p.slots[MOE_CACHE_PROJ_GATE], p.slots[MOE_CACHE_PROJ_GATE_UP],
-                p.slots[MOE_CACHE_PROJ_DOWN], l.ids, l.mask, p.n_slots,
+                p.slots[MOE_CACHE_PROJ_DOWN], l.remap, p.n_slots, n_sink, max_tokens,
             };
             if (!llama_moe_cache_register(l.exps[MOE_CACHE_PROJ_DOWN], &reg)) {
                 free_cache(c);
@@ -362,10 +403,6 @@ int moe_cache_table_set(moe_cache_t c, int32_t layer, int32_t expert, int32_t sl
     if (slot >= 0) {
         p.owner[slot] = {layer, expert};
     }
-    const float id = slot >= 0 ? (float) slot : 0.0f;   // exact: slots < 2^24
-    const float m  = slot >= 0 ? 1.0f : 0.0f;
-    ggml_backend_tensor_set(l.ids,  &id, (size_t) expert * sizeof(float), sizeof(float));
-    ggml_backend_tensor_set(l.mask, &m,  (size_t) expert * sizeof(float),   sizeof(float));
     return MOE_CACHE_OK;
 }
 
@@ -380,4 +417,175 @@ int moe_cache_table_get(moe_cache_t c, int32_t layer, int32_t expert, int32_t * 
     std::lock_guard<std::mutex> lock(c->table_mutex);
     *slot_out = l.table[expert];
     return MOE_CACHE_OK;
+}
+
+int moe_cache_route(moe_cache_t c, int32_t layer, const int32_t * ids, int32_t n_tokens) {
+    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || n_tokens < 0 ||
+        (ids == nullptr && n_tokens > 0)) {
+        return MOE_CACHE_ERR_ARG;
+    }
+    const layer_state & l = c->layers[layer];
+    if (!l.registered || n_tokens == 0 || n_tokens > c->max_tokens) {
+        return MOE_CACHE_OK;   // the graph computes this layer without the cache
+    }
+    const int32_t k = c->n_sink;
+    const int64_t n = (int64_t) n_tokens * k;
+    for (int64_t i = 0; i < n; ++i) {
+        if (ids[i] < 0 || ids[i] >= l.n_expert) {
+            return MOE_CACHE_ERR_ARG;
+        }
+    }
+    const int32_t n_slots = c->pools[l.pool].n_slots;
+    std::lock_guard<std::mutex> lock(c->table_mutex);
+    c->planes.resize((size_t) (3 * n));
+    int32_t * hot = c->planes.data();
+    int32_t * pick = hot + n;
+    int32_t * cold = pick + n;
+    if ((int64_t) c->seen.size() < l.n_expert) {
+        c->seen.assign(l.n_expert, 0);
+        c->mark.assign(l.n_expert, 0);
+        c->seen_gen = c->mark_gen = 0;
+    }
+    if (c->seen_gen == INT32_MAX || c->mark_gen > INT32_MAX - n_tokens) {
+        std::fill(c->seen.begin(), c->seen.end(), 0);
+        std::fill(c->mark.begin(), c->mark.end(), 0);
+        c->seen_gen = c->mark_gen = 0;
+    }
+    // ggml-cpu's generic MUL_MAT_ID computes the batch (not offloaded): no row for id -1
+    const bool cpu_batch = n_tokens < c->min_batch;
+    const bool skip_cold = l.host_plain && cpu_batch;
+    const bool skip_hot = c->slots_plain && cpu_batch;
+    if (!skip_cold) {
+        // the batch's non-resident experts, in order of first use: fillers at no extra bytes
+        const int32_t gen = ++c->seen_gen;
+        c->misses.clear();
+        for (int64_t i = 0; i < n; ++i) {
+            const int32_t e = ids[i];
+            if (l.table[e] < 0 && c->seen[e] != gen) {
+                c->seen[e] = gen;
+                c->misses.push_back(e);
+            }
+        }
+    }
+    for (int32_t t = 0; t < n_tokens; ++t) {
+        const int32_t * sel = ids + (int64_t) t * k;
+        int32_t * h = hot + (int64_t) t * k;
+        int32_t * pk = pick + (int64_t) t * k;
+        int32_t * cd = cold + (int64_t) t * k;
+        int32_t m = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            const int32_t slot = l.table[sel[i]];
+            if (slot >= 0) {
+                h[i] = slot;
+                pk[i] = k + i;
+                cd[i] = -1;                        // a filler below, unless rows can be skipped
+            } else {
+                h[i] = skip_hot ? -1 : n_slots + i;
+                pk[i] = i;
+                cd[i] = sel[i];
+                m++;
+            }
+        }
+        if (m == k || skip_cold) {
+            continue;
+        }
+        // distinct ids at the resident experts' positions: other tokens' misses, then other
+        // non-resident experts, then any expert the token does not route to
+        const int32_t tg = ++c->mark_gen;
+        for (int32_t i = 0; i < k; ++i) {
+            c->mark[sel[i]] = tg;
+        }
+        int32_t u = 0;
+        int32_t e_scan = 0;
+        int32_t pass = 0;
+        for (int32_t i = 0; i < k; ++i) {
+            if (cd[i] >= 0) {
+                continue;
+            }
+            int32_t f = -1;
+            while (f < 0 && u < (int32_t) c->misses.size()) {
+                const int32_t e = c->misses[u++];
+                if (c->mark[e] != tg) {
+                    f = e;
+                }
+            }
+            while (f < 0 && pass < 2) {
+                if (e_scan >= l.n_expert) {
+                    e_scan = 0;
+                    pass++;
+                    continue;
+                }
+                const int32_t e = e_scan++;
+                if (c->mark[e] != tg && (pass == 1 || l.table[e] < 0)) {
+                    f = e;
+                }
+            }
+            if (f < 0) {
+                f = sel[i];   // fewer experts than 2 k: the resident expert itself (distinct)
+            }
+            c->mark[f] = tg;
+            cd[i] = f;
+        }
+    }
+    ggml_backend_tensor_set(l.remap, c->planes.data(), 0, (size_t) (3 * n) * sizeof(int32_t));
+    return MOE_CACHE_OK;
+}
+
+// "<prefix><il>" with nothing after the layer number: the layer, else -1
+static int layer_of(const char * name, const char * prefix) {
+    const size_t n = strlen(prefix);
+    if (strncmp(name, prefix, n) != 0) {
+        return -1;
+    }
+    int layer = -1;
+    int used = 0;
+    if (sscanf(name + n, "%d%n", &layer, &used) != 1 || name[n + used] != '\0') {
+        return -1;
+    }
+    return layer;
+}
+
+bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
+    auto * c = (moe_cache *) user_data;
+    if (c == nullptr || strncmp(t->name, "ffn_moe_", 8) != 0) {
+        return false;
+    }
+    const int32_t n_layer = (int32_t) c->layers.size();
+    // the router output: remembered (it stays live: the expert matmuls read it), not a stop
+    const int topk = layer_of(t->name, "ffn_moe_topk-");
+    if (topk >= 0) {
+        if (ask && topk < n_layer) {
+            c->eval_topk.resize(c->layers.size(), nullptr);
+            c->eval_topk[topk] = t;
+        }
+        return false;
+    }
+    // the first view of a layer's id planes: after the final router weights (a dependency), so a
+    // backend's fused top-k + weights kernel stays whole; the planes are written here
+    int layer = -1;
+    for (const char * prefix : { "ffn_moe_hot_ids-", "ffn_moe_pick-", "ffn_moe_cold_ids-" }) {
+        layer = layer < 0 ? layer_of(t->name, prefix) : layer;
+    }
+    if (layer < 0 || layer >= n_layer || !c->layers[layer].registered ||
+        (int32_t) c->eval_topk.size() <= layer || c->eval_topk[layer] == nullptr) {
+        return false;
+    }
+    if (ask) {
+        return true;
+    }
+    const ggml_tensor * ids_t = c->eval_topk[layer];
+    c->eval_topk[layer] = nullptr;          // routed: the layer's other plane views pass
+    if (ids_t->type != GGML_TYPE_I32 || ids_t->ne[0] != c->n_sink || ids_t->ne[2] != 1 || ids_t->ne[3] != 1) {
+        return false;   // stops the graph: not the router output this cache knows
+    }
+    const int64_t n_tokens = ids_t->ne[1];
+    std::vector<int32_t> span(ggml_nbytes(ids_t) / sizeof(int32_t) + 1);
+    ggml_backend_tensor_get(ids_t, span.data(), 0, ggml_nbytes(ids_t));
+    std::vector<int32_t> ids((size_t) (n_tokens * c->n_sink));
+    for (int64_t r = 0; r < n_tokens; ++r) {
+        for (int32_t i = 0; i < c->n_sink; ++i) {
+            ids[(size_t) (r * c->n_sink + i)] = span[(size_t) ((r * ids_t->nb[1] + i * ids_t->nb[0]) / sizeof(int32_t))];
+        }
+    }
+    return moe_cache_route(c, layer, ids.data(), (int32_t) n_tokens) == MOE_CACHE_OK;
 }

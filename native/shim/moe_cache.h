@@ -8,15 +8,23 @@
 // build. Which expert lives where is decided by the caller (moe-offload's residency manager):
 // this library only moves bytes and keeps the tables.
 //
+// Per MoE layer and evaluation, the graph reads three id planes (which path computes each
+// routed (token, expert) pair, llama-moe-cache.h) that moe_cache_route writes from the routed
+// ids and the table: call it from the context's eval callback, after the layer's router output
+// and before its expert matmuls (moe-offload's routing hook does; moe_cache_eval is a ready
+// cb_eval for a context nothing else observes). A cached layer whose planes were not written
+// computes wrong outputs: routing every layer of every evaluation is part of the contract.
+//
 // Rules: write slots (moe_cache_slot_set / moe_cache_slot_load) from any thread, for different
-// slots concurrently; change tables (moe_cache_table_set) only between graph evaluations
-// (after llama_synchronize), and point a table entry at a slot only after its bytes are written.
-// Clear the entry of a slot's old expert before overwriting that slot.
+// slots concurrently; change tables (moe_cache_table_set) between graph evaluations or from
+// the eval callback before the layer's moe_cache_route, and point a table entry at a slot only
+// after its bytes are written. Clear the entry of a slot's old expert before overwriting that
+// slot.
 //
 // Usage:
 //
-//     moe_cache_t cache;
-//     if (moe_cache_create(model, "CPU", 512u << 20, &cache) != MOE_CACHE_OK) { ... }
+//     moe_cache_t cache;     // ubatches up to 512 tokens use it; cb_eval = moe_cache_eval
+//     if (moe_cache_create(model, "CPU", 512u << 20, 512, &cache) != MOE_CACHE_OK) { ... }
 //     int32_t pool; size_t expert_bytes;
 //     moe_cache_layer_info(cache, 3, &pool, &expert_bytes);        // layer 3's pool, bytes
 //     int32_t n_slots;
@@ -28,6 +36,7 @@
 //     moe_cache_free(cache);                       // before llama_model_free
 #pragma once
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -36,6 +45,7 @@ extern "C" {
 #endif
 
 struct llama_model;
+struct ggml_tensor;
 typedef struct moe_cache * moe_cache_t;
 
 enum moe_cache_status {
@@ -60,11 +70,14 @@ enum moe_cache_proj {
 // Allocates slots for `capacity_bytes` of experts on `device` (a ggml device name: "CPU",
 // "CUDA0", "Vulkan0"), split over the pools in proportion to their expert bytes, never more
 // slots than a pool has experts, and registers every MoE layer with libllama. Each pool also
-// holds n_expert_used "sink" slots (inside the capacity, never assigned: they take the
-// zero-weighted work of non-resident experts). A capacity below n_expert_used + 1 experts
-// is valid and gives no slots (every expert computed as usual).
+// holds n_expert_used "sink" slots (inside the capacity, never assigned: they take the slot
+// path's work for non-resident experts, whose outputs are never used). A capacity below
+// n_expert_used + 1 experts is valid and gives no slots (every expert computed as usual).
+// Ubatches of up to `max_tokens` tokens (the context's n_ubatch) use the cache; each MoE layer
+// also holds its id planes, 12 * n_expert_used * max_tokens bytes on the device, outside the
+// capacity.
 int moe_cache_create(const struct llama_model * model, const char * device, size_t capacity_bytes,
-                     moe_cache_t * out);
+                     int32_t max_tokens, moe_cache_t * out);
 // Unregisters and frees everything. Call before llama_model_free.
 void moe_cache_free(moe_cache_t cache);
 
@@ -95,6 +108,22 @@ int moe_cache_slot_get(moe_cache_t cache, int32_t layer, int32_t slot, int32_t p
 // table: expert -> slot (-1: not resident). Between graph evaluations only.
 int moe_cache_table_set(moe_cache_t cache, int32_t layer, int32_t expert, int32_t slot);
 int moe_cache_table_get(moe_cache_t cache, int32_t layer, int32_t expert, int32_t * slot_out);
+
+// The id planes of `layer` for this evaluation, from `ids` ([n_tokens][n_expert_used], the
+// layer's routed experts) and the table as it is now. Both paths keep the routing positions.
+// Where ggml-cpu computes the batch (n_tokens < GGML_OP_OFFLOAD_MIN_BATCH, 32), each path
+// computes only its own rows: the cold path's other positions (expert tensors in a plain host
+// buffer) and the slot path's misses (slots in host memory) are -1, which the patched ggml-cpu
+// skips; otherwise cold positions of resident experts hold distinct fillers (other tokens'
+// misses first: the scheduler copies no extra expert for them) and slot misses go to sink
+// slots. A layer without slots, or n_tokens > max_tokens, needs nothing (OK).
+int moe_cache_route(moe_cache_t cache, int32_t layer, const int32_t * ids, int32_t n_tokens);
+
+// A complete cb_eval (user data: the cache) for a context nobody else observes: remembers each
+// cached layer's "ffn_moe_topk-<il>", stops at the layer's first id-plane view (after its final
+// router weights, so a backend's fused top-k + weights kernel stays whole) and calls
+// moe_cache_route there; returns false (stops the graph) when a route is refused.
+bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data);
 
 #ifdef __cplusplus
 }

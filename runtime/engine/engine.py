@@ -117,6 +117,7 @@ class Engine:
         self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // \
             (1 if settings.kv_unified else max(1, settings.n_parallel))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
+        self.n_ubatch = int(self._ll.llama_n_ubatch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))
         self._batch = TokenBatch(self.n_batch)
         self._kv: list[int] = []            # tokens in the KV cache, sequence 0, in order

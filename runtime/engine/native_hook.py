@@ -182,6 +182,12 @@ class NativeHook(RoutingHook):
                 stage = lib.rh_final_stage(h, layer)
                 if stage >= 0:
                     a.final_stage.setdefault(layer, stage)
+        for cache in self._caches:
+            cache.check_failures()
+        for tier in self._tiers:
+            tier.after_batch()
+        if not a.observers:             # the hook's own cores and caches took every event
+            return
         k = a.n_expert_used
         n_events = lib.rh_n_events(h)
         meta = np.empty((n_events, 6), dtype=np.int64)
@@ -196,10 +202,6 @@ class NativeHook(RoutingHook):
         events = [RouteEvent(layer, _PHASES[phase], first, turn,
                              experts[at // k:at // k + rows], weights[at // k:at // k + rows])
                   for layer, phase, first, turn, rows, at in meta.tolist()]
-        for cache in self._caches:
-            cache.check_failures()
-        for tier in self._tiers:
-            tier.after_batch()
         for observer in a.observers:
             for event in events:
                 observer.on_route(event)

@@ -17,11 +17,27 @@
 #define NAME_BYTES 64
 #define HOOK_LEASE_BASE (((int64_t) 1) << 50)   /* apart from the manager's lease ids */
 
-enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2 };
-static const char *const k_stages[] = {"ffn_moe_weights", "ffn_moe_weights_softmax",
-                                       "ffn_moe_weights_norm", "ffn_moe_weights_scaled"};
-static const char *const k_flush[] = {"ffn_moe_weighted", "ffn_moe_gate_up", "ffn_moe_up",
-                                      "ffn_moe_gate"};
+enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2, K_PLANES = 3 };
+/* the node names the hook reads or flushes on (before "-<layer>"), with their lengths: a node
+ * name is matched by its length first (cb_eval asks about every node of every graph) */
+typedef struct { const char *name; size_t len; int kind, stage; } node_name;
+static const node_name k_names[] = {
+    {"ffn_moe_topk", 12, K_TOPK, -1},
+    {"ffn_moe_weights", 15, K_WEIGHTS, 0},           /* the weight stages, in graph order */
+    {"ffn_moe_weights_softmax", 23, K_WEIGHTS, 1},
+    {"ffn_moe_weights_norm", 20, K_WEIGHTS, 2},
+    {"ffn_moe_weights_scaled", 22, K_WEIGHTS, 3},
+    {"ffn_moe_weighted", 16, K_FLUSH, -1},           /* the first nodes after the weights */
+    {"ffn_moe_gate_up", 15, K_FLUSH, -1},
+    {"ffn_moe_up", 10, K_FLUSH, -1},
+    {"ffn_moe_gate", 12, K_FLUSH, -1},
+    /* a device cache's id-plane views (patched graph): after the final weights, before any
+     * reader; a layer not flushed yet (the first batch, final stage unknown) flushes there, at
+     * a data callback, so its planes are written before a split copies them */
+    {"ffn_moe_hot_ids", 15, K_PLANES, -1},
+    {"ffn_moe_pick", 12, K_PLANES, -1},
+    {"ffn_moe_cold_ids", 16, K_PLANES, -1},
+};
 
 typedef struct {
     int present, done, has_experts, stage;   /* stage -1: no weights yet */
@@ -230,8 +246,12 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
         const int rc = dc_route(h->caches[d], layer, p->experts, (int32_t) n, h->phase);
         if (rc != 0) {
             char msg[128];
-            snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
-                     "(status %d)", layer, rc);
+            if (rc <= -100)
+                snprintf(msg, sizeof msg, "device cache: layer %d: the id planes could not be "
+                         "written (moe_cache_route status %d)", layer, -100 - rc);
+            else
+                snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
+                         "(status %d)", layer, rc);
             fail(h, msg);
         }
     }
@@ -402,27 +422,25 @@ static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) 
 static int parse(const char *name, int32_t n_layer, int32_t *layer, int32_t *stage) {
     if (strncmp(name, "ffn_moe_", 8) != 0) return K_NONE;
     const char *dash = strrchr(name, '-');
-    if (dash == NULL || dash[1] == '\0') return K_NONE;
-    char *end;
-    long l = strtol(dash + 1, &end, 10);
-    if (*end != '\0' || l < 0 || l >= n_layer) return K_NONE;
+    if (dash == NULL || dash[1] < '0' || dash[1] > '9') return K_NONE;
     const size_t len = (size_t) (dash - name);
-    *layer = (int32_t) l;
-    if (len == 12 && strncmp(name, "ffn_moe_topk", 12) == 0) return K_TOPK;
-    for (int s = 0; s < 4; s++)
-        if (strlen(k_stages[s]) == len && strncmp(name, k_stages[s], len) == 0) {
-            *stage = s;
-            return K_WEIGHTS;
-        }
-    for (int s = 0; s < 4; s++)
-        if (strlen(k_flush[s]) == len && strncmp(name, k_flush[s], len) == 0) return K_FLUSH;
+    for (size_t i = 0; i < sizeof k_names / sizeof k_names[0]; i++) {
+        const node_name *n = &k_names[i];
+        if (n->len != len || memcmp(name, n->name, len) != 0) continue;
+        /* derived names ("ffn_moe_topk-3 (reshaped)") end past the layer number */
+        char *end;
+        const long l = strtol(dash + 1, &end, 10);
+        if (*end != '\0' || l >= n_layer) return K_NONE;
+        *layer = (int32_t) l;
+        *stage = n->stage;
+        return n->kind;
+    }
     return K_NONE;
 }
 
 static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     const char *name = (const char *) tensor + h->name_off;
-    if (strncmp(name, "ffn_moe_", 8) != 0 || memchr(name, ' ', strnlen(name, NAME_BYTES)))
-        return false;
+    if (strncmp(name, "ffn_moe_", 8) != 0) return false;
     if (h->error) return ask;                /* ask: compute up to here; data: stop the graph */
     if (!h->in_batch) return false;          /* a decode nobody framed */
     int32_t layer = -1, stage = -1;
@@ -430,6 +448,7 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     if (kind == K_NONE || !h->is_moe[layer]) return false;
     const int final = h->final_stage[layer];
     if (ask) {
+        if (kind == K_PLANES) return h->pend[layer].present && !h->pend[layer].done;
         if (kind == K_FLUSH) {
             flush(h, layer);
             return false;
@@ -441,7 +460,9 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
         return final < 0 || final == stage;
     }
     void *data;
-    if (kind == K_TOPK) {
+    if (kind == K_PLANES) {
+        flush(h, layer);
+    } else if (kind == K_TOPK) {
         const int64_t n = read_elems(h, tensor, 26, &data);
         if (n < 0 || n % h->k) { fail(h, "ffn_moe_topk: unexpected tensor"); return false; }
         on_topk(h, layer, (const int32_t *) data, (int32_t) (n / h->k));

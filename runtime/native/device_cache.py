@@ -34,6 +34,10 @@ from runtime.residency.config import is_cache_device
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
 COPY_WORKERS = 4            # copies in flight per device
+# a copy into host-memory slots is a memcpy that competes for the same cores as the decode: an
+# expert this small is copied inside its layer-step (and computed from its slot at once)
+# instead of waking a worker; device slots always copy on the workers (DMA runs beside compute)
+HOST_INLINE_COPY_BYTES = 256 << 10
 _GGML_NAMES = {"cuda": "CUDA", "vulkan": "Vulkan"}
 _notified: set[str] = set()
 
@@ -80,6 +84,13 @@ class ExpertSource:
         os.close(self._fd)
 
 
+def route_error(rc: int) -> str:
+    """What a non-zero ``dc_route`` status means (one line)."""
+    if rc <= -100:
+        return f"the id planes could not be written (moe_cache_route status {-100 - rc})"
+    return f"the residency core refused the layer-step (status {rc})"
+
+
 class DeviceCache:
     """One device's slot cache: the manager's (inline) Transport for its device, and a
     RouteObserver. The mechanism is C (runtime/native/slot_cache.c, one ``dc_cache``): the
@@ -98,7 +109,8 @@ class DeviceCache:
     synchronous = True     # forward mode: runs between a layer's router and its experts
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
-                 workers: int = COPY_WORKERS, wait_in_prefill: bool = True):
+                 n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True,
+                 inline_copy_bytes: int = 0):
         from runtime.residency.core.build import load_core  # noqa: PLC0415
 
         self.manager, self.device, self.cache, self.source = manager, device, cache, source
@@ -110,17 +122,21 @@ class DeviceCache:
         shim_ffi = ffi()
         table_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_table_set))
         slot_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_slot_set))
+        route = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_route))
         f = self.ffi
         handle = self.lib.dc_create(
             manager.core_handle(device), f.cast("void *", int(shim_ffi.cast("uintptr_t",
                                                                             cache.handle))),
-            f.cast("dc_table_set_fn", table_set), f.cast("dc_slot_set_fn", slot_set), n_layer,
+            f.cast("dc_table_set_fn", table_set), f.cast("dc_slot_set_fn", slot_set),
+            f.cast("dc_route_fn", route), n_used, n_layer,
             n_expert, f.new("int32_t[]", pool_of_layer), len(slots), f.new("int32_t[]", slots),
             f.cast("char *", int(shim_ffi.cast("uintptr_t", source.base))), max(workers, 4),
             int(wait_in_prefill))
         if handle == f.NULL:
             raise ShimError(f"{device}: the slot cache could not start")
         self._dc = handle
+        if inline_copy_bytes:
+            self.lib.dc_set_inline_bytes(handle, int(inline_copy_bytes))
         for layer, parts in source.parts.items():
             self.lib.dc_set_parts(handle, layer, len(parts),
                                   f.new("int32_t[]", [p[0] for p in parts]),
@@ -151,8 +167,7 @@ class DeviceCache:
         rc = self.lib.dc_route(self._dc, event.layer, self.ffi.from_buffer("int32_t[]", experts),
                                len(experts), int(event.phase))
         if rc != 0:
-            raise RuntimeError(f"{self.device}: the residency core refused layer {event.layer} "
-                               f"(status {rc})")
+            raise RuntimeError(f"{self.device}: layer {event.layer}: {route_error(rc)}")
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
         # copies started in a batch complete before the next batch's decisions: the tables
@@ -281,7 +296,8 @@ def attach(engine) -> DeviceCaches | None:
         try:
             name = (engine.remote.ggml_name(device) if device.startswith("rpc:")
                     else ggml_device_name(device))
-            shim_cache = ShimCache.create(lib, engine.model_ptr, name, capacity)
+            shim_cache = ShimCache.create(lib, engine.model_ptr, name, capacity,
+                                          max_tokens=engine.n_ubatch)
         except ShimError as exc:
             notice(f"{device}: device expert cache off ({exc})")
             continue
@@ -292,7 +308,10 @@ def attach(engine) -> DeviceCaches | None:
                    f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
             continue
         source = ExpertSource(engine.settings.model_path, index)
-        cache = DeviceCache(manager, device, shim_cache, source)
+        host = ggml_device_name(device) == "CPU"
+        cache = DeviceCache(manager, device, shim_cache, source,
+                            n_used=engine.facts.n_expert_used,
+                            inline_copy_bytes=HOST_INLINE_COPY_BYTES if host else 0)
         # the cache's pools (one per expert layout, its slots' bytes: the sinks live inside
         # the budget but are never charged) become the manager's, per pool
         manager.set_pools(device, cache.pools())

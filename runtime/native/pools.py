@@ -80,7 +80,7 @@ def probe_pools(model_path: str, device: str, capacity: int, moe_layers) -> Pool
     try:
         try:
             cache = ShimCache.create(load_shim(lib_dir), model, ggml_device_name(device),
-                                     capacity)
+                                     capacity, max_tokens=1)
         except ShimError as exc:
             return PoolProbe((), f"the cache could not be made here ({exc})")
         try:

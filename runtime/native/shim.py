@@ -1,7 +1,7 @@
 """cffi (ABI mode) access to the moe_cache shim (native/shim/moe_cache.h) of a native build.
 
     lib = load_shim(lib_dir)                    # the build's libmoe_cache.so
-    cache = ShimCache.create(lib, model_ptr, "CPU", capacity_bytes)
+    cache = ShimCache.create(lib, model_ptr, "CPU", capacity_bytes, max_tokens=512)
     pool, expert_bytes = cache.layer_info(3)
     cache.slot_load(3, expert=17, slot=0); cache.table_set(3, 17, 0)
     cache.close()
@@ -73,11 +73,13 @@ class ShimCache:
         self.n_layer, self.n_pool = int(n_layer[0]), int(n_pool[0])
 
     @classmethod
-    def create(cls, lib, model_ptr: int, device: str, capacity_bytes: int) -> ShimCache:
+    def create(cls, lib, model_ptr: int, device: str, capacity_bytes: int, *,
+               max_tokens: int) -> ShimCache:
+        """``max_tokens``: the context's n_ubatch (larger ubatches compute without the cache)."""
         f = ffi()
         out = f.new("moe_cache_t *")
         rc = lib.moe_cache_create(f.cast("struct llama_model *", model_ptr), device.encode(),
-                                  int(capacity_bytes), out)
+                                  int(capacity_bytes), int(max_tokens), out)
         check(rc, f"moe_cache_create({device}, {capacity_bytes} bytes)")
         return cls(lib, out[0])
 
@@ -128,6 +130,18 @@ class ShimCache:
     def table_set(self, layer: int, expert: int, slot: int) -> None:
         check(self.lib.moe_cache_table_set(self.handle, layer, expert, slot),
               f"moe_cache_table_set(layer {layer}, expert {expert}, slot {slot})")
+
+    def route(self, layer: int, ids) -> None:
+        """Write a layer's id planes for routed ``ids`` (n_tokens, n_expert_used) (tests)."""
+        import numpy as np  # noqa: PLC0415
+        arr = np.ascontiguousarray(ids, dtype=np.int32)
+        check(self.lib.moe_cache_route(self.handle, layer, ffi().from_buffer("int32_t[]", arr),
+                                       arr.shape[0]), f"moe_cache_route(layer {layer})")
+
+    @property
+    def eval_callback(self):
+        """``moe_cache_eval`` as a C function pointer (cb_eval; user data: ``self.handle``)."""
+        return int(ffi().cast("uintptr_t", self.lib.moe_cache_eval))
 
     def table_get(self, layer: int, expert: int) -> int:
         out = ffi().new("int32_t *")

@@ -26,6 +26,8 @@ struct dc_cache {
     void *shim;
     dc_table_set_fn table_set;
     dc_slot_set_fn slot_set;
+    dc_route_fn route;
+    int32_t n_used;
     int32_t n_layer, n_expert, n_flat, n_pool, wait_in_prefill;
     int32_t *pool_of_layer;
     int32_t **free_slots; int32_t *n_free;    /* per pool: a stack of free slots */
@@ -43,19 +45,25 @@ struct dc_cache {
     int64_t held, next_lease;
     int64_t copies, failures, refused, copied_bytes;
     int32_t fail_every, n_started;
+    int64_t inline_bytes;                      /* experts this small copy on the caller */
+    int32_t n_inline;                          /* inline copies since the last publish */
     char error[160];
 };
 
 static void *worker(void *arg);
 
 dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
+                    dc_route_fn route, int32_t n_used,
                     int32_t n_layer, int32_t n_expert, const int32_t *pool_of_layer,
                     int32_t n_pool, const int32_t *slots, const char *file_base,
                     int32_t workers, int32_t wait_in_prefill) {
-    if (core == NULL || n_layer <= 0 || n_expert <= 0 || n_pool < 0) return NULL;
+    if (core == NULL || route == NULL || n_used <= 0 || n_layer <= 0 || n_expert <= 0 ||
+        n_pool < 0)
+        return NULL;
     dc_cache *c = calloc(1, sizeof *c);
     if (c == NULL) return NULL;
     c->core = core; c->shim = shim; c->table_set = table_set; c->slot_set = slot_set;
+    c->route = route; c->n_used = n_used;
     c->n_layer = n_layer; c->n_expert = n_expert; c->n_flat = n_layer * n_expert;
     c->n_pool = n_pool; c->wait_in_prefill = wait_in_prefill; c->base = file_base;
     c->pool_of_layer = malloc((size_t) n_layer * sizeof *c->pool_of_layer);
@@ -91,6 +99,8 @@ dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_s
     return c;
 }
 
+void dc_set_inline_bytes(dc_cache *c, int64_t nbytes) { c->inline_bytes = nbytes; }
+
 int dc_set_parts(dc_cache *c, int32_t layer, int32_t n, const int32_t *proj,
                  const int64_t *offset, const int64_t *stride) {
     if (layer < 0 || layer >= c->n_layer || n < 0 || n > MAX_PARTS) return -1;
@@ -104,6 +114,24 @@ int dc_set_parts(dc_cache *c, int32_t layer, int32_t n, const int32_t *proj,
 
 /* ---- jobs and workers ---------------------------------------------------------------------- */
 
+/* the bytes of one job into its slot; 0 or the shim's status (-1: an injected failure) */
+static int copy_job(dc_cache *c, const job *jb, int fail) {
+    int rc = fail ? -1 : 0;
+    const int32_t layer = jb->flat / c->n_expert, expert = jb->flat % c->n_expert;
+    const parts *p = &c->layer_parts[layer];
+    for (int32_t i = 0; rc == 0 && i < p->n; i++)
+        rc = c->slot_set(c->shim, layer, jb->slot, p->proj[i],
+                         c->base + p->offset[i] + (int64_t) expert * p->stride[i],
+                         (size_t) p->stride[i]);
+    return rc;
+}
+
+static void copy_failed(dc_cache *c, const job *jb, int fail) {
+    snprintf(c->error, sizeof c->error, "copy of layer %d expert %d into slot %d failed (%s)",
+             jb->flat / c->n_expert, jb->flat % c->n_expert, jb->slot,
+             fail ? "injected" : "shim status");
+}
+
 static void *worker(void *arg) {
     dc_cache *c = arg;
     pthread_mutex_lock(&c->mu);
@@ -115,26 +143,18 @@ static void *worker(void *arg) {
         c->jobs[j].state = J_RUNNING;
         const int fail = c->fail_every > 0 && ++c->n_started % c->fail_every == 0;
         pthread_mutex_unlock(&c->mu);
-        /* the bytes move without the lock */
-        int rc = fail ? -1 : 0;
-        const int32_t layer = jb.flat / c->n_expert, expert = jb.flat % c->n_expert;
-        const parts *p = &c->layer_parts[layer];
-        for (int32_t i = 0; rc == 0 && i < p->n; i++)
-            rc = c->slot_set(c->shim, layer, jb.slot, p->proj[i],
-                             c->base + p->offset[i] + (int64_t) expert * p->stride[i],
-                             (size_t) p->stride[i]);
+        const int rc = copy_job(c, &jb, fail);  /* the bytes move without the lock */
         pthread_mutex_lock(&c->mu);
         c->jobs[j].state = rc == 0 ? J_OK : J_FAILED;
-        if (rc != 0)
-            snprintf(c->error, sizeof c->error, "copy of layer %d expert %d into slot %d "
-                     "failed (%s)", layer, expert, jb.slot, fail ? "injected" : "shim status");
+        if (rc != 0) copy_failed(c, &jb, fail);
         pthread_cond_broadcast(&c->done);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
 
-static int push_job(dc_cache *c, job jb) {
+/* a new job: queued for a worker, or (``now``) copied on this thread at once */
+static int push_job(dc_cache *c, job jb, int now) {
     if (c->n_jobs == c->cap_jobs) {
         int32_t cap = c->cap_jobs ? 2 * c->cap_jobs : 64;
         job *v = realloc(c->jobs, (size_t) cap * sizeof *v);
@@ -142,7 +162,7 @@ static int push_job(dc_cache *c, job jb) {
         c->jobs = v;
         c->cap_jobs = cap;
     }
-    if (c->q_tail - c->q_head >= c->q_cap) {    /* grow the ring (compact it first) */
+    if (!now && c->q_tail - c->q_head >= c->q_cap) {    /* grow the ring (compact it first) */
         int32_t cap = c->q_cap ? 2 * c->q_cap : 64;
         int32_t *q = malloc((size_t) cap * sizeof *q);
         if (q == NULL) return -1;
@@ -152,9 +172,18 @@ static int push_job(dc_cache *c, job jb) {
         c->queue = q; c->q_cap = cap; c->q_head = 0; c->q_tail = n;
     }
     const int32_t j = c->n_jobs++;
+    c->job_of[jb.flat] = j;
+    if (now) {
+        const int fail = c->fail_every > 0 && ++c->n_started % c->fail_every == 0;
+        const int rc = copy_job(c, &jb, fail);
+        jb.state = rc == 0 ? J_OK : J_FAILED;
+        if (rc != 0) copy_failed(c, &jb, fail);
+        c->jobs[j] = jb;
+        c->n_inline++;
+        return j;
+    }
     c->jobs[j] = jb;
     c->queue[c->q_tail++ % c->q_cap] = j;
-    c->job_of[jb.flat] = j;
     pthread_cond_signal(&c->work);
     return j;
 }
@@ -241,7 +270,9 @@ static int submit_locked(dc_cache *c, int32_t flat, int32_t prefetch) {
     }
     const int32_t slot = c->free_slots[pool][--c->n_free[pool]];
     job jb = {flat, slot, pool, J_QUEUED, 0, prefetch};
-    if (push_job(c, jb) < 0) {
+    int64_t nbytes = 0;
+    for (int32_t i = 0; i < c->layer_parts[layer].n; i++) nbytes += c->layer_parts[layer].stride[i];
+    if (push_job(c, jb, nbytes <= c->inline_bytes) < 0) {
         c->free_slots[pool][c->n_free[pool]++] = slot;
         c->refused++;
         rc_forget(c->core, flat);
@@ -292,6 +323,7 @@ int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int3
         return rc;
     }
     /* the core's result buffers live until its next call: copy what is needed */
+    c->n_inline = 0;
     const int32_t n_adm = r.n_admitted, n_ev = r.n_evicted, n_pf = r.n_prefetched;
     int32_t n_pfv = 0;
     for (int32_t i = 0; i < n_pf; i++) n_pfv += r.prefetch_n_victims[i];
@@ -315,8 +347,11 @@ int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int3
         publish_locked(c);
     }
     free(buf);
+    if (c->n_inline) publish_locked(c);    /* copied already: computed from the slots now */
+    /* the id planes from the table as published now: the graph reads them next */
+    const int src = c->route(c->shim, layer, experts, n / c->n_used);
     pthread_mutex_unlock(&c->mu);
-    return 0;
+    return src == 0 ? 0 : -100 - src;
 }
 
 static void settle_locked(dc_cache *c) {

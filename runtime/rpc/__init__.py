@@ -9,6 +9,6 @@
 - ``backend``: the patched libggml-rpc through ctypes (add a remote, failure state, server);
 - ``server``: ``moe-offload rpc-server``.
 
-No transport of our own: tensors and graphs travel over ggml-rpc. Patch 0006 makes its client
+No transport of our own: tensors and graphs travel over ggml-rpc. Patch 0004 makes its client
 report a lost connection (``ggml_backend_rpc_failure_count``) instead of aborting the process.
 """

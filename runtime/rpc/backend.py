@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from runtime.errors import UserError
 
-TIMEOUT_ENV = "GGML_RPC_TIMEOUT_S"          # read by patch 0006 when a connection is made
+TIMEOUT_ENV = "GGML_RPC_TIMEOUT_S"          # read by patch 0004 when a connection is made
 DEFAULT_TIMEOUT_S = 20.0                     # any send / receive on a link: then it is down
 
 
@@ -40,7 +40,7 @@ class _RpcLib:
                 raise UserError("this llama.cpp has no RPC backend: build one with "
                                 "`moe-offload native build --rpc`") from None
         if not hasattr(lib, "ggml_backend_rpc_failure_count"):
-            raise UserError("this llama.cpp's RPC backend lacks moe-offload's patch 0006 "
+            raise UserError("this llama.cpp's RPC backend lacks moe-offload's patch 0004 "
                             "(a lost connection would abort the process): rebuild with "
                             "`moe-offload native build --rpc`")
         self.lib = lib
@@ -88,7 +88,7 @@ def rpc_lib() -> _RpcLib:
 
 
 def set_link_timeout(seconds: float | None = None) -> float:
-    """Bound every send/receive of the links made from now on (patch 0006 reads the env)."""
+    """Bound every send/receive of the links made from now on (patch 0004 reads the env)."""
     value = seconds if seconds is not None else float(os.environ.get(
         "MOE_OFFLOAD_RPC_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     os.environ[TIMEOUT_ENV] = f"{value:g}"

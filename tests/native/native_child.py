@@ -5,13 +5,15 @@ one JSON object from the last stdout line.
 
 Modes:
   logits  {"model", "capacity" (bytes or null: no cache), "fill" ("all" | "even" | "shifted"),
+           optional "extra_bufts" (true: llama.cpp's AMX / repacked CPU weights allowed),
            "prompt_tokens", "greedy", optional "device" (ggml device of the slots, "CPU"),
            "ngl" (0), "experts_on_cpu" (false), "flash_attn" (null: llama.cpp's choice)} -> {"logits_npy", "greedy", ...}: prompt logits (every
            token) and greedy continuation through the low-level API, with the slot cache made
            through runtime.native.shim and filled through moe_cache_slot_load.
   capi    {"model"} -> results of C API calls (cffi).
   engine  {"model", "lib_dir", "slots" (a budget string or null), "policy", "prompt",
-           "max_tokens", optional "device" ("cpu-slots"), "n_gpu_layers" (0)} -> {"tokens",
+           "max_tokens", optional "device" ("cpu-slots"), "n_gpu_layers" (0), "repack" (null:
+           the engine's choice)} -> {"tokens",
            "snapshot", "copies", ...}: the Engine with that cache device, greedy.
   churn   {"model", "capacity", "policy", "steps", "seed"} -> invariant checks of DeviceCache
            driven by random routing (a real manager, real slots, no decode).
@@ -19,6 +21,9 @@ Modes:
            "n_gpu_layers"} -> {"buffers"}: the buffer type of each MoE layer's experts.
   ids     {"model", "capacity", "prompt_tokens"} -> the slot / cold ids the patched graph
            computed (read through cb_eval) for a prompt batch and one decode step.
+  nodes   {"model", "capacity", "prompt_tokens"} -> {"plain": {...}, "cache": {...}}: the nodes
+           of a one-token decode graph (every node the scheduler asks cb_eval about) without
+           and with a slot cache, and how many of them are the slot path's "*_hot" nodes.
 """
 from __future__ import annotations
 
@@ -33,8 +38,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def _context(ll, model, n_ctx=256, flash_attn=None):
+def _context(ll, model, n_ctx=256, flash_attn=None, eval_cb=None):
     cp = ll.llama_context_default_params()
+    if eval_cb is not None:
+        cp.cb_eval, cp.cb_eval_user_data = eval_cb
+        _KEEP.append(eval_cb)
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 64, 64
     if flash_attn is not None:
         cp.flash_attn_type = 1 if flash_attn else 0     # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
@@ -90,16 +98,19 @@ def mode_logits(args):
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     model = _load(ll, args["model"], args.get("ngl", 0), args.get("experts_on_cpu", False),
                   args.get("extra_bufts", True))
-    ctx = _context(ll, model, flash_attn=args.get("flash_attn"))
-    cache, resident = None, 0
+    cache, resident, eval_cb = None, 0, None
     if args.get("capacity") is not None:
         from runtime.native.shim import ShimCache, load_shim
-        from runtime.native.shim import ShimError
+        from runtime.native.shim import ShimError, ffi
         lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
         try:
-            cache = ShimCache.create(lib, model, args.get("device", "CPU"), args["capacity"])
+            cache = ShimCache.create(lib, model, args.get("device", "CPU"), args["capacity"],
+                                     max_tokens=64)
         except ShimError as exc:
             return {"error": str(exc)}
+        # the shim's own cb_eval writes each cached layer's id planes from its table
+        eval_cb = (ll.ggml_backend_sched_eval_callback(cache.eval_callback),
+                   ctypes.c_void_p(int(ffi().cast("uintptr_t", cache.handle))))
         n_expert = args["n_expert"]
         shift = 1 if args["fill"] == "shifted" else 0
         # the bytes come from the file, as runtime.native.device_cache copies them (llama.cpp
@@ -125,6 +136,7 @@ def mode_logits(args):
                 cache.table_set(layer, e, slot)
                 slot += 1
         resident = slot
+    ctx = _context(ll, model, flash_attn=args.get("flash_attn"), eval_cb=eval_cb)
     logits, greedy = _prompt_and_greedy(ll, ctx, model, args["prompt_tokens"], args["greedy"])
     out = Path(args["out"])
     np.save(out, logits)
@@ -144,13 +156,15 @@ def mode_capi(args):
     res = {}
     out = f.new("moe_cache_t *")
     res["unknown_device"] = lib.moe_cache_create(f.cast("struct llama_model *", model),
-                                                 b"NoSuchDevice0", 1 << 20, out)
-    res["null_model"] = lib.moe_cache_create(f.NULL, b"CPU", 1 << 20, out)
-    zero = ShimCache.create(lib, model, "CPU", 0)
+                                                 b"NoSuchDevice0", 1 << 20, 64, out)
+    res["null_model"] = lib.moe_cache_create(f.NULL, b"CPU", 1 << 20, 64, out)
+    res["zero_tokens"] = lib.moe_cache_create(f.cast("struct llama_model *", model), b"CPU",
+                                              1 << 20, 0, out)
+    zero = ShimCache.create(lib, model, "CPU", 0, max_tokens=64)
     res["zero_slots"] = zero.pool_info(0)[0]
     res["zero_allocated"] = zero.allocated_bytes()
     zero.close()
-    c = ShimCache.create(lib, model, "CPU", args["capacity"])
+    c = ShimCache.create(lib, model, "CPU", args["capacity"], max_tokens=16)
     res["n_layer"], res["n_pool"] = c.n_layer, c.n_pool
     res["layers"] = [c.layer_info(layer) for layer in range(c.n_layer)]
     res["pool"] = c.pool_info(0)
@@ -165,6 +179,7 @@ def mode_capi(args):
     buf = f.from_buffer("char[]", payload)
     c.slot_set(0, 1, 0, buf, n)
     res["roundtrip"] = c.slot_get(0, 1, 0) == payload
+    n_used = args["n_used"]
     errors = {}
     for name, call in {
         "slot_set_wrong_size": lambda: c.slot_set(0, 1, 0, buf, n - 1),
@@ -172,6 +187,8 @@ def mode_capi(args):
         "expert_out_of_range": lambda: c.slot_load(0, 10_000, 0),
         "table_bad_slot": lambda: c.table_set(0, 0, res["pool"][0]),
         "layer_out_of_range": lambda: c.table_set(99, 0, 0),
+        "route_bad_expert": lambda: c.route(0, [[0, 10_000] + [1] * (n_used - 2)]),
+        "route_bad_layer": lambda: c.route(99, [list(range(n_used))]),
     }.items():
         try:
             call()
@@ -260,16 +277,22 @@ def mode_ids(args):
     model = _load(ll, args["model"])
     seen: dict[str, list] = {}
 
+    cache = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
+                             args["capacity"], max_tokens=64)
+
     @ll.ggml_backend_sched_eval_callback
     def on_eval(tensor, ask, user_data):
         name = llama_lib.tensor_name(tensor).decode()
-        wanted = name.startswith(("ffn_moe_hot_ids-", "ffn_moe_cold_ids-", "ffn_moe_cold_pos-",
-                                  "ffn_moe_topk-"))
+        wanted = name.startswith(("ffn_moe_hot_ids-", "ffn_moe_cold_ids-", "ffn_moe_pick-",
+                                  "ffn_moe_topk-")) and " " not in name
         if ask:
             return wanted
         if wanted:
             arr = llama_lib.read_tensor(tensor)              # (1, 1, n_tokens, n_expert_used)
-            seen.setdefault(name, []).append(arr.reshape(arr.shape[-2], arr.shape[-1]).tolist())
+            arr = arr.reshape(arr.shape[-2], arr.shape[-1])
+            seen.setdefault(name, []).append(arr.tolist())
+            if name.startswith("ffn_moe_topk-"):             # as the routing hook does
+                cache.route(int(name.rsplit("-", 1)[1]), arr)
         return True
 
     cp = ll.llama_context_default_params()
@@ -277,8 +300,6 @@ def mode_ids(args):
     cp.n_threads = cp.n_threads_batch = 1
     cp.cb_eval, cp.cb_eval_user_data = on_eval, None
     ctx = ll.llama_init_from_model(model, cp)
-    cache = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
-                             args["capacity"])
     n_slots, _ = cache.pool_info(0)
     for layer in range(cache.n_layer):           # every other expert resident
         for e in range(0, 16, 2):
@@ -289,6 +310,66 @@ def mode_ids(args):
     _prompt_and_greedy(ll, ctx, model, args["prompt_tokens"], 1)
     cache.close()
     return {"seen": seen, "n_slots": n_slots}
+
+
+def mode_nodes(args):
+    import re
+    from runtime.engine.llama_lib import bindings
+    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    from runtime.engine import llama_lib
+    from runtime.native.shim import ShimCache, load_shim
+
+    model = _load(ll, args["model"])
+    state = {"cache": None, "nodes": 0, "hot": 0}
+
+    @ll.ggml_backend_sched_eval_callback
+    def on_eval(tensor, ask, user_data):
+        name = llama_lib.tensor_name(tensor).decode()
+        topk = state["cache"] is not None and re.fullmatch(r"ffn_moe_topk-\d+", name)
+        if ask:
+            state["nodes"] += 1
+            state["hot"] += bool(re.fullmatch(r"ffn_moe_\w+_hot-\d+", name))
+            return bool(topk)
+        if topk:                                         # as the routing hook does
+            arr = llama_lib.read_tensor(tensor)
+            state["cache"].route(int(name.rsplit("-", 1)[1]), arr.reshape(arr.shape[-2], -1))
+        return True
+
+    out = {}
+    for label, capacity in (("plain", None), ("cache", args["capacity"])):
+        cache = None
+        if capacity:
+            cache = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
+                                     capacity, max_tokens=64)
+            n_slots, _ = cache.pool_info(0)
+            for layer in range(cache.n_layer):
+                for e in range(0, 16, 2):
+                    slot = layer * 8 + e // 2
+                    if slot < n_slots:
+                        cache.slot_load(layer, e, slot)
+                        cache.table_set(layer, e, slot)
+        state["cache"] = cache
+        cp = ll.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = 256, 64, 64
+        cp.n_threads = cp.n_threads_batch = 1
+        cp.cb_eval, cp.cb_eval_user_data = on_eval, None
+        ctx = ll.llama_init_from_model(model, cp)
+        tokens = args["prompt_tokens"]
+        b = ll.llama_batch_init(len(tokens), 0, 1)
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, i, 1, int(i == len(tokens) - 1)
+            b.seq_id[i][0] = 0
+        b.n_tokens = len(tokens)
+        assert ll.llama_decode(ctx, b) == 0
+        ll.llama_batch_free(b)
+        state["nodes"] = state["hot"] = 0
+        one = (ctypes.c_int32 * 1)(tokens[-1])
+        assert ll.llama_decode(ctx, ll.llama_batch_get_one(one, 1)) == 0
+        out[label] = {"nodes": state["nodes"], "hot": state["hot"]}
+        ll.llama_free(ctx)
+        if cache is not None:
+            cache.close()
+    return out
 
 
 def mode_churn(args):
@@ -315,8 +396,9 @@ def mode_churn(args):
     manager.bind_model(facts.expert_bytes, facts.n_expert)
     manager.resolve_device("cpu-slots", free_bytes=None, total_bytes=None)
     shim = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
-                            manager.capacity("cpu-slots"))
-    cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index))
+                            manager.capacity("cpu-slots"), max_tokens=8)
+    cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index),
+                        n_used=facts.n_expert_used)
     manager.set_pools("cpu-slots", cache.pools())              # as attach() does
     claim_device(manager, "cpu-slots", cache)
     if args.get("fail_every"):         # the real failure path of a copy, every Nth copy
@@ -367,6 +449,6 @@ def mode_churn(args):
 if __name__ == "__main__":
     mode, raw = sys.argv[1], sys.argv[2]
     result = {"logits": mode_logits, "capi": mode_capi, "engine": mode_engine,
-              "churn": mode_churn, "ids": mode_ids, "placement": mode_placement}[mode](
+              "churn": mode_churn, "ids": mode_ids, "nodes": mode_nodes, "placement": mode_placement}[mode](
                  json.loads(raw))
     sys.stdout.write("\n" + json.dumps(result) + "\n")

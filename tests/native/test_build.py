@@ -17,11 +17,10 @@ from runtime.native.source import resolve_source
 
 def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert [p.name for p in patch_files()] == ["0001-moe-expert-slot-cache.patch",
-                                               "0002-moe-cold-path-anchors.patch",
-                                               "0003-moe-distinct-cold-ids-and-biases.patch",
-                                               "0004-moe-cache-graph-nodes.patch",
-                                               "0005-ggml-cpu-amx-tile-config.patch",
-                                               "0006-rpc-errors-not-abort.patch"]
+                                               "0002-ggml-cpu-mul-mat-id-used-matrices.patch",
+                                               "0003-ggml-cpu-amx-tile-config.patch",
+                                               "0004-rpc-errors-not-abort.patch",
+                                               "0005-ggml-vulkan-mmid-prealloc-per-graph.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -31,10 +30,14 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     graph = (tree / "src" / "llama-graph.cpp").read_text()
     assert "llama_moe_cache_find(down_exps)" in graph and "ffn_moe_cold_ids" in graph
-    assert "ffn_moe_cold_pos" in graph
+    assert "ffn_moe_pick" in graph and "moe_cache_anchors_ok" not in graph
     assert (tree / "include" / "llama-moe-cache.h").is_file()
     rpc = (tree / "ggml" / "src" / "ggml-rpc" / "ggml-rpc.cpp").read_text()
     assert "ggml_backend_rpc_failure_count" in rpc and "GGML_ABORT(\"Failed to connect" not in rpc
+    cpu = (tree / "ggml" / "src" / "ggml-cpu" / "ggml-cpu.c").read_text()
+    assert "memset(matrix_row_counts" not in cpu and "used_as" in cpu        # patch 0002
+    vulkan = (tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp").read_text()
+    assert "sized for every mmid of" in vulkan                                 # patch 0005
 
 
 def test_build_is_cached_and_complete(native_build):
@@ -48,7 +51,7 @@ def test_build_is_cached_and_complete(native_build):
     rpc_nm = subprocess.run(["nm", "-D", "--defined-only", str(lib / "libggml-rpc.so")],
                             capture_output=True, text=True).stdout
     assert "ggml_backend_rpc_start_server" in rpc_nm
-    assert "ggml_backend_rpc_failure_count" in rpc_nm        # patch 0006
+    assert "ggml_backend_rpc_failure_count" in rpc_nm        # patch 0004
     assert native_build.rpc is True
     again = build(BuildRequest(backend="cpu", rpc=True))   # same key: nothing is rebuilt
     assert again == native_build

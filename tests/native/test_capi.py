@@ -10,7 +10,9 @@ from tests.native.conftest import run_child
 
 @pytest.fixture(scope="module")
 def capi(native_build, q8_model):
-    return run_child("capi", {"model": str(q8_model), "capacity": 200_000}, native_build.lib_dir)
+    n_used = ExpertIndex.open(q8_model).facts.n_expert_used
+    return run_child("capi", {"model": str(q8_model), "capacity": 200_000, "n_used": n_used},
+                     native_build.lib_dir)
 
 
 def test_sizes_follow_the_model(capi, q8_model):
@@ -21,8 +23,8 @@ def test_sizes_follow_the_model(capi, q8_model):
     n_sink = index.facts.n_expert_used             # sink slots live inside the capacity
     assert capi["pool"] == [200_000 // expert_bytes - n_sink, expert_bytes]
     assert sum(capi["proj_bytes"]) == expert_bytes and capi["proj_bytes"][3] == 0
-    # slots plus the two tables per layer (16 experts x 4 bytes each), with alignment padding
-    assert capi["allocated"] >= (capi["pool"][0] + n_sink) * expert_bytes + 4 * 2 * 16 * 4
+    # slots plus each layer's three id planes for max_tokens=16 (I32), with alignment padding
+    assert capi["allocated"] >= (capi["pool"][0] + n_sink) * expert_bytes + 4 * 3 * n_sink * 16 * 4
     assert capi["zero_slots"] == 0 and capi["zero_allocated"] == 0
 
 
@@ -37,9 +39,10 @@ def test_slot_load_copies_the_file_bytes(capi, q8_model):
 
 
 def test_tables_and_errors(capi):
-    assert capi["unknown_device"] == 2 and capi["null_model"] == 1
+    assert capi["unknown_device"] == 2 and capi["null_model"] == 1 and capi["zero_tokens"] == 1
     assert capi["table_0_3"] == 0 and capi["table_0_4"] == -1 and capi["table_1_4"] == 0
     errors = capi["errors"]
     assert set(errors) == {"slot_set_wrong_size", "slot_out_of_range", "expert_out_of_range",
-                           "table_bad_slot", "layer_out_of_range", "slot_taken"}
+                           "table_bad_slot", "layer_out_of_range", "slot_taken",
+                           "route_bad_expert", "route_bad_layer"}
     assert all(msg.endswith("bad argument") for msg in errors.values()), errors

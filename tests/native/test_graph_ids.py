@@ -1,7 +1,9 @@
-"""What the patched graph feeds MUL_MAT_ID, read back through cb_eval: slot ids are distinct
-within every token (resident experts at their slots, the rest at sink slots); the cold path
-uses anchors for small batches over plain host buffers, and distinct non-resident ids, gathered
-back to the routing positions, for batches a scheduler may offload."""
+"""What the patched graph feeds MUL_MAT_ID, read back through cb_eval (the id planes the shim's
+moe_cache_route writes). For batches a scheduler may offload (>= 32 tokens): slot ids are
+distinct within every token (resident experts at their slots, the rest at sink slots) and the
+cold path takes distinct non-resident ids. For small batches, which ggml-cpu computes, each
+path names only its own rows and -1 elsewhere (no row computed). Every routing position is
+gathered back from the one path that computed it."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,24 +31,34 @@ def test_slot_ids(ids, layer):
     topk = ids["seen"][f"ffn_moe_topk-{layer}"]           # [prefill, decode]
     hot = ids["seen"][f"ffn_moe_hot_ids-{layer}"]
     assert [len(t) for t in topk] == [len(PROMPT), 1] and len(hot) == 2
-    for batch_topk, batch_hot in zip(topk, hot):
+    for small, batch_topk, batch_hot in zip((False, True), topk, hot):
         for experts, slots in zip(batch_topk, batch_hot):
-            assert len(set(slots)) == len(slots)            # distinct within the token
+            if not small:
+                assert len(set(slots)) == len(slots)        # distinct within the token
             for pos, (e, s) in enumerate(zip(experts, slots)):
                 want = _resident_slot(layer, e, n_slots)
-                assert s == (want if want is not None else n_slots + pos)
+                miss = -1 if small else n_slots + pos       # cpu-slots: ggml-cpu skips -1
+                assert s == (want if want is not None else miss)
+
+
+def _check_pick(experts, cold_ids, pick, layer, n_slots):
+    k = len(experts)
+    for pos, (e, p) in enumerate(zip(experts, pick)):
+        if _resident_slot(layer, e, n_slots) is None:
+            assert p == pos and cold_ids[pos] == e     # a miss: the cold path, same position
+        else:
+            assert p == k + pos                        # a hit: the slot path, same position
 
 
 @pytest.mark.parametrize("layer", range(4))
-def test_anchors_for_the_small_batch(ids, layer):
+def test_no_rows_for_hits_in_the_small_batch(ids, layer):
     n_slots = ids["n_slots"]
     cold = ids["seen"][f"ffn_moe_cold_ids-{layer}"]
     assert len(cold) == 2                                   # [prefill, decode]
     (experts,) = ids["seen"][f"ffn_moe_topk-{layer}"][1]
     (cold_ids,) = cold[1]
-    misses = [e for e in experts if _resident_slot(layer, e, n_slots) is None]
-    anchor = max(misses) if misses else experts[0]
-    assert cold_ids == [e if e in misses else anchor for e in experts]
+    assert cold_ids == [e if _resident_slot(layer, e, n_slots) is None else -1 for e in experts]
+    _check_pick(experts, cold_ids, ids["seen"][f"ffn_moe_pick-{layer}"][1][0], layer, n_slots)
 
 
 @pytest.mark.parametrize("layer", range(4))
@@ -58,15 +70,17 @@ def test_distinct_non_resident_ids_for_the_large_batch(ids, layer):
     n_slots = ids["n_slots"]
     topk = ids["seen"][f"ffn_moe_topk-{layer}"][0]
     cold = ids["seen"][f"ffn_moe_cold_ids-{layer}"][0]
-    pos = ids["seen"][f"ffn_moe_cold_pos-{layer}"]
-    assert len(pos) == 1 and len(cold) == len(topk) == len(PROMPT)
+    pick = ids["seen"][f"ffn_moe_pick-{layer}"][0]
+    assert len(pick) == len(cold) == len(topk) == len(PROMPT)
+    batch_misses = {e for experts in topk for e in experts
+                    if _resident_slot(layer, e, n_slots) is None}
     n_hits = 0
-    for experts, cold_ids, where in zip(topk, cold, pos[0]):
+    for experts, cold_ids, where in zip(topk, cold, pick):
         assert len(set(cold_ids)) == len(cold_ids) == len(experts)
         assert not [e for e in cold_ids if _resident_slot(layer, e, n_slots) is not None]
-        for e, p in zip(experts, where):
-            if _resident_slot(layer, e, n_slots) is None:
-                assert cold_ids[p] == e
-            else:
-                n_hits += 1
+        # fillers are other tokens' misses while there are enough: no extra expert's bytes
+        if len(batch_misses) >= len(experts):
+            assert set(cold_ids) <= batch_misses
+        _check_pick(experts, cold_ids, where, layer, n_slots)
+        n_hits += sum(_resident_slot(layer, e, n_slots) is not None for e in experts)
     assert n_hits > 0                                       # the replacement was exercised

@@ -89,7 +89,7 @@ def test_the_scheduler_runs_the_gpu_paths(vulkan_build, q8_model, tmp_path, monk
     offloaded = [ln for ln in cold if "Vulkan0#blk." in ln]
     assert offloaded and all("ffn_moe_cold_ids" in ln for ln in offloaded)
     on_cpu = [ln for ln in cold if "[  CPU" in ln.split("use=")[0] and "ffn_moe_cold_ids" in ln]
-    assert on_cpu                                            # decode: anchors on the CPU
+    assert on_cpu                                            # decode: repeats on the CPU
 
 
 def _engine(model, lib_dir, budget, policy="lru"):
@@ -141,7 +141,7 @@ def test_static_n_cpu_moe_placement(vulkan_build, lavapipe, q8_model):
 
 def test_cache_placement_keeps_experts_mapped(vulkan_build, lavapipe, q8_model):
     """With a device cache every expert stays in the file mapping, not repacked: the cold
-    path's anchors need llama.cpp's plain CPU buffers."""
+    path's repeated ids need llama.cpp's plain CPU buffers."""
     buffers = _buffers(q8_model, vulkan_build.lib_dir, "planned", device="vulkan:0",
                        slots="300KB")
     assert buffers == ["CPU_Mapped"] * 4, buffers
