@@ -256,6 +256,24 @@ def _loaded_lib_dir() -> Path | None:
     return Path(name).resolve().parent if name else None
 
 
+def _router_elsewhere(engine, device: str) -> str | None:
+    """Why the id-plane graph cannot serve ``device`` for this model, or None. The host writes
+    a layer's planes once its router has run; a path on another backend reads them through
+    the scheduler's copy at the start of its split, and when the router runs on the CPU (dense
+    layers not on ``device``) that split also holds the router, so the copy comes first and
+    the cold path would read the previous step's ids."""
+    if device == "cpu-slots":
+        return None
+    if device.startswith("rpc:"):
+        return ("the id-plane graph needs each layer's router on the cache's device, and a "
+                "remote cache's layers run here")
+    ngl = engine.settings.n_gpu_layers
+    if 0 <= ngl < engine.facts.n_layer:
+        return (f"the id-plane graph needs each layer's router on {device}: run with "
+                f"-ngl -1 (or >= {engine.facts.n_layer}), not -ngl {ngl}")
+    return None
+
+
 def attach(engine) -> DeviceCaches | None:
     """Serve the engine's cuda:N / vulkan:N / cpu-slots devices with native slot caches.
     Returns None (after saying why, once) when the loaded libllama is not the patched build."""
@@ -288,6 +306,11 @@ def attach(engine) -> DeviceCaches | None:
             notice(f"{device}: the device expert cache serves one device per model "
                    f"({caches[0].device}); {device} is not served")
             continue
+        why = _router_elsewhere(engine, device)
+        if why:
+            notice(f"{device}: device expert cache off: {why}; running with bookkeeping only "
+                   "(placement changes speed, never results)")
+            continue
         capacity = manager.capacity(device)
         if not capacity:
             notice(f"{device}: no capacity resolved ({manager.unresolved_reason(device)}); "
@@ -308,7 +331,7 @@ def attach(engine) -> DeviceCaches | None:
                    f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
             continue
         source = ExpertSource(engine.settings.model_path, index)
-        host = ggml_device_name(device) == "CPU"
+        host = name == "CPU"                  # host slots: small copies run inline
         cache = DeviceCache(manager, device, shim_cache, source,
                             n_used=engine.facts.n_expert_used,
                             inline_copy_bytes=HOST_INLINE_COPY_BYTES if host else 0)
