@@ -257,11 +257,12 @@ def _loaded_lib_dir() -> Path | None:
 
 
 def _router_elsewhere(engine, device: str) -> str | None:
-    """Why the id-plane graph cannot serve ``device`` for this model, or None. The host writes
-    a layer's planes once its router has run; a path on another backend reads them through
-    the scheduler's copy at the start of its split, and when the router runs on the CPU (dense
-    layers not on ``device``) that split also holds the router, so the copy comes first and
-    the cold path would read the previous step's ids."""
+    """Why the id-plane graph cannot serve ``device`` for this model, or None. With the layers'
+    routers on another backend than ``device`` (dense layers not there), greedy tokens diverge
+    from the unpatched build from the second decode step on (lavapipe at -ngl 0, an rpc cache).
+    The cause is not found yet. A ggml_cont of the cold ids on the cache's device, as its own
+    split, written at the ask, did not fix it, so it is not only the router split's copy of
+    the planes. Until it is found, such a device is bookkeeping only."""
     if device == "cpu-slots":
         return None
     if device.startswith("rpc:"):
