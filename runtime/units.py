@@ -72,6 +72,21 @@ def parse_percent(text: str) -> float | None:
     return share
 
 
+def format_ranges(numbers) -> str:
+    """Ascending integers as runs: ``format_ranges([0, 1, 2, 3, 5, 7, 8, 9]) == "0-3,5,7-9"``."""
+    out, run = [], []
+    for n in numbers:
+        if run and n == run[-1] + 1:
+            run.append(n)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [n]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 def format_size(n_bytes: int) -> str:
     """Human-readable binary size: ``format_size(6 * 2**30) == "6.00 GiB"``."""
     value = float(n_bytes)

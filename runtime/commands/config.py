@@ -12,7 +12,7 @@ import argparse
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config_cli import add_config_arguments, config_from_args
 from runtime.residency.types import Phase
-from runtime.units import format_size
+from runtime.units import format_ranges, format_size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def _pool_lines(model: str, device: str, capacity: int, facts) -> list[str]:
     from runtime.residency.config import is_cache_device  # noqa: PLC0415
 
     if not is_cache_device(device):
-        return [f"    pool 0: layers {_layers(facts.moe_layers)}: {capacity} bytes"]
+        return [f"    pool 0: layers {format_ranges(facts.moe_layers)}: {capacity} bytes"]
     from runtime.native.pools import probe_pools  # noqa: PLC0415
 
     probe = probe_pools(model, device, capacity, facts.moe_layers)
@@ -45,25 +45,10 @@ def _pool_lines(model: str, device: str, capacity: int, facts) -> list[str]:
         return [f"    pools: {probe.why_not}"]
     out = []
     for i, pool in enumerate(probe.pools):
-        out.append(f"    pool {i}: layers {_layers(pool.layers)}: {pool.slots} slots x "
+        out.append(f"    pool {i}: layers {format_ranges(pool.layers)}: {pool.slots} slots x "
                    f"{pool.slot_bytes} bytes = {pool.capacity_bytes} bytes "
                    f"({format_size(pool.capacity_bytes)})")
     return out
-
-
-def _layers(layers) -> str:
-    """0-3,5,7-9"""
-    out, run = [], []
-    for layer in layers:
-        if run and layer == run[-1] + 1:
-            run.append(layer)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [layer]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def _remote_lines(config, largest: int | None, facts=None) -> list[str]:

@@ -210,6 +210,19 @@ class _Ggml:
         reg.ggml_backend_dev_count.restype = ctypes.c_size_t
         reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
         reg.ggml_backend_dev_get.restype = ctypes.c_void_p
+        # the device registry calls of remote devices (runtime/rpc/backend.py)
+        reg.ggml_backend_register.argtypes = [ctypes.c_void_p]
+        reg.ggml_backend_register.restype = None
+        reg.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+        reg.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+        reg.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+        reg.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+        base.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+        base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        base.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+        base.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+        base.ggml_backend_dev_description.restype = ctypes.c_char_p
 
 
 _ggml: _Ggml | None = None

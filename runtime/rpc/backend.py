@@ -30,7 +30,7 @@ class _RpcLib:
     def __init__(self) -> None:
         from runtime.engine import llama_lib  # noqa: PLC0415
 
-        llama_lib.bindings()                  # libllama (and its ggml) first
+        llama_lib.ggml()                      # libllama (and its ggml) first
         try:
             lib = ctypes.CDLL("libggml-rpc.so.0")
         except OSError:
@@ -54,26 +54,8 @@ class _RpcLib:
                                                       ctypes.c_size_t, ctypes.c_size_t,
                                                       ctypes.c_void_p]
         lib.ggml_backend_rpc_start_server.restype = None
-        reg = ctypes.CDLL("libggml.so.0")
-        base = ctypes.CDLL("libggml-base.so.0")
-        reg.ggml_backend_register.argtypes = [ctypes.c_void_p]
-        reg.ggml_backend_register.restype = None
-        reg.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
-        reg.ggml_backend_dev_by_name.restype = ctypes.c_void_p
-        reg.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-        reg.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-        base.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-        base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        base.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
-        base.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_name.restype = ctypes.c_char_p
-        base.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_description.restype = ctypes.c_char_p
-        base.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                                 ctypes.POINTER(ctypes.c_size_t)]
-        base.ggml_backend_dev_memory.restype = None
-        self.reg, self.base = reg, base
+        handles = llama_lib.ggml()             # the registry libllama uses, declared once there
+        self.reg, self.base = handles.reg, handles.base
         self._registered: dict[str, list[int]] = {}    # endpoint -> device handles
 
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from runtime.errors import UserError
+from runtime.units import format_ranges
 
 # llama: llama.cpp's own split (free memory); cache: the native device expert cache's slots on
 # the remote (every weight loads locally; the manager fills the slots as on a local GPU)
@@ -92,7 +93,7 @@ class RemotePlan:
                              f"(of {s.capacity / 2**20:.1f} MiB; the rest for compute)")
                 continue
             what = "layers" if self.mode == "layers" else "experts of layers"
-            parts.append(f"{s.device}: {what} {_ranges(s.layers) or 'none'} "
+            parts.append(f"{s.device}: {what} {format_ranges(s.layers) or 'none'} "
                          f"({s.bytes / 2**20:.1f} of {s.capacity / 2**20:.1f} MiB)")
         costs = ", ".join(f"{m} {c * 1e3:.2f} ms/token" for m, c in self.costs)
         return (f"remote plan [{self.mode}]: " + "; ".join(parts) +
@@ -104,20 +105,6 @@ class RemotePlan:
                 "local_layers": list(self.local_layers), "reason": self.reason,
                 "cost_s_per_token": dict(self.costs),
                 "links": [{"device": d, "rtt_s": r, "bandwidth_bps": b} for d, r, b in self.link]}
-
-
-def _ranges(layers: Sequence[int]) -> str:
-    out, run = [], []
-    for layer in layers:
-        if run and layer == run[-1] + 1:
-            run.append(layer)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [layer]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def _fill(sizes: Sequence[int], links: Sequence[Link], reserve: int) -> list[tuple[int, ...]]:
