@@ -318,8 +318,7 @@ def attach(engine) -> DeviceCaches | None:
                    "no device cache")
             continue
         try:
-            name = (engine.remote.ggml_name(device) if device.startswith("rpc:")
-                    else ggml_device_name(device))
+            name = ggml_device_name(device)   # rpc: devices stop at _router_elsewhere
             shim_cache = ShimCache.create(lib, engine.model_ptr, name, capacity,
                                           max_tokens=engine.n_ubatch)
         except ShimError as exc:
