@@ -560,12 +560,9 @@ bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
         }
         return false;
     }
-    // the first view of a layer's id planes: after the final router weights (a dependency), so a
+    // the view of a layer's id planes: after the final router weights (a dependency), so a
     // backend's fused top-k + weights kernel stays whole; the planes are written here
-    int layer = -1;
-    for (const char * prefix : { "ffn_moe_hot_ids-", "ffn_moe_pick-", "ffn_moe_cold_ids-" }) {
-        layer = layer < 0 ? layer_of(t->name, prefix) : layer;
-    }
+    const int layer = layer_of(t->name, "ffn_moe_planes-");
     if (layer < 0 || layer >= n_layer || !c->layers[layer].registered ||
         (int32_t) c->eval_topk.size() <= layer || c->eval_topk[layer] == nullptr) {
         return false;
@@ -574,7 +571,7 @@ bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
         return true;
     }
     const ggml_tensor * ids_t = c->eval_topk[layer];
-    c->eval_topk[layer] = nullptr;          // routed: the layer's other plane views pass
+    c->eval_topk[layer] = nullptr;          // routed
     if (ids_t->type != GGML_TYPE_I32 || ids_t->ne[0] != c->n_sink || ids_t->ne[2] != 1 || ids_t->ne[3] != 1) {
         return false;   // stops the graph: not the router output this cache knows
     }

@@ -31,12 +31,10 @@ static const node_name k_names[] = {
     {"ffn_moe_gate_up", 15, K_FLUSH, -1},
     {"ffn_moe_up", 10, K_FLUSH, -1},
     {"ffn_moe_gate", 12, K_FLUSH, -1},
-    /* a device cache's id-plane views (patched graph): after the final weights, before any
-     * reader; a layer not flushed yet (the first batch, final stage unknown) flushes there, at
-     * a data callback, so its planes are written before a split copies them */
-    {"ffn_moe_hot_ids", 15, K_PLANES, -1},
-    {"ffn_moe_pick", 12, K_PLANES, -1},
-    {"ffn_moe_cold_ids", 16, K_PLANES, -1},
+    /* a device cache's view of its id planes (patched graph): after the final weights, before
+     * the copy every reader reads; a layer not flushed yet (the first batch, final stage
+     * unknown) flushes there, at a data callback, so its planes are written before that copy */
+    {"ffn_moe_planes", 14, K_PLANES, -1},
 };
 
 typedef struct {
