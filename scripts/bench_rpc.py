@@ -15,10 +15,7 @@ placement, ``--repeats`` times interleaved (the median tok/s is reported):
   (``[rpc] mode = "cache"``, residency on: every weight local, hot experts computed in slots
   on the remote, copied there by ``ggml_backend_tensor_set``), at ``--budget-a`` and at a
   budget holding every expert; ``local-res`` is the same residency run with only local
-  bookkeeping (experts computed on this CPU), its fair baseline. On the id-plane graph the
-  cache refuses a remote (runtime/native/device_cache.py ``_router_elsewhere``), so these rows
-  now run as bookkeeping and say so on stderr; the figures in
-  docs/benchmarks/2026-12-02-rpc-device-cache.md are from the graph before.
+  bookkeeping (experts computed on this CPU), its fair baseline.
 
 Bytes are the servers' socket traffic during generation only (load uploads excluded), both
 directions, as the kernel counts it (``ss -ti`` bytes_sent + bytes_received of the servers'

@@ -256,25 +256,6 @@ def _loaded_lib_dir() -> Path | None:
     return Path(name).resolve().parent if name else None
 
 
-def _router_elsewhere(engine, device: str) -> str | None:
-    """Why the id-plane graph cannot serve ``device`` for this model, or None. With the layers'
-    routers on another backend than ``device`` (dense layers not there), greedy tokens diverge
-    from the unpatched build from the second decode step on (lavapipe at -ngl 0, an rpc cache).
-    The cause is not found yet. A ggml_cont of the cold ids on the cache's device, as its own
-    split, written at the ask, did not fix it, so it is not only the router split's copy of
-    the planes. Until it is found, such a device is bookkeeping only."""
-    if device == "cpu-slots":
-        return None
-    if device.startswith("rpc:"):
-        return ("the id-plane graph needs each layer's router on the cache's device, and a "
-                "remote cache's layers run here")
-    ngl = engine.settings.n_gpu_layers
-    if 0 <= ngl < engine.facts.n_layer:
-        return (f"the id-plane graph needs each layer's router on {device}: run with "
-                f"-ngl -1 (or >= {engine.facts.n_layer}), not -ngl {ngl}")
-    return None
-
-
 def attach(engine) -> DeviceCaches | None:
     """Serve the engine's cuda:N / vulkan:N / cpu-slots devices with native slot caches.
     Returns None (after saying why, once) when the loaded libllama is not the patched build."""
@@ -307,18 +288,14 @@ def attach(engine) -> DeviceCaches | None:
             notice(f"{device}: the device expert cache serves one device per model "
                    f"({caches[0].device}); {device} is not served")
             continue
-        why = _router_elsewhere(engine, device)
-        if why:
-            notice(f"{device}: device expert cache off: {why}; running with bookkeeping only "
-                   "(placement changes speed, never results)")
-            continue
         capacity = manager.capacity(device)
         if not capacity:
             notice(f"{device}: no capacity resolved ({manager.unresolved_reason(device)}); "
                    "no device cache")
             continue
         try:
-            name = ggml_device_name(device)   # rpc: devices stop at _router_elsewhere
+            name = (engine.remote.ggml_name(device) if device.startswith("rpc:")
+                    else ggml_device_name(device))
             shim_cache = ShimCache.create(lib, engine.model_ptr, name, capacity,
                                           max_tokens=engine.n_ubatch)
         except ShimError as exc:

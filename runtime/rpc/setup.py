@@ -94,6 +94,10 @@ class RemoteSetup:
             return {}
         return {s.device: s.bytes for s in self.plan.shares}
 
+    def ggml_name(self, device: str) -> str:
+        """ggml's name of a remote device of this model ("RPC0", ...); KeyError if none."""
+        return next(h.ggml_name for h in self.handles if h.device == device)
+
     def remote_whole_layers(self) -> set[int]:
         """Layers that run entirely on a remote (layers mode): the routing hook leaves them
         alone, since reading a remote node costs a network round trip per layer per token."""
