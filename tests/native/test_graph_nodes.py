@@ -1,16 +1,17 @@
 """What the slot cache costs the graph: the nodes of a one-token decode graph with and without
 a registered cache (every node the scheduler asks cb_eval about, which is every node of every
 split). Per MoE layer the cache adds the slot path's expert chain (its matmuls, activation and
-weighting, named ``*_hot``) and at most 8 other nodes: the view the host writes the id planes
-at, its copy on the cache's device (which every reader reads), three views of that copy, the
-concat of both paths' outputs and the gather back to the routing positions."""
+weighting, named ``*_hot``) and at most 6 other nodes: the view the host writes the id planes
+at, three views of it, the concat of both paths' outputs and the gather back to the routing
+positions. (With a backend that cannot read the cache's memory in place, a GPU's beside the
+CPU, one more: the planes' copy on the cache's device, which the Vulkan tests check.)"""
 from __future__ import annotations
 
 from gguf_tools.expert_index import ExpertIndex
 from tests.native.conftest import run_child
 
 
-def test_the_cache_adds_at_most_eight_nodes_per_layer_besides_the_slot_path(native_build,
+def test_the_cache_adds_at_most_six_nodes_per_layer_besides_the_slot_path(native_build,
                                                                           q8_model):
     facts = ExpertIndex.open(q8_model).facts
     n_moe = len(facts.moe_layers)
@@ -25,4 +26,4 @@ def test_the_cache_adds_at_most_eight_nodes_per_layer_besides_the_slot_path(nati
     assert cache["hot"] == 5 * n_moe
     assert added % n_moe == 0
     small = (added - cache["hot"]) // n_moe
-    assert 1 <= small <= 8
+    assert 1 <= small <= 6

@@ -109,6 +109,11 @@ def test_the_scheduler_runs_the_gpu_paths(vulkan_build, q8_model, tmp_path, monk
     assert offloaded and all("ffn_moe_cold_ids" in ln for ln in offloaded)
     on_cpu = [ln for ln in cold if "[  CPU" in ln.split("use=")[0] and "ffn_moe_cold_ids" in ln]
     assert on_cpu                                            # decode: repeats on the CPU
+    # the CPU cannot read device memory in place: every reader reads the planes' copy, made on
+    # the device after the host wrote them
+    copies = [ln for g in graphs for ln in g.splitlines() if "(CONT)" in ln
+              and "ffn_moe_planes_copy" in ln.split("use=")[0]]
+    assert copies and all("[Vulka" in ln.split("use=")[0] for ln in copies)
 
 
 def _engine(model, lib_dir, budget, policy="lru", ngl=99, max_tokens=40):
