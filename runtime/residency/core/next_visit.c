@@ -17,6 +17,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe;
     m->learning_rate = learning_rate;
     m->cur = -1;
+    m->h_lo = 0.0; m->h_hi = 1.0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->vis = calloc((size_t) n_layer, sizeof *m->vis);
     m->last_vis = calloc((size_t) n, sizeof *m->last_vis);
@@ -98,5 +99,9 @@ void nv_warm_start(nv_model *m, const double *frequency) {
     const int32_t n = m->n_layer * m->n_expert;
     for (int32_t k = 0; k < 3; k++)
         for (int32_t f = 0; f < n; f++) m->h[k * n + f] = frequency[f];
+    for (int32_t f = 0; f < n; f++) {             /* an EMA of y in [0, 1] stays in the hull */
+        if (frequency[f] < m->h_lo) m->h_lo = frequency[f];
+        if (frequency[f] > m->h_hi) m->h_hi = frequency[f];
+    }
     m->version++;                                 /* every cached z is stale */
 }

@@ -47,6 +47,7 @@ typedef struct {
                                      while e_stamp == nv_stamp of its layer (-1: stale) */
     int64_t *e_stamp;
     int64_t version;              /* weight updates and warm starts so far */
+    double h_lo, h_hi;            /* every h is in [h_lo, h_hi] (0, 1; a warm start widens) */
 } nv_model;
 
 nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,

@@ -21,6 +21,9 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->list_n = calloc((size_t) n_layer, sizeof *s->list_n);
     s->list_all = calloc((size_t) n_layer, 1);
     s->list_vis = malloc((size_t) n_layer * sizeof *s->list_vis);
+    s->list_ver = calloc((size_t) n_layer, sizeof *s->list_ver);
+    s->list_bound = calloc((size_t) n_layer, sizeof *s->list_bound);
+    s->list_w = calloc((size_t) n_layer * NV_F, sizeof *s->list_w);
     s->cand = malloc(k * sizeof *s->cand);
     s->pool = calloc(k, sizeof *s->pool);
     s->cand_z = calloc(k, sizeof *s->cand_z);
@@ -29,7 +32,8 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->members || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->cand ||
+    if (!s->members || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
+        !s->list_bound || !s->list_w || !s->cand ||
         !s->pool || !s->cand_z || !s->cand_e || !s->cand_s || !s->dirty || !s->dep ||
         !s->dirty_list) {
         nvv_free(s);
@@ -45,6 +49,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
     free(s->members); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->list_ver); free(s->list_bound); free(s->list_w);
     free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_e); free(s->cand_s);
     free(s->dirty); free(s->dep); free(s->dirty_list);
     free(s);
@@ -81,21 +86,36 @@ static inline int z_below(const nv_victim *s, double za, int32_t a, double zb, i
 }
 
 static inline int list_valid(const nv_victim *s, int32_t l) {
-    return s->list_vis[l] == nv_stamp(s->nv, l);
+    return s->list_vis[l] == s->nv->vis[l] && s->list_ver[l] == s->nv->version;
+}
+
+/* a key that is a member but not listed: every such key's z is >= list_bound */
+static inline void unlisted(nv_victim *s, int32_t l, double z) {
+    if (z < s->list_bound[l]) s->list_bound[l] = z;
 }
 
 void nvv_push(nv_victim *s, int32_t f) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] |= (uint64_t) 1 << (e % 64);
     nvv_stale(s, l);
-    if (!list_valid(s, l)) return;                /* refilled on its next use anyway */
+    if (!list_valid(s, l)) {                      /* refilled on its next use anyway */
+        s->list_vis[l] = -1;                      /* (not re-sorted: f's z is not bounded) */
+        return;
+    }
     int32_t *list = &s->list[l * NV_LIST];
     int32_t n = s->list_n[l];
     const double z = nv_logit(s->nv, l, f);
     int32_t i = n;
     while (i > 0 && z_below(s, z, f, nv_logit(s->nv, l, list[i - 1]), list[i - 1])) i--;
-    if (i == n && !s->list_all[l]) return;        /* above the list: unknown keys may be lower */
-    if (n == NV_LIST) { n--; s->list_all[l] = 0; } /* the last drops out */
+    if (i == n && !s->list_all[l]) {              /* above the list: unknown keys may be lower */
+        unlisted(s, l, z);
+        return;
+    }
+    if (n == NV_LIST) {                           /* the last drops out */
+        n--;
+        s->list_all[l] = 0;
+        unlisted(s, l, nv_logit(s->nv, l, list[n]));
+    }
     for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
     list[i] = f;
     s->list_n[l] = n + 1;
@@ -122,16 +142,37 @@ void nvv_remove(nv_victim *s, int32_t f) {
             for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
                  o_; o_ = 0)
 
-/* the layer's list: its NV_LIST lowest keys in (z, last seq, flat) */
+/* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
+ * rescored here (its layer was visited or the weights moved since), so z is computed straight
+ * from the features (nv_refresh's arithmetic, in its order) into the model's cache */
 static void fill_list(nv_victim *s, int32_t layer) {
+    nv_model *m = s->nv;
     int32_t *list = &s->list[layer * NV_LIST];
-    double lz[NV_LIST];
+    double lz[NV_LIST], bound = INFINITY;
+    const int64_t stamp = nv_stamp(m, layer), vis1 = m->vis[layer] + 1;
+    const int32_t nf = m->n_layer * m->n_expert;
+    const double *h0 = m->h, *h1 = m->h + nf, *h2 = m->h + 2 * nf;
+    const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
     int32_t n = 0, seen = 0;
     FOR_MEMBERS(s, layer, g) {
         seen++;
-        const double z = nv_logit(s->nv, layer, g);
-        if (n == NV_LIST && (z > lz[n - 1] || !z_below(s, z, g, lz[n - 1], list[n - 1])))
-            continue;
+        const int64_t lv = m->last_vis[g], age = vis1 - lv;
+        const double x1 = lv <= 0 ? 0.0 : age < NV_INV_N ? m->inv[age] : 1.0 / (double) age;
+        double z = w0 * 1.0;
+        z = z + w1 * x1;
+        z = z + w2 * h0[g];
+        z = z + w3 * h1[g];
+        z = z + w4 * h2[g];
+        m->z_cache[g] = z;
+        m->e_cache[g] = NAN;
+        m->e_stamp[g] = stamp;
+        if (n == NV_LIST) {
+            if (z > lz[n - 1] || !z_below(s, z, g, lz[n - 1], list[n - 1])) {
+                if (z < bound) bound = z;
+                continue;
+            }
+            if (lz[n - 1] < bound) bound = lz[n - 1];   /* the last drops out */
+        }
         int32_t i = n < NV_LIST ? n++ : n - 1;
         while (i > 0 && z_below(s, z, g, lz[i - 1], list[i - 1])) {
             list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
@@ -140,7 +181,52 @@ static void fill_list(nv_victim *s, int32_t layer) {
     }
     s->list_n[layer] = n;
     s->list_all[layer] = seen <= NV_LIST;
-    s->list_vis[layer] = nv_stamp(s->nv, layer);
+    s->list_bound[layer] = bound;
+    for (int32_t j = 0; j < NV_F; j++) s->list_w[layer * NV_F + j] = m->w[j];
+    s->list_vis[layer] = m->vis[layer];
+    s->list_ver[layer] = m->version;
+}
+
+/* the weights moved since the list's order, its layer's features did not: every member's z
+ * moved by dw . x, x in the features' box (x0 = 1, 1/age in [0, 1], h in [h_lo, h_hi]), so
+ * the unlisted keys' z are >= bound + (the least dw . x over the box) - slack (rounding).
+ * The listed keys are rescored: those strictly below that are the lowest members, in order;
+ * the others leave the list (the bound covers them). */
+static void resort_list(nv_victim *s, int32_t layer) {
+    nv_model *m = s->nv;
+    int32_t *list = &s->list[layer * NV_LIST];
+    double *wb = &s->list_w[layer * NV_F];
+    double t = s->list_bound[layer];
+    if (t != INFINITY) {
+        double least = m->w[0] - wb[0], size = 1.0;
+        const double d1 = m->w[1] - wb[1];
+        least += d1 < 0.0 ? d1 : 0.0;
+        for (int32_t j = 2; j < NV_F; j++) {
+            const double d = m->w[j] - wb[j], a = d * m->h_lo, b = d * m->h_hi;
+            least += a < b ? a : b;
+        }
+        for (int32_t j = 0; j < NV_F; j++) size += fabs(m->w[j]) + fabs(wb[j]);
+        const double xmax = fmax(1.0, fmax(-m->h_lo, m->h_hi));
+        t = t + least - 1e-9 * size * xmax - 1e-9 * fabs(t);
+    }
+    double lz[NV_LIST];
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->list_n[layer]; i++) {
+        const int32_t g = list[i];
+        const double z = nv_logit(m, layer, g);
+        if (!(z < t)) continue;
+        int32_t k = n++;
+        while (k > 0 && z_below(s, z, g, lz[k - 1], list[k - 1])) {
+            list[k] = list[k - 1]; lz[k] = lz[k - 1]; k--;
+        }
+        list[k] = g; lz[k] = z;
+    }
+    /* (unlisted keys' bound: t; the dropped listed keys are >= t too) */
+    if (n < s->list_n[layer]) s->list_all[layer] = 0;
+    s->list_n[layer] = n;
+    s->list_bound[layer] = t;
+    for (int32_t j = 0; j < NV_F; j++) wb[j] = m->w[j];
+    s->list_ver[layer] = m->version;
 }
 
 static inline int protected_by_use(const nv_victim *s, int32_t f) {
@@ -155,6 +241,8 @@ static inline double minus_expected(const nv_victim *s, int32_t k) {
 /* MoE index k's lowest unprotected key (cand[k], its z, exp(-z) and -expected) */
 static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     const int32_t layer = s->moe_layers[k];
+    if (!list_valid(s, layer) && s->list_vis[layer] == s->nv->vis[layer])
+        resort_list(s, layer);
     if (!list_valid(s, layer) || (s->list_n[layer] == 0 && !s->list_all[layer]))
         fill_list(s, layer);
     const int32_t *list = &s->list[layer * NV_LIST];
@@ -221,4 +309,40 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
         best = f; bk = k; bs = s->cand_s[k];
     }
     return best;
+}
+
+/* every layer with a list: listed keys are members, in order, below every unlisted member,
+ * whose z are >= the bound; list_all: no unlisted member. z from the features under the
+ * weights the list's order is for (list_w). 0 ok, else 1 + the first failed check */
+int nvv_verify(const nv_victim *s) {
+    const nv_model *m = s->nv;
+    for (int32_t k = 0; k < s->n_moe; k++) {
+        const int32_t layer = s->moe_layers[k];
+        if (s->list_vis[layer] != m->vis[layer]) continue;       /* refilled before use */
+        const double *wb = &s->list_w[layer * NV_F];
+        const int32_t *list = &s->list[layer * NV_LIST];
+        const int32_t n = s->list_n[layer];
+        double lz[NV_LIST];
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t g = list[i], e = g - layer * s->n_expert;
+            if (g / s->n_expert != layer ||
+                !(s->members[layer * s->n_words + e / 64] >> (e % 64) & 1)) return 1;
+            double x[NV_F];
+            nv_features(m, layer, g, x);
+            lz[i] = nv_dot(wb, x);
+            if (i > 0 && !z_below(s, lz[i - 1], list[i - 1], lz[i], g)) return 2;
+        }
+        FOR_MEMBERS(s, layer, g) {
+            int32_t listed = 0;
+            for (int32_t i = 0; i < n; i++) listed |= list[i] == g;
+            if (listed) continue;
+            if (s->list_all[layer]) return 3;
+            double x[NV_F];
+            nv_features(m, layer, g, x);
+            const double z = nv_dot(wb, x);
+            if (z < s->list_bound[layer]) return 4;
+            if (n > 0 && !z_below(s, lz[n - 1], list[n - 1], z, g)) return 5;
+        }
+    }
+    return 0;
 }

@@ -35,7 +35,10 @@ typedef struct {
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
     int32_t *list, *list_n;       /* (n_layer, NV_LIST), (n_layer,) */
     uint8_t *list_all;            /* (n_layer,) the list holds every key of the layer */
-    int64_t *list_vis;            /* (n_layer,) the layer's nv_stamp when filled, -1: invalid */
+    int64_t *list_vis, *list_ver; /* (n_layer,) the layer's visits and the model's version the
+                                     list's order is for; list_vis -1: invalid */
+    double *list_bound;           /* (n_layer,) every member not listed has z >= this (+inf) */
+    double *list_w;               /* (n_layer, NV_F) the weights list_bound is for */
     int64_t version;              /* the model's version the candidates are for */
     /* per MoE index k: the candidate (-1: none), its z, exp(-z), -expected, pool */
     int32_t *cand, *pool;
@@ -61,5 +64,7 @@ void nvv_stale(nv_victim *s, int32_t layer);
 void nvv_stale_all(nv_victim *s);
 /* the lowest unprotected key of pool in the order, or -1 (it stays in the order) */
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0);
+/* the lists' invariants (nv_victim.c): 0 ok, else which check failed */
+int nvv_verify(const nv_victim *s);
 
 #endif

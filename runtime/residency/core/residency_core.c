@@ -1205,6 +1205,7 @@ static int rc_verify_impl(const rc_core *c) {
             if (c->state[c->tickets[i].victims[j]] != EVICTING) return 9;
     }
     if (n_pf != c->n_pf_unused) return 10;
+    if (c->nvv != NULL && nvv_verify(c->nvv)) return 11;  /* next-visit's lists */
     return 0;
 }
 
