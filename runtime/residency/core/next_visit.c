@@ -47,18 +47,28 @@ void nv_free(nv_model *m) {
     free(m);
 }
 
-/* h = (1 - a) h + a y for each rate over one layer's keys: a loop the compiler vectorizes
- * (SSE2 packed doubles: the same IEEE operations, in the same order, as one at a time) */
+/* h_k = (1 - a_k) h_k + a_k y for the three rates over one layer's keys, in one pass: a loop
+ * the compiler vectorizes (SSE2 packed doubles: the same IEEE operations, in the same order,
+ * as one at a time) */
 __attribute__((optimize("tree-vectorize")))
-static void ema_layer(double *restrict h, const double *restrict y, int32_t ne, double a) {
-    for (int32_t e = 0; e < ne; e++) h[e] = (1.0 - a) * h[e] + a * y[e];
+static void ema_layer(double *restrict h0, double *restrict h1, double *restrict h2,
+                      const double *restrict y, int32_t ne) {
+    const double a0 = NV_RATES[0], a1 = NV_RATES[1], a2 = NV_RATES[2];
+    const double b0 = 1.0 - a0, b1 = 1.0 - a1, b2 = 1.0 - a2;
+    for (int32_t e = 0; e < ne; e++) {
+        const double v = y[e];
+        h0[e] = b0 * h0[e] + a0 * v;
+        h1[e] = b1 * h1[e] + a1 * v;
+        h2[e] = b2 * h2[e] + a2 * v;
+    }
 }
 
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, nf = m->n_layer * m->n_expert, base = layer * ne;
     for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 1;
     if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation */
-        double x[NV_F];
+        double x[NV_F], g[NV_F];
+        for (int32_t j = 0; j < NV_F; j++) g[j] = m->g[j];   /* (in registers) */
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
             const int32_t f = base + e;
             nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
@@ -69,8 +79,9 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
             }
             const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
-            for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
+            for (int32_t j = 0; j < NV_F; j++) g[j] = g[j] + err * x[j];
         }
+        for (int32_t j = 0; j < NV_F; j++) m->g[j] = g[j];
         m->steps++;
         if (m->steps % m->n_moe == 0) {
             for (int32_t j = 0; j < NV_F; j++) {
@@ -86,7 +97,7 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
     for (int32_t i = 0; i < n; i++)                      /* routed key's (one token: 0 or 1) */
         if (++m->cnt[el[i]] > top) top = m->cnt[el[i]];
     for (int32_t i = 0; i < n; i++) m->y[el[i]] = (double) m->cnt[el[i]] / (double) top;
-    for (int32_t k = 0; k < 3; k++) ema_layer(&m->h[k * nf + base], m->y, ne, NV_RATES[k]);
+    ema_layer(&m->h[base], &m->h[nf + base], &m->h[2 * nf + base], m->y, ne);
     for (int32_t i = 0; i < n; i++) {
         m->last_vis[base + el[i]] = m->vis[layer];
         m->y[el[i]] = 0.0;

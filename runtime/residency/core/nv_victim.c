@@ -17,6 +17,8 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->lease_count = lease_count; s->pinned = pinned;
     const size_t k = (size_t) (n_moe ? n_moe : 1);
     s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
+    s->skip = calloc((size_t) s->n_words, sizeof *s->skip);
+    s->in_list = calloc((size_t) n_layer * n_expert, 1);
     s->list = malloc((size_t) n_layer * NV_LIST * sizeof *s->list);
     s->list_n = calloc((size_t) n_layer, sizeof *s->list_n);
     s->list_all = calloc((size_t) n_layer, 1);
@@ -27,19 +29,23 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->cand = malloc(k * sizeof *s->cand);
     s->pool = calloc(k, sizeof *s->pool);
     s->cand_z = calloc(k, sizeof *s->cand_z);
-    s->cand_e = calloc(k, sizeof *s->cand_e);
+    s->cand_le = calloc(k, sizeof *s->cand_le);
     s->cand_s = calloc(k, sizeof *s->cand_s);
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->members || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
+    if (!s->members || !s->skip || !s->in_list || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
         !s->list_bound || !s->list_w || !s->cand ||
-        !s->pool || !s->cand_z || !s->cand_e || !s->cand_s || !s->dirty || !s->dep ||
+        !s->pool || !s->cand_z || !s->cand_le || !s->cand_s || !s->dirty || !s->dep ||
         !s->dirty_list) {
         nvv_free(s);
         return NULL;
     }
-    for (int32_t i = 0; i < n_moe; i++) s->cand[i] = -1;
+    for (int32_t i = 0; i < n_moe; i++) {
+        s->cand[i] = -1;
+        s->cand_s[i] = INFINITY;
+        s->cand_le[i] = -INFINITY;
+    }
     s->seq0 = -1;
     s->s_cur = -2;                                /* no current layer yet computed for */
     nvv_stale_all(s);
@@ -48,9 +54,9 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
-    free(s->members); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->members); free(s->skip); free(s->in_list); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
     free(s->list_ver); free(s->list_bound); free(s->list_w);
-    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_e); free(s->cand_s);
+    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_s);
     free(s->dirty); free(s->dep); free(s->dirty_list);
     free(s);
 }
@@ -73,7 +79,13 @@ void nvv_stale_all(nv_victim *s) {
 
 void nvv_reset(nv_victim *s, const int32_t *pool_of_layer) {
     memset(s->members, 0, (size_t) s->n_layer * s->n_words * sizeof *s->members);
-    for (int32_t k = 0; k < s->n_moe; k++) s->pool[k] = pool_of_layer[s->moe_layers[k]];
+    memset(s->in_list, 0, (size_t) s->n_layer * s->n_expert);
+    memset(s->list_n, 0, (size_t) s->n_layer * sizeof *s->list_n);
+    s->one_pool = 1;
+    for (int32_t k = 0; k < s->n_moe; k++) {
+        s->pool[k] = pool_of_layer[s->moe_layers[k]];
+        if (s->pool[k] != s->pool[0]) s->one_pool = 0;
+    }
     nvv_stale_all(s);
 }
 
@@ -115,9 +127,11 @@ void nvv_push(nv_victim *s, int32_t f) {
         n--;
         s->list_all[l] = 0;
         unlisted(s, l, nv_logit(s->nv, l, list[n]));
+        s->in_list[list[n]] = 0;
     }
     for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
     list[i] = f;
+    s->in_list[f] = 1;
     s->list_n[l] = n + 1;
 }
 
@@ -125,6 +139,8 @@ void nvv_remove(nv_victim *s, int32_t f) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] &= ~((uint64_t) 1 << (e % 64));
     nvv_stale(s, l);
+    if (!s->in_list[f]) return;
+    s->in_list[f] = 0;
     int32_t *list = &s->list[l * NV_LIST];
     const int32_t n = s->list_n[l];
     for (int32_t i = 0; i < n; i++)
@@ -142,46 +158,89 @@ void nvv_remove(nv_victim *s, int32_t f) {
             for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
                  o_; o_ = 0)
 
+/* for each key g of the layer in the order and not in `skip` (n_words), in flat order */
+#define FOR_MEMBERS_BUT(s, layer, skip, g)                                                    \
+    for (int32_t w_ = 0; w_ < (s)->n_words; w_++)                                            \
+        for (uint64_t b_ = (s)->members[(layer) * (s)->n_words + w_] & ~(skip)[w_]; b_;        \
+             b_ &= b_ - 1)                                                                   \
+            for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
+                 o_; o_ = 0)
+
+/* a list being filled: the NV_LIST lowest offered keys, the least z of the others */
+typedef struct {
+    int32_t *list;
+    double lz[NV_LIST], bound;
+    int32_t n;
+} filling;
+
+static inline void offer(const nv_victim *s, filling *t, int32_t g, double z) {
+    int32_t n = t->n;
+    if (n == NV_LIST) {
+        if (z > t->lz[n - 1] || !z_below(s, z, g, t->lz[n - 1], t->list[n - 1])) {
+            if (z < t->bound) t->bound = z;
+            return;
+        }
+        if (t->lz[n - 1] < t->bound) t->bound = t->lz[n - 1];   /* the last drops out */
+        n--;
+    }
+    int32_t i = n;
+    while (i > 0 && z_below(s, z, g, t->lz[i - 1], t->list[i - 1])) {
+        t->list[i] = t->list[i - 1]; t->lz[i] = t->lz[i - 1]; i--;
+    }
+    t->list[i] = g; t->lz[i] = z;
+    t->n = n + 1;
+}
+
 /* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
  * rescored here (its layer was visited or the weights moved since), so z is computed straight
- * from the features (nv_refresh's arithmetic, in its order) into the model's cache */
+ * from the features (nv_refresh's arithmetic, in its order) into the model's cache. The keys
+ * of the old list go first: they are most often still the lowest, so the rest mostly fail
+ * one comparison */
 static void fill_list(nv_victim *s, int32_t layer) {
     nv_model *m = s->nv;
-    int32_t *list = &s->list[layer * NV_LIST];
-    double lz[NV_LIST], bound = INFINITY;
     const int64_t stamp = nv_stamp(m, layer), vis1 = m->vis[layer] + 1;
-    const int32_t nf = m->n_layer * m->n_expert;
+    const int32_t nf = m->n_layer * m->n_expert, ne = s->n_expert;
     const double *h0 = m->h, *h1 = m->h + nf, *h2 = m->h + 2 * nf;
     const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
-    int32_t n = 0, seen = 0;
-    FOR_MEMBERS(s, layer, g) {
-        seen++;
-        const int64_t lv = m->last_vis[g], age = vis1 - lv;
-        const double x1 = lv <= 0 ? 0.0 : age < NV_INV_N ? m->inv[age] : 1.0 / (double) age;
-        double z = w0 * 1.0;
-        z = z + w1 * x1;
-        z = z + w2 * h0[g];
-        z = z + w3 * h1[g];
-        z = z + w4 * h2[g];
-        m->z_cache[g] = z;
-        m->e_cache[g] = NAN;
-        m->e_stamp[g] = stamp;
-        if (n == NV_LIST) {
-            if (z > lz[n - 1] || !z_below(s, z, g, lz[n - 1], list[n - 1])) {
-                if (z < bound) bound = z;
-                continue;
-            }
-            if (lz[n - 1] < bound) bound = lz[n - 1];   /* the last drops out */
-        }
-        int32_t i = n < NV_LIST ? n++ : n - 1;
-        while (i > 0 && z_below(s, z, g, lz[i - 1], list[i - 1])) {
-            list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
-        }
-        list[i] = g; lz[i] = z;
+#define SCORE(g, z)                                                                            \
+    do {                                                                                       \
+        const int64_t lv = m->last_vis[g], age = vis1 - lv;                                   \
+        const double x1 = lv <= 0 ? 0.0 : age < NV_INV_N ? m->inv[age] : 1.0 / (double) age; \
+        z = w0 * 1.0;                                                                          \
+        z = z + w1 * x1;                                                                       \
+        z = z + w2 * h0[g];                                                                    \
+        z = z + w3 * h1[g];                                                                    \
+        z = z + w4 * h2[g];                                                                    \
+        m->z_cache[g] = z;                                                                     \
+        m->e_cache[g] = NAN;                                                                   \
+        m->e_stamp[g] = stamp;                                                                 \
+    } while (0)
+    int32_t old[NV_LIST];
+    const int32_t n_old = s->list_n[layer];
+    memcpy(old, &s->list[layer * NV_LIST], (size_t) n_old * sizeof *old);
+    uint64_t *skip = s->skip;
+    memset(skip, 0, (size_t) s->n_words * sizeof *skip);
+    filling t = {.list = &s->list[layer * NV_LIST], .bound = INFINITY, .n = 0};
+    for (int32_t i = 0; i < n_old; i++) {         /* (members: the list follows the order) */
+        const int32_t g = old[i], e = g - layer * ne;
+        double z;
+        SCORE(g, z);
+        skip[e / 64] |= (uint64_t) 1 << (e % 64);
+        offer(s, &t, g, z);
     }
-    s->list_n[layer] = n;
+    int32_t seen = n_old;
+    FOR_MEMBERS_BUT(s, layer, skip, g) {
+        seen++;
+        double z;
+        SCORE(g, z);
+        offer(s, &t, g, z);
+    }
+#undef SCORE
+    for (int32_t i = 0; i < n_old; i++) s->in_list[old[i]] = 0;
+    for (int32_t i = 0; i < t.n; i++) s->in_list[t.list[i]] = 1;
+    s->list_n[layer] = t.n;
     s->list_all[layer] = seen <= NV_LIST;
-    s->list_bound[layer] = bound;
+    s->list_bound[layer] = t.bound;
     for (int32_t j = 0; j < NV_F; j++) s->list_w[layer * NV_F + j] = m->w[j];
     s->list_vis[layer] = m->vis[layer];
     s->list_ver[layer] = m->version;
@@ -214,7 +273,10 @@ static void resort_list(nv_victim *s, int32_t layer) {
     for (int32_t i = 0; i < s->list_n[layer]; i++) {
         const int32_t g = list[i];
         const double z = nv_logit(m, layer, g);
-        if (!(z < t)) continue;
+        if (!(z < t)) {
+            s->in_list[g] = 0;
+            continue;
+        }
         int32_t k = n++;
         while (k > 0 && z_below(s, z, g, lz[k - 1], list[k - 1])) {
             list[k] = list[k - 1]; lz[k] = lz[k - 1]; k--;
@@ -235,7 +297,7 @@ static inline int protected_by_use(const nv_victim *s, int32_t f) {
 
 /* -expected of MoE index k's candidate, seen from the model's current layer */
 static inline double minus_expected(const nv_victim *s, int32_t k) {
-    return -(nv_distance(s->nv, s->moe_layers[k]) + (double) s->n_moe * s->cand_e[k]);
+    return -(nv_distance(s->nv, s->moe_layers[k]) + s->cand_le[k]);
 }
 
 /* MoE index k's lowest unprotected key (cand[k], its z, exp(-z) and -expected) */
@@ -269,9 +331,37 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     s->cand[k] = f;
     if (f >= 0) {
         s->cand_z[k] = nv_logit(s->nv, layer, f);
-        s->cand_e[k] = nv_odds(s->nv, layer, f);
+        s->cand_le[k] = (double) s->n_moe * nv_odds(s->nv, layer, f);
         s->cand_s[k] = minus_expected(s, k);
+    } else {
+        s->cand_le[k] = -INFINITY;                /* s = +inf: never the least */
+        s->cand_s[k] = INFINITY;
     }
+}
+
+/* s[k] = -(distance + le[k]) for MoE index k seen from MoE index ci (distance 1..L: k - ci,
+ * plus L where that is <= 0; nv_distance); le -inf: s +inf */
+__attribute__((optimize("tree-vectorize")))
+static void distances(double *restrict s, const double *restrict le, int32_t L, int32_t ci) {
+    const int32_t split = ci + 1 < L ? ci + 1 : L;
+    for (int32_t k = 0; k < split; k++) s[k] = -((double) (k - ci + L) + le[k]);
+    for (int32_t k = split; k < L; k++) s[k] = -((double) (k - ci) + le[k]);
+}
+
+/* the least of s[0 .. n) (+inf if none) */
+static double least(const double *s, int32_t n) {
+    double a = INFINITY, b = INFINITY, c = INFINITY, d = INFINITY;
+    int32_t k = 0;
+    for (; k + 4 <= n; k += 4) {                  /* four chains: minsd/minpd, no branches */
+        a = s[k] < a ? s[k] : a;
+        b = s[k + 1] < b ? s[k + 1] : b;
+        c = s[k + 2] < c ? s[k + 2] : c;
+        d = s[k + 3] < d ? s[k + 3] : d;
+    }
+    for (; k < n; k++) a = s[k] < a ? s[k] : a;
+    a = b < a ? b : a;
+    c = d < c ? d : c;
+    return c < a ? c : a;
 }
 
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
@@ -292,21 +382,28 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     }
     s->n_dirty = 0;
     if (s->nv->cur != s->s_cur) {                 /* every distance moved */
-        for (int32_t k = 0; k < s->n_moe; k++)
-            if (s->cand[k] >= 0) s->cand_s[k] = minus_expected(s, k);
-        s->s_cur = s->nv->cur;
+        const int32_t cur = s->nv->cur;
+        distances(s->cand_s, s->cand_le, s->n_moe, cur >= 0 ? s->nv->moe_index[cur] : -1);
+        s->s_cur = cur;
+    }
+    double bs = INFINITY;                         /* the least s in the pool (s <= -1) */
+    if (s->one_pool) {
+        if (s->n_moe == 0 || s->pool[0] != pool) return -1;
+        bs = least(s->cand_s, s->n_moe);
+    } else {
+        for (int32_t k = 0; k < s->n_moe; k++) {
+            const double v = s->pool[k] == pool ? s->cand_s[k] : INFINITY;
+            bs = v < bs ? v : bs;
+        }
     }
     int32_t best = -1, bk = -1;
-    double bs = 0.0;
-    for (int32_t k = 0; k < s->n_moe; k++) {     /* (s, z, last seq, flat) */
+    if (bs == INFINITY) return -1;
+    for (int32_t k = 0; k < s->n_moe; k++) {     /* ties: (z, last seq, flat) */
+        if (s->cand_s[k] != bs) continue;
         const int32_t f = s->cand[k];
         if (f < 0 || s->pool[k] != pool) continue;
-        if (best >= 0) {
-            if (s->cand_s[k] > bs) continue;
-            if (s->cand_s[k] == bs && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best))
-                continue;
-        }
-        best = f; bk = k; bs = s->cand_s[k];
+        if (best >= 0 && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best)) continue;
+        best = f; bk = k;
     }
     return best;
 }
@@ -331,11 +428,13 @@ int nvv_verify(const nv_victim *s) {
             nv_features(m, layer, g, x);
             lz[i] = nv_dot(wb, x);
             if (i > 0 && !z_below(s, lz[i - 1], list[i - 1], lz[i], g)) return 2;
+            if (!s->in_list[g]) return 6;
         }
         FOR_MEMBERS(s, layer, g) {
             int32_t listed = 0;
             for (int32_t i = 0; i < n; i++) listed |= list[i] == g;
             if (listed) continue;
+            if (s->in_list[g]) return 6;
             if (s->list_all[layer]) return 3;
             double x[NV_F];
             nv_features(m, layer, g, x);

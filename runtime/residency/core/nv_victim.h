@@ -33,6 +33,8 @@ typedef struct {
     const int32_t *lease_count;   /* (n_flat,) the core's */
     const uint8_t *pinned;        /* (n_flat,) the core's */
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
+    uint64_t *skip;               /* (n_words,) scratch */
+    uint8_t *in_list;             /* (n_flat,) the key is in its layer's list */
     int32_t *list, *list_n;       /* (n_layer, NV_LIST), (n_layer,) */
     uint8_t *list_all;            /* (n_layer,) the list holds every key of the layer */
     int64_t *list_vis, *list_ver; /* (n_layer,) the layer's visits and the model's version the
@@ -40,13 +42,14 @@ typedef struct {
     double *list_bound;           /* (n_layer,) every member not listed has z >= this (+inf) */
     double *list_w;               /* (n_layer, NV_F) the weights list_bound is for */
     int64_t version;              /* the model's version the candidates are for */
-    /* per MoE index k: the candidate (-1: none), its z, exp(-z), -expected, pool */
+    /* per MoE index k: the candidate (-1: none), its scores below, pool */
     int32_t *cand, *pool;
-    double *cand_z, *cand_e, *cand_s;
+    double *cand_z, *cand_le, *cand_s; /* z, n_moe exp(-z), -expected (+inf: none) */
     uint8_t *dirty, *dep;         /* (n_moe,) dep: a key was skipped for last seq >= seq0 */
     int32_t *dirty_list, n_dirty, n_dep;
     int64_t seq0;                 /* of the latest search */
     int32_t s_cur;                /* the model's current layer cand_s was computed for */
+    int32_t one_pool;             /* every MoE layer is in the same pool */
 } nv_victim;
 
 nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
