@@ -36,6 +36,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
     for (int32_t f = 0; f < n; f++) m->e_stamp[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
+    m->inv[0] = 0.0;                              /* (score_keys: a key never routed) */
     for (int32_t k = 1; k < NV_INV_N; k++) m->inv[k] = 1.0 / (double) k;
     return m;
 }

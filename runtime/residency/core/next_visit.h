@@ -38,7 +38,7 @@ typedef struct {
     uint8_t *mark;                /* (n_expert,) scratch: routed in this visit */
     int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
     double *y;                    /* (n_expert,) scratch: this visit's labels, 0 between visits */
-    double inv[NV_INV_N];         /* inv[k] = 1.0 / k */
+    double inv[NV_INV_N];         /* inv[k] = 1.0 / k, inv[0] = 0 */
     double w[NV_F], g[NV_F];
     double learning_rate;
     int64_t steps;                /* decode visits */

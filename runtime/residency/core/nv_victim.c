@@ -4,6 +4,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
                       const int32_t *moe_layers, int32_t n_moe, const int64_t *last_seq,
@@ -19,6 +22,9 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
     s->skip = calloc((size_t) s->n_words, sizeof *s->skip);
     s->in_list = calloc((size_t) n_layer * n_expert, 1);
+    s->ids = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->ids);
+    s->zs = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->zs);
+    s->sel = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->sel);
     s->list = malloc((size_t) n_layer * NV_LIST * sizeof *s->list);
     s->list_n = calloc((size_t) n_layer, sizeof *s->list_n);
     s->list_all = calloc((size_t) n_layer, 1);
@@ -34,7 +40,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->members || !s->skip || !s->in_list || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
+    if (!s->members || !s->skip || !s->in_list || !s->ids || !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
         !s->list_bound || !s->list_w || !s->cand ||
         !s->pool || !s->cand_z || !s->cand_le || !s->cand_s || !s->dirty || !s->dep ||
         !s->dirty_list) {
@@ -54,7 +60,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
-    free(s->members); free(s->skip); free(s->in_list); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->members); free(s->skip); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
     free(s->list_ver); free(s->list_bound); free(s->list_w);
     free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_s);
     free(s->dirty); free(s->dep); free(s->dirty_list);
@@ -191,56 +197,112 @@ static inline void offer(const nv_victim *s, filling *t, int32_t g, double z) {
     t->n = n + 1;
 }
 
+/* zs[i] = z of flat ids[i] of `layer` for its next visit (nv_refresh's arithmetic, in its
+ * order), into the model's cache too */
+static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, int32_t n,
+                       double *restrict zs) {
+    const int64_t stamp = nv_stamp(m, layer), vis1 = m->vis[layer] + 1;
+    const int32_t nf = m->n_layer * m->n_expert;
+    const int64_t *restrict last_vis = m->last_vis;
+    const double *restrict inv = m->inv;          /* inv[0] = 0: a key never routed */
+    const double *restrict h0 = m->h, *restrict h1 = m->h + nf, *restrict h2 = m->h + 2 * nf;
+    double *restrict z_cache = m->z_cache, *restrict e_cache = m->e_cache;
+    int64_t *restrict e_stamp = m->e_stamp;
+    const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t g = ids[i];
+        const int64_t lv = last_vis[g], age = lv <= 0 ? 0 : vis1 - lv;
+        const double x1 = age < NV_INV_N ? inv[age] : 1.0 / (double) age;
+        double z = w0 * 1.0;
+        z = z + w1 * x1;
+        z = z + w2 * h0[g];
+        z = z + w3 * h1[g];
+        z = z + w4 * h2[g];
+        zs[i] = z;
+        z_cache[g] = z;
+        e_cache[g] = NAN;
+        e_stamp[g] = stamp;
+    }
+}
+
+/* out (NV_LIST + 1,) = the least values of zs[0 .. n), ascending (+inf past n): a min/max
+ * cascade, with no branches (values are only moved, never computed) */
+static void least_values(const double *zs, int32_t n, double *out) {
+#ifdef __SSE2__
+    __m128d l[NV_LIST + 1];
+#pragma GCC unroll 16
+    for (int32_t j = 0; j <= NV_LIST; j++) l[j] = _mm_set_sd(INFINITY);
+    for (int32_t i = 0; i < n; i++) {
+        __m128d v = _mm_load_sd(&zs[i]);
+#pragma GCC unroll 16
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const __m128d lo = _mm_min_sd(v, l[j]);
+            v = _mm_max_sd(v, l[j]);
+            l[j] = lo;
+        }
+    }
+#pragma GCC unroll 16
+    for (int32_t j = 0; j <= NV_LIST; j++) _mm_store_sd(&out[j], l[j]);
+#else
+    for (int32_t j = 0; j <= NV_LIST; j++) out[j] = INFINITY;
+    for (int32_t i = 0; i < n; i++) {
+        double v = zs[i];
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const double lo = v < out[j] ? v : out[j], hi = v < out[j] ? out[j] : v;
+            out[j] = lo;
+            v = hi;
+        }
+    }
+#endif
+}
+
 /* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
- * rescored here (its layer was visited or the weights moved since), so z is computed straight
- * from the features (nv_refresh's arithmetic, in its order) into the model's cache. The keys
- * of the old list go first: they are most often still the lowest, so the rest mostly fail
- * one comparison */
+ * rescored here (its layer was visited or the weights moved since). The keys of the old list
+ * go first: they are most often still the lowest, so the rest mostly fail one comparison */
+__attribute__((noinline))
 static void fill_list(nv_victim *s, int32_t layer) {
     nv_model *m = s->nv;
-    const int64_t stamp = nv_stamp(m, layer), vis1 = m->vis[layer] + 1;
-    const int32_t nf = m->n_layer * m->n_expert, ne = s->n_expert;
-    const double *h0 = m->h, *h1 = m->h + nf, *h2 = m->h + 2 * nf;
-    const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
-#define SCORE(g, z)                                                                            \
-    do {                                                                                       \
-        const int64_t lv = m->last_vis[g], age = vis1 - lv;                                   \
-        const double x1 = lv <= 0 ? 0.0 : age < NV_INV_N ? m->inv[age] : 1.0 / (double) age; \
-        z = w0 * 1.0;                                                                          \
-        z = z + w1 * x1;                                                                       \
-        z = z + w2 * h0[g];                                                                    \
-        z = z + w3 * h1[g];                                                                    \
-        z = z + w4 * h2[g];                                                                    \
-        m->z_cache[g] = z;                                                                     \
-        m->e_cache[g] = NAN;                                                                   \
-        m->e_stamp[g] = stamp;                                                                 \
-    } while (0)
-    int32_t old[NV_LIST];
-    const int32_t n_old = s->list_n[layer];
-    memcpy(old, &s->list[layer * NV_LIST], (size_t) n_old * sizeof *old);
+    const int32_t ne = s->n_expert;
+    int32_t *ids = s->ids, n = 0;
+    double *zs = s->zs;
     uint64_t *skip = s->skip;
     memset(skip, 0, (size_t) s->n_words * sizeof *skip);
-    filling t = {.list = &s->list[layer * NV_LIST], .bound = INFINITY, .n = 0};
-    for (int32_t i = 0; i < n_old; i++) {         /* (members: the list follows the order) */
-        const int32_t g = old[i], e = g - layer * ne;
-        double z;
-        SCORE(g, z);
+    int32_t *list = &s->list[layer * NV_LIST];
+    for (int32_t i = 0; i < s->list_n[layer]; i++) {   /* (members: the list follows the order) */
+        const int32_t g = list[i], e = g - layer * ne;
+        ids[n++] = g;
         skip[e / 64] |= (uint64_t) 1 << (e % 64);
-        offer(s, &t, g, z);
+        s->in_list[g] = 0;
     }
-    int32_t seen = n_old;
-    FOR_MEMBERS_BUT(s, layer, skip, g) {
-        seen++;
-        double z;
-        SCORE(g, z);
-        offer(s, &t, g, z);
+    FOR_MEMBERS_BUT(s, layer, skip, g) ids[n++] = g;
+    score_keys(m, layer, ids, n, zs);
+    double least[NV_LIST + 1];
+    least_values(zs, n, least);
+    /* the keys at or below the NV_LIST-th value, in (z, last seq, flat); the first NV_LIST
+     * are the list; every other key's z is >= the (NV_LIST + 1)-th value */
+    const double top = least[NV_LIST - 1];
+    int32_t *sel = s->sel, n_sel = 0;
+    for (int32_t i = 0; i < n; i++) {
+        sel[n_sel] = i;
+        n_sel += zs[i] <= top;
     }
-#undef SCORE
-    for (int32_t i = 0; i < n_old; i++) s->in_list[old[i]] = 0;
-    for (int32_t i = 0; i < t.n; i++) s->in_list[t.list[i]] = 1;
-    s->list_n[layer] = t.n;
-    s->list_all[layer] = seen <= NV_LIST;
-    s->list_bound[layer] = t.bound;
+    for (int32_t a = 1; a < n_sel; a++) {
+        const int32_t i = sel[a];
+        int32_t b = a;
+        while (b > 0 && z_below(s, zs[i], ids[i], zs[sel[b - 1]], ids[sel[b - 1]])) {
+            sel[b] = sel[b - 1];
+            b--;
+        }
+        sel[b] = i;
+    }
+    const int32_t n_list = n_sel < NV_LIST ? n_sel : NV_LIST;
+    for (int32_t a = 0; a < n_list; a++) {
+        list[a] = ids[sel[a]];
+        s->in_list[list[a]] = 1;
+    }
+    s->list_n[layer] = n_list;
+    s->list_all[layer] = n <= NV_LIST;
+    s->list_bound[layer] = least[NV_LIST];
     for (int32_t j = 0; j < NV_F; j++) s->list_w[layer * NV_F + j] = m->w[j];
     s->list_vis[layer] = m->vis[layer];
     s->list_ver[layer] = m->version;
@@ -350,18 +412,38 @@ static void distances(double *restrict s, const double *restrict le, int32_t L, 
 
 /* the least of s[0 .. n) (+inf if none) */
 static double least(const double *s, int32_t n) {
-    double a = INFINITY, b = INFINITY, c = INFINITY, d = INFINITY;
     int32_t k = 0;
-    for (; k + 4 <= n; k += 4) {                  /* four chains: minsd/minpd, no branches */
-        a = s[k] < a ? s[k] : a;
-        b = s[k + 1] < b ? s[k + 1] : b;
-        c = s[k + 2] < c ? s[k + 2] : c;
-        d = s[k + 3] < d ? s[k + 3] : d;
+    double a = INFINITY;
+#ifdef __SSE2__
+    __m128d m0 = _mm_set1_pd(INFINITY), m1 = m0;  /* (minpd: no branches) */
+    for (; k + 4 <= n; k += 4) {
+        m0 = _mm_min_pd(_mm_loadu_pd(&s[k]), m0);
+        m1 = _mm_min_pd(_mm_loadu_pd(&s[k + 2]), m1);
     }
+    m0 = _mm_min_pd(m0, m1);
+    m0 = _mm_min_sd(m0, _mm_unpackhi_pd(m0, m0));
+    a = _mm_cvtsd_f64(m0);
+#endif
     for (; k < n; k++) a = s[k] < a ? s[k] : a;
-    a = b < a ? b : a;
-    c = d < c ? d : c;
-    return c < a ? c : a;
+    return a;
+}
+
+/* the one k with s[k] == v, or -1 (none, or several) */
+static int32_t only_at(const double *s, int32_t n, double v) {
+    int32_t count = 0, at = -1, k = 0;
+#ifdef __SSE2__
+    const __m128d vv = _mm_set1_pd(v);
+    for (; k + 2 <= n; k += 2) {                  /* (a branch that is most often not taken) */
+        const int mask = _mm_movemask_pd(_mm_cmpeq_pd(_mm_loadu_pd(&s[k]), vv));
+        if (mask) {
+            count += (mask & 1) + (mask >> 1);
+            at = k + (mask & 1 ? 0 : 1);
+        }
+    }
+#endif
+    for (; k < n; k++)
+        if (s[k] == v) { count++; at = k; }
+    return count == 1 ? at : -1;
 }
 
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
@@ -398,6 +480,10 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     }
     int32_t best = -1, bk = -1;
     if (bs == INFINITY) return -1;
+    if (s->one_pool) {                            /* most often one layer holds the least */
+        const int32_t k = only_at(s->cand_s, s->n_moe, bs);
+        if (k >= 0) return s->cand[k];
+    }
     for (int32_t k = 0; k < s->n_moe; k++) {     /* ties: (z, last seq, flat) */
         if (s->cand_s[k] != bs) continue;
         const int32_t f = s->cand[k];

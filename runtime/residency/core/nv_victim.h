@@ -34,6 +34,7 @@ typedef struct {
     const uint8_t *pinned;        /* (n_flat,) the core's */
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
     uint64_t *skip;               /* (n_words,) scratch */
+    int32_t *ids, *sel; double *zs;  /* (n_expert,) scratch: a layer's members, their z */
     uint8_t *in_list;             /* (n_flat,) the key is in its layer's list */
     int32_t *list, *list_n;       /* (n_layer, NV_LIST), (n_layer,) */
     uint8_t *list_all;            /* (n_layer,) the list holds every key of the layer */
