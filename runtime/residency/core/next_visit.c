@@ -80,6 +80,7 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
             }
             const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
+#pragma GCC unroll 8
             for (int32_t j = 0; j < NV_F; j++) g[j] = g[j] + err * x[j];
         }
         for (int32_t j = 0; j < NV_F; j++) m->g[j] = g[j];

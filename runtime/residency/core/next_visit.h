@@ -70,6 +70,7 @@ static inline void nv_features(const nv_model *m, int32_t layer, int32_t f, doub
 
 static inline double nv_dot(const double *w, const double *x) {
     double z = w[0] * x[0];
+#pragma GCC unroll 8
     for (int32_t j = 1; j < NV_F; j++) z = z + w[j] * x[j];
     return z;
 }
