@@ -25,7 +25,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->ids = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->ids);
     s->zs = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->zs);
     s->sel = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->sel);
-    s->list = malloc((size_t) n_layer * NV_LIST * sizeof *s->list);
+    s->list = malloc(((size_t) n_layer * NV_LIST + 1) * sizeof *s->list);
     s->list_n = calloc((size_t) n_layer, sizeof *s->list_n);
     s->list_all = calloc((size_t) n_layer, 1);
     s->list_vis = malloc((size_t) n_layer * sizeof *s->list_vis);
@@ -52,6 +52,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
         s->cand_s[i] = INFINITY;
         s->cand_le[i] = -INFINITY;
     }
+    s->list[n_layer * NV_LIST] = -1;              /* a guard: nvv_verify checks it */
     s->seq0 = -1;
     s->s_cur = -2;                                /* no current layer yet computed for */
     nvv_stale_all(s);
@@ -125,7 +126,9 @@ void nvv_push(nv_victim *s, int32_t f) {
     const double z = nv_logit(s->nv, l, f);
     int32_t i = n;
     while (i > 0 && z_below(s, z, f, nv_logit(s->nv, l, list[i - 1]), list[i - 1])) i--;
-    if (i == n && !s->list_all[l]) {              /* above the list: unknown keys may be lower */
+    if (i == n && (!s->list_all[l] || n == NV_LIST)) {  /* above the list (unknown keys may
+                                                           be lower, or it is full) */
+        s->list_all[l] = 0;
         unlisted(s, l, z);
         return;
     }
@@ -499,6 +502,7 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
  * weights the list's order is for (list_w). 0 ok, else 1 + the first failed check */
 int nvv_verify(const nv_victim *s) {
     const nv_model *m = s->nv;
+    if (s->list[s->n_layer * NV_LIST] != -1) return 7;          /* a list overran */
     for (int32_t k = 0; k < s->n_moe; k++) {
         const int32_t layer = s->moe_layers[k];
         if (s->list_vis[layer] != m->vis[layer]) continue;       /* refilled before use */

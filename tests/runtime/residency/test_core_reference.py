@@ -273,3 +273,25 @@ def test_next_visit_wide_layers_equal_reference(zipf_stream, pf, warm):
     for c in cores:
         c.release(held)
     same_state(cores)
+
+
+def test_next_visit_key_above_a_full_list_stays_out(zipf_stream):
+    """A key that joins a layer whose list held all its keys (8, the list's size) and ranks
+    above them stays out of the list: it once overran into the next layer's list (or past the
+    last one). Here a prefill prefetch (chunk-plan) brings such a key into the last layer."""
+    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}),
+                 ("chunk-plan", {"depth": 1.0}))
+    n_expert, n_layer = 12, 3
+    cores = [make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
+             for kind in ("native", "reference")]
+    for c in cores:
+        assert c.set_capacity(0, 100 * 24) == 0
+    s = zipf_stream(40, n_layer, n_expert, 2, seed=1)
+    steps = [(layer, s[4 * k:4 * k + 4, layer].reshape(-1), 0) for k in range(3)
+             for layer in range(n_layer)]
+    steps += [(layer, s[t, layer], 1) for t in range(12, 40) for layer in range(n_layer)]
+    for j, (layer, experts, phase) in enumerate(steps):
+        out = [c.access(layer, experts.astype(np.int32), phase) for c in cores]
+        assert out[0] == out[1], j
+        assert cores[0].verify() == 0, j           # (7: a list overran)
+    same_state(cores)
