@@ -15,10 +15,9 @@
  * the expected time to its next use, in layer-steps, is
  *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-z)
  * with dist in 1..n_moe (the current layer itself is n_moe away). Eviction `next-visit`
- * takes the largest first, ties by the larger z, then the core's (last seq, flat); within one
- * layer that is the lowest (z, last seq, flat), found with no exp (residency_core.c).
+ * takes the largest first, ties by the lower z, then the core's (last seq, flat); within one
+ * layer that is the lowest (z, last seq, flat), found with no exp (nv_victim.c).
  * Every operation is written in the order the Python reference
- takes the largest first. Every operation is written in the order the Python reference
  * (runtime/residency/reference_next_visit.py) performs it, so both give the same doubles.
  */
 #ifndef NEXT_VISIT_H

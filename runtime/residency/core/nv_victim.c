@@ -20,7 +20,6 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->lease_count = lease_count; s->pinned = pinned;
     const size_t k = (size_t) (n_moe ? n_moe : 1);
     s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
-    s->skip = calloc((size_t) s->n_words, sizeof *s->skip);
     s->in_list = calloc((size_t) n_layer * n_expert, 1);
     s->ids = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->ids);
     s->zs = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->zs);
@@ -40,7 +39,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->members || !s->skip || !s->in_list || !s->ids || !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
+    if (!s->members || !s->in_list || !s->ids || !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
         !s->list_bound || !s->list_w || !s->cand ||
         !s->pool || !s->cand_z || !s->cand_le || !s->cand_s || !s->dirty || !s->dep ||
         !s->dirty_list) {
@@ -61,7 +60,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
-    free(s->members); free(s->skip); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->members); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
     free(s->list_ver); free(s->list_bound); free(s->list_w);
     free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_s);
     free(s->dirty); free(s->dep); free(s->dirty_list);
@@ -167,39 +166,6 @@ void nvv_remove(nv_victim *s, int32_t f) {
             for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
                  o_; o_ = 0)
 
-/* for each key g of the layer in the order and not in `skip` (n_words), in flat order */
-#define FOR_MEMBERS_BUT(s, layer, skip, g)                                                    \
-    for (int32_t w_ = 0; w_ < (s)->n_words; w_++)                                            \
-        for (uint64_t b_ = (s)->members[(layer) * (s)->n_words + w_] & ~(skip)[w_]; b_;        \
-             b_ &= b_ - 1)                                                                   \
-            for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
-                 o_; o_ = 0)
-
-/* a list being filled: the NV_LIST lowest offered keys, the least z of the others */
-typedef struct {
-    int32_t *list;
-    double lz[NV_LIST], bound;
-    int32_t n;
-} filling;
-
-static inline void offer(const nv_victim *s, filling *t, int32_t g, double z) {
-    int32_t n = t->n;
-    if (n == NV_LIST) {
-        if (z > t->lz[n - 1] || !z_below(s, z, g, t->lz[n - 1], t->list[n - 1])) {
-            if (z < t->bound) t->bound = z;
-            return;
-        }
-        if (t->lz[n - 1] < t->bound) t->bound = t->lz[n - 1];   /* the last drops out */
-        n--;
-    }
-    int32_t i = n;
-    while (i > 0 && z_below(s, z, g, t->lz[i - 1], t->list[i - 1])) {
-        t->list[i] = t->list[i - 1]; t->lz[i] = t->lz[i - 1]; i--;
-    }
-    t->list[i] = g; t->lz[i] = z;
-    t->n = n + 1;
-}
-
 /* zs[i] = z of flat ids[i] of `layer` for its next visit (nv_refresh's arithmetic, in its
  * order), into the model's cache too */
 static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, int32_t n,
@@ -260,24 +226,16 @@ static void least_values(const double *zs, int32_t n, double *out) {
 }
 
 /* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
- * rescored here (its layer was visited or the weights moved since). The keys of the old list
- * go first: they are most often still the lowest, so the rest mostly fail one comparison */
+ * rescored here (its layer was visited, the weights moved past what resort_list can bound,
+ * or the list ran dry) */
 __attribute__((noinline))
 static void fill_list(nv_victim *s, int32_t layer) {
     nv_model *m = s->nv;
-    const int32_t ne = s->n_expert;
     int32_t *ids = s->ids, n = 0;
     double *zs = s->zs;
-    uint64_t *skip = s->skip;
-    memset(skip, 0, (size_t) s->n_words * sizeof *skip);
     int32_t *list = &s->list[layer * NV_LIST];
-    for (int32_t i = 0; i < s->list_n[layer]; i++) {   /* (members: the list follows the order) */
-        const int32_t g = list[i], e = g - layer * ne;
-        ids[n++] = g;
-        skip[e / 64] |= (uint64_t) 1 << (e % 64);
-        s->in_list[g] = 0;
-    }
-    FOR_MEMBERS_BUT(s, layer, skip, g) ids[n++] = g;
+    for (int32_t i = 0; i < s->list_n[layer]; i++) s->in_list[list[i]] = 0;
+    FOR_MEMBERS(s, layer, g) ids[n++] = g;
     score_keys(m, layer, ids, n, zs);
     double least[NV_LIST + 1];
     least_values(zs, n, least);
