@@ -2,7 +2,7 @@
 """What the native device cache's machinery costs per token and per MoE layer, on the CPU.
 
     python scripts/bench_cache_overhead.py [-n 128] [--reps 3] [-t 1] [--device cpu-slots]
-                                           [-ngl 0]
+                                           [-ngl 0] [--eviction lru]
 
 The model is deep and narrow on purpose (Qwen3-30B-A3B's 48 layers, 128 experts, top-8, but
 widths 64/32, q8_0; written once to the cache directory), so the expert matmuls cost almost
@@ -12,7 +12,8 @@ manager and the cache's table updates and copies. Configurations, each loaded on
 interleaved (``--reps`` rounds, medians), greedy decode from an empty KV cache:
   experts on CPU   the cache's placement without a cache (experts in host memory, unrepacked)
   cache 100%       cpu-slots with room for every expert: after the prompt every access hits
-  cache 25% lru    cpu-slots at 25% of the expert bytes, admit every miss, LRU
+  cache 25% EV     cpu-slots at 25% of the expert bytes, admit every miss, eviction EV
+                   (--eviction: lru, or e.g. next-visit)
 ``--device cuda:0`` (or vulkan:0) with ``-ngl 99`` measures the same on a GPU (the patched
 library from $LLAMA_CPP_LIB_PATH, else the newest build of that backend): the experts stay in
 host memory, the cache's slots live on the device. Printed: decode ms/token (wall, and this
@@ -43,7 +44,8 @@ def _model() -> Path:
     return cached_model(spec)
 
 
-def _engines(model: Path, lib_dir: str, threads: int, n_gen: int, device: str, ngl: int):
+def _engines(model: Path, lib_dir: str, threads: int, n_gen: int, device: str, ngl: int,
+             eviction: str = "lru"):
     from gguf_tools.facts import read_model_facts
     from runtime.engine.engine import Engine, EngineSettings
     from runtime.engine.placement import cpu_moe_placement
@@ -51,7 +53,7 @@ def _engines(model: Path, lib_dir: str, threads: int, n_gen: int, device: str, n
 
     total = read_model_facts(model).total_expert_bytes
     policy = {"phase_specific": False,
-              "decode": {"admission": "always", "prefetch": "none", "eviction": "lru"}}
+              "decode": {"admission": "always", "prefetch": "none", "eviction": eviction}}
 
     def settings(config=None, **kw):
         return EngineSettings(model_path=str(model), n_ctx=len(PROMPT_TOKENS) + n_gen + 16,
@@ -67,7 +69,7 @@ def _engines(model: Path, lib_dir: str, threads: int, n_gen: int, device: str, n
         "experts on CPU": Engine(settings(repack=False), progress=False,
                                  placement=cpu_moe_placement(None)),
         "cache 100%": Engine(settings(cache(1.05)), progress=False),
-        "cache 25% lru": Engine(settings(cache(0.25)), progress=False),
+        f"cache 25% {eviction}": Engine(settings(cache(0.25)), progress=False),
     }
 
 
@@ -104,6 +106,8 @@ def main() -> int:
     parser.add_argument("-ngl", "--gpu-layers", type=int, default=0,
                         help="layers on the GPU (99: all dense weights; experts stay in host "
                              "memory)")
+    parser.add_argument("--eviction", default="lru",
+                        help="the 25%% cache's decode eviction policy (lru, next-visit, ...)")
     args = parser.parse_args()
     import os
 
@@ -118,7 +122,7 @@ def main() -> int:
     model = _model()
     n_moe = len(read_model_facts(model).moe_layers)
     engines = _engines(model, lib_dir, args.threads, args.n_gen, args.device,
-                       args.gpu_layers)
+                       args.gpu_layers, args.eviction)
     times: dict[str, list[float]] = {name: [] for name in engines}
     cpu_times: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, list[int]] = {}

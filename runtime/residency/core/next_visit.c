@@ -17,6 +17,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe;
     m->learning_rate = learning_rate;
     m->cur = -1;
+    m->h_lo = 0.0; m->h_hi = 1.0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->vis = calloc((size_t) n_layer, sizeof *m->vis);
     m->last_vis = calloc((size_t) n, sizeof *m->last_vis);
@@ -35,6 +36,7 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     for (int32_t i = 0; i < n_moe; i++) m->moe_index[moe_layers[i]] = i;
     for (int32_t f = 0; f < n; f++) m->e_stamp[f] = -1;
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
+    m->inv[0] = 0.0;                              /* (score_keys: a key never routed) */
     for (int32_t k = 1; k < NV_INV_N; k++) m->inv[k] = 1.0 / (double) k;
     return m;
 }
@@ -46,18 +48,28 @@ void nv_free(nv_model *m) {
     free(m);
 }
 
-/* h = (1 - a) h + a y for each rate over one layer's keys: a loop the compiler vectorizes
- * (SSE2 packed doubles: the same IEEE operations, in the same order, as one at a time) */
+/* h_k = (1 - a_k) h_k + a_k y for the three rates over one layer's keys, in one pass: a loop
+ * the compiler vectorizes (SSE2 packed doubles: the same IEEE operations, in the same order,
+ * as one at a time) */
 __attribute__((optimize("tree-vectorize")))
-static void ema_layer(double *restrict h, const double *restrict y, int32_t ne, double a) {
-    for (int32_t e = 0; e < ne; e++) h[e] = (1.0 - a) * h[e] + a * y[e];
+static void ema_layer(double *restrict h0, double *restrict h1, double *restrict h2,
+                      const double *restrict y, int32_t ne) {
+    const double a0 = NV_RATES[0], a1 = NV_RATES[1], a2 = NV_RATES[2];
+    const double b0 = 1.0 - a0, b1 = 1.0 - a1, b2 = 1.0 - a2;
+    for (int32_t e = 0; e < ne; e++) {
+        const double v = y[e];
+        h0[e] = b0 * h0[e] + a0 * v;
+        h1[e] = b1 * h1[e] + a1 * v;
+        h2[e] = b2 * h2[e] + a2 * v;
+    }
 }
 
 void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, nf = m->n_layer * m->n_expert, base = layer * ne;
     for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 1;
     if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation */
-        double x[NV_F];
+        double x[NV_F], g[NV_F];
+        for (int32_t j = 0; j < NV_F; j++) g[j] = m->g[j];   /* (in registers) */
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
             const int32_t f = base + e;
             nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
@@ -68,8 +80,10 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
             }
             const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
-            for (int32_t j = 0; j < NV_F; j++) m->g[j] = m->g[j] + err * x[j];
+#pragma GCC unroll 8
+            for (int32_t j = 0; j < NV_F; j++) g[j] = g[j] + err * x[j];
         }
+        for (int32_t j = 0; j < NV_F; j++) m->g[j] = g[j];
         m->steps++;
         if (m->steps % m->n_moe == 0) {
             for (int32_t j = 0; j < NV_F; j++) {
@@ -85,7 +99,7 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
     for (int32_t i = 0; i < n; i++)                      /* routed key's (one token: 0 or 1) */
         if (++m->cnt[el[i]] > top) top = m->cnt[el[i]];
     for (int32_t i = 0; i < n; i++) m->y[el[i]] = (double) m->cnt[el[i]] / (double) top;
-    for (int32_t k = 0; k < 3; k++) ema_layer(&m->h[k * nf + base], m->y, ne, NV_RATES[k]);
+    ema_layer(&m->h[base], &m->h[nf + base], &m->h[2 * nf + base], m->y, ne);
     for (int32_t i = 0; i < n; i++) {
         m->last_vis[base + el[i]] = m->vis[layer];
         m->y[el[i]] = 0.0;
@@ -98,5 +112,9 @@ void nv_warm_start(nv_model *m, const double *frequency) {
     const int32_t n = m->n_layer * m->n_expert;
     for (int32_t k = 0; k < 3; k++)
         for (int32_t f = 0; f < n; f++) m->h[k * n + f] = frequency[f];
+    for (int32_t f = 0; f < n; f++) {             /* an EMA of y in [0, 1] stays in the hull */
+        if (frequency[f] < m->h_lo) m->h_lo = frequency[f];
+        if (frequency[f] > m->h_hi) m->h_hi = frequency[f];
+    }
     m->version++;                                 /* every cached z is stale */
 }

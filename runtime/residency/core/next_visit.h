@@ -15,10 +15,9 @@
  * the expected time to its next use, in layer-steps, is
  *   dist(layer, current layer) + n_moe * (1 / p - 1) = dist + n_moe * exp(-z)
  * with dist in 1..n_moe (the current layer itself is n_moe away). Eviction `next-visit`
- * takes the largest first, ties by the larger z, then the core's (last seq, flat); within one
- * layer that is the lowest (z, last seq, flat), found with no exp (residency_core.c).
+ * takes the largest first, ties by the lower z, then the core's (last seq, flat); within one
+ * layer that is the lowest (z, last seq, flat), found with no exp (nv_victim.c).
  * Every operation is written in the order the Python reference
- takes the largest first. Every operation is written in the order the Python reference
  * (runtime/residency/reference_next_visit.py) performs it, so both give the same doubles.
  */
 #ifndef NEXT_VISIT_H
@@ -38,7 +37,7 @@ typedef struct {
     uint8_t *mark;                /* (n_expert,) scratch: routed in this visit */
     int32_t *cnt;                 /* (n_expert,) scratch: routings in this visit */
     double *y;                    /* (n_expert,) scratch: this visit's labels, 0 between visits */
-    double inv[NV_INV_N];         /* inv[k] = 1.0 / k */
+    double inv[NV_INV_N];         /* inv[k] = 1.0 / k, inv[0] = 0 */
     double w[NV_F], g[NV_F];
     double learning_rate;
     int64_t steps;                /* decode visits */
@@ -47,6 +46,7 @@ typedef struct {
                                      while e_stamp == nv_stamp of its layer (-1: stale) */
     int64_t *e_stamp;
     int64_t version;              /* weight updates and warm starts so far */
+    double h_lo, h_hi;            /* every h is in [h_lo, h_hi] (0, 1; a warm start widens) */
 } nv_model;
 
 nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
@@ -69,6 +69,7 @@ static inline void nv_features(const nv_model *m, int32_t layer, int32_t f, doub
 
 static inline double nv_dot(const double *w, const double *x) {
     double z = w[0] * x[0];
+#pragma GCC unroll 8
     for (int32_t j = 1; j < NV_F; j++) z = z + w[j] * x[j];
     return z;
 }

@@ -4,6 +4,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
                       const int32_t *moe_layers, int32_t n_moe, const int64_t *last_seq,
@@ -17,25 +20,38 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->lease_count = lease_count; s->pinned = pinned;
     const size_t k = (size_t) (n_moe ? n_moe : 1);
     s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
-    s->list = malloc((size_t) n_layer * NV_LIST * sizeof *s->list);
+    s->in_list = calloc((size_t) n_layer * n_expert, 1);
+    s->ids = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->ids);
+    s->zs = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->zs);
+    s->sel = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->sel);
+    s->list = malloc(((size_t) n_layer * NV_LIST + 1) * sizeof *s->list);
     s->list_n = calloc((size_t) n_layer, sizeof *s->list_n);
     s->list_all = calloc((size_t) n_layer, 1);
     s->list_vis = malloc((size_t) n_layer * sizeof *s->list_vis);
+    s->list_ver = calloc((size_t) n_layer, sizeof *s->list_ver);
+    s->list_bound = calloc((size_t) n_layer, sizeof *s->list_bound);
+    s->list_w = calloc((size_t) n_layer * NV_F, sizeof *s->list_w);
     s->cand = malloc(k * sizeof *s->cand);
     s->pool = calloc(k, sizeof *s->pool);
     s->cand_z = calloc(k, sizeof *s->cand_z);
-    s->cand_e = calloc(k, sizeof *s->cand_e);
+    s->cand_le = calloc(k, sizeof *s->cand_le);
     s->cand_s = calloc(k, sizeof *s->cand_s);
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->members || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->cand ||
-        !s->pool || !s->cand_z || !s->cand_e || !s->cand_s || !s->dirty || !s->dep ||
+    if (!s->members || !s->in_list || !s->ids || !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
+        !s->list_bound || !s->list_w || !s->cand ||
+        !s->pool || !s->cand_z || !s->cand_le || !s->cand_s || !s->dirty || !s->dep ||
         !s->dirty_list) {
         nvv_free(s);
         return NULL;
     }
-    for (int32_t i = 0; i < n_moe; i++) s->cand[i] = -1;
+    for (int32_t i = 0; i < n_moe; i++) {
+        s->cand[i] = -1;
+        s->cand_s[i] = INFINITY;
+        s->cand_le[i] = -INFINITY;
+    }
+    s->list[n_layer * NV_LIST] = -1;              /* a guard: nvv_verify checks it */
     s->seq0 = -1;
     s->s_cur = -2;                                /* no current layer yet computed for */
     nvv_stale_all(s);
@@ -44,8 +60,9 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
-    free(s->members); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
-    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_e); free(s->cand_s);
+    free(s->members); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->list_ver); free(s->list_bound); free(s->list_w);
+    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_s);
     free(s->dirty); free(s->dep); free(s->dirty_list);
     free(s);
 }
@@ -68,7 +85,13 @@ void nvv_stale_all(nv_victim *s) {
 
 void nvv_reset(nv_victim *s, const int32_t *pool_of_layer) {
     memset(s->members, 0, (size_t) s->n_layer * s->n_words * sizeof *s->members);
-    for (int32_t k = 0; k < s->n_moe; k++) s->pool[k] = pool_of_layer[s->moe_layers[k]];
+    memset(s->in_list, 0, (size_t) s->n_layer * s->n_expert);
+    memset(s->list_n, 0, (size_t) s->n_layer * sizeof *s->list_n);
+    s->one_pool = 1;
+    for (int32_t k = 0; k < s->n_moe; k++) {
+        s->pool[k] = pool_of_layer[s->moe_layers[k]];
+        if (s->pool[k] != s->pool[0]) s->one_pool = 0;
+    }
     nvv_stale_all(s);
 }
 
@@ -81,23 +104,42 @@ static inline int z_below(const nv_victim *s, double za, int32_t a, double zb, i
 }
 
 static inline int list_valid(const nv_victim *s, int32_t l) {
-    return s->list_vis[l] == nv_stamp(s->nv, l);
+    return s->list_vis[l] == s->nv->vis[l] && s->list_ver[l] == s->nv->version;
+}
+
+/* a key that is a member but not listed: every such key's z is >= list_bound */
+static inline void unlisted(nv_victim *s, int32_t l, double z) {
+    if (z < s->list_bound[l]) s->list_bound[l] = z;
 }
 
 void nvv_push(nv_victim *s, int32_t f) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] |= (uint64_t) 1 << (e % 64);
     nvv_stale(s, l);
-    if (!list_valid(s, l)) return;                /* refilled on its next use anyway */
+    if (!list_valid(s, l)) {                      /* refilled on its next use anyway */
+        s->list_vis[l] = -1;                      /* (not re-sorted: f's z is not bounded) */
+        return;
+    }
     int32_t *list = &s->list[l * NV_LIST];
     int32_t n = s->list_n[l];
     const double z = nv_logit(s->nv, l, f);
     int32_t i = n;
     while (i > 0 && z_below(s, z, f, nv_logit(s->nv, l, list[i - 1]), list[i - 1])) i--;
-    if (i == n && !s->list_all[l]) return;        /* above the list: unknown keys may be lower */
-    if (n == NV_LIST) { n--; s->list_all[l] = 0; } /* the last drops out */
+    if (i == n && (!s->list_all[l] || n == NV_LIST)) {  /* above the list (unknown keys may
+                                                           be lower, or it is full) */
+        s->list_all[l] = 0;
+        unlisted(s, l, z);
+        return;
+    }
+    if (n == NV_LIST) {                           /* the last drops out */
+        n--;
+        s->list_all[l] = 0;
+        unlisted(s, l, nv_logit(s->nv, l, list[n]));
+        s->in_list[list[n]] = 0;
+    }
     for (int32_t j = n; j > i; j--) list[j] = list[j - 1];
     list[i] = f;
+    s->in_list[f] = 1;
     s->list_n[l] = n + 1;
 }
 
@@ -105,6 +147,8 @@ void nvv_remove(nv_victim *s, int32_t f) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] &= ~((uint64_t) 1 << (e % 64));
     nvv_stale(s, l);
+    if (!s->in_list[f]) return;
+    s->in_list[f] = 0;
     int32_t *list = &s->list[l * NV_LIST];
     const int32_t n = s->list_n[l];
     for (int32_t i = 0; i < n; i++)
@@ -122,25 +166,152 @@ void nvv_remove(nv_victim *s, int32_t f) {
             for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
                  o_; o_ = 0)
 
-/* the layer's list: its NV_LIST lowest keys in (z, last seq, flat) */
-static void fill_list(nv_victim *s, int32_t layer) {
-    int32_t *list = &s->list[layer * NV_LIST];
-    double lz[NV_LIST];
-    int32_t n = 0, seen = 0;
-    FOR_MEMBERS(s, layer, g) {
-        seen++;
-        const double z = nv_logit(s->nv, layer, g);
-        if (n == NV_LIST && (z > lz[n - 1] || !z_below(s, z, g, lz[n - 1], list[n - 1])))
-            continue;
-        int32_t i = n < NV_LIST ? n++ : n - 1;
-        while (i > 0 && z_below(s, z, g, lz[i - 1], list[i - 1])) {
-            list[i] = list[i - 1]; lz[i] = lz[i - 1]; i--;
-        }
-        list[i] = g; lz[i] = z;
+/* zs[i] = z of flat ids[i] of `layer` for its next visit (nv_refresh's arithmetic, in its
+ * order), into the model's cache too */
+static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, int32_t n,
+                       double *restrict zs) {
+    const int64_t stamp = nv_stamp(m, layer), vis1 = m->vis[layer] + 1;
+    const int32_t nf = m->n_layer * m->n_expert;
+    const int64_t *restrict last_vis = m->last_vis;
+    const double *restrict inv = m->inv;          /* inv[0] = 0: a key never routed */
+    const double *restrict h0 = m->h, *restrict h1 = m->h + nf, *restrict h2 = m->h + 2 * nf;
+    double *restrict z_cache = m->z_cache, *restrict e_cache = m->e_cache;
+    int64_t *restrict e_stamp = m->e_stamp;
+    const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t g = ids[i];
+        const int64_t lv = last_vis[g], age = lv <= 0 ? 0 : vis1 - lv;
+        const double x1 = age < NV_INV_N ? inv[age] : 1.0 / (double) age;
+        double z = w0 * 1.0;
+        z = z + w1 * x1;
+        z = z + w2 * h0[g];
+        z = z + w3 * h1[g];
+        z = z + w4 * h2[g];
+        zs[i] = z;
+        z_cache[g] = z;
+        e_cache[g] = NAN;
+        e_stamp[g] = stamp;
     }
+}
+
+/* out (NV_LIST + 1,) = the least values of zs[0 .. n), ascending (+inf past n): a min/max
+ * cascade, with no branches (values are only moved, never computed) */
+static void least_values(const double *zs, int32_t n, double *out) {
+#ifdef __SSE2__
+    __m128d l[NV_LIST + 1];
+#pragma GCC unroll 16
+    for (int32_t j = 0; j <= NV_LIST; j++) l[j] = _mm_set_sd(INFINITY);
+    for (int32_t i = 0; i < n; i++) {
+        __m128d v = _mm_load_sd(&zs[i]);
+#pragma GCC unroll 16
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const __m128d lo = _mm_min_sd(v, l[j]);
+            v = _mm_max_sd(v, l[j]);
+            l[j] = lo;
+        }
+    }
+#pragma GCC unroll 16
+    for (int32_t j = 0; j <= NV_LIST; j++) _mm_store_sd(&out[j], l[j]);
+#else
+    for (int32_t j = 0; j <= NV_LIST; j++) out[j] = INFINITY;
+    for (int32_t i = 0; i < n; i++) {
+        double v = zs[i];
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const double lo = v < out[j] ? v : out[j], hi = v < out[j] ? out[j] : v;
+            out[j] = lo;
+            v = hi;
+        }
+    }
+#endif
+}
+
+/* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
+ * rescored here (its layer was visited, the weights moved past what resort_list can bound,
+ * or the list ran dry) */
+__attribute__((noinline))
+static void fill_list(nv_victim *s, int32_t layer) {
+    nv_model *m = s->nv;
+    int32_t *ids = s->ids, n = 0;
+    double *zs = s->zs;
+    int32_t *list = &s->list[layer * NV_LIST];
+    for (int32_t i = 0; i < s->list_n[layer]; i++) s->in_list[list[i]] = 0;
+    FOR_MEMBERS(s, layer, g) ids[n++] = g;
+    score_keys(m, layer, ids, n, zs);
+    double least[NV_LIST + 1];
+    least_values(zs, n, least);
+    /* the keys at or below the NV_LIST-th value, in (z, last seq, flat); the first NV_LIST
+     * are the list; every other key's z is >= the (NV_LIST + 1)-th value */
+    const double top = least[NV_LIST - 1];
+    int32_t *sel = s->sel, n_sel = 0;
+    for (int32_t i = 0; i < n; i++) {
+        sel[n_sel] = i;
+        n_sel += zs[i] <= top;
+    }
+    for (int32_t a = 1; a < n_sel; a++) {
+        const int32_t i = sel[a];
+        int32_t b = a;
+        while (b > 0 && z_below(s, zs[i], ids[i], zs[sel[b - 1]], ids[sel[b - 1]])) {
+            sel[b] = sel[b - 1];
+            b--;
+        }
+        sel[b] = i;
+    }
+    const int32_t n_list = n_sel < NV_LIST ? n_sel : NV_LIST;
+    for (int32_t a = 0; a < n_list; a++) {
+        list[a] = ids[sel[a]];
+        s->in_list[list[a]] = 1;
+    }
+    s->list_n[layer] = n_list;
+    s->list_all[layer] = n <= NV_LIST;
+    s->list_bound[layer] = least[NV_LIST];
+    for (int32_t j = 0; j < NV_F; j++) s->list_w[layer * NV_F + j] = m->w[j];
+    s->list_vis[layer] = m->vis[layer];
+    s->list_ver[layer] = m->version;
+}
+
+/* the weights moved since the list's order, its layer's features did not: every member's z
+ * moved by dw . x, x in the features' box (x0 = 1, 1/age in [0, 1], h in [h_lo, h_hi]), so
+ * the unlisted keys' z are >= bound + (the least dw . x over the box) - slack (rounding).
+ * The listed keys are rescored: those strictly below that are the lowest members, in order;
+ * the others leave the list (the bound covers them). */
+static void resort_list(nv_victim *s, int32_t layer) {
+    nv_model *m = s->nv;
+    int32_t *list = &s->list[layer * NV_LIST];
+    double *wb = &s->list_w[layer * NV_F];
+    double t = s->list_bound[layer];
+    if (t != INFINITY) {
+        double least = m->w[0] - wb[0], size = 1.0;
+        const double d1 = m->w[1] - wb[1];
+        least += d1 < 0.0 ? d1 : 0.0;
+        for (int32_t j = 2; j < NV_F; j++) {
+            const double d = m->w[j] - wb[j], a = d * m->h_lo, b = d * m->h_hi;
+            least += a < b ? a : b;
+        }
+        for (int32_t j = 0; j < NV_F; j++) size += fabs(m->w[j]) + fabs(wb[j]);
+        const double xmax = fmax(1.0, fmax(-m->h_lo, m->h_hi));
+        t = t + least - 1e-9 * size * xmax - 1e-9 * fabs(t);
+    }
+    double lz[NV_LIST];
+    int32_t n = 0;
+    for (int32_t i = 0; i < s->list_n[layer]; i++) {
+        const int32_t g = list[i];
+        const double z = nv_logit(m, layer, g);
+        if (!(z < t)) {
+            s->in_list[g] = 0;
+            continue;
+        }
+        int32_t k = n++;
+        while (k > 0 && z_below(s, z, g, lz[k - 1], list[k - 1])) {
+            list[k] = list[k - 1]; lz[k] = lz[k - 1]; k--;
+        }
+        list[k] = g; lz[k] = z;
+    }
+    /* (unlisted keys' bound: t; the dropped listed keys are >= t too) */
+    if (n < s->list_n[layer]) s->list_all[layer] = 0;
     s->list_n[layer] = n;
-    s->list_all[layer] = seen <= NV_LIST;
-    s->list_vis[layer] = nv_stamp(s->nv, layer);
+    s->list_bound[layer] = t;
+    for (int32_t j = 0; j < NV_F; j++) wb[j] = m->w[j];
+    s->list_ver[layer] = m->version;
 }
 
 static inline int protected_by_use(const nv_victim *s, int32_t f) {
@@ -149,12 +320,14 @@ static inline int protected_by_use(const nv_victim *s, int32_t f) {
 
 /* -expected of MoE index k's candidate, seen from the model's current layer */
 static inline double minus_expected(const nv_victim *s, int32_t k) {
-    return -(nv_distance(s->nv, s->moe_layers[k]) + (double) s->n_moe * s->cand_e[k]);
+    return -(nv_distance(s->nv, s->moe_layers[k]) + s->cand_le[k]);
 }
 
 /* MoE index k's lowest unprotected key (cand[k], its z, exp(-z) and -expected) */
 static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     const int32_t layer = s->moe_layers[k];
+    if (!list_valid(s, layer) && s->list_vis[layer] == s->nv->vis[layer])
+        resort_list(s, layer);
     if (!list_valid(s, layer) || (s->list_n[layer] == 0 && !s->list_all[layer]))
         fill_list(s, layer);
     const int32_t *list = &s->list[layer * NV_LIST];
@@ -181,9 +354,57 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     s->cand[k] = f;
     if (f >= 0) {
         s->cand_z[k] = nv_logit(s->nv, layer, f);
-        s->cand_e[k] = nv_odds(s->nv, layer, f);
+        s->cand_le[k] = (double) s->n_moe * nv_odds(s->nv, layer, f);
         s->cand_s[k] = minus_expected(s, k);
+    } else {
+        s->cand_le[k] = -INFINITY;                /* s = +inf: never the least */
+        s->cand_s[k] = INFINITY;
     }
+}
+
+/* s[k] = -(distance + le[k]) for MoE index k seen from MoE index ci (distance 1..L: k - ci,
+ * plus L where that is <= 0; nv_distance); le -inf: s +inf */
+__attribute__((optimize("tree-vectorize")))
+static void distances(double *restrict s, const double *restrict le, int32_t L, int32_t ci) {
+    const int32_t split = ci + 1 < L ? ci + 1 : L;
+    for (int32_t k = 0; k < split; k++) s[k] = -((double) (k - ci + L) + le[k]);
+    for (int32_t k = split; k < L; k++) s[k] = -((double) (k - ci) + le[k]);
+}
+
+/* the least of s[0 .. n) (+inf if none) */
+static double least(const double *s, int32_t n) {
+    int32_t k = 0;
+    double a = INFINITY;
+#ifdef __SSE2__
+    __m128d m0 = _mm_set1_pd(INFINITY), m1 = m0;  /* (minpd: no branches) */
+    for (; k + 4 <= n; k += 4) {
+        m0 = _mm_min_pd(_mm_loadu_pd(&s[k]), m0);
+        m1 = _mm_min_pd(_mm_loadu_pd(&s[k + 2]), m1);
+    }
+    m0 = _mm_min_pd(m0, m1);
+    m0 = _mm_min_sd(m0, _mm_unpackhi_pd(m0, m0));
+    a = _mm_cvtsd_f64(m0);
+#endif
+    for (; k < n; k++) a = s[k] < a ? s[k] : a;
+    return a;
+}
+
+/* the one k with s[k] == v, or -1 (none, or several) */
+static int32_t only_at(const double *s, int32_t n, double v) {
+    int32_t count = 0, at = -1, k = 0;
+#ifdef __SSE2__
+    const __m128d vv = _mm_set1_pd(v);
+    for (; k + 2 <= n; k += 2) {                  /* (a branch that is most often not taken) */
+        const int mask = _mm_movemask_pd(_mm_cmpeq_pd(_mm_loadu_pd(&s[k]), vv));
+        if (mask) {
+            count += (mask & 1) + (mask >> 1);
+            at = k + (mask & 1 ? 0 : 1);
+        }
+    }
+#endif
+    for (; k < n; k++)
+        if (s[k] == v) { count++; at = k; }
+    return count == 1 ? at : -1;
 }
 
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
@@ -204,21 +425,71 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     }
     s->n_dirty = 0;
     if (s->nv->cur != s->s_cur) {                 /* every distance moved */
-        for (int32_t k = 0; k < s->n_moe; k++)
-            if (s->cand[k] >= 0) s->cand_s[k] = minus_expected(s, k);
-        s->s_cur = s->nv->cur;
+        const int32_t cur = s->nv->cur;
+        distances(s->cand_s, s->cand_le, s->n_moe, cur >= 0 ? s->nv->moe_index[cur] : -1);
+        s->s_cur = cur;
+    }
+    double bs = INFINITY;                         /* the least s in the pool (s <= -1) */
+    if (s->one_pool) {
+        if (s->n_moe == 0 || s->pool[0] != pool) return -1;
+        bs = least(s->cand_s, s->n_moe);
+    } else {
+        for (int32_t k = 0; k < s->n_moe; k++) {
+            const double v = s->pool[k] == pool ? s->cand_s[k] : INFINITY;
+            bs = v < bs ? v : bs;
+        }
     }
     int32_t best = -1, bk = -1;
-    double bs = 0.0;
-    for (int32_t k = 0; k < s->n_moe; k++) {     /* (s, z, last seq, flat) */
+    if (bs == INFINITY) return -1;
+    if (s->one_pool) {                            /* most often one layer holds the least */
+        const int32_t k = only_at(s->cand_s, s->n_moe, bs);
+        if (k >= 0) return s->cand[k];
+    }
+    for (int32_t k = 0; k < s->n_moe; k++) {     /* ties: (z, last seq, flat) */
+        if (s->cand_s[k] != bs) continue;
         const int32_t f = s->cand[k];
         if (f < 0 || s->pool[k] != pool) continue;
-        if (best >= 0) {
-            if (s->cand_s[k] > bs) continue;
-            if (s->cand_s[k] == bs && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best))
-                continue;
-        }
-        best = f; bk = k; bs = s->cand_s[k];
+        if (best >= 0 && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best)) continue;
+        best = f; bk = k;
     }
     return best;
+}
+
+/* every layer with a list: listed keys are members, in order, below every unlisted member,
+ * whose z are >= the bound; list_all: no unlisted member. z from the features under the
+ * weights the list's order is for (list_w). 0 ok, else 1 + the first failed check */
+int nvv_verify(const nv_victim *s) {
+    const nv_model *m = s->nv;
+    if (s->list[s->n_layer * NV_LIST] != -1) return 7;          /* a list overran */
+    for (int32_t k = 0; k < s->n_moe; k++) {
+        const int32_t layer = s->moe_layers[k];
+        if (s->list_vis[layer] != m->vis[layer]) continue;       /* refilled before use */
+        const double *wb = &s->list_w[layer * NV_F];
+        const int32_t *list = &s->list[layer * NV_LIST];
+        const int32_t n = s->list_n[layer];
+        double lz[NV_LIST];
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t g = list[i], e = g - layer * s->n_expert;
+            if (g / s->n_expert != layer ||
+                !(s->members[layer * s->n_words + e / 64] >> (e % 64) & 1)) return 1;
+            double x[NV_F];
+            nv_features(m, layer, g, x);
+            lz[i] = nv_dot(wb, x);
+            if (i > 0 && !z_below(s, lz[i - 1], list[i - 1], lz[i], g)) return 2;
+            if (!s->in_list[g]) return 6;
+        }
+        FOR_MEMBERS(s, layer, g) {
+            int32_t listed = 0;
+            for (int32_t i = 0; i < n; i++) listed |= list[i] == g;
+            if (listed) continue;
+            if (s->in_list[g]) return 6;
+            if (s->list_all[layer]) return 3;
+            double x[NV_F];
+            nv_features(m, layer, g, x);
+            const double z = nv_dot(wb, x);
+            if (z < s->list_bound[layer]) return 4;
+            if (n > 0 && !z_below(s, lz[n - 1], list[n - 1], z, g)) return 5;
+        }
+    }
+    return 0;
 }

@@ -7,13 +7,20 @@
  * after the call's first sequence number (seq0), leased or pinned (the core's arrays).
  *
  * Kept between calls, so a call costs O(layers) plus the layers that changed:
- *   - per layer, its NV_LIST lowest keys in (z, last seq, flat) (every key: all), valid until
- *     the layer is visited (its z move) or the list runs dry; keys join and leave it in place;
- *   - per layer, its candidate with z and exp(-z), until marked dirty: a key of the layer
- *     joined or left the order, its leases or pins changed, it was visited, the model's
+ *   - per layer, a list: a prefix of its keys in (z, last seq, flat), at most NV_LIST long
+ *     (list_all: every key), and list_bound <= the z of every key not listed; keys join and
+ *     leave it in place. A visit of the layer moves its keys' features: the list is refilled
+ *     on its next use (every member scored; the NV_LIST least found with no branches). A
+ *     weight update moves every z by dw . x, which the features' box bounds: the listed keys
+ *     are rescored and those still strictly below the bound's new value stay, in order
+ *     (resort_list), so a weight update costs each layer its listed keys, not all of them;
+ *   - per layer, its candidate with z and n_moe exp(-z), until marked dirty: a key of the
+ *     layer joined or left the order, its leases or pins changed, it was visited, the model's
  *     weights moved (once per token's worth of layer-steps), or a key skipped
  *     for being touched at or after seq0 may no longer be (seq0 moved);
  *   - every layer's -expected, recomputed when the model's current layer moves.
+ * nvv_verify checks the lists' invariants (rc_verify's check 11); every decision is the
+ * reference's (runtime/residency/reference.py sorts every key; tests compare).
  * The core keeps the order's membership (its heap, with no order) and tells this search every
  * change through the functions below.
  */
@@ -33,17 +40,23 @@ typedef struct {
     const int32_t *lease_count;   /* (n_flat,) the core's */
     const uint8_t *pinned;        /* (n_flat,) the core's */
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
+    int32_t *ids, *sel; double *zs;  /* (n_expert,) scratch: a layer's members, their z */
+    uint8_t *in_list;             /* (n_flat,) the key is in its layer's list */
     int32_t *list, *list_n;       /* (n_layer, NV_LIST), (n_layer,) */
     uint8_t *list_all;            /* (n_layer,) the list holds every key of the layer */
-    int64_t *list_vis;            /* (n_layer,) the layer's nv_stamp when filled, -1: invalid */
+    int64_t *list_vis, *list_ver; /* (n_layer,) the layer's visits and the model's version the
+                                     list's order is for; list_vis -1: invalid */
+    double *list_bound;           /* (n_layer,) every member not listed has z >= this (+inf) */
+    double *list_w;               /* (n_layer, NV_F) the weights list_bound is for */
     int64_t version;              /* the model's version the candidates are for */
-    /* per MoE index k: the candidate (-1: none), its z, exp(-z), -expected, pool */
+    /* per MoE index k: the candidate (-1: none), its scores below, pool */
     int32_t *cand, *pool;
-    double *cand_z, *cand_e, *cand_s;
+    double *cand_z, *cand_le, *cand_s; /* z, n_moe exp(-z), -expected (+inf: none) */
     uint8_t *dirty, *dep;         /* (n_moe,) dep: a key was skipped for last seq >= seq0 */
     int32_t *dirty_list, n_dirty, n_dep;
     int64_t seq0;                 /* of the latest search */
     int32_t s_cur;                /* the model's current layer cand_s was computed for */
+    int32_t one_pool;             /* every MoE layer is in the same pool */
 } nv_victim;
 
 nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
@@ -61,5 +74,7 @@ void nvv_stale(nv_victim *s, int32_t layer);
 void nvv_stale_all(nv_victim *s);
 /* the lowest unprotected key of pool in the order, or -1 (it stays in the order) */
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0);
+/* the lists' invariants (nv_victim.c): 0 ok, else which check failed */
+int nvv_verify(const nv_victim *s);
 
 #endif

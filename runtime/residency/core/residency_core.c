@@ -189,7 +189,7 @@ static int heap_push(const rc_core *c, int32_t o, heap *h, int32_t f) {
         return -1;
     h->items[h->n] = f;
     h->pos[f] = h->n++;
-    sift_up(c, o, h, h->n - 1);
+    if (c->pol.order_kind[o] != EV_NEXT_VISIT) sift_up(c, o, h, h->n - 1);
     return 0;
 }
 
@@ -202,8 +202,10 @@ static void heap_remove(const rc_core *c, int32_t o, heap *h, int32_t f) {
         const int32_t moved = h->items[h->n];
         heap_swap(h, i, h->n);
         h->pos[f] = -1;
-        sift_up(c, o, h, i);
-        sift_down(c, o, h, h->pos[moved]);
+        if (c->pol.order_kind[o] != EV_NEXT_VISIT) {   /* (next-visit: a set) */
+            sift_up(c, o, h, i);
+            sift_down(c, o, h, h->pos[moved]);
+        }
     } else {
         h->pos[f] = -1;
     }
@@ -1205,6 +1207,7 @@ static int rc_verify_impl(const rc_core *c) {
             if (c->state[c->tickets[i].victims[j]] != EVICTING) return 9;
     }
     if (n_pf != c->n_pf_unused) return 10;
+    if (c->nvv != NULL && nvv_verify(c->nvv)) return 11;  /* next-visit's lists */
     return 0;
 }
 

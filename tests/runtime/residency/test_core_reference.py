@@ -232,3 +232,66 @@ def test_warm_start_equals_reference(zipf_stream, pf):
                 outs.setdefault(name, []).append(out[0])
         same_state(cores)
     assert outs["cold"] != outs["warm"]            # the profile changed decisions
+
+
+W_LAYER, W_EXPERT, W_MOE = 4, 40, [0, 1, 3]   # wider than next-visit's per-layer list (8)
+W_BYTES = [100, 100, 0, 100]
+
+
+@pytest.mark.parametrize("pf", [PREFETCHES[0], PREFETCHES[4]], ids=["none", "affinity"])
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_next_visit_wide_layers_equal_reference(zipf_stream, pf, warm):
+    """Layers of 40 experts, about 15 resident each: the C search's per-layer lists of the
+    lowest keys (nv_victim.h), their re-sort after each weight update and their refills decide
+    as the reference's full sort, through a prefill chunk, leases held until the next
+    layer-step (the live hooks' pattern) and about a hundred weight updates."""
+    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), pf)
+    cores = [make_core(kind, W_LAYER, W_EXPERT, W_BYTES, pol, inline=True)
+             for kind in ("native", "reference")]
+    rng = np.random.default_rng(3)
+    for c in cores:
+        assert c.set_capacity(0, 100 * 45) == 0
+        if warm:
+            freq = rng.uniform(0, 1.5, (W_LAYER, W_EXPERT)) if c is cores[0] else freq
+            table = (rng.integers(0, 5, (len(W_MOE) - 1, W_EXPERT, W_EXPERT)).astype(np.int32)
+                     if c is cores[0] else table)
+            c.warm_start(freq, table, table.sum(axis=2).astype(np.int32) // 2)
+    s = zipf_stream(100, len(W_MOE), W_EXPERT, 4, seed=11)
+    for i, layer in enumerate(W_MOE):              # a 4-token prefill chunk
+        chunk = s[:4, i].reshape(-1).astype(np.int32)
+        out = [c.access(layer, chunk, 0) for c in cores]
+        assert out[0] == out[1]
+    held = 0
+    for t in range(4, 100):
+        for i, layer in enumerate(W_MOE):
+            lease = 1000 + t * len(W_MOE) + i
+            out = [c.access(layer, s[t, i].astype(np.int32), 1, lease_id=lease,
+                            release_id=held) for c in cores]
+            assert out[0] == out[1], (t, layer)
+            assert cores[0].verify() == 0, (t, layer)   # the lists' invariants (nvv_verify)
+            held = lease
+    for c in cores:
+        c.release(held)
+    same_state(cores)
+
+
+def test_next_visit_key_above_a_full_list_stays_out(zipf_stream):
+    """A key that joins a layer whose list held all its keys (8, the list's size) and ranks
+    above them stays out of the list: it once overran into the next layer's list (or past the
+    last one). Here a prefill prefetch (chunk-plan) brings such a key into the last layer."""
+    pol = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}),
+                 ("chunk-plan", {"depth": 1.0}))
+    n_expert, n_layer = 12, 3
+    cores = [make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
+             for kind in ("native", "reference")]
+    for c in cores:
+        assert c.set_capacity(0, 100 * 24) == 0
+    s = zipf_stream(40, n_layer, n_expert, 2, seed=1)
+    steps = [(layer, s[4 * k:4 * k + 4, layer].reshape(-1), 0) for k in range(3)
+             for layer in range(n_layer)]
+    steps += [(layer, s[t, layer], 1) for t in range(12, 40) for layer in range(n_layer)]
+    for j, (layer, experts, phase) in enumerate(steps):
+        out = [c.access(layer, experts.astype(np.int32), phase) for c in cores]
+        assert out[0] == out[1], j
+        assert cores[0].verify() == 0, j           # (7: a list overran)
+    same_state(cores)
