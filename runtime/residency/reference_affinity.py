@@ -29,7 +29,9 @@ class AffinityModel:
         if lead > self.n_moe - 1:
             lead = self.n_moe - 1 if self.n_moe > 1 else 1
         self.lead = lead
-        self.cap = float(lead) * link_bytes - t_max
+        self.backlog = 0.0          # link bytes queued for prefetch, not yet carried
+        self.last_step_s = 0.0      # the latest step's expert compute, seconds
+        self.step_ema = -1.0        # its running mean (DECAY); -1: none yet
         self.pair: dict[tuple[int, int, int], int] = {}   # (i, e, e') -> tokens
         self.count: dict[tuple[int, int], int] = {}       # (i, e) -> tokens
         self.step = 0
@@ -37,7 +39,6 @@ class AffinityModel:
         self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
         self.hits = 0.0
         self.scored = 0.0
-        self.credit = 0.0
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
 
@@ -77,9 +78,12 @@ class AffinityModel:
         if cpu_s < miss_s:
             miss_s = cpu_s
         step_s = float(n_hits) * hit_s + float(n_misses) * miss_s
-        self.credit = self.credit + self.link_bps * step_s
-        if self.credit > self.cap:
-            self.credit = self.cap
+        self.backlog = self.backlog - self.link_bps * self.last_step_s
+        if self.backlog < 0.0:
+            self.backlog = 0.0
+        self.last_step_s = step_s
+        self.step_ema = (step_s if self.step_ema < 0.0
+                         else DECAY * self.step_ema + (1.0 - DECAY) * step_s)
         if idx < 0 or idx + self.lead >= self.n_moe or idx not in self.src \
                 or self.src[idx][1] != self.step - 1:
             return []
@@ -111,14 +115,15 @@ class AffinityModel:
         self.pred[ti] = [f - target * ne for f, _ in plan]
         if gated:
             return []
+        room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
         out = []
         for f, qx in plan:
             cost = self.transfer_cost(self.bytes_of(f))
-            if self.credit < cost:
+            if self.backlog + cost > room:
                 continue
-            self.credit = self.credit - cost
+            self.backlog = self.backlog + cost
             out.append((f, qx))
         return out
 
     def refund(self, nbytes: float) -> None:
-        self.credit = self.credit + nbytes
+        self.backlog = self.backlog - nbytes

@@ -22,7 +22,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     const int32_t np = n_moe > lead ? n_moe - lead : 1, nm = n_moe ? n_moe : 1;
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
-    m->cap = (double) lead * link_bytes - t_max;
+    m->step_ema = -1.0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
     m->pair = calloc((size_t) np * n_expert * n_expert, sizeof *m->pair);
@@ -112,15 +112,16 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
                 int32_t *out, double *out_q) {
     const int32_t ne = m->n_expert;
     const int32_t idx = m->moe_index[layer];
-    {                                             /* the link during this step's experts */
-        const double b = (double) bytes_flat[(int64_t) layer * ne];
-        const double hit_s = b / m->gpu_bps, cpu_s = b / m->cpu_bps;
-        double miss_s = m->latency_s + b / m->link_bps + hit_s;
-        if (cpu_s < miss_s) miss_s = cpu_s;
-        const double step_s = (double) n_hits * hit_s + (double) n_misses * miss_s;
-        m->credit = m->credit + m->link_bps * step_s;
-        if (m->credit > m->cap) m->credit = m->cap;
-    }
+    const double b = (double) bytes_flat[(int64_t) layer * ne];   /* this step's experts' */
+    const double hit_s = b / m->gpu_bps, cpu_s = b / m->cpu_bps;   /* compute, seconds */
+    double miss_s = m->latency_s + b / m->link_bps + hit_s;
+    if (cpu_s < miss_s) miss_s = cpu_s;
+    const double step_s = (double) n_hits * hit_s + (double) n_misses * miss_s;
+    /* the link worked on the queue while the previous step's experts computed */
+    m->backlog = m->backlog - m->link_bps * m->last_step_s;
+    if (m->backlog < 0.0) m->backlog = 0.0;
+    m->last_step_s = step_s;
+    m->step_ema = m->step_ema < 0.0 ? step_s : AF_DECAY * m->step_ema + (1.0 - AF_DECAY) * step_s;
     if (idx < 0 || idx + m->lead >= m->n_moe || m->src_step[idx] != m->step - 1) return 0;
     const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
     if (gated && m->step % AF_PROBE != 0) return 0;
@@ -159,12 +160,15 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     }
     m->n_pred[ti] = n_plan;
     if (gated) return 0;
+    /* what the link carries before layer ti's experts start: this step's experts, then
+     * lead - 1 more steps of the running estimate (the dense parts not counted) */
+    const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];
         const double cost = af_transfer_cost(m, bytes_flat[f]);
-        if (m->credit < cost) continue;
-        m->credit = m->credit - cost;
+        if (m->backlog + cost > room) continue;
+        m->backlog = m->backlog + cost;
         out_q[n_out] = out_q[j];
         out[n_out++] = f;
     }
@@ -172,7 +176,7 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
 }
 
 void af_refund(af_model *m, double bytes) {
-    m->credit = m->credit + bytes;
+    m->backlog = m->backlog - bytes;
 }
 
 void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count) {

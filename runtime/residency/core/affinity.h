@@ -11,18 +11,19 @@
  * the plan's slots go to what a prefetch can change), with q >= min_precision.
  * A transfer of b bytes occupies the link for latency + b / link_bps: in link bytes,
  *     cost(b) = b + link_bps * latency                                  (af_transfer_cost)
- * The lead is what one expert needs to cross the link in time: with link_bytes the bytes the
- * link carries in one typical layer-step's compute (the policy's layer_us) and t the largest
- * expert's cost,
+ * The lead, fixed at creation, is what one expert needs to cross the link in time: with
+ * link_bytes the bytes the link carries in one typical layer-step's compute (the policy's
+ * layer_us) and t the largest expert's cost,
  *     lead = max(1, ceil(2 t / link_bytes))   (at most n_moe - 1)
- * Prefetches spend link credit, a bucket that gains, at each decode layer-step, what the link
- * carries while that step's experts compute on the cost model's rates ([cost]: each hit
- * b / gpu_bps, each miss min(latency + b / link_bps + b / gpu_bps, b / cpu_bps): the
- * replay clock's, without the dense part, so it never over-counts), up to
- *     cap = lead * link_bytes - t,
- * so what is queued on the link plus one more expert crosses it within lead layer-steps
- * (an expert that does not fit in cap is never prefetched). Each planned prefetch spends its
- * cost (given back if it is not issued).
+ * Prefetches queue on the link. A decode layer-step's experts compute for
+ *     step_s = hits * b / gpu_bps + misses * min(latency + b / link_bps + b / gpu_bps, b / cpu_bps)
+ * on the cost model's rates ([cost]; the replay clock's step without its dense part, so it
+ * never over-counts the link's time); the link carries link_bps * step_s of the queue
+ * (backlog) meanwhile, and a prefetch planned now must have crossed when layer i + lead's
+ * experts start, after this step's experts and lead - 1 more steps (estimated by the running
+ * mean of step_s, decay AF_DECAY). So a planned key is issued only while
+ *     backlog + cost(b) <= link_bps * (step_s + (lead - 1) * mean step_s)
+ * and its cost joins the backlog (given back if it is not issued).
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
  * tallies, AF_DECAY per plan); the plan is issued only while the measured precision is at
  * least min_precision (or fewer than AF_WARMUP predictions were scored); while it is not,
@@ -50,7 +51,9 @@ typedef struct {
     int32_t *distinct;            /* (E,) scratch: a layer-step's distinct experts */
     double *q, *top_q;            /* (E,) scratch */
     double hits, scored;          /* decayed precision tallies */
-    double credit, cap;           /* link bytes available for prefetch, and their bound */
+    double backlog;               /* link bytes queued for prefetch, not yet carried */
+    double last_step_s, step_ema; /* the latest step's expert compute, and its running mean
+                                     (AF_DECAY; -1: none yet), seconds */
     double top_n, min_precision, link_bytes;
     double link_bps, latency_s, gpu_bps, cpu_bps;  /* the [cost] rates: bytes/s, s */
     double per_transfer;          /* link_bps * latency_s: a transfer's fixed cost, bytes */
@@ -74,7 +77,7 @@ double af_transfer_cost(const af_model *m, int64_t bytes);
 /* add a routing profile's table: pair ((n_moe - 1) * E * E,), count ((n_moe - 1) * E,), the
  * pairs of consecutive layers: used only when lead is 1 */
 void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count);
-/* give back the credit of planned prefetches that were not issued */
+/* take the cost of planned prefetches that were not issued off the backlog */
 void af_refund(af_model *m, double bytes);
 
 #endif

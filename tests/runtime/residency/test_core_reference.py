@@ -19,11 +19,11 @@ EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
 ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
               ("transient-on-pressure", {"window": 20.0})]
 PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0}),
-              # TINY_COST: a transfer costs its bytes + 5; the link carries 150 bytes per
-              # typical layer-step: a lead of 2 MoE layers (ceil(2 * 155 / 150) = 3, at most
-              # n_moe - 1), credit up to 145 bytes (150-byte experts are never prefetched)
+              # TINY_COST: a transfer costs its bytes + 5; a layer-step of 2 experts gives the
+              # link 200-600 bytes of time. 150 bytes per typical layer-step: a lead of 2 MoE
+              # layers (ceil(2 * 155 / 150) = 3, at most n_moe - 1)
               ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.006}),
-              # 500 bytes per layer-step: the next layer (lead 1), credit up to 345 bytes
+              # 500 bytes per typical layer-step: the next layer (lead 1)
               ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.02})]
 N_LAYER, N_EXPERT = 4, 6
 EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes

@@ -126,9 +126,10 @@ def test_affinity_plans_only_keys_that_need_a_transfer():
     assert used.mean() > 0.9
 
 
-def test_affinity_link_credit_follows_the_step_compute():
-    """The credit a layer-step earns is what the link carries while its experts compute on the
-    [cost] rates: with compute far faster than the link, no transfer fits, nothing is issued."""
+def test_affinity_queues_what_the_link_carries_in_time():
+    """What the link may queue is what it carries while the layer-steps before the target
+    compute, on the [cost] rates: with compute far faster than the link, no transfer fits in
+    time and nothing is issued."""
     fast = replace(TINY_COST, gpu_mem_gbps=1e6, cpu_mem_gbps=1e6)
     steps = _follow_stream(np.random.default_rng(2))
     for kind in ("native", "reference"):
