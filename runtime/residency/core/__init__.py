@@ -53,7 +53,8 @@ class CorePolicy:
     affinity: tuple[float, float, float] = (0.0, 0.0, 0.0)   # prefetch affinity: top_n,
                                                    # min_precision, link bytes per layer-step
     # prefetch affinity's [cost] rates: link bytes/s, link latency s, GPU and CPU
-    # expert-compute bytes/s (the link credit a layer-step earns: core/affinity.h)
+    # expert-compute bytes/s (what the link carries while a layer-step computes:
+    # core/affinity.h)
     affinity_rates: tuple[float, float, float, float] = (1.0, 0.0, 1.0, 1.0)
 
     @classmethod
