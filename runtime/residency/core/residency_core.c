@@ -632,14 +632,21 @@ static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t p
         const int64_t free_b = p->capacity - p->resident_bytes - p->pending_bytes;
         c->r_victims.n = 0;
         int64_t freed = 0;
+        const int nv = c->pol.order_kind[o] == EV_NEXT_VISIT;
+        const double own = mine != NULL && nv ? mine[i] : NAN;
         while (free_b + freed < b) {
-            int32_t v = pop_victim(c, p, o, seq0);
-            if (v < 0) break;
-            const double own = mine != NULL && c->pol.order_kind[o] == EV_NEXT_VISIT ? mine[i]
-                                                                                     : NAN;
-            if (!ranks_below(c, o, v, f, own)) {  /* worth as much as what we would bring */
-                heap_push(c, o, &p->h[o], v);
-                break;
+            int32_t v;
+            if (nv) {                             /* look before taking: a refused victim */
+                v = nvv_lowest(c->nvv, (int32_t) (p - c->pools), seq0);  /* stays in place */
+                if (v < 0 || !ranks_below(c, o, v, f, own)) break;       /* (no rescoring) */
+                heap_remove(c, o, &p->h[o], v);
+            } else {
+                v = pop_victim(c, p, o, seq0);
+                if (v < 0) break;
+                if (!ranks_below(c, o, v, f, own)) {  /* worth as much as what we'd bring */
+                    heap_push(c, o, &p->h[o], v);
+                    break;
+                }
             }
             if (ivec_push(&c->r_victims, v) < 0) return RC_ERR_NOMEM;
             freed += c->bytes_flat[v];
