@@ -87,6 +87,11 @@ class AffinityModel:
         if idx < 0 or idx + self.lead >= self.n_moe or idx not in self.src \
                 or self.src[idx][1] != self.step - 1:
             return []
+        ti = idx + self.lead
+        target = self.moe_layers[ti]
+        room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
+        if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
+            return []                 # not one transfer would cross in time: no plan
         gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
         if gated and self.step % PROBE != 0:
             return []
@@ -102,8 +107,6 @@ class AffinityModel:
                 q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) * r
         if n_known == 0:
             return []
-        ti = idx + self.lead
-        target = self.moe_layers[ti]
         cands = [x for x in range(ne) if absent(target * ne + x)]
         ranked = sorted(cands, key=lambda x: (-q[x], x))[:max(min(int(self.top_n), ne), 0)]
         plan = []
@@ -115,7 +118,6 @@ class AffinityModel:
         self.pred[ti] = [f - target * ne for f, _ in plan]
         if gated:
             return []
-        room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
         out = []
         for f, qx in plan:
             cost = self.transfer_cost(self.bytes_of(f))

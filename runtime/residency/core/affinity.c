@@ -123,6 +123,12 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     m->last_step_s = step_s;
     m->step_ema = m->step_ema < 0.0 ? step_s : AF_DECAY * m->step_ema + (1.0 - AF_DECAY) * step_s;
     if (idx < 0 || idx + m->lead >= m->n_moe || m->src_step[idx] != m->step - 1) return 0;
+    const int32_t ti = idx + m->lead, target = m->moe_layers[ti];
+    /* what the link carries before layer ti's experts start: this step's experts, then
+     * lead - 1 more steps of the running estimate (the dense parts not counted); no plan
+     * (nor its scoring) when not even one of its transfers would fit */
+    const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
+    if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
     const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
     if (gated && m->step % AF_PROBE != 0) return 0;
     int32_t n_known = 0;
@@ -136,7 +142,6 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
         add_row(m->q, &m->pair[((int64_t) idx * ne + e) * ne], 1.0 / (double) cnt, ne);
     }
     if (n_known == 0) return 0;
-    const int32_t ti = idx + m->lead, target = m->moe_layers[ti];
     int32_t *pred = &m->pred[(int64_t) ti * ne];
     int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
     if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
@@ -160,9 +165,6 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     }
     m->n_pred[ti] = n_plan;
     if (gated) return 0;
-    /* what the link carries before layer ti's experts start: this step's experts, then
-     * lead - 1 more steps of the running estimate (the dense parts not counted) */
-    const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];

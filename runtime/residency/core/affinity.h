@@ -23,7 +23,9 @@
  * experts start, after this step's experts and lead - 1 more steps (estimated by the running
  * mean of step_s, decay AF_DECAY). So a planned key is issued only while
  *     backlog + cost(b) <= link_bps * (step_s + (lead - 1) * mean step_s)
- * and its cost joins the backlog (given back if it is not issued).
+ * and its cost joins the backlog (given back if it is not issued); when not even one
+ * transfer of layer i + lead would fit, no plan is made (nor scored): the q rows are not
+ * computed at all.
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
  * tallies, AF_DECAY per plan); the plan is issued only while the measured precision is at
  * least min_precision (or fewer than AF_WARMUP predictions were scored); while it is not,
