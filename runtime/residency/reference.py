@@ -70,7 +70,8 @@ class ReferenceCore:
         self.af = None
         if any(p[0] == "affinity" for p in policy.prefetch):
             self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
-                                    float(max(int(b) for b in expert_bytes)))
+                                    float(max(int(b) for b in expert_bytes)),
+                                    policy.affinity_rates)
             self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
@@ -334,7 +335,8 @@ class ReferenceCore:
             t[C["transient_uses"]] += len(res["transient"])
             t[C["transient_bytes"]] += len(res["transient"]) * b
         if phase != 2 and self.policy.prefetch[phase][0] != "none":
-            self._run_prefetch(layer, phase, upcoming, seq0, res)
+            self._run_prefetch(layer, phase, upcoming, seq0, res, len(el) - len(missed),
+                               len(missed))
         return (0, len(el) - len(missed), len(missed), tr, len(missed) * b,
                 tuple(res["admitted"]), tuple(res["evicted"]), tuple(res["transient"]),
                 tuple(res["tickets"]), tuple(res["new"]), tuple(res["prefetched"]))
@@ -364,7 +366,8 @@ class ReferenceCore:
         t[C["transient_bytes"]] += mb
         return (0, len(el) - m, m, 0, mb, (), (), tuple(missed), (), (), ())
 
-    def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict) -> None:
+    def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict,
+                      n_hits: int, n_misses: int) -> None:
         name, param = self.policy.prefetch[phase]
         ne = self.n_expert
         if upcoming is not None and self.policy.track_next_use:
@@ -396,19 +399,18 @@ class ReferenceCore:
         elif name == "affinity":
             if phase != 1:
                 return
-            got = self.af.plan(layer, lambda f: self.state[f] == ABSENT)
+            got = self.af.plan(layer, n_hits, n_misses, lambda f: self.state[f] == ABSENT)
             if not got:
                 return
-            spent = 0.0
+            spent = 0.0                               # every planned key is absent
             for f, _ in got:
-                if self.state[f] == ABSENT:
-                    spent = spent + float(self.nbytes[f])
+                spent = spent + self.af.transfer_cost(self.nbytes[f])
             before = len(res["prefetched"])
             mine = [-(float(self.af.lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
                     for _, q in got]
             self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
             for _, f, _ in res["prefetched"][before:]:
-                spent = spent - float(self.nbytes[f])
+                spent = spent - self.af.transfer_cost(self.nbytes[f])
             self.af.refund(spent)
             return
         if plan:

@@ -14,18 +14,24 @@ PROBE = 8
 
 class AffinityModel:
     def __init__(self, n_layer: int, n_expert: int, moe_layers: list[int], top_n: float,
-                 min_precision: float, link_bytes: float, max_expert_bytes: float):
+                 min_precision: float, link_bytes: float, max_expert_bytes: float,
+                 rates: tuple[float, float, float, float]):
+        self.link_bps, self.latency_s, self.gpu_bps, self.cpu_bps = (float(r) for r in rates)
+        self.per_transfer = self.link_bps * self.latency_s
+        t_max = max_expert_bytes + self.per_transfer
         self.n_expert = n_expert
         self.moe_layers = list(moe_layers)
         self.n_moe = len(moe_layers)
         self.moe_index = [-1] * n_layer
         for i, layer in enumerate(moe_layers):
             self.moe_index[layer] = i
-        lead = max(int(math.ceil(2.0 * max_expert_bytes / link_bytes)), 1)
+        lead = max(int(math.ceil(2.0 * t_max / link_bytes)), 1)
         if lead > self.n_moe - 1:
             lead = self.n_moe - 1 if self.n_moe > 1 else 1
         self.lead = lead
-        self.cap = float(lead) * link_bytes - max_expert_bytes
+        self.backlog = 0.0          # link bytes queued for prefetch, not yet carried
+        self.last_step_s = 0.0      # the latest step's expert compute, seconds
+        self.step_ema = -1.0        # its running mean (DECAY); -1: none yet
         self.pair: dict[tuple[int, int, int], int] = {}   # (i, e, e') -> tokens
         self.count: dict[tuple[int, int], int] = {}       # (i, e) -> tokens
         self.step = 0
@@ -33,7 +39,6 @@ class AffinityModel:
         self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
         self.hits = 0.0
         self.scored = 0.0
-        self.credit = 0.0
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
 
@@ -56,17 +61,37 @@ class AffinityModel:
             self.src[idx] = (list(dict.fromkeys(experts)), self.step)
         self.step += 1
 
-    def plan(self, layer: int, absent) -> list[tuple[int, float]]:
-        """[(flat, q)] to prefetch after a decode layer-step of ``layer``; ``absent(flat)``
-        says which keys need a transfer; ``nbytes(flat)`` via self.bytes_of."""
+    def transfer_cost(self, nbytes: int) -> float:
+        """A transfer's link cost in bytes (its bytes and the link latency's worth)."""
+        return float(nbytes) + self.per_transfer
+
+    def plan(self, layer: int, n_hits: int, n_misses: int, absent) -> list[tuple[int, float]]:
+        """[(flat, q)] to prefetch after a decode layer-step of ``layer`` (with n_hits hits
+        and n_misses misses); ``absent(flat)`` says which keys need a transfer (the only
+        candidates); ``nbytes(flat)`` via self.bytes_of."""
         ne = self.n_expert
         idx = self.moe_index[layer]
-        self.credit = self.credit + self.link_bytes
-        if self.credit > self.cap:
-            self.credit = self.cap
+        b = float(self.bytes_of(layer * ne))
+        hit_s = b / self.gpu_bps
+        cpu_s = b / self.cpu_bps
+        miss_s = self.latency_s + b / self.link_bps + hit_s
+        if cpu_s < miss_s:
+            miss_s = cpu_s
+        step_s = float(n_hits) * hit_s + float(n_misses) * miss_s
+        self.backlog = self.backlog - self.link_bps * self.last_step_s
+        if self.backlog < 0.0:
+            self.backlog = 0.0
+        self.last_step_s = step_s
+        self.step_ema = (step_s if self.step_ema < 0.0
+                         else DECAY * self.step_ema + (1.0 - DECAY) * step_s)
         if idx < 0 or idx + self.lead >= self.n_moe or idx not in self.src \
                 or self.src[idx][1] != self.step - 1:
             return []
+        ti = idx + self.lead
+        target = self.moe_layers[ti]
+        room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
+        if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
+            return []                 # not one transfer would cross in time: no plan
         gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
         if gated and self.step % PROBE != 0:
             return []
@@ -82,9 +107,8 @@ class AffinityModel:
                 q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) * r
         if n_known == 0:
             return []
-        ti = idx + self.lead
-        target = self.moe_layers[ti]
-        ranked = sorted(range(ne), key=lambda x: (-q[x], x))[:min(int(self.top_n), ne)]
+        cands = [x for x in range(ne) if absent(target * ne + x)]
+        ranked = sorted(cands, key=lambda x: (-q[x], x))[:max(min(int(self.top_n), ne), 0)]
         plan = []
         for x in ranked:
             qx = q[x] / float(n_known)
@@ -96,12 +120,12 @@ class AffinityModel:
             return []
         out = []
         for f, qx in plan:
-            if absent(f):
-                if self.credit < float(self.bytes_of(f)):
-                    continue
-                self.credit = self.credit - float(self.bytes_of(f))
+            cost = self.transfer_cost(self.bytes_of(f))
+            if self.backlog + cost > room:
+                continue
+            self.backlog = self.backlog + cost
             out.append((f, qx))
         return out
 
     def refund(self, nbytes: float) -> None:
-        self.credit = self.credit + nbytes
+        self.backlog = self.backlog - nbytes

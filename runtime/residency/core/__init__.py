@@ -52,6 +52,10 @@ class CorePolicy:
     nv_learning_rate: float = 0.0                  # next-visit's model; 0: none
     affinity: tuple[float, float, float] = (0.0, 0.0, 0.0)   # prefetch affinity: top_n,
                                                    # min_precision, link bytes per layer-step
+    # prefetch affinity's [cost] rates: link bytes/s, link latency s, GPU and CPU
+    # expert-compute bytes/s (what the link carries while a layer-step computes:
+    # core/affinity.h)
+    affinity_rates: tuple[float, float, float, float] = (1.0, 0.0, 1.0, 1.0)
 
     @classmethod
     def from_config(cls, config) -> CorePolicy:
@@ -99,7 +103,9 @@ class CorePolicy:
                    phase_order=tuple(specs.index(pp.eviction) for pp in phases),
                    admission=admission, prefetch=tuple(prefetch), track_next_use=offline,
                    nv_learning_rate=nv_rates.pop() if nv_rates else 0.0,
-                   affinity=affinity.pop() if affinity else (0.0, 0.0, 0.0))
+                   affinity=affinity.pop() if affinity else (0.0, 0.0, 0.0),
+                   affinity_rates=(config.cost.link_gbps * 1e9, config.cost.link_latency_us * 1e-6,
+                                   config.cost.gpu_mem_gbps * 1e9, config.cost.cpu_mem_gbps * 1e9))
 
     def needs_upcoming(self, phase: int) -> bool:
         return self.prefetch[phase][0] == "belady"

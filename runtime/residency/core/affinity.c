@@ -10,16 +10,19 @@
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
-                    double max_expert_bytes) {
+                    double max_expert_bytes, const double *rates) {
     af_model *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
-    int32_t lead = (int32_t) ceil(2.0 * max_expert_bytes / link_bytes);
+    m->link_bps = rates[0]; m->latency_s = rates[1]; m->gpu_bps = rates[2]; m->cpu_bps = rates[3];
+    m->per_transfer = m->link_bps * m->latency_s;
+    const double t_max = max_expert_bytes + m->per_transfer;   /* the largest transfer */
+    int32_t lead = (int32_t) ceil(2.0 * t_max / link_bytes);
     if (lead < 1) lead = 1;
     if (lead > n_moe - 1) lead = n_moe > 1 ? n_moe - 1 : 1;
     const int32_t np = n_moe > lead ? n_moe - lead : 1, nm = n_moe ? n_moe : 1;
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
-    m->cap = (double) lead * link_bytes - max_expert_bytes;
+    m->step_ema = -1.0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
     m->pair = calloc((size_t) np * n_expert * n_expert, sizeof *m->pair);
@@ -100,13 +103,32 @@ static void add_row(double *restrict q, const int32_t *restrict row, double r, i
     for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
 }
 
-int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent_state,
-                const int64_t *bytes_flat, int32_t *out, double *out_q) {
+double af_transfer_cost(const af_model *m, int64_t bytes) {
+    return (double) bytes + m->per_transfer;
+}
+
+int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
+                const uint8_t *state, uint8_t absent_state, const int64_t *bytes_flat,
+                int32_t *out, double *out_q) {
     const int32_t ne = m->n_expert;
     const int32_t idx = m->moe_index[layer];
-    m->credit = m->credit + m->link_bytes;       /* one more layer-step of the link */
-    if (m->credit > m->cap) m->credit = m->cap;
+    const double b = (double) bytes_flat[(int64_t) layer * ne];   /* this step's experts' */
+    const double hit_s = b / m->gpu_bps, cpu_s = b / m->cpu_bps;   /* compute, seconds */
+    double miss_s = m->latency_s + b / m->link_bps + hit_s;
+    if (cpu_s < miss_s) miss_s = cpu_s;
+    const double step_s = (double) n_hits * hit_s + (double) n_misses * miss_s;
+    /* the link worked on the queue while the previous step's experts computed */
+    m->backlog = m->backlog - m->link_bps * m->last_step_s;
+    if (m->backlog < 0.0) m->backlog = 0.0;
+    m->last_step_s = step_s;
+    m->step_ema = m->step_ema < 0.0 ? step_s : AF_DECAY * m->step_ema + (1.0 - AF_DECAY) * step_s;
     if (idx < 0 || idx + m->lead >= m->n_moe || m->src_step[idx] != m->step - 1) return 0;
+    const int32_t ti = idx + m->lead, target = m->moe_layers[ti];
+    /* what the link carries before layer ti's experts start: this step's experts, then
+     * lead - 1 more steps of the running estimate (the dense parts not counted); no plan
+     * (nor its scoring) when not even one of its transfers would fit */
+    const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
+    if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
     const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
     if (gated && m->step % AF_PROBE != 0) return 0;
     int32_t n_known = 0;
@@ -120,13 +142,15 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
         add_row(m->q, &m->pair[((int64_t) idx * ne + e) * ne], 1.0 / (double) cnt, ne);
     }
     if (n_known == 0) return 0;
-    const int32_t ti = idx + m->lead, target = m->moe_layers[ti];
     int32_t *pred = &m->pred[(int64_t) ti * ne];
     int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
     if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
+    if (top < 1) top = 0;
     double *tq = m->top_q;
-    for (int32_t x = 0; x < ne; x++) {
+    const uint8_t *st = &state[(int64_t) target * ne];
+    for (int32_t x = 0; x < ne && top > 0; x++) {
         const double v = m->q[x];
+        if (st[x] != absent_state) continue;      /* only keys that need a transfer */
         if (n_top == top && !(v > tq[n_top - 1])) continue;
         int32_t i = n_top < top ? n_top++ : n_top - 1;
         while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
@@ -144,10 +168,9 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];
-        if (state[f] == absent_state) {
-            if (m->credit < (double) bytes_flat[f]) continue;
-            m->credit = m->credit - (double) bytes_flat[f];
-        }
+        const double cost = af_transfer_cost(m, bytes_flat[f]);
+        if (m->backlog + cost > room) continue;
+        m->backlog = m->backlog + cost;
         out_q[n_out] = out_q[j];
         out[n_out++] = f;
     }
@@ -155,7 +178,7 @@ int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent
 }
 
 void af_refund(af_model *m, double bytes) {
-    m->credit = m->credit + bytes;
+    m->backlog = m->backlog - bytes;
 }
 
 void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count) {

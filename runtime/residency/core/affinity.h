@@ -6,15 +6,26 @@
  * i routed to the distinct set S, the prediction for layer i + lead is
  *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] * (1 / count[i][e])
  * (S' the experts of S with count > 0; no plan when S' is empty)
- * and the plan is the top_n experts by q (ties: lower id) with q >= min_precision.
- * The lead is what one expert needs to cross the link in time: with link_bytes the bytes the
- * link carries in one layer-step's compute and b the largest expert's bytes,
- *     lead = max(1, ceil(2 b / link_bytes))   (at most n_moe - 1)
- * and prefetches spend link credit, a bucket that gains link_bytes per plan up to
- *     cap = lead * link_bytes - b,
- * so what is queued on the link plus one more expert crosses it within lead layer-steps
- * (an expert that does not fit in cap is never prefetched). Each prefetch of an absent key
- * spends its bytes (given back if it is not issued).
+ * and the plan is the top_n experts by q (ties: lower id) among the keys of layer i + lead
+ * that need a transfer (state absent: a resident or in-flight key is never a candidate, so
+ * the plan's slots go to what a prefetch can change), with q >= min_precision.
+ * A transfer of b bytes occupies the link for latency + b / link_bps: in link bytes,
+ *     cost(b) = b + link_bps * latency                                  (af_transfer_cost)
+ * The lead, fixed at creation, is what one expert needs to cross the link in time: with
+ * link_bytes the bytes the link carries in one typical layer-step's compute (the policy's
+ * layer_us) and t the largest expert's cost,
+ *     lead = max(1, ceil(2 t / link_bytes))   (at most n_moe - 1)
+ * Prefetches queue on the link. A decode layer-step's experts compute for
+ *     step_s = hits * b / gpu_bps + misses * min(latency + b / link_bps + b / gpu_bps, b / cpu_bps)
+ * on the cost model's rates ([cost]; the replay clock's step without its dense part, so it
+ * never over-counts the link's time); the link carries link_bps * step_s of the queue
+ * (backlog) meanwhile, and a prefetch planned now must have crossed when layer i + lead's
+ * experts start, after this step's experts and lead - 1 more steps (estimated by the running
+ * mean of step_s, decay AF_DECAY). So a planned key is issued only while
+ *     backlog + cost(b) <= link_bps * (step_s + (lead - 1) * mean step_s)
+ * and its cost joins the backlog (given back if it is not issued); when not even one
+ * transfer of layer i + lead would fit, no plan is made (nor scored): the q rows are not
+ * computed at all.
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
  * tallies, AF_DECAY per plan); the plan is issued only while the measured precision is at
  * least min_precision (or fewer than AF_WARMUP predictions were scored); while it is not,
@@ -42,25 +53,33 @@ typedef struct {
     int32_t *distinct;            /* (E,) scratch: a layer-step's distinct experts */
     double *q, *top_q;            /* (E,) scratch */
     double hits, scored;          /* decayed precision tallies */
-    double credit, cap;           /* link bytes available for prefetch, and their bound */
+    double backlog;               /* link bytes queued for prefetch, not yet carried */
+    double last_step_s, step_ema; /* the latest step's expert compute, and its running mean
+                                     (AF_DECAY; -1: none yet), seconds */
     double top_n, min_precision, link_bytes;
+    double link_bps, latency_s, gpu_bps, cpu_bps;  /* the [cost] rates: bytes/s, s */
+    double per_transfer;          /* link_bps * latency_s: a transfer's fixed cost, bytes */
 } af_model;
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
-                    double max_expert_bytes);
+                    double max_expert_bytes, const double *rates);
+/* rates (4,): link bytes/s, link latency s, GPU and CPU expert-compute bytes/s */
 void af_free(af_model *m);
 /* a layer-step (every phase): scores the latest plan, learns pairs in decode */
 void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase);
-/* the plan after a decode layer-step of `layer`: flat keys into out (capacity n_expert),
- * their q into out_q; returns how many (0 when gated); `absent[f]` says which keys need a
- * transfer (only those spend credit) */
-int32_t af_plan(af_model *m, int32_t layer, const uint8_t *state, uint8_t absent_state,
-                const int64_t *bytes_flat, int32_t *out, double *out_q);
+/* the plan after a decode layer-step of `layer` that had n_hits hits and n_misses misses:
+ * flat keys into out (capacity n_expert), their q into out_q; returns how many (0 when
+ * gated); keys with state[f] == absent_state need a transfer (the only candidates) */
+int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
+                const uint8_t *state, uint8_t absent_state, const int64_t *bytes_flat,
+                int32_t *out, double *out_q);
+/* a transfer's link cost in bytes: bytes + link_bps * latency */
+double af_transfer_cost(const af_model *m, int64_t bytes);
 /* add a routing profile's table: pair ((n_moe - 1) * E * E,), count ((n_moe - 1) * E,), the
  * pairs of consecutive layers: used only when lead is 1 */
 void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count);
-/* give back the credit of planned prefetches that were not issued */
+/* take the cost of planned prefetches that were not issued off the backlog */
 void af_refund(af_model *m, double bytes);
 
 #endif

@@ -428,7 +428,8 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
             for (int32_t l = 0; l < n_layer; l++)
                 if (expert_bytes[l] > b_max) b_max = expert_bytes[l];
             c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
-                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], (double) b_max);
+                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], (double) b_max,
+                              policy->affinity_rates);
             c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
             c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
             if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
@@ -633,14 +634,21 @@ static int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t p
         const int64_t free_b = p->capacity - p->resident_bytes - p->pending_bytes;
         c->r_victims.n = 0;
         int64_t freed = 0;
+        const int nv = c->pol.order_kind[o] == EV_NEXT_VISIT;
+        const double own = mine != NULL && nv ? mine[i] : NAN;
         while (free_b + freed < b) {
-            int32_t v = pop_victim(c, p, o, seq0);
-            if (v < 0) break;
-            const double own = mine != NULL && c->pol.order_kind[o] == EV_NEXT_VISIT ? mine[i]
-                                                                                     : NAN;
-            if (!ranks_below(c, o, v, f, own)) {  /* worth as much as what we would bring */
-                heap_push(c, o, &p->h[o], v);
-                break;
+            int32_t v;
+            if (nv) {                             /* look before taking: a refused victim */
+                v = nvv_lowest(c->nvv, (int32_t) (p - c->pools), seq0);  /* stays in place */
+                if (v < 0 || !ranks_below(c, o, v, f, own)) break;       /* (no rescoring) */
+                heap_remove(c, o, &p->h[o], v);
+            } else {
+                v = pop_victim(c, p, o, seq0);
+                if (v < 0) break;
+                if (!ranks_below(c, o, v, f, own)) {  /* worth as much as what we'd bring */
+                    heap_push(c, o, &p->h[o], v);
+                    break;
+                }
             }
             if (ivec_push(&c->r_victims, v) < 0) return RC_ERR_NOMEM;
             freed += c->bytes_flat[v];
@@ -686,7 +694,7 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
     const int32_t ne = c->n_expert;
     ivec *plan = &c->r_plan;
     plan->n = 0;
-    (void) el; (void) n;
+    (void) el;
     if (up_layer >= 0 && c->next_use != NULL) {
         /* the upcoming step's elements are their keys' next uses (first occurrence wins) */
         c->call++;
@@ -756,19 +764,19 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
         }
     } else if (kind == PF_AFFINITY) {
         if (phase != 1) return RC_OK;
-        const int32_t np = af_plan(c->af, layer, c->state, ABSENT, c->bytes_flat, c->af_plan,
-                                   c->af_q);
+        const int32_t np = af_plan(c->af, layer, n - c->r_missed.n, c->r_missed.n, c->state,
+                                   ABSENT, c->bytes_flat, c->af_plan, c->af_q);
         if (np == 0) return RC_OK;
-        double spent = 0.0;
+        double spent = 0.0;                        /* every planned key is absent */
         for (int32_t i = 0; i < np; i++)
-            if (c->state[c->af_plan[i]] == ABSENT) spent = spent + (double) c->bytes_flat[c->af_plan[i]];
+            spent = spent + af_transfer_cost(c->af, c->bytes_flat[c->af_plan[i]]);
         const int32_t before = c->r_pf_flats.n;
         double mine[np];
         for (int32_t i = 0; i < np; i++)           /* lead layers ahead: lead + n_moe (1/q - 1) */
             mine[i] = -((double) c->af->lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
         const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
         for (int32_t i = before; i < c->r_pf_flats.n; i++)
-            spent = spent - (double) c->bytes_flat[c->r_pf_flats.v[i]];
+            spent = spent - af_transfer_cost(c->af, c->bytes_flat[c->r_pf_flats.v[i]]);
         af_refund(c->af, spent);
         return rc;
     }

@@ -46,6 +46,8 @@ typedef struct {
     double prefetch_p1[3];        /* depth | top_n */
     double prefetch_p2[3];        /* affinity: min_precision */
     double prefetch_p3[3];        /* affinity: link bytes per layer-step (affinity.h) */
+    double affinity_rates[4];     /* affinity: the [cost] link bytes/s, link latency s, GPU and
+                                     CPU expert-compute bytes/s (affinity.h) */
     int32_t track_next_use;       /* an offline policy: access() needs next_use */
     int32_t inline_transport;     /* admissions commit inside access() (no tickets) */
 } rc_policy;

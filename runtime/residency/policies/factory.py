@@ -22,14 +22,16 @@ Python reference); what each one does:
     popularity   the next layer's ``top_n`` most routed experts
     belady       offline: the next layer-step's experts
     affinity     decode: the experts of the MoE layer ``lead`` ahead most often routed after
-                 this layer's for the same token (an online cross-layer table), at most
-                 ``top_n``, each predicted at >= ``min_precision``, issued only while the
-                 measured precision of the predictions stays >= min_precision; ``lead`` is
-                 what the largest expert needs to cross the link in time (ceil(2 x its bytes
-                 / the bytes the link carries in ``layer_us``, one layer-step's compute, at
-                 [cost] link_gbps)), and prefetches spend a link credit that gains one
-                 layer-step's bytes per step, bounded so what is queued arrives in time;
-                 ranked against victims by its expected next use (core/affinity.h)
+                 this layer's for the same token (an online cross-layer table), the top
+                 ``top_n`` among those that need a transfer, each predicted at >=
+                 ``min_precision``, issued only while the measured precision of the
+                 predictions stays >= min_precision; ``lead`` is what the largest expert
+                 needs to cross the link in time (ceil(2 x its transfer / the bytes the link
+                 carries in ``layer_us``, a typical layer-step's compute, at [cost]
+                 link_gbps)); prefetches queue on the link, which carries what it can while
+                 each layer-step's experts compute on the [cost] rates, and one is issued
+                 only while it would cross before its layer's experts start; ranked against
+                 victims by its expected next use (core/affinity.h)
 """
 from __future__ import annotations
 

@@ -5,6 +5,15 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from runtime.residency.config import CostParams
+
+# [cost] rates scaled to the synthetic cores' 100-150 byte experts, so what prefetch affinity's
+# link carries while a layer-step's experts compute (core/affinity.h) is a few experts' worth:
+# a hit of a 100-byte expert gives it 100 bytes (GPU streams at the link's rate), a miss 200
+# (computed on the CPU at half that); a transfer costs 5 bytes of latency
+TINY_COST = CostParams(link_gbps=25.0, link_latency_us=0.0002, gpu_mem_gbps=25.0,
+                       cpu_mem_gbps=12.5)
+
 
 def _zipf_stream(tokens: int, layers: int, experts: int, top_k: int, seed: int = 0) -> np.ndarray:
     """(tokens, layers, top_k) int64: distinct experts per token, skewed popularity."""

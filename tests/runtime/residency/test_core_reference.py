@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
 from runtime.residency.core import CorePolicy, make_core
 from runtime.residency.policies.factory import make_spec
+from tests.runtime.residency.conftest import TINY_COST
 
 EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
              ("next-visit", {"learning_rate": 0.05}),
@@ -18,10 +19,11 @@ EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
 ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
               ("transient-on-pressure", {"window": 20.0})]
 PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0}),
-              # the link carries 125 bytes per layer-step at the default 25 GB/s: a lead of 2
-              # MoE layers (ceil(2 * 150 / 125) = 3, at most n_moe - 1), credit up to 100 bytes
-              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.005}),
-              # 500 bytes per layer-step: the next layer (lead 1), credit up to 350 bytes
+              # TINY_COST: a transfer costs its bytes + 5; a layer-step of 2 experts gives the
+              # link 200-600 bytes of time. 150 bytes per typical layer-step: a lead of 2 MoE
+              # layers (ceil(2 * 155 / 150) = 3, at most n_moe - 1)
+              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.006}),
+              # 500 bytes per typical layer-step: the next layer (lead 1)
               ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.02})]
 N_LAYER, N_EXPERT = 4, 6
 EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes
@@ -34,7 +36,7 @@ def policy(ev, ad, pf, ev2=None) -> CorePolicy:
                              prefetch=make_spec("prefetch", pf[0], pf[1]),
                              eviction=make_spec("eviction", e[0], e[1]))
     cfg = ResidencyConfig(phase_specific=ev2 is not None, prefill=phase(ev2 or ev),
-                          decode=phase(ev))
+                          decode=phase(ev), cost=TINY_COST)
     return CorePolicy.from_config(cfg)
 
 

@@ -2,11 +2,14 @@
 (test_core_reference.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from runtime.residency.config import PhasePolicies, ResidencyConfig
 from runtime.residency.core import CorePolicy, make_core
 from runtime.residency.policies.factory import make_spec
+from tests.runtime.residency.conftest import TINY_COST
 
 N_LAYER, N_EXPERT = 3, 8
 BYTES = [100, 100, 100]
@@ -16,7 +19,8 @@ def _policy(eviction: str, prefetch=("none", {})) -> CorePolicy:
     pp = PhasePolicies(admission=make_spec("admission", "always"),
                        prefetch=make_spec("prefetch", *prefetch),
                        eviction=make_spec("eviction", eviction))
-    return CorePolicy.from_config(ResidencyConfig(phase_specific=False, prefill=pp, decode=pp))
+    return CorePolicy.from_config(ResidencyConfig(phase_specific=False, prefill=pp, decode=pp,
+                                                  cost=TINY_COST))
 
 
 def _replay(kind: str, pol: CorePolicy, steps: list[list[list[int]]], capacity: int):
@@ -84,3 +88,51 @@ def test_next_visit_keeps_the_expert_whose_layer_comes_next():
             assert kept[name] == resident
     assert kept["lru"] == {(1, 0), (2, 1)}
     assert kept["next-visit"] == {(0, 0), (2, 1)}
+
+
+def _follow_stream(rng) -> list[list[list[int]]]:
+    """Every layer routes expert 0 and one expert a (random per token, the same at every
+    layer): 0 is always resident, a often is not."""
+    out = []
+    for _ in range(80):
+        a = int(rng.integers(1, N_EXPERT))
+        out.append([[0, a] for _ in range(N_LAYER)])
+    return out
+
+
+def _affinity_policy(cost) -> CorePolicy:
+    pp = PhasePolicies(admission=make_spec("admission", "always"),
+                       prefetch=make_spec("prefetch", "affinity",
+                                          {"top_n": 1.0, "min_precision": 0.5,
+                                           "layer_us": 0.02}),
+                       eviction=make_spec("eviction", "lru"))
+    return CorePolicy.from_config(ResidencyConfig(phase_specific=False, prefill=pp, decode=pp,
+                                                  cost=cost))
+
+
+def test_affinity_plans_only_keys_that_need_a_transfer():
+    """The most likely follower (expert 0, q = 1) is always resident: with top_n 1 the plan
+    takes the most likely absent one (a, predicted from a at the layer before), not 0."""
+    steps = _follow_stream(np.random.default_rng(2))
+    results = [_replay(kind, _affinity_policy(TINY_COST), steps, 600)
+               for kind in ("native", "reference")]
+    (core, kinds, events, (pf_batch, pf_flat), _), ref = results
+    assert np.array_equal(kinds, ref[1]) and np.array_equal(pf_flat, ref[3][1])
+    # expert 0 only where it was evicted (by another layer's miss or prefetch)
+    assert len(pf_flat) > 40 and (pf_flat % N_EXPERT != 0).mean() > 0.9
+    used = np.zeros(len(pf_batch), dtype=bool)
+    used[events[kinds == 4]] = True
+    print("prefetches:", len(pf_flat), "used:", int(used.sum()))
+    assert used.mean() > 0.9
+
+
+def test_affinity_queues_what_the_link_carries_in_time():
+    """What the link may queue is what it carries while the layer-steps before the target
+    compute, on the [cost] rates: with compute far faster than the link, no transfer fits in
+    time and nothing is issued."""
+    fast = replace(TINY_COST, gpu_mem_gbps=1e6, cpu_mem_gbps=1e6)
+    steps = _follow_stream(np.random.default_rng(2))
+    for kind in ("native", "reference"):
+        issued = [len(_replay(kind, _affinity_policy(cost), steps, 600)[3][1])
+                  for cost in (TINY_COST, fast)]
+        assert issued[0] > 40 and issued[1] == 0
