@@ -20,12 +20,14 @@ from runtime.units import parse_size_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
+
     parser = subparsers.add_parser(
         "bench", help="benchmark expert offload: mmap vs static placement vs managed policies",
         description="Measure prompt processing (pp), generation (tg) and cold start for plain "
                     "mmap, static placements and the residency manager's policies; prints a "
                     "markdown table (or JSON with --json).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     parser.add_argument("-m", "--model", metavar="FILE", default=None,
                         help="GGUF model (default: the synthetic benchmark model, written once)")
     parser.add_argument("--config", action="append", default=[], metavar="FILE",

@@ -56,10 +56,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with "(default: X)" only where there is a value to show (not None/False)."""
+    """``--help`` with "(default: X)" only where there is a value to show: not None or False,
+    not a switch (its help says what it does), not a help that states its own default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or "(default:" in (action.help or ""):
+        if (action.default is None or action.default is False or action.nargs == 0
+                or "(default:" in (action.help or "")):
             return action.help
         return super()._get_help_string(action)
 

@@ -99,11 +99,11 @@ class ProfileCapture:
 
 def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     """Add ``record`` under ``moe-offload trace``."""
-    from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
+    from runtime.engine.cli_args import HelpFormatter, add_engine_args, add_sampling_args  # noqa: PLC0415
 
     p = trace_subparsers.add_parser(
         "record", help="run a model and record its routing to a trace",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         description="Run MODEL on a prompt and write every routed (token, layer, slot) with "
                     "its phase, step and turn to OUT (.csv: route_trace v1 CSV, else binary).")
     src = p.add_mutually_exclusive_group(required=True)

@@ -3,6 +3,8 @@ model: stdout carries only generated text, stderr the closing timings line; chat
 across turns from piped stdin and stops at /exit; bad input is one line and a non-zero exit."""
 from __future__ import annotations
 
+import pytest
+
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
 
@@ -85,6 +87,14 @@ def test_help_shows_residency_defaults_not_none(cli):
     assert "--policy.decode.eviction NAME lru, lfu, lfu-decay, phase-weighted, belady, " \
            "next-visit (default: next-visit)" in unwrapped
     assert "--cost.link_gbps X number (default: 25)" in text
+
+
+@pytest.mark.parametrize("command", [("chat",), ("trace", "record"), ("bench",), ("serve",),
+                                     ("replay",), ("plan",)])
+def test_no_help_shows_a_none_or_false_default(cli, command):
+    proc = cli(*command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "(default: None)" not in proc.stdout and "(default: False)" not in proc.stdout
 
 
 def test_model_directory_is_named_as_such(cli, tmp_path):
