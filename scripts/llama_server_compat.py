@@ -31,7 +31,7 @@ VALUE_FLAGS = {
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
-            "--kv-unified": "--kv-unified", "--embedding": "--embedding",
+            "--kv-unified": "--kv-unified", "--no-ui": "--no-ui", "--embedding": "--embedding",
             "--embeddings": "--embedding", "--context-shift": "--context-shift"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
@@ -39,7 +39,6 @@ DROPPED = {
     "--no-jinja": (False, "templates are always jinja here"),
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
-"--no-ui": (False, "no web UI"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
     "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),

@@ -94,6 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
                        help="answer GET /metrics with 501 (llama-server's default)")
+    group.add_argument("--no-ui", dest="web_ui", action="store_false", default=True,
+                       help="do not serve the chat page at / (404 there)")
     group.add_argument("--tags", default=None, metavar="A,B",
                        help="the model's tags, listed by /v1/models")
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                                     verbose=args.verbose, reasoning=args.reasoning,
                                     reasoning_format=args.reasoning_format,
                                     metrics_endpoint=args.metrics, embedding=args.embedding,
-                                    slot_save_path=slot_dir,
+                                    slot_save_path=slot_dir, web_ui=args.web_ui,
                                     tags=tuple(t.strip() for t in (args.tags or "").split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure,

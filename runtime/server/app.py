@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (completions.py),
 ``GET /v1/models``, ``GET /v1/residency`` (the manager's snapshot as JSON), ``GET /metrics``
-(Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready).
-With an API key set, every route but ``/health`` wants ``Authorization: Bearer KEY``.
+(Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready),
+the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/health``,
+``/models`` and the page's static files wants ``Authorization: Bearer KEY``.
 
 The engine is loaded on a background thread once the server runs (see model_host.py); requests
 are served one at a time, in order, by the bounded queue (queue.py).
@@ -29,6 +30,8 @@ from runtime.server.cors import CorsMiddleware
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
 from runtime.server.slot_routes import router as slot_router
+from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
+from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
@@ -69,6 +72,7 @@ class ServerSettings:
     tags: tuple[str, ...] = ()         # --tags: the model's tags in /v1/models
     embedding: bool = False            # --embedding: embeddings routes on, generation off
     slot_save_path: Any = None         # Path: where /slots/{id}?action=save|restore files go
+    web_ui: bool = True                # the chat page at / (llama-server's --no-ui: 404)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -89,7 +93,8 @@ class ApiKeyGuard:
     (not even whether its JSON was valid). ``/health`` stays open for load balancers.
     """
 
-    OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})   # as llama-server
+    # as llama-server: health, the model list and the web UI's static files
+    OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", *UI_PATHS})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -254,6 +259,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(native_router)
     app.include_router(embeddings_router)
     app.include_router(slot_router)
+    if settings.web_ui:
+        app.include_router(web_ui_router)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key
