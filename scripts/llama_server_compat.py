@@ -27,11 +27,13 @@ VALUE_FLAGS = {
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None,
     "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
     "--reasoning": None, "--reasoning-format": None, "--tags": None,
-    "--pooling": None, "--slot-save-path": None,
+    "--pooling": None, "--slot-save-path": None, "--cache-ram": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
-            "--kv-unified": "--kv-unified", "--no-ui": "--no-ui", "--embedding": "--embedding",
+            "--kv-unified": "--kv-unified", "--no-ui": "--no-ui",
+            "--no-cache-idle-slots": "--no-cache-idle-slots",
+            "--cache-idle-slots": "--cache-idle-slots", "--embedding": "--embedding",
             "--embeddings": "--embedding", "--context-shift": "--context-shift"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
@@ -41,7 +43,7 @@ DROPPED = {
     "--swa-full": (False, "default SWA cache"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
-    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),
+    "--ui-mcp-proxy": (False, "no web UI"), 
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
 
@@ -52,7 +54,7 @@ DROPPED = {
     "--spec-draft-n-min": (True, "no speculative decoding"),
     "--model-draft": (True, "no speculative decoding"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
-    "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
+    "--sleep-idle-seconds": (True, "no sleep mode"), 
     "--cache-reuse-hybrid": (True, "no prompt cache"),
     "--cache-reuse-hybrid-min-share": (True, "no prompt cache"),
     "--models-dir": (True, "one model"), "--models-max": (True, "one model"),
