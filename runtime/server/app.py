@@ -30,6 +30,8 @@ from runtime.server.cors import CorsMiddleware
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
 from runtime.server.slot_routes import router as slot_router
+from runtime.server.stream_sessions import StreamSessions
+from runtime.server.stream_sessions import router as stream_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
@@ -213,6 +215,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         try:
             yield
         finally:
+            app.state.streams.stop_all()
             app.state.queue.close()
             app.state.host.close()
             if on_closed is not None:
@@ -225,6 +228,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.state.metrics = ServerMetrics()
     app.state.llamacpp = LlamaCppCounters()
     app.state.queue = None
+    app.state.streams = StreamSessions()    # resumable streams (X-Conversation-Id)
     app.state.started = int(time.time())
     app.state.defaults = settings.defaults if settings.defaults is not None else \
         SamplingParams()
@@ -259,6 +263,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(native_router)
     app.include_router(embeddings_router)
     app.include_router(slot_router)
+    app.include_router(stream_router)
     if settings.web_ui:
         app.include_router(web_ui_router)
     if settings.api_key is not None:
