@@ -31,7 +31,7 @@ VALUE_FLAGS = {
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
-            "--kv-unified": "--kv-unified", "--no-ui": "--no-ui",
+            "--kv-unified": "--kv-unified", "--no-ui": "--no-ui", "--ui-mcp-proxy": "--ui-mcp-proxy",
             "--no-cache-idle-slots": "--no-cache-idle-slots",
             "--cache-idle-slots": "--cache-idle-slots", "--embedding": "--embedding",
             "--embeddings": "--embedding", "--context-shift": "--context-shift"}
@@ -43,7 +43,7 @@ DROPPED = {
     "--swa-full": (False, "default SWA cache"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
-    "--ui-mcp-proxy": (False, "no web UI"), 
+     
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
 

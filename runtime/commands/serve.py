@@ -108,6 +108,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="answer GET /metrics with 501 (llama-server's default)")
     group.add_argument("--no-ui", dest="web_ui", action="store_false", default=True,
                        help="do not serve the chat page at / (404 there)")
+    group.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="cors_proxy",
+                       action="store_true",
+                       help="serve GET|POST /cors-proxy?url=URL: the server calls URL for a "
+                            "browser page (llama.cpp's web UI uses it for MCP servers); it "
+                            "reaches any URL the server can, so keep it off on untrusted "
+                            "networks (off: 403)")
     group.add_argument("--tags", default=None, metavar="A,B",
                        help="the model's tags, listed by /v1/models")
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
@@ -280,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
                                     reasoning_format=args.reasoning_format,
                                     metrics_endpoint=args.metrics, embedding=args.embedding,
                                     slot_save_path=slot_dir, web_ui=args.web_ui,
+                                    cors_proxy=args.cors_proxy,
                                     tags=tuple(t.strip() for t in (args.tags or "").split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure,

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from runtime.engine.sampling import SamplingParams
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
+from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
 from runtime.server.slot_routes import router as slot_router
@@ -75,6 +76,7 @@ class ServerSettings:
     embedding: bool = False            # --embedding: embeddings routes on, generation off
     slot_save_path: Any = None         # Path: where /slots/{id}?action=save|restore files go
     web_ui: bool = True                # the chat page at / (llama-server's --no-ui: 404)
+    cors_proxy: bool = False           # GET|POST /cors-proxy?url= (--ui-mcp-proxy); else 403
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -264,6 +266,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(embeddings_router)
     app.include_router(slot_router)
     app.include_router(stream_router)
+    app.include_router(cors_proxy_router)
     if settings.web_ui:
         app.include_router(web_ui_router)
     if settings.api_key is not None:
