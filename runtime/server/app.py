@@ -33,6 +33,7 @@ from runtime.server.native import router as native_router
 from runtime.server.slot_routes import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
 from runtime.server.stream_sessions import router as stream_router
+from runtime.server.unsupported import router as unsupported_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
@@ -267,6 +268,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(slot_router)
     app.include_router(stream_router)
     app.include_router(cors_proxy_router)
+    app.include_router(unsupported_router)     # 501s naming what is not served
     if settings.web_ui:
         app.include_router(web_ui_router)
     if settings.api_key is not None:
