@@ -40,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "/v1/completions, /v1/models, with structured output, tools and logprobs) "
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
                     "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
-                    "with --embedding), plus /v1/residency, /metrics, /health.",
+                    "with --embedding), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
+                    "page at /, plus /v1/residency, /metrics, /health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
