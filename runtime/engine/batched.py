@@ -23,9 +23,9 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from runtime.engine import slot_state
 from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
-from runtime.engine import slot_state
 from runtime.engine.logprobs import sample_token
 from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -197,16 +197,9 @@ class BatchScheduler:
         slot.seq, keep = best_slot(self._free, self._cached, slot.tokens) \
             if slot.want_seq < 0 else (slot.want_seq, shared_prefix(
                 self._cached[slot.want_seq], slot.tokens))
-        if self.prompt_cache is not None and slot.reuse_prefix:
-            keep = self._swap_in(slot.seq, slot.tokens, keep)
-        keep = keep if slot.reuse_prefix else 0
         self._free.remove(slot.seq)
         memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
-        if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
-            keep = 0                   # a memory that cannot drop a tail: start afresh
-            self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
-        self._cached[slot.seq] = []    # known again once the request ends
-        for seq in self._free:
+        for seq in self._free:         # before the swap-in: a unified pool needs their cells
             if not self._cached[seq]:
                 continue
             if self.cache_idle_slots and self._save(seq):
@@ -216,6 +209,13 @@ class BatchScheduler:
             if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
                 self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
                 self._cached[seq] = []
+        if self.prompt_cache is not None and slot.reuse_prefix:
+            keep = self._swap_in(slot.seq, slot.tokens, keep)
+        keep = keep if slot.reuse_prefix else 0
+        if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
+            keep = 0                   # a memory that cannot drop a tail: start afresh
+            self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
+        self._cached[slot.seq] = []    # known again once the request ends
         slot.fed = slot.pos = slot.reused = keep
         slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
         slot.stream = TextStream(slot.params.stop)

@@ -38,6 +38,23 @@ def test_a_prompt_returns_from_host_memory(start_server, synth_model_factory, ex
     assert "updating prompt cache" in log and "loaded a cached prompt" in log
 
 
+def test_an_idle_slot_is_saved_when_a_request_starts(start_server, synth_model_factory):
+    # -np 2 with one KV pool: a request on slot 1 copies idle slot 0 to host memory and
+    # empties it; the prompt comes back from there
+    server = start_server(synth_model_factory(SPEC), "--cache-ram", "64", "-c", "1024",
+                          "-np", "2", "--kv-unified", "-v")
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        first = _complete(http, LONG, id_slot=0)
+        assert "idle slot saved" not in server.log()    # slot 1 holds nothing
+        _complete(http, OTHER, id_slot=1)
+        assert "slot 0: idle slot saved" in server.log()
+        slots = http.get("/slots").json()
+        again = _complete(http, LONG)
+    assert again["timings"]["cache_n"] >= first["timings"]["prompt_n"] - 1
+    assert again["tokens"] == first["tokens"]
+    assert len(slots) == 2
+
+
 def test_without_cache_ram_the_prompt_is_evaluated_again(start_server, synth_model_factory):
     server = start_server(synth_model_factory(SPEC), "-c", "1024")
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
