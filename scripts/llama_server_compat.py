@@ -3,7 +3,7 @@
 
 llama.cpp's server tests (tools/server/tests) start ``$LLAMA_SERVER_BIN_PATH`` with
 llama-server's flags. This maps them onto ``moe-offload serve``: the flags with a meaning here
-are translated, the ones about llama-server internals (KV types, draft models, the web UI,
+are translated, the ones about llama-server internals (KV types, draft models, MCP,
 LoRA ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
 once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
