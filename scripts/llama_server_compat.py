@@ -3,7 +3,7 @@
 
 llama.cpp's server tests (tools/server/tests) start ``$LLAMA_SERVER_BIN_PATH`` with
 llama-server's flags. This maps them onto ``moe-offload serve``: the flags with a meaning here
-are translated, the ones about llama-server internals (KV types, draft models, the web UI,
+are translated, the ones about llama-server internals (KV types, draft models, MCP,
 LoRA ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
 once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
@@ -27,11 +27,13 @@ VALUE_FLAGS = {
     "--chat-template-file": None, "--chat-template": None, "--top-k": None, "--top-p": None,
     "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
     "--reasoning": None, "--reasoning-format": None, "--tags": None,
-    "--pooling": None, "--slot-save-path": None,
+    "--pooling": None, "--slot-save-path": None, "--cache-ram": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
-            "--kv-unified": "--kv-unified", "--embedding": "--embedding",
+            "--kv-unified": "--kv-unified", "--no-ui": "--no-ui", "--ui-mcp-proxy": "--ui-mcp-proxy",
+            "--no-cache-idle-slots": "--no-cache-idle-slots",
+            "--cache-idle-slots": "--cache-idle-slots", "--embedding": "--embedding",
             "--embeddings": "--embedding", "--context-shift": "--context-shift"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
@@ -39,10 +41,9 @@ DROPPED = {
     "--no-jinja": (False, "templates are always jinja here"),
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
-"--no-ui": (False, "no web UI"),
     "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
-    "--ui-mcp-proxy": (False, "no web UI"), "--no-cache-idle-slots": (False, "no host-memory prompt cache"),
+     
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
 
@@ -53,7 +54,7 @@ DROPPED = {
     "--spec-draft-n-min": (True, "no speculative decoding"),
     "--model-draft": (True, "no speculative decoding"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
-    "--sleep-idle-seconds": (True, "no sleep mode"), "--cache-ram": (True, "no prompt cache"),
+    "--sleep-idle-seconds": (True, "no sleep mode"), 
     "--cache-reuse-hybrid": (True, "no prompt cache"),
     "--cache-reuse-hybrid-min-share": (True, "no prompt cache"),
     "--models-dir": (True, "one model"), "--models-max": (True, "one model"),

@@ -40,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "/v1/completions, /v1/models, with structured output, tools and logprobs) "
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
                     "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
-                    "with --embedding), plus /v1/residency, /metrics, /health.",
+                    "with --embedding), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
+                    "page at /, plus /v1/residency, /metrics, /health.",
         formatter_class=_HelpFormatter)
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
@@ -75,6 +76,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--slot-save-path", default=None, metavar="DIR",
                        help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
                             "cache to a file in DIR and back; DIR is made if missing)")
+    group.add_argument("--cache-ram", type=int, default=0, metavar="MiB",
+                       help="host memory for llama-server's prompt cache: a slot's KV is "
+                            "copied there before a request replaces it, and loaded back when "
+                            "its prompt returns; -1: no limit, 0: off (llama-server's default "
+                            "is 8192; here host RAM holds the expert tier, so it is opt-in)")
+    group.add_argument("--cache-idle-slots", dest="cache_idle_slots", action="store_true",
+                       default=True,
+                       help="with --cache-ram: copy idle slots to the prompt cache when a "
+                            "request starts (with --kv-unified they are emptied too); on by "
+                            "default, as llama-server")
+    group.add_argument("--no-cache-idle-slots", dest="cache_idle_slots", action="store_false",
+                       help="with --cache-ram: leave idle slots alone")
     group.add_argument("--context-shift", action="store_true",
                        help="when a request's context is full, drop the oldest half after its "
                             "first n_keep tokens and go on generating (llama-server's flag)")
@@ -94,6 +107,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
                        help="answer GET /metrics with 501 (llama-server's default)")
+    group.add_argument("--no-ui", dest="web_ui", action="store_false", default=True,
+                       help="do not serve the chat page at / (404 there)")
+    group.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="cors_proxy",
+                       action="store_true",
+                       help="serve GET|POST /cors-proxy?url=URL: the server calls URL for a "
+                            "browser page (llama.cpp's web UI uses it for MCP servers); it "
+                            "reaches any URL the server can, so keep it off on untrusted "
+                            "networks (off: 403)")
     group.add_argument("--tags", default=None, metavar="A,B",
                        help="the model's tags, listed by /v1/models")
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
@@ -145,11 +166,11 @@ def _url(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def _setup_logging() -> None:
+def _setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("moe-offload: %(message)s"))
     log.addHandler(handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
     log.propagate = False
 
 
@@ -166,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     model_path = Path(settings.model_path)
     check_model_path(str(model_path))
     read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
+    if args.cache_ram < -1:
+        raise UserError(f"--cache-ram: {args.cache_ram} must be -1 (no limit), 0 (off) or a "
+                        "size in MiB")
     if args.queue_size < 0:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
     if not 1 <= args.parallel <= 64:
@@ -193,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     aliases = tuple(sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()}))
     model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
 
-    _setup_logging()
+    _setup_logging(args.verbose)
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
     if not hosts:
         raise UserError("--host: no address given")
@@ -221,6 +245,16 @@ def run(args: argparse.Namespace) -> int:
     settings.kv_unified = args.kv_unified and args.parallel > 1
     settings.embeddings, settings.pooling = args.embedding, args.pooling
     settings.context_shift = args.context_shift
+    prompt_cache = None
+    if args.cache_ram != 0 and not args.embedding:
+        from runtime.engine.prompt_cache import PromptCache  # noqa: PLC0415
+
+        prompt_cache = PromptCache(max(0, args.cache_ram) << 20)
+        log.debug("prompt cache on, limit %s", "none" if args.cache_ram < 0
+                  else f"{args.cache_ram} MiB")
+        if args.cache_idle_slots:      # llama-server's debug line (its tests read it)
+            log.debug("idle slots are saved to the prompt cache when a request starts "
+                      "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)")
     capture = None
     if args.write_profile is not None:
         from runtime.engine.record import ProfileCapture  # noqa: PLC0415
@@ -238,10 +272,11 @@ def run(args: argparse.Namespace) -> int:
             capture.attach(engine, str(model_path))
         if template is not None:
             engine.use_chat_template(template)
-        if args.parallel > 1 and not args.embedding:   # embeddings: one input at a time
+        # embeddings: one input at a time; the prompt cache lives in the slot scheduler
+        if (args.parallel > 1 or prompt_cache is not None) and not args.embedding:
             from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
 
-            engine.batcher = BatchScheduler(engine)
+            engine.batcher = BatchScheduler(engine, prompt_cache, args.cache_idle_slots)
         return engine
 
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
@@ -251,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
                                     verbose=args.verbose, reasoning=args.reasoning,
                                     reasoning_format=args.reasoning_format,
                                     metrics_endpoint=args.metrics, embedding=args.embedding,
-                                    slot_save_path=slot_dir,
+                                    slot_save_path=slot_dir, web_ui=args.web_ui,
+                                    cors_proxy=args.cors_proxy,
                                     tags=tuple(t.strip() for t in (args.tags or "").split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure,

@@ -15,6 +15,7 @@ own sampler chain, exactly as ``Engine.generate`` does for one sequence.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -22,9 +23,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from runtime.engine import slot_state
 from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.logprobs import sample_token
+from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
                                   PromptProgress, Timings, Usage)
@@ -32,6 +35,7 @@ from runtime.errors import UserError
 from runtime.residency.types import Phase
 
 _END = object()
+log = logging.getLogger("moe_offload.server.slots")
 
 
 @dataclass
@@ -66,8 +70,13 @@ class _Slot:
 class BatchScheduler:
     """Runs ``engine``'s generations in shared batches (see the module docstring)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, prompt_cache: PromptCache | None = None,
+                 cache_idle_slots: bool = True):
+        """``prompt_cache``: host-memory copies of slots' KV (llama-server's ``--cache-ram``);
+        ``cache_idle_slots``: copy every idle slot there when a request starts."""
         self.engine = engine
+        self.prompt_cache = prompt_cache
+        self.cache_idle_slots = cache_idle_slots and prompt_cache is not None
         self.n_slots = int(engine.settings.n_parallel)
         self.n_ctx_slot = int(engine.n_ctx)        # the engine reports the per-slot context
         self._ll = engine._ll  # noqa: SLF001 - the scheduler is the engine's other driver
@@ -188,18 +197,25 @@ class BatchScheduler:
         slot.seq, keep = best_slot(self._free, self._cached, slot.tokens) \
             if slot.want_seq < 0 else (slot.want_seq, shared_prefix(
                 self._cached[slot.want_seq], slot.tokens))
-        keep = keep if slot.reuse_prefix else 0
         self._free.remove(slot.seq)
         memory = self._ll.llama_get_memory(self.engine.ctx_ptr)
+        for seq in self._free:         # before the swap-in: a unified pool needs their cells
+            if not self._cached[seq]:
+                continue
+            if self.cache_idle_slots and self._save(seq):
+                # llama-server's debug line (its tests read it)
+                log.debug("slot %d: idle slot saved to the prompt cache "
+                          "(__TEST_TAG_CACHE_IDLE_SLOT__)", seq)
+            if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
+                self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
+                self._cached[seq] = []
+        if self.prompt_cache is not None and slot.reuse_prefix:
+            keep = self._swap_in(slot.seq, slot.tokens, keep)
+        keep = keep if slot.reuse_prefix else 0
         if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
             keep = 0                   # a memory that cannot drop a tail: start afresh
             self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
         self._cached[slot.seq] = []    # known again once the request ends
-        if self.engine.settings.kv_unified:   # one pool: idle slots' caches give way
-            for seq in self._free:
-                if self._cached[seq]:
-                    self._ll.llama_memory_seq_rm(memory, seq, -1, -1)
-                    self._cached[seq] = []
         slot.fed = slot.pos = slot.reused = keep
         slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
         slot.stream = TextStream(slot.params.stop)
@@ -211,6 +227,41 @@ class BatchScheduler:
         slot.t0 = time.perf_counter()
         self._active.append(slot)
         self._report(slot)
+
+    def _save(self, seq: int) -> bool:
+        """Copy slot ``seq``'s KV into the prompt cache; False if it was not stored."""
+        tokens = self._cached[seq]
+        cache = self.prompt_cache
+        if not tokens or not cache.can_store(tokens, 0):
+            return False
+        state = slot_state.read_state(self._ll, self.engine.ctx_ptr, seq)
+        if not state or not cache.can_store(tokens, len(state)):
+            return False
+        cache.store(tokens, state)
+        log.debug("prompt cache: %d prompts, %.1f MiB", len(cache), cache.size_bytes / 2**20)
+        return True
+
+    def _swap_in(self, seq: int, tokens: list[int], keep: int) -> int:
+        """llama-server's prompt cache update: when the request would throw away most of
+        slot ``seq``'s KV (or the slot is empty), save that KV to the cache, then load the
+        cached prompt that serves ``tokens`` best; the tokens of it to keep."""
+        held = self._cached[seq]
+        if held and 2 * shared_prefix(held, tokens, cap=False) >= len(held):
+            return keep                         # the slot keeps most of what it holds
+        log.debug("slot %d: updating prompt cache", seq)
+        self._save(seq)
+        best = self.prompt_cache.best_for(tokens, held)
+        if best is None:
+            return keep
+        entry = self.prompt_cache.take(best)
+        self._ll.llama_memory_seq_rm(self._ll.llama_get_memory(self.engine.ctx_ptr), seq, -1, -1)
+        if not slot_state.write_state(self._ll, self.engine.ctx_ptr, seq, entry.state):
+            log.debug("slot %d: the cached prompt did not fit in the KV; starting afresh", seq)
+            self._cached[seq] = []
+            return 0
+        self._cached[seq] = list(entry.tokens)
+        log.debug("slot %d: loaded a cached prompt of %d tokens", seq, len(entry.tokens))
+        return shared_prefix(self._cached[seq], tokens)
 
     def _step(self) -> None:
         batch = self._batch

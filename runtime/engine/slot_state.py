@@ -82,3 +82,23 @@ def erase(engine: Any, seq: int) -> int:
         ll.llama_memory_seq_rm(ll.llama_get_memory(ctx), seq, -1, -1)
         return len(tokens), []
     return on_slot(engine, seq, action)
+
+
+def read_state(ll: Any, ctx: Any, seq: int) -> bytes:
+    """Sequence ``seq``'s KV state as bytes (llama_state_seq_get_data); b"" when empty."""
+    size = int(ll.llama_state_seq_get_size(ctx, seq))
+    if size == 0:
+        return b""
+    buffer = (ctypes.c_uint8 * size)()
+    n = int(ll.llama_state_seq_get_data(ctx, buffer, size, seq))
+    return bytes(buffer[:n])
+
+
+def write_state(ll: Any, ctx: Any, seq: int, state: bytes) -> bool:
+    """Load ``state`` (from ``read_state``) into the empty sequence ``seq``; False if it did
+    not fit (the sequence is left empty)."""
+    buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+    if int(ll.llama_state_seq_set_data(ctx, buffer, len(state), seq)) == len(state):
+        return True
+    ll.llama_memory_seq_rm(ll.llama_get_memory(ctx), seq, -1, -1)
+    return False

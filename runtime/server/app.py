@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (completions.py),
 ``GET /v1/models``, ``GET /v1/residency`` (the manager's snapshot as JSON), ``GET /metrics``
-(Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready).
-With an API key set, every route but ``/health`` wants ``Authorization: Bearer KEY``.
+(Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready),
+the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/health``,
+``/models`` and the page's static files wants ``Authorization: Bearer KEY``.
 
 The engine is loaded on a background thread once the server runs (see model_host.py); requests
 are served one at a time, in order, by the bounded queue (queue.py).
@@ -26,9 +27,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from runtime.engine.sampling import SamplingParams
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
+from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
 from runtime.server.slot_routes import router as slot_router
+from runtime.server.stream_sessions import StreamSessions
+from runtime.server.stream_sessions import router as stream_router
+from runtime.server.unsupported import router as unsupported_router
+from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
+from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import APIError, error_body, install_error_handlers
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
@@ -69,6 +76,8 @@ class ServerSettings:
     tags: tuple[str, ...] = ()         # --tags: the model's tags in /v1/models
     embedding: bool = False            # --embedding: embeddings routes on, generation off
     slot_save_path: Any = None         # Path: where /slots/{id}?action=save|restore files go
+    web_ui: bool = True                # the chat page at / (llama-server's --no-ui: 404)
+    cors_proxy: bool = False           # GET|POST /cors-proxy?url= (--ui-mcp-proxy); else 403
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -89,7 +98,8 @@ class ApiKeyGuard:
     (not even whether its JSON was valid). ``/health`` stays open for load balancers.
     """
 
-    OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models"})   # as llama-server
+    # as llama-server: health, the model list and the web UI's static files
+    OPEN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", *UI_PATHS})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -208,6 +218,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         try:
             yield
         finally:
+            app.state.streams.stop_all()
             app.state.queue.close()
             app.state.host.close()
             if on_closed is not None:
@@ -220,6 +231,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.state.metrics = ServerMetrics()
     app.state.llamacpp = LlamaCppCounters()
     app.state.queue = None
+    app.state.streams = StreamSessions()    # resumable streams (X-Conversation-Id)
     app.state.started = int(time.time())
     app.state.defaults = settings.defaults if settings.defaults is not None else \
         SamplingParams()
@@ -254,6 +266,11 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(native_router)
     app.include_router(embeddings_router)
     app.include_router(slot_router)
+    app.include_router(stream_router)
+    app.include_router(cors_proxy_router)
+    app.include_router(unsupported_router)     # 501s naming what is not served
+    if settings.web_ui:
+        app.include_router(web_ui_router)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key

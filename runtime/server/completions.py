@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from runtime.engine.types import CANCELLED, ContextLengthError, KVCacheFullError
@@ -31,6 +31,7 @@ from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.reasoning import split_reasoning
+from runtime.server.stream_sessions import resumable
 
 log = logging.getLogger("moe_offload.server")
 
@@ -208,11 +209,12 @@ async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
         job.cancel.set()          # the client left (or we are done): free the engine
 
 
-def _event_source(job: Job, prep: Prepared, include_usage: bool,
-                  framer: Any) -> EventSourceResponse:
+def _event_source(request: Request, job: Job, prep: Prepared, include_usage: bool,
+                  framer: Any) -> Response:
     shutdown = anyio.Event()     # set by sse-starlette when the server begins to stop
-    return EventSourceResponse(_stream(job, prep, include_usage, framer, shutdown),
-                               shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+    payloads = _stream(job, prep, include_usage, framer, shutdown)
+    return resumable(request, payloads) or EventSourceResponse(
+        payloads, shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
 
 
 def _ids(prefix: str) -> tuple[str, int]:
@@ -235,7 +237,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     base = {"id": cid, "object": "chat.completion.chunk", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
     if body.stream:
-        return _event_source(job, prep, body.include_usage_in_stream(),
+        return _event_source(request, job, prep, body.include_usage_in_stream(),
                              ChatFramer(base, prep, timings=body.timings_per_token))
     results = await _collect(request, job, prep)
     choices = []
@@ -296,7 +298,7 @@ async def completions(body: CompletionRequest, request: Request):
     want_lp = prep.params.logprobs is not None
 
     if body.stream:
-        return _event_source(job, prep, body.include_usage_in_stream(),
+        return _event_source(request, job, prep, body.include_usage_in_stream(),
                              CompletionFramer(base, prep))
     results = await _collect(request, job, prep)
     choices = [{"index": r.index, "text": prep.echo_text + r.text,

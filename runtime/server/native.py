@@ -23,6 +23,7 @@ from sse_starlette import EventSourceResponse
 from runtime.server import shapes, structured
 from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
 from runtime.server.errors import APIError
+from runtime.server.stream_sessions import resumable
 from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.prepare import (Prepared, _checked_grammar, check_context, checked_slot,
                                     sampling_params, template_variables)
@@ -192,7 +193,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                 yield json.dumps(llama_error(_engine_failure(exc)))
             finally:
                 job.cancel.set()
-        return EventSourceResponse(events())
+        payloads = events()
+        return resumable(request, payloads) or EventSourceResponse(payloads)
 
     results = await _collect(request, job, prep)
     r = results[0]

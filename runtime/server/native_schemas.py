@@ -105,8 +105,9 @@ class NativeCompletionRequest(BaseModel):
             extra = set(self.prompt) - {"prompt_string"}
             if extra or not isinstance(self.prompt.get("prompt_string"), str):
                 raise APIError(400, f"prompt.{sorted(extra)[0] if extra else 'prompt_string'}: "
-                                    "only a text prompt_string is supported (no multimodal "
-                                    "data)", code="invalid_value", param="prompt")
+                                    "only a text prompt_string is supported (multimodal_data "
+                                    "needs a multimodal projector, llama-server's --mmproj; "
+                                    "this server is text only)", code="invalid_value", param="prompt")
             return self.prompt["prompt_string"]
         if isinstance(self.prompt, str):
             return self.prompt

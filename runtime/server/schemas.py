@@ -105,6 +105,10 @@ class ToolCallItem(BaseModel):
     function: ToolCallFunction
 
 
+MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "audio_url", "video_url",
+                         "file", "image", "audio"})   # content parts that carry media
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -122,6 +126,10 @@ class ChatMessage(BaseModel):
         texts = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in MEDIA_PARTS:
+                raise ValueError(f"part {i}: {kind!r} parts are multimodal input, which needs a "
+                                 "multimodal projector (llama-server's --mmproj); this server "
+                                 "is text only")
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i}: only text parts are supported (got {kind!r})")
             texts.append(part["text"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -78,8 +79,12 @@ def start_rpc_server(lib_dir: str, log_path: Path, *extra: str, port: int | None
     cmd = [sys.executable, "-m", "runtime.cli", "rpc-server", "--port", str(port),
            "--threads", "1", *extra]
     with open(log_path, "wb") as log:
+        # SIGINT at its default in the child, as in a shell, whatever this process did with
+        # it: an ignored SIGINT is inherited (pytest started as `cmd &` from a script), Python
+        # then installs no handler, and the Ctrl-C test would wait for nothing
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=child_env(lib_dir))
+                                stdin=subprocess.DEVNULL, env=child_env(lib_dir),
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     server = RpcServer(proc, port, log_path)
     if wait:
         deadline = time.monotonic() + 60

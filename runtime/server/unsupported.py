@@ -1,0 +1,46 @@
+"""llama-server routes this server does not serve: each answers 501 ``not_supported_error``
+naming the feature and why, instead of a bare 404 (README, "Not served" says the same)."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from runtime.server.errors import APIError
+
+ROUTER_MODE = ("llama-server's router mode (several models, loaded on demand) is not "
+               "supported: this server serves the one model given with -m")
+# (method, path) -> what is not supported
+UNSUPPORTED = {
+    ("POST", "/models"): ROUTER_MODE,
+    ("DELETE", "/models"): ROUTER_MODE,
+    ("POST", "/models/load"): ROUTER_MODE,
+    ("POST", "/models/unload"): ROUTER_MODE,
+    ("GET", "/models/sse"): ROUTER_MODE,
+    **{("POST", p): "the OpenAI Responses API is not served here; use /v1/chat/completions"
+       for p in ("/v1/responses", "/responses", "/v1/responses/input_tokens",
+                 "/responses/input_tokens")},
+    **{("POST", p): "the Anthropic Messages API is not served here; use /v1/chat/completions"
+       for p in ("/v1/messages", "/v1/messages/count_tokens")},
+    **{("POST", p): "audio transcription needs a multimodal projector (llama-server's "
+                    "--mmproj), which this text-only server does not load"
+       for p in ("/v1/audio/transcriptions", "/audio/transcriptions")},
+    **{("POST", p): "reranking (a reranker model with rank pooling) is not supported here"
+       for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
+    ("GET", "/lora-adapters"): "LoRA adapters are not supported here",
+    ("POST", "/lora-adapters"): "LoRA adapters are not supported here",
+    ("GET", "/tools"): "llama-server's built-in tools (--tools) are not supported here",
+    ("POST", "/tools"): "llama-server's built-in tools (--tools) are not supported here",
+    ("POST", "/props"): "changing the server's properties (llama-server's POST /props) is not "
+                        "supported here",
+}
+
+router = APIRouter()
+
+
+def _answer(what: str):
+    async def not_supported() -> None:
+        raise APIError(501, f"{what}.", code="not_supported", error_type="not_supported_error")
+    return not_supported
+
+
+for (_method, _path), _what in UNSUPPORTED.items():
+    router.add_api_route(_path, _answer(_what), methods=[_method], include_in_schema=False)
