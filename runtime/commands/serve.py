@@ -22,17 +22,8 @@ from runtime.errors import UserError
 log = logging.getLogger("moe_offload.server")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only where there is a value to show (not None, not False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False or action.nargs == 0:
-            return action.help          # switches: their help says what they do
-        return super()._get_help_string(action)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.engine.cli_args import add_engine_args, add_sampling_args
+    from runtime.engine.cli_args import HelpFormatter, add_engine_args, add_sampling_args
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -42,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
                     "with --embedding), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
                     "page at /, plus /v1/residency, /metrics, /health.",
-        formatter_class=_HelpFormatter)
+        formatter_class=HelpFormatter)
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
     parser.set_defaults(temp=0.8)
