@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from runtime.engine import slot_state
 from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
+from runtime.engine.loading import thread_counts
 from runtime.engine.logprobs import sample_token
 from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -81,6 +82,8 @@ class BatchScheduler:
         self.n_ctx_slot = int(engine.n_ctx)        # the engine reports the per-slot context
         self._ll = engine._ll  # noqa: SLF001 - the scheduler is the engine's other driver
         self._batch = MultiBatch(engine.n_batch)
+        self._threads = thread_counts(engine.settings)      # (decode, prompt) as the context's
+        self._threads_now = self._threads[1]
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: list[_Slot] = []           # arrived, not admitted yet (FIFO)
         self._wake = threading.Event()
@@ -316,6 +319,13 @@ class BatchScheduler:
         remote = getattr(engine, "remote", None)
         if remote is not None:
             remote.check()                 # a lost remote: RemoteDeviceLost, nothing decoded
+        # llama.cpp takes its prompt thread count for any batch of more than one token, so a
+        # step of N decode rows would run on every core; decode rows run on the decode count
+        # (a thread pool woken per graph piece on all of a small machine's cores cost 3-5x)
+        threads = self._threads[0] if phase == Phase.DECODE else self._threads[1]
+        if threads != self._threads_now:
+            self._ll.llama_set_n_threads(engine.ctx_ptr, self._threads[0], threads)
+            self._threads_now = threads
         if hook is not None:
             hook.begin_batch(phase, 0, batch.n, batch.n_outputs)
         rc = self._ll.llama_decode(engine.ctx_ptr, batch.batch)
