@@ -28,7 +28,7 @@ from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.loading import thread_counts
 from runtime.engine.logprobs import sample_token
-from runtime.engine.prompt_cache import PromptCache
+from runtime.engine.prompt_cache import PromptCache, common_prefix
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
                                   PromptProgress, Timings, Usage)
@@ -411,9 +411,5 @@ def best_slot(free: Sequence[int], cached: dict[int, list[int]],
 def shared_prefix(cached: list[int], tokens: list[int], cap: bool = True) -> int:
     """Tokens at the start of ``tokens`` that ``cached`` holds; with ``cap``, at most all
     but the last (it is evaluated again for the logits to sample from)."""
-    n = 0
-    for a, b in zip(cached, tokens):
-        if a != b:
-            break
-        n += 1
+    n = common_prefix(cached, tokens)
     return min(n, len(tokens) - 1) if cap else n

@@ -28,6 +28,7 @@ from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
+from runtime.engine.prompt_cache import common_prefix
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -332,11 +333,7 @@ class Engine:
         """Bring the KV cache to ``tokens`` (reusing the longest common prefix), yielding the
         progress before the first batch and after each; returns (StopIteration's value) the
         number of tokens evaluated, or None when cancelled."""
-        keep = 0
-        for a, b in zip(self._kv, tokens):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix(self._kv, tokens)
         keep = min(keep, len(tokens) - 1) if reuse_prefix else 0   # the last one: always
         self._forget_from(keep)
         starts = range(keep, len(tokens), self.n_batch)

@@ -36,6 +36,8 @@ class CachedPrompt:
 
 
 def common_prefix(a: tuple[int, ...] | list[int], b: tuple[int, ...] | list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start (the engine's prefix reuse, the
+    slots' and this cache's choices all count with it)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
