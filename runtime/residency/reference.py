@@ -254,7 +254,9 @@ class ReferenceCore:
         missed: list[int] = []
         tr = 0
         if self.nv is not None:
-            self.nv.visit(layer, el, phase)
+            st = self.state
+            self.nv.visit(layer, el, phase,
+                          [st[base + e] <= RESIDENT_MAX for e in range(self.n_expert)])
         if self.af is not None:
             self.af.observe(layer, el, phase)
         for i, e in enumerate(el):

@@ -45,11 +45,16 @@ class NextVisitModel:
             z = z + w[j] * x[j]
         return z
 
-    def visit(self, layer: int, experts: list[int], phase: int) -> None:
+    def visit(self, layer: int, experts: list[int], phase: int,
+              candidates: list[bool]) -> None:
+        """One visit of ``layer``; ``candidates[e]``: expert e is resident (an eviction
+        candidate) before the visit. Learns (decode) from the candidates only."""
         base = layer * self.n_expert
         routed = set(experts)
-        if phase != 0:                   # every STRIDE-th expert, in rotation
+        if phase != 0:                   # every STRIDE-th expert, in rotation, if a candidate
             for e in range(self.steps % STRIDE, self.n_expert, STRIDE):
+                if not candidates[e]:
+                    continue
                 x = self._features(layer, base + e)
                 p = 1.0 / (1.0 + math.exp(-self.logit(base + e)))
                 err = (1.0 if e in routed else 0.0) - p

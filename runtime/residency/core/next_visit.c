@@ -64,13 +64,15 @@ static void ema_layer(double *restrict h0, double *restrict h1, double *restrict
     }
 }
 
-void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
+void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase,
+              const uint64_t *candidates) {
     const int32_t ne = m->n_expert, nf = m->n_layer * m->n_expert, base = layer * ne;
     for (int32_t i = 0; i < n; i++) m->mark[el[i]] = 1;
-    if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation */
-        double x[NV_F], g[NV_F];
+    if (phase != 0) {      /* learn: every NV_STRIDE-th expert of the layer, in rotation, */
+        double x[NV_F], g[NV_F];                  /* among the eviction candidates */
         for (int32_t j = 0; j < NV_F; j++) g[j] = m->g[j];   /* (in registers) */
         for (int32_t e = (int32_t) (m->steps % NV_STRIDE); e < ne; e += NV_STRIDE) {
+            if (!(candidates[e / 64] >> (e % 64) & 1)) continue;
             const int32_t f = base + e;
             nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
             if (m->e_stamp[f] != nv_stamp(m, layer)) {

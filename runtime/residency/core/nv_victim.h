@@ -65,6 +65,10 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 void nvv_free(nv_victim *s);
 /* the orders are empty again; pool_of_layer (n_layer,) the pools */
 void nvv_reset(nv_victim *s, const int32_t *pool_of_layer);
+/* the layer's members (n_words words): bit e set for each of its keys in the order */
+static inline const uint64_t *nvv_members(const nv_victim *s, int32_t layer) {
+    return &s->members[layer * s->n_words];
+}
 /* flat joined / left the order */
 void nvv_push(nv_victim *s, int32_t flat);
 void nvv_remove(nv_victim *s, int32_t flat);

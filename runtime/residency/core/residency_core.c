@@ -952,7 +952,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
     const double rate = c->pol.decay_rate;
     int32_t tr = 0;
     if (c->nv != NULL) {
-        nv_visit(c->nv, layer, el, n, phase);
+        nv_visit(c->nv, layer, el, n, phase, nvv_members(c->nvv, layer));
         nvv_stale(c->nvv, layer);                 /* its keys' z moved */
     }
     if (c->af != NULL) af_observe(c->af, layer, el, n, phase);

@@ -11,7 +11,8 @@ Python reference); what each one does:
     next-visit      -(expected layer-steps to the next use): the layer's distance in the cycle
                     + n_moe_layers * (1/p - 1), p = P(routed at its layer's next visit) from
                     a logistic model over age and frequency at three time scales, learned
-                    online at decode layer-steps (core/next_visit.h); ``learning_rate``
+                    online at decode layer-steps from the resident experts (the keys it
+                    ranks) (core/next_visit.h); ``learning_rate``
   admission (a demand miss is admitted, or used transiently)
     always                 admit whenever victims exist
     reuse-threshold        decode: admit once routed >= break_even times (prefill: always)

@@ -35,17 +35,26 @@ def _learned() -> ResidencyConfig:
 
 
 def test_profile_of_the_first_half_lowers_the_second_halfs_misses(real_prep):
+    """At 5 and 10 % of the expert bytes: never more misses, fewer in all (at 10 % gpt-oss's
+    second half nearly fits: cold misses dominate and the warm start may tie; above ~20 % it
+    fits)."""
     trace = real_prep.trace
     first, second = _halves(trace)
     prof = build_profile([trace.take(first)])
     later = prepare(trace.take(second), name="second half")
-    cap = int(0.1 * trace.header.total_expert_bytes)   # above ~20% gpt-oss's second half fits
-    cold = replay_cell(later, cap, _learned(), label="cold", with_belady=False)
-    warm = replay_cell(later, cap, _learned(), label="warm", with_belady=False, profile=prof)
-    print(f"{real_prep.name}: second-half decode demand-miss MiB cold "
-          f"{cold.decode.demand_miss_bytes / 2**20:,.0f}, warm "
-          f"{warm.decode.demand_miss_bytes / 2**20:,.0f}")
-    assert warm.decode.demand_miss_bytes < cold.decode.demand_miss_bytes
+    total = {"cold": 0, "warm": 0}
+    for share in (0.05, 0.1):
+        cap = int(share * trace.header.total_expert_bytes)
+        cold = replay_cell(later, cap, _learned(), label="cold", with_belady=False)
+        warm = replay_cell(later, cap, _learned(), label="warm", with_belady=False,
+                           profile=prof)
+        print(f"{real_prep.name} at {share:.0%}: second-half decode demand-miss MiB cold "
+              f"{cold.decode.demand_miss_bytes / 2**20:,.0f}, warm "
+              f"{warm.decode.demand_miss_bytes / 2**20:,.0f}")
+        assert warm.decode.demand_miss_bytes <= cold.decode.demand_miss_bytes
+        total["cold"] += cold.decode.demand_miss_bytes
+        total["warm"] += warm.decode.demand_miss_bytes
+    assert total["warm"] < total["cold"]
 
 
 def test_profile_round_trips_and_counts_the_decode_routing(tmp_path):

@@ -2,6 +2,7 @@
 (test_core_reference.py)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -136,3 +137,21 @@ def test_affinity_queues_what_the_link_carries_in_time():
         issued = [len(_replay(kind, _affinity_policy(cost), steps, 600)[3][1])
                   for cost in (TINY_COST, fast)]
         assert issued[0] > 40 and issued[1] == 0
+
+
+def test_next_visit_learns_from_resident_experts_only():
+    """A decode visit learns from the layer's resident experts (the keys eviction ranks)
+    alone: with none resident the weights stay, with all resident they move. (The C core
+    against this reference, residency varying: test_core_reference.py.)"""
+    from runtime.residency.reference_next_visit import W0, NextVisitModel
+
+    def learned(resident: bool) -> list[float]:
+        m = NextVisitModel(2, 16, [0, 1], 0.5)
+        for t in range(16):
+            for layer in (0, 1):
+                m.visit(layer, [t % 16, 3], 1, [resident] * 16)
+        return m.w
+
+    assert learned(False) == list(W0)
+    moved = learned(True)
+    assert moved != list(W0) and all(math.isfinite(w) for w in moved)
