@@ -15,11 +15,12 @@ PROBE = 8
 class AffinityModel:
     def __init__(self, n_layer: int, n_expert: int, moe_layers: list[int], top_n: float,
                  min_precision: float, link_bytes: float, max_expert_bytes: float,
-                 rates: tuple[float, float, float, float]):
+                 rates: tuple[float, float, float, float], n_expert_used: int = 0):
         self.link_bps, self.latency_s, self.gpu_bps, self.cpu_bps = (float(r) for r in rates)
         self.per_transfer = self.link_bps * self.latency_s
         t_max = max_expert_bytes + self.per_transfer
         self.n_expert = n_expert
+        self.k = max(int(n_expert_used), 0)   # experts per token; 0 unknown
         self.moe_layers = list(moe_layers)
         self.n_moe = len(moe_layers)
         self.moe_index = [-1] * n_layer
@@ -37,6 +38,7 @@ class AffinityModel:
         self.step = 0
         self.src: dict[int, tuple[list[int], int]] = {}  # MoE index -> (distinct, step)
         self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
+        self.chunk: dict[int, tuple[list[int], int]] = {}  # MoE index -> (prompt chunk, step)
         self.hits = 0.0
         self.scored = 0.0
         self.top_n, self.min_precision = top_n, min_precision
@@ -59,6 +61,18 @@ class AffinityModel:
                     self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
         if phase == 1 and idx >= 0:
             self.src[idx] = (list(dict.fromkeys(experts)), self.step)
+        k = self.k
+        if phase == 0 and idx >= 0 and k > 0 and len(experts) % k == 0:   # a prompt chunk
+            if si >= 0 and si in self.chunk and self.chunk[si][1] == self.step - self.lead \
+                    and len(self.chunk[si][0]) == len(experts):
+                src = self.chunk[si][0]
+                for t in range(0, len(experts), k):     # token by token
+                    routed_t = set(experts[t:t + k])
+                    for e in dict.fromkeys(src[t:t + k]):
+                        self.count[(si, e)] = self.count.get((si, e), 0) + 1
+                        for x in routed_t:
+                            self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
+            self.chunk[idx] = (list(experts), self.step)
         self.step += 1
 
     def transfer_cost(self, nbytes: int) -> float:

@@ -1,5 +1,6 @@
 /* affinity: see affinity.h. */
 #include "affinity.h"
+#include "grow.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -10,7 +11,7 @@
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
-                    double max_expert_bytes, const double *rates) {
+                    double max_expert_bytes, const double *rates, int32_t n_expert_used) {
     af_model *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
     m->link_bps = rates[0]; m->latency_s = rates[1]; m->gpu_bps = rates[2]; m->cpu_bps = rates[3];
@@ -23,6 +24,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
     m->step_ema = -1.0;
+    m->k = n_expert_used > 0 ? n_expert_used : 0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
     m->pair = calloc((size_t) np * n_expert * n_expert, sizeof *m->pair);
@@ -36,7 +38,12 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->distinct = malloc((size_t) n_expert * sizeof *m->distinct);
     m->q = calloc((size_t) n_expert, sizeof *m->q);
     m->top_q = calloc((size_t) n_expert, sizeof *m->top_q);
-    if (!m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
+    m->chunk = calloc((size_t) nm, sizeof *m->chunk);
+    m->chunk_cap = calloc((size_t) nm, sizeof *m->chunk_cap);
+    m->n_chunk = calloc((size_t) nm, sizeof *m->n_chunk);
+    m->chunk_step = malloc((size_t) nm * sizeof *m->chunk_step);
+    if (!m->chunk || !m->chunk_cap || !m->n_chunk || !m->chunk_step ||
+        !m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
         !m->src_step || !m->pred || !m->n_pred || !m->mark || !m->distinct || !m->q ||
         !m->top_q) {
         af_free(m);
@@ -47,6 +54,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
         m->moe_layers[i] = moe_layers[i];
         m->moe_index[moe_layers[i]] = i;
         m->src_step[i] = -1;
+        m->chunk_step[i] = -1;
         m->n_pred[i] = -1;
     }
     return m;
@@ -58,10 +66,39 @@ void af_free(af_model *m) {
     free(m->n_src); free(m->src_step); free(m->pred); free(m->n_pred); free(m->mark);
     free(m->distinct);
     free(m->q); free(m->top_q);
+    if (m->chunk != NULL)
+        for (int32_t i = 0; i < m->n_moe; i++) free(m->chunk[i]);
+    free(m->chunk); free(m->chunk_cap); free(m->n_chunk); free(m->chunk_step);
     free(m);
 }
 
-void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
+/* learn the pairs of a prompt chunk: token t routed to src[t k .. t k + k) at MoE layer si and
+ * to el[t k .. t k + k) at si + lead (each token's distinct experts, in routing order) */
+static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32_t *el,
+                        int32_t n) {
+    const int32_t ne = m->n_expert, k = m->k;
+    int32_t *d = m->distinct;
+    for (int32_t t = 0; t + k <= n; t += k) {
+        int32_t nd = 0;
+        for (int32_t i = t; i < t + k; i++)
+            if (!m->mark[el[i]]) {
+                m->mark[el[i]] = 1;
+                d[nd++] = el[i];
+            }
+        for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
+        for (int32_t j = t; j < t + k; j++) {
+            const int32_t e = src[j];
+            int dup = 0;
+            for (int32_t i = t; i < j; i++) dup |= src[i] == e;
+            if (dup) continue;
+            m->count[si * ne + e]++;
+            int32_t *row = &m->pair[((int64_t) si * ne + e) * ne];
+            for (int32_t i = 0; i < nd; i++) row[d[i]]++;
+        }
+    }
+}
+
+int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, idx = m->moe_index[layer];
     int32_t *d = m->distinct, nd = 0;             /* distinct, routing order */
     for (int32_t i = 0; i < n; i++)
@@ -94,7 +131,17 @@ void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_
         m->n_src[idx] = nd;
         m->src_step[idx] = m->step;
     }
+    if (phase == 0 && idx >= 0 && m->k > 0 && n % m->k == 0) {   /* a prompt chunk */
+        if (si >= 0 && m->chunk_step[si] == m->step - m->lead && m->n_chunk[si] == n)
+            learn_chunk(m, si, m->chunk[si], el, n);
+        if (array_grow((void **) &m->chunk[idx], &m->chunk_cap[idx], n, sizeof(int32_t)))
+            return -1;
+        for (int32_t i = 0; i < n; i++) m->chunk[idx][i] = el[i];
+        m->n_chunk[idx] = n;
+        m->chunk_step[idx] = m->step;
+    }
     m->step++;
+    return 0;
 }
 
 /* q += row * r over the experts: a loop the compiler vectorizes (the same IEEE operations) */
