@@ -41,6 +41,8 @@ class AffinityModel:
         self.chunk: dict[int, tuple[list[int], int]] = {}  # MoE index -> (prompt chunk, step)
         self.hits = 0.0
         self.scored = 0.0
+        self.predicted = 0.0        # decayed sum of the scored predictions' raw q
+        self.pred_sum: dict[int, float] = {}             # target MoE index -> its raw q sum
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
 
@@ -52,6 +54,7 @@ class AffinityModel:
             hit = sum(1 for e in pred if e in routed)
             self.hits = self.hits * DECAY + float(hit)
             self.scored = self.scored * DECAY + float(len(pred))
+            self.predicted = self.predicted * DECAY + self.pred_sum.pop(idx)
         si = idx - self.lead
         if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
                 and self.src[si][1] == self.step - self.lead:
@@ -107,6 +110,8 @@ class AffinityModel:
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
             return []                 # not one transfer would cross in time: no plan
         gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
+        cal = (self.hits / self.predicted if self.scored >= WARMUP and self.predicted > 0.0
+               else 1.0)
         if gated and self.step % PROBE != 0:
             return []
         q = [0.0] * ne
@@ -124,12 +129,18 @@ class AffinityModel:
         cands = [x for x in range(ne) if absent(target * ne + x)]
         ranked = sorted(cands, key=lambda x: (-q[x], x))[:max(min(int(self.top_n), ne), 0)]
         plan = []
+        raw_sum = 0.0
         for x in ranked:
-            qx = q[x] / float(n_known)
+            raw = q[x] / float(n_known)
+            qx = raw * cal
             if qx < self.min_precision:
                 break
+            if qx > 1.0:
+                qx = 1.0
+            raw_sum = raw_sum + raw
             plan.append((target * ne + x, qx))
         self.pred[ti] = [f - target * ne for f, _ in plan]
+        self.pred_sum[ti] = raw_sum
         if gated:
             return []
         out = []

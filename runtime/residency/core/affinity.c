@@ -38,11 +38,12 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->distinct = malloc((size_t) n_expert * sizeof *m->distinct);
     m->q = calloc((size_t) n_expert, sizeof *m->q);
     m->top_q = calloc((size_t) n_expert, sizeof *m->top_q);
+    m->pred_sum = calloc((size_t) nm, sizeof *m->pred_sum);
     m->chunk = calloc((size_t) nm, sizeof *m->chunk);
     m->chunk_cap = calloc((size_t) nm, sizeof *m->chunk_cap);
     m->n_chunk = calloc((size_t) nm, sizeof *m->n_chunk);
     m->chunk_step = malloc((size_t) nm * sizeof *m->chunk_step);
-    if (!m->chunk || !m->chunk_cap || !m->n_chunk || !m->chunk_step ||
+    if (!m->pred_sum || !m->chunk || !m->chunk_cap || !m->n_chunk || !m->chunk_step ||
         !m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
         !m->src_step || !m->pred || !m->n_pred || !m->mark || !m->distinct || !m->q ||
         !m->top_q) {
@@ -65,7 +66,7 @@ void af_free(af_model *m) {
     free(m->moe_index); free(m->moe_layers); free(m->pair); free(m->count); free(m->src);
     free(m->n_src); free(m->src_step); free(m->pred); free(m->n_pred); free(m->mark);
     free(m->distinct);
-    free(m->q); free(m->top_q);
+    free(m->q); free(m->top_q); free(m->pred_sum);
     if (m->chunk != NULL)
         for (int32_t i = 0; i < m->n_moe; i++) free(m->chunk[i]);
     free(m->chunk); free(m->chunk_cap); free(m->n_chunk); free(m->chunk_step);
@@ -112,6 +113,7 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
         for (int32_t j = 0; j < m->n_pred[idx]; j++) hit += m->mark[pred[j]];
         m->hits = m->hits * AF_DECAY + (double) hit;
         m->scored = m->scored * AF_DECAY + (double) m->n_pred[idx];
+        m->predicted = m->predicted * AF_DECAY + m->pred_sum[idx];
         m->n_pred[idx] = -1;
     }
     for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
@@ -177,6 +179,9 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
     const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
+    /* measured hits per predicted one: what a prediction's q is worth */
+    const double cal = m->scored >= AF_WARMUP && m->predicted > 0.0 ? m->hits / m->predicted
+                                                                      : 1.0;
     if (gated && m->step % AF_PROBE != 0) return 0;
     int32_t n_known = 0;
     for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;
@@ -204,13 +209,18 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
         pred[i] = x; tq[i] = v;
     }
     int32_t n_plan = 0;
+    double raw_sum = 0.0;
     for (; n_plan < n_top; n_plan++) {
-        const double q = tq[n_plan] / (double) n_known;
+        const double raw = tq[n_plan] / (double) n_known;
+        double q = raw * cal;
         if (q < m->min_precision) break;
+        if (q > 1.0) q = 1.0;
+        raw_sum = raw_sum + raw;
         out_q[n_plan] = q;
         out[n_plan] = target * ne + pred[n_plan];
     }
     m->n_pred[ti] = n_plan;
+    m->pred_sum[ti] = raw_sum;
     if (gated) return 0;
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
