@@ -9,7 +9,6 @@ import math
 
 DECAY = 0.9
 WARMUP = 8.0
-PROBE = 8
 
 
 class AffinityModel:
@@ -109,11 +108,8 @@ class AffinityModel:
         room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
             return []                 # not one transfer would cross in time: no plan
-        gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
         cal = (self.hits / self.predicted if self.scored >= WARMUP and self.predicted > 0.0
                else 1.0)
-        if gated and self.step % PROBE != 0:
-            return []
         q = [0.0] * ne
         n_known = 0
         for e in self.src[idx][0]:
@@ -141,8 +137,6 @@ class AffinityModel:
             plan.append((target * ne + x, qx))
         self.pred[ti] = [f - target * ne for f, _ in plan]
         self.pred_sum[ti] = raw_sum
-        if gated:
-            return []
         out = []
         for f, qx in plan:
             cost = self.transfer_cost(self.bytes_of(f))

@@ -7,7 +7,6 @@
 
 #define AF_DECAY 0.9
 #define AF_WARMUP 8.0
-#define AF_PROBE 8      /* while gated, one decode layer-step in AF_PROBE is planned (scored) */
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
@@ -178,11 +177,9 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
      * (nor its scoring) when not even one of its transfers would fit */
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
-    const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
     /* measured hits per predicted one: what a prediction's q is worth */
     const double cal = m->scored >= AF_WARMUP && m->predicted > 0.0 ? m->hits / m->predicted
                                                                       : 1.0;
-    if (gated && m->step % AF_PROBE != 0) return 0;
     int32_t n_known = 0;
     for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;
     const int32_t *src = &m->src[(int64_t) idx * ne];
@@ -221,7 +218,6 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     }
     m->n_pred[ti] = n_plan;
     m->pred_sum[ti] = raw_sum;
-    if (gated) return 0;
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];
