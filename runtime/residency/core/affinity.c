@@ -116,6 +116,12 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
         m->n_pred[idx] = -1;
     }
     for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
+    if (phase == 1 && idx >= 0 && idx + m->lead < m->n_moe)   /* the rows af_plan will sum */
+        for (int32_t i = 0; i < nd; i++) {
+            const char *row = (const char *) &m->pair[((int64_t) idx * ne + d[i]) * ne];
+            for (int32_t b = 0; b < ne * (int32_t) sizeof(int32_t); b += 64)
+                __builtin_prefetch(row + b);
+        }
     const int32_t si = idx - m->lead;             /* the source lead layer-steps earlier */
     if (phase == 1 && idx >= 0 && si >= 0 && m->src_step[si] == m->step - m->lead) {
         const int32_t *src = &m->src[(int64_t) si * ne];
@@ -149,6 +155,13 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
 __attribute__((optimize("tree-vectorize")))
 static void add_row(double *restrict q, const int32_t *restrict row, double r, int32_t ne) {
     for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
+}
+
+/* q[x] = -1 (never a candidate) where state[x] is not absent: only keys that need a transfer */
+__attribute__((optimize("tree-vectorize")))
+static void mask_candidates(double *restrict q, const uint8_t *restrict state, uint8_t absent,
+                            int32_t ne) {
+    for (int32_t x = 0; x < ne; x++) q[x] = state[x] == absent ? q[x] : -1.0;
 }
 
 double af_transfer_cost(const af_model *m, int64_t bytes) {
@@ -196,15 +209,16 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
     if (top < 1) top = 0;
     double *tq = m->top_q;
-    const uint8_t *st = &state[(int64_t) target * ne];
+    mask_candidates(m->q, &state[(int64_t) target * ne], absent_state, ne);
+    for (int32_t i = 0; i < top; i++) tq[i] = -1.0;   /* top sentinels, below any q */
     for (int32_t x = 0; x < ne && top > 0; x++) {
         const double v = m->q[x];
-        if (st[x] != absent_state) continue;      /* only keys that need a transfer */
-        if (n_top == top && !(v > tq[n_top - 1])) continue;
-        int32_t i = n_top < top ? n_top++ : n_top - 1;
+        if (!(v > tq[top - 1])) continue;
+        int32_t i = top - 1;
         while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
         pred[i] = x; tq[i] = v;
     }
+    while (n_top < top && tq[n_top] >= 0.0) n_top++;
     int32_t n_plan = 0;
     double raw_sum = 0.0;
     for (; n_plan < n_top; n_plan++) {
