@@ -84,11 +84,11 @@ def _config(policy: str):
 class ManagerRun:
     """The stream through the manager as the live hooks call it (a transport attached)."""
 
-    def __init__(self, layers: int, capacity_experts: int, policy: str):
+    def __init__(self, layers: int, capacity_experts: int, policy: str, expert_bytes: int = 1):
         self.transport = InlineTransport()
         self.m = ExpertResidencyManager(_config(policy), transport=self.transport)
-        self.m.bind_model([1] * layers, 128)
-        self.m.reconfigure("cuda:0", capacity_experts)
+        self.m.bind_model([expert_bytes] * layers, 128)
+        self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.layers = layers
         self.held = None       # the previous layer-step's access, leased until the next one
         self.token = 0
@@ -113,10 +113,10 @@ class NativeRun:
     """The same stream as the C routing hook and slot cache drive the core in the runtime
     (rc_access per layer-step with a lease, the previous released; no Python per step)."""
 
-    def __init__(self, layers: int, capacity_experts: int, policy: str):
+    def __init__(self, layers: int, capacity_experts: int, policy: str, expert_bytes: int = 1):
         self.m = ExpertResidencyManager(_config(policy), transport=InlineTransport())
-        self.m.bind_model([1] * layers, 128)
-        self.m.reconfigure("cuda:0", capacity_experts)
+        self.m.bind_model([expert_bytes] * layers, 128)
+        self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.core = self.m.core_handle("cuda:0")
         from runtime.residency.core.build import load_core
         self.lib, self.ffi = load_core()
@@ -203,19 +203,25 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=5, help="best of N per chunk")
     ap.add_argument("--chunk", type=int, default=10, help="tokens per timed chunk")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-bytes", type=int, default=1, metavar="B",
+                    help="bytes of one expert (default 1: no prefetch ever crosses the [cost] "
+                         "link in time, so prefetch affinity never plans; 3059712, "
+                         "Qwen3-30B-A3B Q4_K_M's, makes it plan and issue real prefetches)")
     args = ap.parse_args()
     layers, experts, top_k = 48, 128, 8
     stream = decode_stream(args.tokens, layers, experts, top_k, args.seed)
     capacity = int(args.capacity * layers * experts)
+    b = args.expert_bytes
     variants = {"bare": lambda L, c, p: BareRun(L, c),
-                "native": lambda L, c, p: NativeRun(L, c, p),
-                "manager": lambda L, c, p: ManagerRun(L, c, p)}
+                "native": lambda L, c, p: NativeRun(L, c, p, b),
+                "manager": lambda L, c, p: ManagerRun(L, c, p, b)}
     policy = args.config or args.policy
     secs, hits = timed(stream, capacity, policy, args.chunk, args.repeat, variants)
     accesses = args.tokens * layers * top_k
     print(f"command: {' '.join(sys.argv)}")
     print(f"stream: {args.tokens} decode tokens x {layers} layers x top-{top_k} "
-          f"= {accesses} accesses; capacity {capacity} experts ({args.capacity:.0%}); "
+          f"= {accesses} accesses; capacity {capacity} experts ({args.capacity:.0%}) of "
+          f"{b} bytes; "
           f"best of {args.repeat} per {args.chunk}-token chunk")
     bare_us = secs["bare"] / args.tokens * 1e6
     for name, s in secs.items():

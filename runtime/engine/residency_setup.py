@@ -51,7 +51,7 @@ def build_manager(config, facts, *, has_gpu: bool, profile_path: str | None = No
     names = [b.device for b in config.devices] or ["cuda:0" if has_gpu else "cpu"]
     names.sort(key=lambda d: _DEVICE_ORDER.index(d.split(":")[0]))
     manager = ExpertResidencyManager(config)
-    manager.bind_model(facts.expert_bytes, facts.n_expert)
+    manager.bind_model(facts.expert_bytes, facts.n_expert, facts.n_expert_used)
     slots = remote.cache_slot_bytes() if remote is not None else {}
     for device in names:
         if device in slots:

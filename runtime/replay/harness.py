@@ -268,11 +268,12 @@ def simulated_manager(header, capacity_bytes: int | None, config: ResidencyConfi
     if capacity_bytes is not None:
         return ExpertResidencyManager.create_simulated(
             expert_bytes=header.expert_bytes, n_expert=header.n_expert,
-            capacity_bytes=capacity_bytes, config=config, device=DEVICE)
+            capacity_bytes=capacity_bytes, config=config, device=DEVICE,
+            n_expert_used=header.n_expert_used)
     if not header.pools:
         raise UserError(f"{header.model}: the trace recorded no device pools; give a capacity")
     mgr = ExpertResidencyManager(config)
-    mgr.bind_model(header.expert_bytes, header.n_expert)
+    mgr.bind_model(header.expert_bytes, header.n_expert, header.n_expert_used)
     mgr.set_pools(DEVICE, [PoolSpec(tuple(p.layers), p.capacity_bytes) for p in header.pools])
     return mgr
 

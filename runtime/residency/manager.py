@@ -34,7 +34,7 @@ reserved) until it calls ``commit`` or ``abort``.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -118,25 +118,32 @@ class ExpertResidencyManager:
     @classmethod
     def create_simulated(cls, *, expert_bytes: Sequence[int], n_expert: int, capacity_bytes: int,
                          config: ResidencyConfig | None = None, policy: str | None = None,
-                         device: str = "sim", core: str = "native") -> ExpertResidencyManager:
+                         device: str = "sim", core: str = "native",
+                         n_expert_used: int = 0) -> ExpertResidencyManager:
         """A manager over one simulated device with a fixed capacity (no GPU, no llama.cpp).
 
-        ``policy`` is a preset name (``preset_config``), exclusive with ``config``.
+        ``policy`` is a preset name (``preset_config``), exclusive with ``config``;
+        ``n_expert_used``: see ``bind_model``.
         """
         if config is not None and policy is not None:
             raise ValueError("give config or policy, not both")
         if policy is not None:
             config = preset_config(policy)
         manager = cls(config, core=core)
-        manager.bind_model(expert_bytes, n_expert)
+        manager.bind_model(expert_bytes, n_expert, n_expert_used)
         manager.reconfigure(device, capacity_bytes)
         return manager
 
-    def bind_model(self, expert_bytes: Sequence[int], n_expert: int) -> None:
-        """Learn the model's shape: bytes of one expert per layer (0: dense), experts per layer."""
+    def bind_model(self, expert_bytes: Sequence[int], n_expert: int,
+                   n_expert_used: int = 0) -> None:
+        """Learn the model's shape: bytes of one expert per layer (0: dense), experts per layer,
+        experts routed per token (0 unknown: prefetch affinity then learns from decode only,
+        not from the prompt's token-major chunks)."""
         eb = np.asarray(expert_bytes, dtype=np.int64)
-        if eb.ndim != 1 or len(eb) == 0 or (eb < 0).any() or n_expert <= 0:
-            raise UserError("bind_model: need per-layer expert bytes (>= 0) and n_expert > 0")
+        if eb.ndim != 1 or len(eb) == 0 or (eb < 0).any() or n_expert <= 0 \
+                or n_expert_used < 0:
+            raise UserError("bind_model: need per-layer expert bytes (>= 0), n_expert > 0 and "
+                            "n_expert_used >= 0")
         if not (eb > 0).any():
             raise UserError("bind_model: the model has no layer with routed experts")
         with self._lock:
@@ -144,6 +151,7 @@ class ExpertResidencyManager:
                 raise UserError("bind_model: a model is already bound to this manager")
             self._expert_bytes = eb
             self._n_expert = int(n_expert)
+            self.policy = replace(self.policy, n_expert_used=int(n_expert_used))
             self._moe_layers = tuple(i for i, b in enumerate(eb.tolist()) if b > 0)
             for budget in self.config.devices:
                 self._add_device(budget.device)

@@ -71,7 +71,7 @@ class ReferenceCore:
         if any(p[0] == "affinity" for p in policy.prefetch):
             self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
                                     float(max(int(b) for b in expert_bytes)),
-                                    policy.affinity_rates)
+                                    policy.affinity_rates, policy.n_expert_used)
             self.af.bytes_of = lambda f: self.nbytes[f]
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}

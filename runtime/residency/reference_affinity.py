@@ -9,17 +9,17 @@ import math
 
 DECAY = 0.9
 WARMUP = 8.0
-PROBE = 8
 
 
 class AffinityModel:
     def __init__(self, n_layer: int, n_expert: int, moe_layers: list[int], top_n: float,
                  min_precision: float, link_bytes: float, max_expert_bytes: float,
-                 rates: tuple[float, float, float, float]):
+                 rates: tuple[float, float, float, float], n_expert_used: int = 0):
         self.link_bps, self.latency_s, self.gpu_bps, self.cpu_bps = (float(r) for r in rates)
         self.per_transfer = self.link_bps * self.latency_s
         t_max = max_expert_bytes + self.per_transfer
         self.n_expert = n_expert
+        self.k = max(int(n_expert_used), 0)   # experts per token; 0 unknown
         self.moe_layers = list(moe_layers)
         self.n_moe = len(moe_layers)
         self.moe_index = [-1] * n_layer
@@ -37,8 +37,11 @@ class AffinityModel:
         self.step = 0
         self.src: dict[int, tuple[list[int], int]] = {}  # MoE index -> (distinct, step)
         self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
+        self.chunk: dict[int, tuple[list[int], int]] = {}  # MoE index -> (prompt chunk, step)
         self.hits = 0.0
         self.scored = 0.0
+        self.predicted = 0.0        # decayed sum of the scored predictions' raw q
+        self.pred_sum: dict[int, float] = {}             # target MoE index -> its raw q sum
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
 
@@ -50,6 +53,7 @@ class AffinityModel:
             hit = sum(1 for e in pred if e in routed)
             self.hits = self.hits * DECAY + float(hit)
             self.scored = self.scored * DECAY + float(len(pred))
+            self.predicted = self.predicted * DECAY + self.pred_sum.pop(idx)
         si = idx - self.lead
         if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
                 and self.src[si][1] == self.step - self.lead:
@@ -59,6 +63,18 @@ class AffinityModel:
                     self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
         if phase == 1 and idx >= 0:
             self.src[idx] = (list(dict.fromkeys(experts)), self.step)
+        k = self.k
+        if phase == 0 and idx >= 0 and k > 0 and len(experts) % k == 0:   # a prompt chunk
+            if si >= 0 and si in self.chunk and self.chunk[si][1] == self.step - self.lead \
+                    and len(self.chunk[si][0]) == len(experts):
+                src = self.chunk[si][0]
+                for t in range(0, len(experts), k):     # token by token
+                    routed_t = set(experts[t:t + k])
+                    for e in dict.fromkeys(src[t:t + k]):
+                        self.count[(si, e)] = self.count.get((si, e), 0) + 1
+                        for x in routed_t:
+                            self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
+            self.chunk[idx] = (list(experts), self.step)
         self.step += 1
 
     def transfer_cost(self, nbytes: int) -> float:
@@ -92,9 +108,8 @@ class AffinityModel:
         room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
             return []                 # not one transfer would cross in time: no plan
-        gated = self.scored >= WARMUP and self.hits < self.min_precision * self.scored
-        if gated and self.step % PROBE != 0:
-            return []
+        cal = (self.hits / self.predicted if self.scored >= WARMUP and self.predicted > 0.0
+               else 1.0)
         q = [0.0] * ne
         n_known = 0
         for e in self.src[idx][0]:
@@ -110,14 +125,18 @@ class AffinityModel:
         cands = [x for x in range(ne) if absent(target * ne + x)]
         ranked = sorted(cands, key=lambda x: (-q[x], x))[:max(min(int(self.top_n), ne), 0)]
         plan = []
+        raw_sum = 0.0
         for x in ranked:
-            qx = q[x] / float(n_known)
+            raw = q[x] / float(n_known)
+            qx = raw * cal
             if qx < self.min_precision:
                 break
+            if qx > 1.0:
+                qx = 1.0
+            raw_sum = raw_sum + raw
             plan.append((target * ne + x, qx))
         self.pred[ti] = [f - target * ne for f, _ in plan]
-        if gated:
-            return []
+        self.pred_sum[ti] = raw_sum
         out = []
         for f, qx in plan:
             cost = self.transfer_cost(self.bytes_of(f))

@@ -56,6 +56,9 @@ class CorePolicy:
     # expert-compute bytes/s (what the link carries while a layer-step computes:
     # core/affinity.h)
     affinity_rates: tuple[float, float, float, float] = (1.0, 0.0, 1.0, 1.0)
+    # experts per token (the bound model's): a prompt chunk's rows are token-major, this many
+    # each, and prefetch affinity learns its pairs from them too; 0 unknown (decode only)
+    n_expert_used: int = 0
 
     @classmethod
     def from_config(cls, config) -> CorePolicy:

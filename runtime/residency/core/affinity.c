@@ -1,16 +1,16 @@
 /* affinity: see affinity.h. */
 #include "affinity.h"
+#include "grow.h"
 
 #include <math.h>
 #include <stdlib.h>
 
 #define AF_DECAY 0.9
 #define AF_WARMUP 8.0
-#define AF_PROBE 8      /* while gated, one decode layer-step in AF_PROBE is planned (scored) */
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
-                    double max_expert_bytes, const double *rates) {
+                    double max_expert_bytes, const double *rates, int32_t n_expert_used) {
     af_model *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
     m->link_bps = rates[0]; m->latency_s = rates[1]; m->gpu_bps = rates[2]; m->cpu_bps = rates[3];
@@ -23,6 +23,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
     m->step_ema = -1.0;
+    m->k = n_expert_used > 0 ? n_expert_used : 0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
     m->pair = calloc((size_t) np * n_expert * n_expert, sizeof *m->pair);
@@ -36,7 +37,13 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->distinct = malloc((size_t) n_expert * sizeof *m->distinct);
     m->q = calloc((size_t) n_expert, sizeof *m->q);
     m->top_q = calloc((size_t) n_expert, sizeof *m->top_q);
-    if (!m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
+    m->pred_sum = calloc((size_t) nm, sizeof *m->pred_sum);
+    m->chunk = calloc((size_t) nm, sizeof *m->chunk);
+    m->chunk_cap = calloc((size_t) nm, sizeof *m->chunk_cap);
+    m->n_chunk = calloc((size_t) nm, sizeof *m->n_chunk);
+    m->chunk_step = malloc((size_t) nm * sizeof *m->chunk_step);
+    if (!m->pred_sum || !m->chunk || !m->chunk_cap || !m->n_chunk || !m->chunk_step ||
+        !m->moe_index || !m->moe_layers || !m->pair || !m->count || !m->src || !m->n_src ||
         !m->src_step || !m->pred || !m->n_pred || !m->mark || !m->distinct || !m->q ||
         !m->top_q) {
         af_free(m);
@@ -47,6 +54,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
         m->moe_layers[i] = moe_layers[i];
         m->moe_index[moe_layers[i]] = i;
         m->src_step[i] = -1;
+        m->chunk_step[i] = -1;
         m->n_pred[i] = -1;
     }
     return m;
@@ -57,11 +65,40 @@ void af_free(af_model *m) {
     free(m->moe_index); free(m->moe_layers); free(m->pair); free(m->count); free(m->src);
     free(m->n_src); free(m->src_step); free(m->pred); free(m->n_pred); free(m->mark);
     free(m->distinct);
-    free(m->q); free(m->top_q);
+    free(m->q); free(m->top_q); free(m->pred_sum);
+    if (m->chunk != NULL)
+        for (int32_t i = 0; i < m->n_moe; i++) free(m->chunk[i]);
+    free(m->chunk); free(m->chunk_cap); free(m->n_chunk); free(m->chunk_step);
     free(m);
 }
 
-void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
+/* learn the pairs of a prompt chunk: token t routed to src[t k .. t k + k) at MoE layer si and
+ * to el[t k .. t k + k) at si + lead (each token's distinct experts, in routing order) */
+static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32_t *el,
+                        int32_t n) {
+    const int32_t ne = m->n_expert, k = m->k;
+    int32_t *d = m->distinct;
+    for (int32_t t = 0; t + k <= n; t += k) {
+        int32_t nd = 0;
+        for (int32_t i = t; i < t + k; i++)
+            if (!m->mark[el[i]]) {
+                m->mark[el[i]] = 1;
+                d[nd++] = el[i];
+            }
+        for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
+        for (int32_t j = t; j < t + k; j++) {
+            const int32_t e = src[j];
+            int dup = 0;
+            for (int32_t i = t; i < j; i++) dup |= src[i] == e;
+            if (dup) continue;
+            m->count[si * ne + e]++;
+            int32_t *row = &m->pair[((int64_t) si * ne + e) * ne];
+            for (int32_t i = 0; i < nd; i++) row[d[i]]++;
+        }
+    }
+}
+
+int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, idx = m->moe_index[layer];
     int32_t *d = m->distinct, nd = 0;             /* distinct, routing order */
     for (int32_t i = 0; i < n; i++)
@@ -75,9 +112,16 @@ void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_
         for (int32_t j = 0; j < m->n_pred[idx]; j++) hit += m->mark[pred[j]];
         m->hits = m->hits * AF_DECAY + (double) hit;
         m->scored = m->scored * AF_DECAY + (double) m->n_pred[idx];
+        m->predicted = m->predicted * AF_DECAY + m->pred_sum[idx];
         m->n_pred[idx] = -1;
     }
     for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
+    if (phase == 1 && idx >= 0 && idx + m->lead < m->n_moe)   /* the rows af_plan will sum */
+        for (int32_t i = 0; i < nd; i++) {
+            const char *row = (const char *) &m->pair[((int64_t) idx * ne + d[i]) * ne];
+            for (int32_t b = 0; b < ne * (int32_t) sizeof(int32_t); b += 64)
+                __builtin_prefetch(row + b);
+        }
     const int32_t si = idx - m->lead;             /* the source lead layer-steps earlier */
     if (phase == 1 && idx >= 0 && si >= 0 && m->src_step[si] == m->step - m->lead) {
         const int32_t *src = &m->src[(int64_t) si * ne];
@@ -94,13 +138,30 @@ void af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_
         m->n_src[idx] = nd;
         m->src_step[idx] = m->step;
     }
+    if (phase == 0 && idx >= 0 && m->k > 0 && n % m->k == 0) {   /* a prompt chunk */
+        if (si >= 0 && m->chunk_step[si] == m->step - m->lead && m->n_chunk[si] == n)
+            learn_chunk(m, si, m->chunk[si], el, n);
+        if (array_grow((void **) &m->chunk[idx], &m->chunk_cap[idx], n, sizeof(int32_t)))
+            return -1;
+        for (int32_t i = 0; i < n; i++) m->chunk[idx][i] = el[i];
+        m->n_chunk[idx] = n;
+        m->chunk_step[idx] = m->step;
+    }
     m->step++;
+    return 0;
 }
 
 /* q += row * r over the experts: a loop the compiler vectorizes (the same IEEE operations) */
 __attribute__((optimize("tree-vectorize")))
 static void add_row(double *restrict q, const int32_t *restrict row, double r, int32_t ne) {
     for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
+}
+
+/* q[x] = -1 (never a candidate) where state[x] is not absent: only keys that need a transfer */
+__attribute__((optimize("tree-vectorize")))
+static void mask_candidates(double *restrict q, const uint8_t *restrict state, uint8_t absent,
+                            int32_t ne) {
+    for (int32_t x = 0; x < ne; x++) q[x] = state[x] == absent ? q[x] : -1.0;
 }
 
 double af_transfer_cost(const af_model *m, int64_t bytes) {
@@ -129,8 +190,9 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
      * (nor its scoring) when not even one of its transfers would fit */
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
-    const int gated = m->scored >= AF_WARMUP && m->hits < m->min_precision * m->scored;
-    if (gated && m->step % AF_PROBE != 0) return 0;
+    /* measured hits per predicted one: what a prediction's q is worth */
+    const double cal = m->scored >= AF_WARMUP && m->predicted > 0.0 ? m->hits / m->predicted
+                                                                      : 1.0;
     int32_t n_known = 0;
     for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;
     const int32_t *src = &m->src[(int64_t) idx * ne];
@@ -147,24 +209,29 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
     if (top < 1) top = 0;
     double *tq = m->top_q;
-    const uint8_t *st = &state[(int64_t) target * ne];
+    mask_candidates(m->q, &state[(int64_t) target * ne], absent_state, ne);
+    for (int32_t i = 0; i < top; i++) tq[i] = -1.0;   /* top sentinels, below any q */
     for (int32_t x = 0; x < ne && top > 0; x++) {
         const double v = m->q[x];
-        if (st[x] != absent_state) continue;      /* only keys that need a transfer */
-        if (n_top == top && !(v > tq[n_top - 1])) continue;
-        int32_t i = n_top < top ? n_top++ : n_top - 1;
+        if (!(v > tq[top - 1])) continue;
+        int32_t i = top - 1;
         while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
         pred[i] = x; tq[i] = v;
     }
+    while (n_top < top && tq[n_top] >= 0.0) n_top++;
     int32_t n_plan = 0;
+    double raw_sum = 0.0;
     for (; n_plan < n_top; n_plan++) {
-        const double q = tq[n_plan] / (double) n_known;
+        const double raw = tq[n_plan] / (double) n_known;
+        double q = raw * cal;
         if (q < m->min_precision) break;
+        if (q > 1.0) q = 1.0;
+        raw_sum = raw_sum + raw;
         out_q[n_plan] = q;
         out[n_plan] = target * ne + pred[n_plan];
     }
     m->n_pred[ti] = n_plan;
-    if (gated) return 0;
+    m->pred_sum[ti] = raw_sum;
     int32_t n_out = 0;
     for (int32_t j = 0; j < n_plan; j++) {
         const int32_t f = out[j];

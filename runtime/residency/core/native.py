@@ -52,6 +52,7 @@ class NativeCore:
                 p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.affinity
         for i, rate in enumerate(policy.affinity_rates):
             p.affinity_rates[i] = rate
+        p.n_expert_used = policy.n_expert_used
         p.track_next_use = int(policy.track_next_use)
         p.inline_transport = int(inline)
         self._eb = ffi.new("int64_t[]", [int(b) for b in expert_bytes])

@@ -429,7 +429,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
                 if (expert_bytes[l] > b_max) b_max = expert_bytes[l];
             c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
                               policy->prefetch_p2[ph], policy->prefetch_p3[ph], (double) b_max,
-                              policy->affinity_rates);
+                              policy->affinity_rates, policy->n_expert_used);
             c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
             c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
             if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
@@ -955,7 +955,7 @@ static int rc_access_impl(rc_core *c, int32_t layer, const int32_t *el, int32_t 
         nv_visit(c->nv, layer, el, n, phase, nvv_members(c->nvv, layer));
         nvv_stale(c->nvv, layer);                 /* its keys' z moved */
     }
-    if (c->af != NULL) af_observe(c->af, layer, el, n, phase);
+    if (c->af != NULL && af_observe(c->af, layer, el, n, phase) < 0) return RC_ERR_NOMEM;
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = base + el[i];

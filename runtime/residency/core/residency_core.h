@@ -48,6 +48,8 @@ typedef struct {
     double prefetch_p3[3];        /* affinity: link bytes per layer-step (affinity.h) */
     double affinity_rates[4];     /* affinity: the [cost] link bytes/s, link latency s, GPU and
                                      CPU expert-compute bytes/s (affinity.h) */
+    int32_t n_expert_used;        /* experts per token: prompt chunks' rows are token-major,
+                                     n_expert_used each (affinity learns from them); 0 unknown */
     int32_t track_next_use;       /* an offline policy: access() needs next_use */
     int32_t inline_transport;     /* admissions commit inside access() (no tickets) */
 } rc_policy;

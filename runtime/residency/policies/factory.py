@@ -23,10 +23,11 @@ Python reference); what each one does:
     popularity   the next layer's ``top_n`` most routed experts
     belady       offline: the next layer-step's experts
     affinity     decode: the experts of the MoE layer ``lead`` ahead most often routed after
-                 this layer's for the same token (an online cross-layer table), the top
-                 ``top_n`` among those that need a transfer, each predicted at >=
-                 ``min_precision``, issued only while the measured precision of the
-                 predictions stays >= min_precision; ``lead`` is what the largest expert
+                 this layer's for the same token (an online cross-layer table, learned from
+                 decode and, when the model's experts per token are bound, from the
+                 prompt's tokens too), the top ``top_n`` among those that need a
+                 transfer, each predicted (its q calibrated by the measured hits per
+                 predicted hit) at >= ``min_precision``; ``lead`` is what the largest expert
                  needs to cross the link in time (ceil(2 x its transfer / the bytes the link
                  carries in ``layer_us``, a typical layer-step's compute, at [cost]
                  link_gbps)); prefetches queue on the link, which carries what it can while

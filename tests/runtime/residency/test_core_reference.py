@@ -3,6 +3,8 @@ counters and key states, for every policy, with leases, tickets (commit, abort),
 pools, failed transfers, reconfiguration and rejected calls."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -297,3 +299,26 @@ def test_next_visit_key_above_a_full_list_stays_out(zipf_stream):
         assert out[0] == out[1], j
         assert cores[0].verify() == 0, j           # (7: a list overran)
     same_state(cores)
+
+
+@pytest.mark.parametrize("pf", PREFETCHES[3:], ids=["lead2", "lead1"])
+def test_affinity_learns_prompt_chunks_equal_reference(zipf_stream, pf):
+    """With the model's experts per token known, prefetch affinity also learns its pairs from
+    the prompt's chunks (token-major rows, 2 per token: two chunks of 5 tokens, then a
+    1-token chunk), the same way in both cores; the prompt's pairs change decode's plans."""
+    base = policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), pf)
+    s = zipf_stream(40, len(MOE), N_EXPERT, 2, seed=4)
+    steps = [(layer, s[a:b, i].reshape(-1), 0) for a, b in ((0, 5), (5, 10), (10, 11))
+             for i, layer in enumerate(MOE)]
+    steps += [(layer, s[t, i], 1) for t in range(11, 40) for i, layer in enumerate(MOE)]
+    outs = {}
+    for k in (0, 2):
+        cores = pair(replace(base, n_expert_used=k), True)
+        for c in cores:
+            c.set_capacity(0, 450)
+        for j, (layer, experts, phase) in enumerate(steps):
+            out = [c.access(layer, experts.astype(np.int32), phase) for c in cores]
+            assert out[0] == out[1], (k, j)
+            outs.setdefault(k, []).append(out[0])
+        same_state(cores)
+    assert outs[0] != outs[2]                      # the prompt's pairs changed decisions

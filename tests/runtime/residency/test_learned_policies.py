@@ -55,7 +55,7 @@ def _gated_stream(rng) -> list[list[list[int]]]:
     return out
 
 
-def test_affinity_prefetches_what_follows_and_stops_when_it_does_not_pay():
+def test_affinity_prefetches_what_follows_and_cuts_back_when_it_does_not_pay():
     steps = _gated_stream(np.random.default_rng(1))
     pol = _policy("lru", ("affinity", {"top_n": 2.0, "min_precision": 0.5, "layer_us": 1.0}))
     results = [_replay(kind, pol, steps, 600) for kind in ("native", "reference")]
@@ -69,9 +69,11 @@ def test_affinity_prefetches_what_follows_and_stops_when_it_does_not_pay():
     late_used = used[token >= 90].mean()
     print("prefetches issued per phase (predictable, random, predictable):", issued,
           "precision in the last phase:", round(float(late_used), 3))
-    # predictable routing: prefetches issued and almost all used; random: the gate closes
+    # predictable routing: prefetches issued and almost all used; random: the measured hits
+    # per predicted hit fall, and with them the calibrated q (the old pairs still rank the
+    # same candidates high); it re-measures whenever the decayed tallies fall below warm-up
     assert issued[0] > 20 and issued[2] > 20
-    assert issued[1] < issued[0] / 4
+    assert issued[1] < issued[0] / 2
     assert late_used > 0.9
 
 
@@ -155,3 +157,40 @@ def test_next_visit_learns_from_resident_experts_only():
     assert learned(False) == list(W0)
     moved = learned(True)
     assert moved != list(W0) and all(math.isfinite(w) for w in moved)
+
+
+def test_affinity_learns_from_the_prompt():
+    """A prompt of 12 tokens whose layer l + 1 experts follow from layer l's (e -> e + 1),
+    then decode of the same pattern: with the experts per token known (its chunks are
+    token-major, 2 per token), the first decode tokens' prefetches already follow the pattern
+    and are used; without, affinity knows nothing until decode taught it."""
+    rng = np.random.default_rng(4)
+    tokens = []
+    for _ in range(24):
+        first = sorted(rng.choice(N_EXPERT, 2, replace=False).tolist())
+        tokens.append([[(e + d) % N_EXPERT for e in first] for d in range(N_LAYER)])
+    prompt, decode = tokens[:12], tokens[12:]
+    batches = [(layer, [e for tok in prompt for e in tok[layer]], 0) for layer in range(N_LAYER)]
+    batches += [(layer, tok[layer], 1) for tok in decode for layer in range(N_LAYER)]
+    experts = np.array([e for _, ex, _ in batches for e in ex], dtype=np.int32)
+    bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex, _ in batches])]).astype(np.int64)
+    layers = np.array([b[0] for b in batches], dtype=np.int32)
+    phases = np.array([b[2] for b in batches], dtype=np.int8)
+    base = _policy("lru", ("affinity", {"top_n": 2.0, "min_precision": 0.5, "layer_us": 1.0}))
+    used = {}
+    for k in (0, 2):
+        got = []
+        for kind in ("native", "reference"):
+            core = make_core(kind, N_LAYER, N_EXPERT, BYTES, replace(base, n_expert_used=k),
+                             inline=True)
+            core.set_capacity(0, 600)
+            kinds = np.zeros(len(experts), dtype=np.int8)
+            events = np.full(len(experts), -1, dtype=np.int64)
+            assert core.replay(bounds, layers, phases, experts, None, False, kinds, events) == 0
+            got.append(kinds)
+        assert np.array_equal(got[0], got[1])
+        early = bounds[3 + 4 * N_LAYER]            # the first 4 decode tokens' rows
+        used[k] = int((got[0][:early] == 4).sum())
+    print("prefetches used in the first 4 decode tokens, without / with the prompt's pairs:",
+          used[0], used[2])
+    assert used[2] >= 4 and used[2] > 2 * used[0]
