@@ -68,7 +68,8 @@ class Plan:
         lines += ["", "[policy.decode]",
                   "# learned next-use estimate (README, replay): fewer demand misses than lru",
                   'eviction = "next-visit"',
-                  "# cross-layer prefetch, only while its measured precision pays",
+                  "# cross-layer prefetch of the likeliest followers not resident (calibrated q >= "
+                  "min_precision), only while the link carries them in time",
                   'prefetch = "affinity"', ""]
         return "\n".join(lines)
 
