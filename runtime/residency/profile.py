@@ -162,6 +162,7 @@ def read_profile(path: str | Path) -> RoutingProfile:
             or prof.pair.shape != (n_pair, prof.n_expert, prof.n_expert)
             or prof.count.shape != (n_pair, prof.n_expert)
             or not np.isfinite(prof.frequency).all() or (prof.frequency < 0).any()
-            or (prof.frequency > 1).any() or (prof.pair < 0).any() or (prof.count < 0).any()):
+            or (prof.frequency > 1).any() or (prof.pair < 0).any() or (prof.count < 0).any()
+            or (n_pair and (prof.pair > prof.count[:, :, None]).any())):
         raise UserError(f"{path}: a corrupt routing profile (arrays do not match its header)")
     return prof

@@ -521,13 +521,8 @@ class ReferenceCore:
         if self.nv is not None:
             self.nv.h = [list(freq) for _ in self.nv.h]
         pair, count = np.asarray(pair), np.asarray(count)
-        if self.af is not None and self.af.n_moe >= 2 and self.af.lead == 1 and pair.size:
-            for i, e, x in zip(*np.nonzero(pair)):
-                key = (int(i), int(e), int(x))
-                self.af.pair[key] = self.af.pair.get(key, 0) + int(pair[i, e, x])
-            for i, e in zip(*np.nonzero(count)):
-                key = (int(i), int(e))
-                self.af.count[key] = self.af.count.get(key, 0) + int(count[i, e])
+        if self.af is not None and pair.size:
+            self.af.warm_start(pair, count)
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, tid: int):

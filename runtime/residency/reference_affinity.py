@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 DECAY = 0.9
 WARMUP = 8.0
+COUNT_MAX = 65535   # counts and pairs are 16-bit in the core (affinity.h)
 
 
 class AffinityModel:
@@ -58,7 +61,7 @@ class AffinityModel:
         if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
                 and self.src[si][1] == self.step - self.lead:
             for e in self.src[si][0]:
-                self.count[(si, e)] = self.count.get((si, e), 0) + 1
+                self._bump(si, e)
                 for x in routed:
                     self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
         if phase == 1 and idx >= 0:
@@ -71,11 +74,41 @@ class AffinityModel:
                 for t in range(0, len(experts), k):     # token by token
                     routed_t = set(experts[t:t + k])
                     for e in dict.fromkeys(src[t:t + k]):
-                        self.count[(si, e)] = self.count.get((si, e), 0) + 1
+                        self._bump(si, e)
                         for x in routed_t:
                             self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
             self.chunk[idx] = (list(experts), self.step)
         self.step += 1
+
+    def _bump(self, si: int, e: int) -> None:
+        """count[(si, e)] grows by one; at COUNT_MAX its row and count are halved first."""
+        c = self.count.get((si, e), 0)
+        if c >= COUNT_MAX:
+            for x in range(self.n_expert):
+                if (si, e, x) in self.pair:
+                    self.pair[(si, e, x)] >>= 1
+            c >>= 1
+        self.count[(si, e)] = c + 1
+
+    def warm_start(self, pair, count) -> None:
+        """Add a profile's table (lead 1 only): each row's sums shifted down to 16 bits."""
+        if self.n_moe < 2 or self.lead != 1:
+            return
+        pair, count = np.asarray(pair, dtype=np.int64), np.asarray(count, dtype=np.int64)
+        for i in range(pair.shape[0]):
+            for e in range(self.n_expert):
+                c = self.count.get((i, e), 0) + int(count[i, e])
+                row = [self.pair.get((i, e, x), 0) + int(pair[i, e, x])
+                       for x in range(self.n_expert)]
+                top = max([c, *row])
+                sh = 0
+                while (top >> sh) > COUNT_MAX:
+                    sh += 1
+                for x, v in enumerate(row):
+                    if v or (i, e, x) in self.pair:
+                        self.pair[(i, e, x)] = v >> sh
+                if c or (i, e) in self.count:
+                    self.count[(i, e)] = c >> sh
 
     def transfer_cost(self, nbytes: int) -> float:
         """A transfer's link cost in bytes (its bytes and the link latency's worth)."""

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #define AF_DECAY 0.9
+#define AF_COUNT_MAX 65535   /* counts and pairs are 16-bit (see af_bump) */
 #define AF_WARMUP 8.0
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
@@ -72,6 +73,18 @@ void af_free(af_model *m) {
     free(m);
 }
 
+/* count[ie] grows by one (and its row's pairs by at most one each): at AF_COUNT_MAX the row
+ * and its count are halved first (integer halves, so every pair stays <= its count and <=
+ * AF_COUNT_MAX: the 16-bit table is exact until then, and old tokens weigh half after) */
+static inline void af_bump(af_model *m, int64_t ie) {
+    if (m->count[ie] >= AF_COUNT_MAX) {
+        uint16_t *row = &m->pair[ie * m->n_expert];
+        for (int32_t x = 0; x < m->n_expert; x++) row[x] = (uint16_t) (row[x] >> 1);
+        m->count[ie] >>= 1;
+    }
+    m->count[ie]++;
+}
+
 /* learn the pairs of a prompt chunk: token t routed to src[t k .. t k + k) at MoE layer si and
  * to el[t k .. t k + k) at si + lead (each token's distinct experts, in routing order) */
 static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32_t *el,
@@ -91,8 +104,8 @@ static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32
             int dup = 0;
             for (int32_t i = t; i < j; i++) dup |= src[i] == e;
             if (dup) continue;
-            m->count[si * ne + e]++;
-            int32_t *row = &m->pair[((int64_t) si * ne + e) * ne];
+            af_bump(m, (int64_t) si * ne + e);
+            uint16_t *row = &m->pair[((int64_t) si * ne + e) * ne];
             for (int32_t i = 0; i < nd; i++) row[d[i]]++;
         }
     }
@@ -119,7 +132,7 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
     if (phase == 1 && idx >= 0 && idx + m->lead < m->n_moe)   /* the rows af_plan will sum */
         for (int32_t i = 0; i < nd; i++) {
             const char *row = (const char *) &m->pair[((int64_t) idx * ne + d[i]) * ne];
-            for (int32_t b = 0; b < ne * (int32_t) sizeof(int32_t); b += 64)
+            for (int32_t b = 0; b < ne * (int32_t) sizeof(uint16_t); b += 64)
                 __builtin_prefetch(row + b);
         }
     const int32_t si = idx - m->lead;             /* the source lead layer-steps earlier */
@@ -127,8 +140,8 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
         const int32_t *src = &m->src[(int64_t) si * ne];
         for (int32_t j = 0; j < m->n_src[si]; j++) {
             const int32_t e = src[j];
-            m->count[si * ne + e]++;
-            int32_t *row = &m->pair[((int64_t) si * ne + e) * ne];
+            af_bump(m, (int64_t) si * ne + e);
+            uint16_t *row = &m->pair[((int64_t) si * ne + e) * ne];
             for (int32_t i = 0; i < nd; i++) row[d[i]]++;
         }
     }
@@ -153,7 +166,7 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
 
 /* q += row * r over the experts: a loop the compiler vectorizes (the same IEEE operations) */
 __attribute__((optimize("tree-vectorize")))
-static void add_row(double *restrict q, const int32_t *restrict row, double r, int32_t ne) {
+static void add_row(double *restrict q, const uint16_t *restrict row, double r, int32_t ne) {
     for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
 }
 
@@ -251,6 +264,18 @@ void af_refund(af_model *m, double bytes) {
 void af_warm_start(af_model *m, const int32_t *pair, const int32_t *count) {
     if (m->n_moe < 2 || m->lead != 1) return;    /* a profile holds consecutive layers only */
     const int64_t ne = m->n_expert, np = m->n_moe - 1;
-    for (int64_t i = 0; i < np * ne * ne; i++) m->pair[i] += pair[i];
-    for (int64_t i = 0; i < np * ne; i++) m->count[i] += count[i];
+    for (int64_t ie = 0; ie < np * ne; ie++) {   /* each row, shifted down to 16 bits */
+        const int64_t c = (int64_t) m->count[ie] + count[ie];
+        int64_t top = c;
+        for (int64_t x = 0; x < ne; x++) {
+            const int64_t v = (int64_t) m->pair[ie * ne + x] + pair[ie * ne + x];
+            if (v > top) top = v;
+        }
+        int32_t sh = 0;
+        while ((top >> sh) > AF_COUNT_MAX) sh++;
+        for (int64_t x = 0; x < ne; x++)
+            m->pair[ie * ne + x] = (uint16_t) (((int64_t) m->pair[ie * ne + x] +
+                                                pair[ie * ne + x]) >> sh);
+        m->count[ie] = (int32_t) (c >> sh);
+    }
 }

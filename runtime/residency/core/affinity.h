@@ -13,6 +13,10 @@
  * i routed to the distinct set S, the prediction for layer i + lead is
  *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] * (1 / count[i][e])
  * (S' the experts of S with count > 0; no plan when S' is empty)
+ * The table is 16-bit (half the bytes a plan reads, the largest cost of planning): when a
+ * count[i][e] at 65535 would grow, the row pair[i][e][*] and the count are halved first
+ * (integer halves), and a routing profile's rows are shifted down until they fit; until then
+ * the counts are exact.
  * and the plan is the top_n experts by q (ties: lower id) among the keys of layer i + lead
  * that need a transfer (state absent: a resident or in-flight key is never a candidate, so
  * the plan's slots go to what a prefetch can change), with calibrated q >= min_precision:
@@ -59,8 +63,8 @@ typedef struct {
     int32_t k;                    /* experts per token (n_expert_used); 0 unknown */
     int32_t *moe_index;           /* (n_layer,) position among the MoE layers, -1 dense */
     int32_t *moe_layers;          /* (n_moe,) */
-    int32_t *pair;                /* ((n_moe - lead) * E * E,) */
-    int32_t *count;               /* ((n_moe - lead) * E,) */
+    uint16_t *pair;               /* ((n_moe - lead) * E * E,) 16-bit: each <= its count */
+    int32_t *count;               /* ((n_moe - lead) * E,) <= AF_COUNT_MAX (65535) */
     int64_t step;                 /* layer-steps observed (every phase) */
     int32_t *src;                 /* (n_moe, E) each MoE layer's latest decode routing */
     int32_t *n_src;               /* (n_moe,) distinct experts, in routing order */

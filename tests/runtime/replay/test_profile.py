@@ -123,3 +123,22 @@ def test_profile_of_the_same_shape_with_other_expert_bytes_is_refused(tmp_path):
     got = _cli("replay", qwen, "--capacity", "10%", "--policy", "next-visit", "--profile", path)
     assert got.returncode == 2 and len(got.stderr.strip().splitlines()) == 1, got.stderr
     assert f"layer {moe[3]} experts are" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_profile_with_a_pair_above_its_count_is_refused(tmp_path):
+    """A pair can never exceed its count (a token routed to e' after e is a token routed to
+    e): a profile where one does is corrupt, refused in one line (the core's 16-bit table
+    relies on it)."""
+    import dataclasses
+
+    from runtime.traces.files import read_trace
+
+    qwen = next(p for p in REAL_TRACES if "qwen" in p.name)
+    prof = build_profile([read_trace(qwen)])
+    pair = prof.pair.copy()
+    i, e = np.argwhere(prof.count > 0)[0]
+    pair[i, e, 0] = prof.count[i, e] + 1
+    path = tmp_path / "pair.npz"
+    write_profile(path, dataclasses.replace(prof, pair=pair))
+    with pytest.raises(UserError, match="a corrupt routing profile"):
+        read_profile(path)

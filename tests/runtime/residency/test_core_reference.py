@@ -238,6 +238,36 @@ def test_warm_start_equals_reference(zipf_stream, pf):
     assert outs["cold"] != outs["warm"]            # the profile changed decisions
 
 
+def test_affinity_16_bit_table_halves_as_the_reference(zipf_stream, monkeypatch):
+    """A profile of a long run (counts near 65535): the C core's 16-bit table halves a row and
+    its count when the count would pass 65535, as the reference does. The stream is one where
+    the halving decides: the reference without the cap prefetches otherwise."""
+    import runtime.residency.reference_affinity as ref_affinity
+    pol = policy(("lru", {}), ("always", {}), PREFETCHES[4])
+    # every count at the cap; odd experts one pair above even ones: ahead until a row is
+    # halved, tied (the lower id first) after
+    count = np.full((len(MOE) - 1, N_EXPERT), 65535, dtype=np.int32)
+    table = np.broadcast_to(60000 + np.arange(N_EXPERT) % 2,
+                            (len(MOE) - 1, N_EXPERT, N_EXPERT)).astype(np.int32)
+    s = zipf_stream(40, 3, N_EXPERT, 2, seed=9)
+
+    def run(cores):
+        outs = []
+        for c in cores:
+            c.warm_start(np.zeros((N_LAYER, N_EXPERT)), table, count)
+            c.set_capacity(0, 450)
+        for t in range(40):
+            for i, layer in enumerate(MOE):
+                outs.append([c.access(layer, s[t, i].astype(np.int32), 1) for c in cores])
+        return outs
+
+    outs = run(pair(pol, True))
+    assert all(a == b for a, b in outs)
+    monkeypatch.setattr(ref_affinity, "COUNT_MAX", 1 << 40)
+    uncapped = run([make_core("reference", N_LAYER, N_EXPERT, EXPERT_BYTES, pol, inline=True)])
+    assert [o[0] for o in outs] != [o[0] for o in uncapped]
+
+
 W_LAYER, W_EXPERT, W_MOE = 4, 40, [0, 1, 3]   # wider than next-visit's per-layer list (8)
 W_BYTES = [100, 100, 0, 100]
 
