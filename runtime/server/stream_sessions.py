@@ -191,8 +191,14 @@ async def lookup(request: Request) -> JSONResponse:
     from runtime.server.native import _json_object  # noqa: PLC0415
 
     body = await _json_object(request)
+    extra = sorted(set(body) - {"conversation_ids"})
+    if extra:
+        raise APIError(400, f"Unknown field {extra[0]!r}: the lookup takes conversation_ids",
+                       param=extra[0], code="invalid_value")
     ids = body.get("conversation_ids")
-    ids = [i for i in ids if isinstance(i, str) and i] if isinstance(ids, list) else []
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise APIError(400, "conversation_ids must be a list of conversation ids (non-empty "
+                            "strings)", param="conversation_ids", code="invalid_value")
     return JSONResponse([{"conversation_id": s.conversation_id, "is_done": s.done,
                           "total_bytes": s.total_bytes, "started_at": s.started_at,
                           "completed_at": s.completed_at}

@@ -51,6 +51,11 @@ def test_replay_gives_the_same_bytes_then_delete_drops_it(http):
     info = _wait_done(http, "conv-a")                # the id before "::" finds it too
     assert info["conversation_id"] == conv and info["total_bytes"] == len(first)
     assert http.post("/v1/streams/lookup", json={"conversation_ids": ["other"]}).json() == []
+    for bad in ({}, {"conversation_ids": conv}, {"conversation_ids": [conv, 7]},
+                {"conversation_ids": [""]}, {"conversation_ids": [conv], "ids": [conv]}):
+        got = http.post("/v1/streams/lookup", json=bad)
+        assert got.status_code == 400, bad
+        assert got.json()["error"]["type"] == "invalid_request_error", bad
     again = http.get("/v1/stream", params={"conv_id": conv, "from": 0})
     assert again.status_code == 200 and again.content == first
     tail = http.get("/v1/stream", params={"conv_id": conv, "from": 10})
