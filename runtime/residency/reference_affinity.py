@@ -61,9 +61,7 @@ class AffinityModel:
         if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
                 and self.src[si][1] == self.step - self.lead:
             for e in self.src[si][0]:
-                self._bump(si, e)
-                for x in routed:
-                    self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
+                self._learn(si, e, routed)
         if phase == 1 and idx >= 0:
             self.src[idx] = (list(dict.fromkeys(experts)), self.step)
         k = self.k
@@ -74,14 +72,14 @@ class AffinityModel:
                 for t in range(0, len(experts), k):     # token by token
                     routed_t = set(experts[t:t + k])
                     for e in dict.fromkeys(src[t:t + k]):
-                        self._bump(si, e)
-                        for x in routed_t:
-                            self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
+                        self._learn(si, e, routed_t)
             self.chunk[idx] = (list(experts), self.step)
         self.step += 1
 
-    def _bump(self, si: int, e: int) -> None:
-        """count[(si, e)] grows by one; at COUNT_MAX its row and count are halved first."""
+    def _learn(self, si: int, e: int, routed) -> None:
+        """Source expert e of MoE index si, for one token routed to ``routed`` at si + lead:
+        count[(si, e)] grows by one (at COUNT_MAX its row and count are halved first), and
+        its pairs with ``routed``."""
         c = self.count.get((si, e), 0)
         if c >= COUNT_MAX:
             for x in range(self.n_expert):
@@ -89,6 +87,8 @@ class AffinityModel:
                     self.pair[(si, e, x)] >>= 1
             c >>= 1
         self.count[(si, e)] = c + 1
+        for x in routed:
+            self.pair[(si, e, x)] = self.pair.get((si, e, x), 0) + 1
 
     def warm_start(self, pair, count) -> None:
         """Add a profile's table (lead 1 only): each row's sums shifted down to 16 bits."""

@@ -85,40 +85,47 @@ static inline void af_bump(af_model *m, int64_t ie) {
     m->count[ie]++;
 }
 
+/* source expert e of MoE layer si, for one token whose distinct experts at si + lead are d */
+static inline void learn_row(af_model *m, int32_t si, int32_t e, const int32_t *d, int32_t nd) {
+    const int64_t ie = (int64_t) si * m->n_expert + e;
+    af_bump(m, ie);
+    uint16_t *row = &m->pair[ie * m->n_expert];
+    for (int32_t i = 0; i < nd; i++) row[d[i]]++;
+}
+
+/* el's distinct experts into m->distinct, in routing order, marked in m->mark (the caller
+ * clears the marks); how many */
+static int32_t mark_distinct(af_model *m, const int32_t *el, int32_t n) {
+    int32_t *d = m->distinct, nd = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (!m->mark[el[i]]) {
+            m->mark[el[i]] = 1;
+            d[nd++] = el[i];
+        }
+    return nd;
+}
+
 /* learn the pairs of a prompt chunk: token t routed to src[t k .. t k + k) at MoE layer si and
  * to el[t k .. t k + k) at si + lead (each token's distinct experts, in routing order) */
 static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32_t *el,
                         int32_t n) {
-    const int32_t ne = m->n_expert, k = m->k;
-    int32_t *d = m->distinct;
+    const int32_t k = m->k;
+    const int32_t *d = m->distinct;
     for (int32_t t = 0; t + k <= n; t += k) {
-        int32_t nd = 0;
-        for (int32_t i = t; i < t + k; i++)
-            if (!m->mark[el[i]]) {
-                m->mark[el[i]] = 1;
-                d[nd++] = el[i];
-            }
+        const int32_t nd = mark_distinct(m, &el[t], k);
         for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
         for (int32_t j = t; j < t + k; j++) {
             const int32_t e = src[j];
             int dup = 0;
             for (int32_t i = t; i < j; i++) dup |= src[i] == e;
-            if (dup) continue;
-            af_bump(m, (int64_t) si * ne + e);
-            uint16_t *row = &m->pair[((int64_t) si * ne + e) * ne];
-            for (int32_t i = 0; i < nd; i++) row[d[i]]++;
+            if (!dup) learn_row(m, si, e, d, nd);
         }
     }
 }
 
 int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     const int32_t ne = m->n_expert, idx = m->moe_index[layer];
-    int32_t *d = m->distinct, nd = 0;             /* distinct, routing order */
-    for (int32_t i = 0; i < n; i++)
-        if (!m->mark[el[i]]) {
-            m->mark[el[i]] = 1;
-            d[nd++] = el[i];
-        }
+    const int32_t *d = m->distinct, nd = mark_distinct(m, el, n);   /* routing order */
     if (idx >= 0 && m->n_pred[idx] >= 0) {        /* score the plan made for this layer */
         int32_t hit = 0;
         const int32_t *pred = &m->pred[(int64_t) idx * ne];
@@ -138,12 +145,7 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
     const int32_t si = idx - m->lead;             /* the source lead layer-steps earlier */
     if (phase == 1 && idx >= 0 && si >= 0 && m->src_step[si] == m->step - m->lead) {
         const int32_t *src = &m->src[(int64_t) si * ne];
-        for (int32_t j = 0; j < m->n_src[si]; j++) {
-            const int32_t e = src[j];
-            af_bump(m, (int64_t) si * ne + e);
-            uint16_t *row = &m->pair[((int64_t) si * ne + e) * ne];
-            for (int32_t i = 0; i < nd; i++) row[d[i]]++;
-        }
+        for (int32_t j = 0; j < m->n_src[si]; j++) learn_row(m, si, src[j], d, nd);
     }
     if (phase == 1 && idx >= 0) {
         int32_t *src = &m->src[(int64_t) idx * ne];

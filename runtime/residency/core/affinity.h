@@ -13,10 +13,6 @@
  * i routed to the distinct set S, the prediction for layer i + lead is
  *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] * (1 / count[i][e])
  * (S' the experts of S with count > 0; no plan when S' is empty)
- * The table is 16-bit (half the bytes a plan reads, the largest cost of planning): when a
- * count[i][e] at 65535 would grow, the row pair[i][e][*] and the count are halved first
- * (integer halves), and a routing profile's rows are shifted down until they fit; until then
- * the counts are exact.
  * and the plan is the top_n experts by q (ties: lower id) among the keys of layer i + lead
  * that need a transfer (state absent: a resident or in-flight key is never a candidate, so
  * the plan's slots go to what a prefetch can change), with calibrated q >= min_precision:
@@ -27,6 +23,10 @@
  * [0.5, 0.7) were used in time 6-17 % of the time on gpt-oss-120b (2 experts per token, 64
  * decode tokens; 10-30 % of the expert bytes), 71-80 % on qwen3-30b-a3b (6 per token, 128).
  * The calibrated q is also what ranks a prefetch against victims.
+ * The table is 16-bit (half the bytes a plan reads, the largest cost of planning): when a
+ * count[i][e] at 65535 would grow, the row pair[i][e][*] and the count are halved first
+ * (integer halves), and a routing profile's rows are shifted down until they fit; until then
+ * the counts are exact.
  * A transfer of b bytes occupies the link for latency + b / link_bps: in link bytes,
  *     cost(b) = b + link_bps * latency                                  (af_transfer_cost)
  * The lead, fixed at creation, is what one expert needs to cross the link in time: with
