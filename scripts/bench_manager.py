@@ -208,6 +208,8 @@ def main() -> int:
                          "link in time, so prefetch affinity never plans; 3059712, "
                          "Qwen3-30B-A3B Q4_K_M's, makes it plan and issue real prefetches)")
     args = ap.parse_args()
+    if args.expert_bytes < 1:
+        ap.error(f"--expert-bytes: {args.expert_bytes} must be >= 1")
     layers, experts, top_k = 48, 128, 8
     stream = decode_stream(args.tokens, layers, experts, top_k, args.seed)
     capacity = int(args.capacity * layers * experts)
