@@ -16,12 +16,12 @@ N_LAYER, N_EXPERT = 3, 8
 BYTES = [100, 100, 100]
 
 
-def _policy(eviction: str, prefetch=("none", {})) -> CorePolicy:
+def _policy(eviction: str, prefetch=("none", {}), cost=TINY_COST) -> CorePolicy:
     pp = PhasePolicies(admission=make_spec("admission", "always"),
                        prefetch=make_spec("prefetch", *prefetch),
                        eviction=make_spec("eviction", eviction))
     return CorePolicy.from_config(ResidencyConfig(phase_specific=False, prefill=pp, decode=pp,
-                                                  cost=TINY_COST))
+                                                  cost=cost))
 
 
 def _replay(kind: str, pol: CorePolicy, steps: list[list[list[int]]], capacity: int):
@@ -104,13 +104,8 @@ def _follow_stream(rng) -> list[list[list[int]]]:
 
 
 def _affinity_policy(cost) -> CorePolicy:
-    pp = PhasePolicies(admission=make_spec("admission", "always"),
-                       prefetch=make_spec("prefetch", "affinity",
-                                          {"top_n": 1.0, "min_precision": 0.5,
-                                           "layer_us": 0.02}),
-                       eviction=make_spec("eviction", "lru"))
-    return CorePolicy.from_config(ResidencyConfig(phase_specific=False, prefill=pp, decode=pp,
-                                                  cost=cost))
+    return _policy("lru", ("affinity", {"top_n": 1.0, "min_precision": 0.5, "layer_us": 0.02}),
+                   cost)
 
 
 def test_affinity_plans_only_keys_that_need_a_transfer():
