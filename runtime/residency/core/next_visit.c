@@ -8,6 +8,10 @@
 
 static const double NV_RATES[3] = {0.5, 0.125, 0.03125};
 static const double NV_W0[NV_F] = {-3.0, 2.0, 1.0, 2.0, 3.0};   /* p ~ 0.05 for an unseen key */
+/* the rolled wait's visits after the next one (0: the next), each standing for the block of
+ * visits from it to the next's start (at its middle), the last for every visit from it on */
+static const int32_t NV_ROLL_AT[NV_ROLL] = {0, 4, 35, 64};
+static const int32_t NV_ROLL_LEN[NV_ROLL - 1] = {1, 7, 56};
 
 nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double learning_rate) {
@@ -25,10 +29,10 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->mark = calloc((size_t) n_expert, 1);
     m->cnt = calloc((size_t) n_expert, sizeof *m->cnt);
     m->y = calloc((size_t) n_expert, sizeof *m->y);
-    m->e_cache = calloc((size_t) n, sizeof *m->e_cache);
+    m->wait_cache = calloc((size_t) n, sizeof *m->wait_cache);
     m->z_cache = calloc((size_t) n, sizeof *m->z_cache);
     m->e_stamp = malloc((size_t) n * sizeof *m->e_stamp);
-    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->e_cache || !m->z_cache || !m->e_stamp) {
+    if (!m->moe_index || !m->vis || !m->last_vis || !m->h || !m->mark || !m->cnt || !m->y || !m->wait_cache || !m->z_cache || !m->e_stamp) {
         nv_free(m);
         return NULL;
     }
@@ -38,13 +42,20 @@ nv_model *nv_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     for (int32_t j = 0; j < NV_F; j++) m->w[j] = NV_W0[j];
     m->inv[0] = 0.0;                              /* (score_keys: a key never routed) */
     for (int32_t k = 1; k < NV_INV_N; k++) m->inv[k] = 1.0 / (double) k;
+    for (int32_t k = 0; k < 3; k++) {
+        double d = 1.0;                           /* (1 - a)^n, one factor at a time */
+        for (int32_t i = 0, n = 0; i < NV_ROLL; i++) {
+            for (; n < NV_ROLL_AT[i]; n++) d = d * (1.0 - NV_RATES[k]);
+            m->decay[i][k] = d;
+        }
+    }
     return m;
 }
 
 void nv_free(nv_model *m) {
     if (m == NULL) return;
     free(m->moe_index); free(m->vis); free(m->last_vis); free(m->h); free(m->mark); free(m->cnt); free(m->y);
-    free(m->e_cache); free(m->z_cache); free(m->e_stamp);
+    free(m->wait_cache); free(m->z_cache); free(m->e_stamp);
     free(m);
 }
 
@@ -77,10 +88,10 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
             nv_features(m, layer, f, x);              /* nv_refresh's z without a second x */
             if (m->e_stamp[f] != nv_stamp(m, layer)) {
                 m->z_cache[f] = nv_dot(m->w, x);
-                m->e_cache[f] = NAN;
+                m->wait_cache[f] = NAN;
                 m->e_stamp[f] = nv_stamp(m, layer);
             }
-            const double p = 1.0 / (1.0 + nv_odds(m, layer, f));
+            const double p = 1.0 / (1.0 + exp(-m->z_cache[f]));
             const double err = (m->mark[e] ? 1.0 : 0.0) - p;
 #pragma GCC unroll 8
             for (int32_t j = 0; j < NV_F; j++) g[j] = g[j] + err * x[j];
@@ -119,4 +130,47 @@ void nv_warm_start(nv_model *m, const double *frequency) {
         if (frequency[f] > m->h_hi) m->h_hi = frequency[f];
     }
     m->version++;                                 /* every cached z is stale */
+}
+
+/* x ** n, n >= 1, by squaring (the reference multiplies in the same order) */
+static inline double int_pow(double x, int32_t n) {
+    double r = 1.0;
+    for (;;) {
+        if (n & 1) r = r * x;
+        n >>= 1;
+        if (n == 0) return r;
+        x = x * x;
+    }
+}
+
+/* wait = sum over n >= 1 of prod_{m < n} (1 - p_m), p_m from the features rolled m visits
+ * forward (not routed: h_k (1 - a_k)^m, age + m), constant over each block of NV_ROLL_LEN
+ * visits (its middle's p) and from NV_ROLL_AT's last on. From the last block back:
+ *   acc = 1 / p_last;  acc = (1 - q_i) / p_i + q_i acc,  q_i = (1 - p_i)^len_i;
+ *   wait = (1 - p_0) acc (len_0 = 1). Each o = exp(-z) (1 / p = 1 + o, 1 - p = o / (1 + o)) */
+double nv_roll(const nv_model *m, int32_t layer, int32_t f) {
+    const int32_t n = m->n_layer * m->n_expert;
+    const int64_t lv = m->last_vis[f], age = m->vis[layer] + 1 - lv;
+    const double h0 = m->h[f], h1 = m->h[n + f], h2 = m->h[2 * n + f];
+    const double *w = m->w;
+    double o[NV_ROLL];
+#pragma GCC unroll 8
+    for (int32_t i = 0; i < NV_ROLL; i++) {
+        const int64_t a = age + NV_ROLL_AT[i];
+        const double x1 = lv <= 0 ? 0.0 : a < NV_INV_N ? m->inv[a] : 1.0 / (double) a;
+        double z = w[0] * 1.0;
+        z = z + w[1] * x1;
+        z = z + w[2] * (h0 * m->decay[i][0]);
+        z = z + w[3] * (h1 * m->decay[i][1]);
+        z = z + w[4] * (h2 * m->decay[i][2]);
+        o[i] = exp(-z);
+    }
+    double acc = 1.0 + o[NV_ROLL - 1];
+#pragma GCC unroll 8
+    for (int32_t i = NV_ROLL - 2; i >= 1; i--) {
+        const double q = int_pow(o[i] / (1.0 + o[i]), NV_ROLL_LEN[i]);
+        acc = (1.0 - q) * (1.0 + o[i]) + q * acc;
+    }
+    const double wait = o[0] / (1.0 + o[0]) * acc;
+    return wait == wait ? wait : INFINITY;        /* (an overflowed exp) */
 }

@@ -175,7 +175,7 @@ static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, 
     const int64_t *restrict last_vis = m->last_vis;
     const double *restrict inv = m->inv;          /* inv[0] = 0: a key never routed */
     const double *restrict h0 = m->h, *restrict h1 = m->h + nf, *restrict h2 = m->h + 2 * nf;
-    double *restrict z_cache = m->z_cache, *restrict e_cache = m->e_cache;
+    double *restrict z_cache = m->z_cache, *restrict wait_cache = m->wait_cache;
     int64_t *restrict e_stamp = m->e_stamp;
     const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
     for (int32_t i = 0; i < n; i++) {
@@ -189,7 +189,7 @@ static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, 
         z = z + w4 * h2[g];
         zs[i] = z;
         z_cache[g] = z;
-        e_cache[g] = NAN;
+        wait_cache[g] = NAN;
         e_stamp[g] = stamp;
     }
 }
@@ -323,7 +323,7 @@ static inline double minus_expected(const nv_victim *s, int32_t k) {
     return -(nv_distance(s->nv, s->moe_layers[k]) + s->cand_le[k]);
 }
 
-/* MoE index k's lowest unprotected key (cand[k], its z, exp(-z) and -expected) */
+/* MoE index k's lowest unprotected key (cand[k], its z, n_moe wait and -expected) */
 static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     const int32_t layer = s->moe_layers[k];
     if (!list_valid(s, layer) && s->list_vis[layer] == s->nv->vis[layer])
@@ -354,7 +354,7 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     s->cand[k] = f;
     if (f >= 0) {
         s->cand_z[k] = nv_logit(s->nv, layer, f);
-        s->cand_le[k] = (double) s->n_moe * nv_odds(s->nv, layer, f);
+        s->cand_le[k] = (double) s->n_moe * nv_wait(s->nv, layer, f);
         s->cand_s[k] = minus_expected(s, k);
     } else {
         s->cand_le[k] = -INFINITY;                /* s = +inf: never the least */

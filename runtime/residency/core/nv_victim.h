@@ -1,10 +1,10 @@
 /* nv_victim: eviction next-visit's victim search (internal to the residency core).
  *
- * The order: (-expected, z, last seq, flat), expected = distance + n_moe exp(-z) with z and the
- * distance from the model (next_visit.h). Within one layer the distance is common and expected
- * falls as z grows, so a layer's candidate is its lowest unprotected (z, last seq, flat), found
- * with no exp; the victim is the candidate lowest in the full order. Protected: touched at or
- * after the call's first sequence number (seq0), leased or pinned (the core's arrays).
+ * The rule (next_visit.h): a layer's candidate is its lowest unprotected (z, last seq, flat),
+ * found with no exp; the victim is the candidate lowest in (-expected, z, last seq, flat),
+ * expected = distance + n_moe wait, with z, the rolled wait and the distance from the model.
+ * Protected: touched at or after the call's first sequence number (seq0), leased or pinned
+ * (the core's arrays).
  *
  * Kept between calls, so a call costs O(layers) plus the layers that changed:
  *   - per layer, a list: a prefix of its keys in (z, last seq, flat), at most NV_LIST long
@@ -14,7 +14,7 @@
  *     weight update moves every z by dw . x, which the features' box bounds: the listed keys
  *     are rescored and those still strictly below the bound's new value stay, in order
  *     (resort_list), so a weight update costs each layer its listed keys, not all of them;
- *   - per layer, its candidate with z and n_moe exp(-z), until marked dirty: a key of the
+ *   - per layer, its candidate with z and n_moe wait, until marked dirty: a key of the
  *     layer joined or left the order, its leases or pins changed, it was visited, the model's
  *     weights moved (once per token's worth of layer-steps), or a key skipped
  *     for being touched at or after seq0 may no longer be (seq0 moved);
@@ -51,7 +51,7 @@ typedef struct {
     int64_t version;              /* the model's version the candidates are for */
     /* per MoE index k: the candidate (-1: none), its scores below, pool */
     int32_t *cand, *pool;
-    double *cand_z, *cand_le, *cand_s; /* z, n_moe exp(-z), -expected (+inf: none) */
+    double *cand_z, *cand_le, *cand_s; /* z, n_moe wait, -expected (+inf: none) */
     uint8_t *dirty, *dep;         /* (n_moe,) dep: a key was skipped for last seq >= seq0 */
     int32_t *dirty_list, n_dirty, n_dep;
     int64_t seq0;                 /* of the latest search */
