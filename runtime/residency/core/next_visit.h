@@ -26,10 +26,13 @@
  * on; wait = sum over n >= 1 of the survival prod_{m < n} (1 - p_m). With p the same at
  * every visit that is 1 / p - 1 = exp(-z) (as it was before the roll: geometric mean over
  * the 6 cells of the two real traces 1.937x -> 1.925x forced-admission Belady; 3 points
- * 1.928x, 5 points 1.926x; 4 exp per candidate key and visit).
+ * 1.928x, 5 points 1.926x).
  * Eviction `next-visit` takes each layer's lowest (z, last seq, flat) as its candidate
  * (found with no exp, nv_victim.c; it is the layer's lowest p at the next visit) and of the
- * candidates the largest expected time, ties by the lower z, then (last seq, flat).
+ * candidates the largest expected time, ties by the lower z, then (last seq, flat). The
+ * search needs the wait itself (nv_wait: 4 exp) only where the candidates' bounds on it do
+ * not already set the victim apart (nv_wait_bounds: the roll with a polynomial exp, no exp,
+ * about 1e-5 apart; bench_manager's stream: 131 such in 101,693 searches).
  * (Ranking each layer's keys by the rolled wait too: a score that is not monotone in z,
  * which the per-layer lists rely on, and 5 exp per key a visit; the candidates' wait alone
  * took most of its gain in a scratch simulation: 1.9251x against 1.9221x.) The learning
@@ -60,7 +63,8 @@ typedef struct {
     double learning_rate;
     int64_t steps;                /* decode visits */
     int32_t cur;                  /* the layer of the latest visit, -1 before any */
-    double *z_cache, *wait_cache; /* (n_flat,) w . x and the rolled wait (NAN: not yet),
+    double *z_cache, *wait_cache; /* (n_flat,) w . x and the rolled wait (>= 0; < 0: only
+                                     nv_wait_bounds' estimate, negated; NAN: neither yet),
                                      valid while e_stamp == nv_stamp of its layer (-1: stale) */
     int64_t *e_stamp;
     int64_t version;              /* weight updates and warm starts so far */
@@ -80,6 +84,10 @@ void nv_visit(nv_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t 
 void nv_warm_start(nv_model *m, const double *frequency);
 /* the rolled wait of flat of `layer` (next_visit.c; nv_wait caches it) */
 double nv_roll(const nv_model *m, int32_t layer, int32_t flat);
+/* lo <= nv_wait <= hi of flat of `layer` with no exp (the roll with exp within 1e-8: about
+ * 1e-7 apart): 1 when lo == hi == nv_wait (known already, or outside the bounds' range:
+ * then computed), 0 when they are bounds only (next_visit.c) */
+int nv_wait_bounds(nv_model *m, int32_t layer, int32_t flat, double *lo, double *hi);
 /* x (NV_F,) of flat f of `layer` for its next visit */
 static inline void nv_features(const nv_model *m, int32_t layer, int32_t f, double *x) {
     const int32_t n = m->n_layer * m->n_expert;
@@ -124,7 +132,7 @@ static inline double nv_logit(nv_model *m, int32_t layer, int32_t flat) {
  * hazard: the header) */
 static inline double nv_wait(nv_model *m, int32_t layer, int32_t flat) {
     (void) nv_logit(m, layer, flat);              /* (the stamp) */
-    if (m->wait_cache[flat] != m->wait_cache[flat]) m->wait_cache[flat] = nv_roll(m, layer, flat);
+    if (!(m->wait_cache[flat] >= 0.0)) m->wait_cache[flat] = nv_roll(m, layer, flat);
     return m->wait_cache[flat];
 }
 
