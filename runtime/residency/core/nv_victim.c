@@ -230,6 +230,45 @@ static void least_values(const double *zs, int32_t n, double *out) {
 #endif
 }
 
+/* *top, *bound = the NV_LIST-th and (NV_LIST + 1)-th least of zs[0 .. n) (+inf past n):
+ * least_values' cascade on two lanes (even and odd i) at once, then the least NV_LIST + 1
+ * of both lanes' (a lane's ascending, the other's descending: their minima, a half-cleaner),
+ * of which bound is the largest and top the next. A NaN anywhere: least_values itself (the
+ * values it moves around a NaN are its own) */
+static void least_two(const double *zs, int32_t n, double *top, double *bound) {
+#ifdef __SSE2__
+    __m128d l[NV_LIST + 1], nan = _mm_setzero_pd();
+#pragma GCC unroll 16
+    for (int32_t j = 0; j <= NV_LIST; j++) l[j] = _mm_set1_pd(INFINITY);
+    for (int32_t i = 0; i < n; i += 2) {
+        __m128d v = i + 1 < n ? _mm_loadu_pd(&zs[i]) : _mm_set_pd(INFINITY, zs[i]);
+        nan = _mm_or_pd(nan, _mm_cmpunord_pd(v, v));
+#pragma GCC unroll 16
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const __m128d lo = _mm_min_pd(v, l[j]);
+            v = _mm_max_pd(v, l[j]);
+            l[j] = lo;
+        }
+    }
+    if (!_mm_movemask_pd(nan)) {
+        double a[NV_LIST + 1][2], m1 = -INFINITY, m2 = -INFINITY;
+        for (int32_t j = 0; j <= NV_LIST; j++) _mm_storeu_pd(a[j], l[j]);
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const double lo = a[j][0], hi = a[NV_LIST - j][1], c = lo < hi ? lo : hi;
+            m2 = c > m2 ? (c < m1 ? c : m1) : m2;
+            m1 = c > m1 ? c : m1;
+        }
+        *top = m2;
+        *bound = m1;
+        return;
+    }
+#endif
+    double least[NV_LIST + 1];
+    least_values(zs, n, least);
+    *top = least[NV_LIST - 1];
+    *bound = least[NV_LIST];
+}
+
 /* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
  * rescored here (its layer was visited, the weights moved past what resort_list can bound,
  * or the list ran dry) */
@@ -242,11 +281,10 @@ static void fill_list(nv_victim *s, int32_t layer) {
     for (int32_t i = 0; i < s->list_n[layer]; i++) s->in_list[list[i]] = 0;
     FOR_MEMBERS(s, layer, g) ids[n++] = g;
     score_keys(m, layer, ids, n, zs);
-    double least[NV_LIST + 1];
-    least_values(zs, n, least);
+    double top, bound;
+    least_two(zs, n, &top, &bound);
     /* the keys at or below the NV_LIST-th value, in (z, last seq, flat); the first NV_LIST
      * are the list; every other key's z is >= the (NV_LIST + 1)-th value */
-    const double top = least[NV_LIST - 1];
     int32_t *sel = s->sel, n_sel = 0;
     for (int32_t i = 0; i < n; i++) {
         sel[n_sel] = i;
@@ -268,7 +306,7 @@ static void fill_list(nv_victim *s, int32_t layer) {
     }
     s->list_n[layer] = n_list;
     s->list_all[layer] = n <= NV_LIST;
-    s->list_bound[layer] = least[NV_LIST];
+    s->list_bound[layer] = bound;
     for (int32_t j = 0; j < NV_F; j++) s->list_w[layer * NV_F + j] = m->w[j];
     s->list_vis[layer] = m->vis[layer];
     s->list_ver[layer] = m->version;
