@@ -85,7 +85,7 @@ void nv_warm_start(nv_model *m, const double *frequency);
 /* the rolled wait of flat of `layer` (next_visit.c; nv_wait caches it) */
 double nv_roll(const nv_model *m, int32_t layer, int32_t flat);
 /* lo <= nv_wait <= hi of flat of `layer` with no exp (the roll with exp within 1e-8: about
- * 1e-7 apart): 1 when lo == hi == nv_wait (known already, or outside the bounds' range:
+ * 1e-5 apart): 1 when lo == hi == nv_wait (known already, or outside the bounds' range:
  * then computed), 0 when they are bounds only (next_visit.c) */
 int nv_wait_bounds(nv_model *m, int32_t layer, int32_t flat, double *lo, double *hi);
 /* x (NV_F,) of flat f of `layer` for its next visit */

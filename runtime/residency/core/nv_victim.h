@@ -18,7 +18,7 @@
  *     layer joined or left the order, its leases or pins changed, it was visited, the model's
  *     weights moved (once per token's worth of layer-steps), or a key skipped
  *     for being touched at or after seq0 may no longer be (seq0 moved). The wait is first
- *     only bounded, with no exp (nv_wait_bounds: about 1e-7 apart); the search computes it
+ *     only bounded, with no exp (nv_wait_bounds: about 1e-5 apart); the search computes it
  *     (nv_wait, four exp) only for a candidate whose bounds do not yet set it apart from
  *     every other's: most candidates are never the victim, and the victim is most often
  *     apart from the rest by more than its bounds' width;
