@@ -11,6 +11,8 @@ import math
 RATES = (0.5, 0.125, 0.03125)
 W0 = (-3.0, 2.0, 1.0, 2.0, 3.0)
 STRIDE = 8
+ROLL_AT = (0, 4, 35, 64)      # the rolled wait's visits after the next one (0: the next)
+ROLL_LEN = (1, 7, 56)        # the visits each stands for (the last: every one from it on)
 
 
 class NextVisitModel:
@@ -30,6 +32,16 @@ class NextVisitModel:
         self.learning_rate = learning_rate
         self.steps = 0
         self.cur = -1
+        self.decay = []                  # (len(ROLL_AT), 3): (1 - a_k)^n, one factor at a time
+        for i, n in enumerate(ROLL_AT):
+            prev = self.decay[i - 1] if i else [1.0] * len(RATES)
+            row = []
+            for k, a in enumerate(RATES):
+                d = prev[k]
+                for _ in range(n - (ROLL_AT[i - 1] if i else 0)):
+                    d = d * (1.0 - a)
+                row.append(d)
+            self.decay.append(row)
 
     def _features(self, layer: int, f: int) -> list[float]:
         inv_age = (1.0 / float(self.vis[layer] + 1 - self.last_vis[f])
@@ -77,11 +89,45 @@ class NextVisitModel:
                 self.last_vis[f] = self.vis[layer]
         self.cur = layer
 
+    def wait(self, f: int) -> float:
+        """Expected visits of ``f``'s layer after the next one until it is routed again, the
+        hazard rolled forward: p at ROLL_AT's visits from the features decayed that far
+        (next_visit.h)."""
+        layer = f // self.n_expert
+        lv, w = self.last_vis[f], self.w
+        age = self.vis[layer] + 1 - lv
+        o = []
+        for i, n in enumerate(ROLL_AT):
+            x1 = 1.0 / float(age + n) if lv > 0 else 0.0
+            z = w[0] * 1.0
+            z = z + w[1] * x1
+            for k in range(len(RATES)):
+                z = z + w[2 + k] * (self.h[k][f] * self.decay[i][k])
+            o.append(math.exp(-z))
+        acc = 1.0 + o[-1]
+        for i in range(len(ROLL_AT) - 2, 0, -1):
+            q = _int_pow(o[i] / (1.0 + o[i]), ROLL_LEN[i])
+            acc = (1.0 - q) * (1.0 + o[i]) + q * acc
+        wait = o[0] / (1.0 + o[0]) * acc
+        return wait if wait == wait else math.inf
+
     def expected(self, f: int) -> float:
         """Expected layer-steps until ``f``'s next use, seen from the latest visit."""
         layer = f // self.n_expert
-        e = math.exp(-self.logit(f))
+        e = self.wait(f)
         n_moe = self.n_moe
         cur = self.moe_index[self.cur] if self.cur >= 0 else -1
         d = (self.moe_index[layer] - cur - 1) % n_moe + 1
         return float(d) + float(n_moe) * e
+
+
+def _int_pow(x: float, n: int) -> float:
+    """x ** n, n >= 1, by squaring in the C's order."""
+    r = 1.0
+    while True:
+        if n & 1:
+            r = r * x
+        n >>= 1
+        if n == 0:
+            return r
+        x = x * x

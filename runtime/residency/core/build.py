@@ -37,7 +37,8 @@ SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "nv_victim.c
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
-INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "affinity.h", HERE / "grow.h",
+INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
+            HERE / "grow.h",
             RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None

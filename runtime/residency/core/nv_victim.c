@@ -35,13 +35,17 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->pool = calloc(k, sizeof *s->pool);
     s->cand_z = calloc(k, sizeof *s->cand_z);
     s->cand_le = calloc(k, sizeof *s->cand_le);
+    s->cand_lo = calloc(k, sizeof *s->cand_lo);
     s->cand_s = calloc(k, sizeof *s->cand_s);
+    s->masked = calloc(k, sizeof *s->masked);
+    s->exact = calloc(k, 1);
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
     if (!s->members || !s->in_list || !s->ids || !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
         !s->list_bound || !s->list_w || !s->cand ||
-        !s->pool || !s->cand_z || !s->cand_le || !s->cand_s || !s->dirty || !s->dep ||
+        !s->pool || !s->cand_z || !s->cand_le || !s->cand_lo || !s->cand_s ||
+        !s->masked || !s->exact || !s->dirty || !s->dep ||
         !s->dirty_list) {
         nvv_free(s);
         return NULL;
@@ -49,7 +53,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     for (int32_t i = 0; i < n_moe; i++) {
         s->cand[i] = -1;
         s->cand_s[i] = INFINITY;
-        s->cand_le[i] = -INFINITY;
+        s->cand_le[i] = s->cand_lo[i] = -INFINITY;
     }
     s->list[n_layer * NV_LIST] = -1;              /* a guard: nvv_verify checks it */
     s->seq0 = -1;
@@ -62,7 +66,8 @@ void nvv_free(nv_victim *s) {
     if (s == NULL) return;
     free(s->members); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
     free(s->list_ver); free(s->list_bound); free(s->list_w);
-    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_s);
+    free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_lo);
+    free(s->cand_s); free(s->masked); free(s->exact);
     free(s->dirty); free(s->dep); free(s->dirty_list);
     free(s);
 }
@@ -175,7 +180,7 @@ static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, 
     const int64_t *restrict last_vis = m->last_vis;
     const double *restrict inv = m->inv;          /* inv[0] = 0: a key never routed */
     const double *restrict h0 = m->h, *restrict h1 = m->h + nf, *restrict h2 = m->h + 2 * nf;
-    double *restrict z_cache = m->z_cache, *restrict e_cache = m->e_cache;
+    double *restrict z_cache = m->z_cache, *restrict wait_cache = m->wait_cache;
     int64_t *restrict e_stamp = m->e_stamp;
     const double w0 = m->w[0], w1 = m->w[1], w2 = m->w[2], w3 = m->w[3], w4 = m->w[4];
     for (int32_t i = 0; i < n; i++) {
@@ -189,7 +194,7 @@ static void score_keys(nv_model *m, int32_t layer, const int32_t *restrict ids, 
         z = z + w4 * h2[g];
         zs[i] = z;
         z_cache[g] = z;
-        e_cache[g] = NAN;
+        wait_cache[g] = NAN;
         e_stamp[g] = stamp;
     }
 }
@@ -225,6 +230,45 @@ static void least_values(const double *zs, int32_t n, double *out) {
 #endif
 }
 
+/* *top, *bound = the NV_LIST-th and (NV_LIST + 1)-th least of zs[0 .. n) (+inf past n):
+ * least_values' cascade on two lanes (even and odd i) at once, then the least NV_LIST + 1
+ * of both lanes' (a lane's ascending, the other's descending: their minima, a half-cleaner),
+ * of which bound is the largest and top the next. A NaN anywhere: least_values itself (the
+ * values it moves around a NaN are its own) */
+static void least_two(const double *zs, int32_t n, double *top, double *bound) {
+#ifdef __SSE2__
+    __m128d l[NV_LIST + 1], nan = _mm_setzero_pd();
+#pragma GCC unroll 16
+    for (int32_t j = 0; j <= NV_LIST; j++) l[j] = _mm_set1_pd(INFINITY);
+    for (int32_t i = 0; i < n; i += 2) {
+        __m128d v = i + 1 < n ? _mm_loadu_pd(&zs[i]) : _mm_set_pd(INFINITY, zs[i]);
+        nan = _mm_or_pd(nan, _mm_cmpunord_pd(v, v));
+#pragma GCC unroll 16
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const __m128d lo = _mm_min_pd(v, l[j]);
+            v = _mm_max_pd(v, l[j]);
+            l[j] = lo;
+        }
+    }
+    if (!_mm_movemask_pd(nan)) {
+        double a[NV_LIST + 1][2], m1 = -INFINITY, m2 = -INFINITY;
+        for (int32_t j = 0; j <= NV_LIST; j++) _mm_storeu_pd(a[j], l[j]);
+        for (int32_t j = 0; j <= NV_LIST; j++) {
+            const double lo = a[j][0], hi = a[NV_LIST - j][1], c = lo < hi ? lo : hi;
+            m2 = c > m2 ? (c < m1 ? c : m1) : m2;
+            m1 = c > m1 ? c : m1;
+        }
+        *top = m2;
+        *bound = m1;
+        return;
+    }
+#endif
+    double least[NV_LIST + 1];
+    least_values(zs, n, least);
+    *top = least[NV_LIST - 1];
+    *bound = least[NV_LIST];
+}
+
 /* the layer's list: its NV_LIST lowest keys in (z, last seq, flat). Every member is
  * rescored here (its layer was visited, the weights moved past what resort_list can bound,
  * or the list ran dry) */
@@ -237,11 +281,10 @@ static void fill_list(nv_victim *s, int32_t layer) {
     for (int32_t i = 0; i < s->list_n[layer]; i++) s->in_list[list[i]] = 0;
     FOR_MEMBERS(s, layer, g) ids[n++] = g;
     score_keys(m, layer, ids, n, zs);
-    double least[NV_LIST + 1];
-    least_values(zs, n, least);
+    double top, bound;
+    least_two(zs, n, &top, &bound);
     /* the keys at or below the NV_LIST-th value, in (z, last seq, flat); the first NV_LIST
      * are the list; every other key's z is >= the (NV_LIST + 1)-th value */
-    const double top = least[NV_LIST - 1];
     int32_t *sel = s->sel, n_sel = 0;
     for (int32_t i = 0; i < n; i++) {
         sel[n_sel] = i;
@@ -263,7 +306,7 @@ static void fill_list(nv_victim *s, int32_t layer) {
     }
     s->list_n[layer] = n_list;
     s->list_all[layer] = n <= NV_LIST;
-    s->list_bound[layer] = least[NV_LIST];
+    s->list_bound[layer] = bound;
     for (int32_t j = 0; j < NV_F; j++) s->list_w[layer * NV_F + j] = m->w[j];
     s->list_vis[layer] = m->vis[layer];
     s->list_ver[layer] = m->version;
@@ -318,12 +361,27 @@ static inline int protected_by_use(const nv_victim *s, int32_t f) {
     return s->lease_count[f] > 0 || s->pinned[f];
 }
 
-/* -expected of MoE index k's candidate, seen from the model's current layer */
-static inline double minus_expected(const nv_victim *s, int32_t k) {
-    return -(nv_distance(s->nv, s->moe_layers[k]) + s->cand_le[k]);
+/* -expected's lower bound of MoE index k's candidate (cand_s: from the upper bound of its
+ * wait) and its upper bound, seen from the model's current layer (rounding is monotone: the
+ * bounds hold for the doubles; distances() computes cand_s the same way) */
+static inline void set_bounds(nv_victim *s, int32_t k) {
+    s->cand_s[k] = -(nv_distance(s->nv, s->moe_layers[k]) + s->cand_le[k]);
 }
 
-/* MoE index k's lowest unprotected key (cand[k], its z, exp(-z) and -expected) */
+static inline double minus_expected_hi(const nv_victim *s, int32_t k) {
+    return -(nv_distance(s->nv, s->moe_layers[k]) + s->cand_lo[k]);
+}
+
+/* MoE index k's candidate's wait from nv_wait: its -expected exact */
+static void make_exact(nv_victim *s, int32_t k) {
+    const double le = (double) s->n_moe * nv_wait(s->nv, s->moe_layers[k], s->cand[k]);
+    s->cand_le[k] = s->cand_lo[k] = le;
+    s->exact[k] = 1;
+    set_bounds(s, k);
+}
+
+/* MoE index k's lowest unprotected key (cand[k], its z, n_moe wait's bounds and
+ * -expected's) */
 static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     const int32_t layer = s->moe_layers[k];
     if (!list_valid(s, layer) && s->list_vis[layer] == s->nv->vis[layer])
@@ -353,12 +411,16 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     s->dep[k] = dep;
     s->cand[k] = f;
     if (f >= 0) {
+        double lo, hi;
         s->cand_z[k] = nv_logit(s->nv, layer, f);
-        s->cand_le[k] = (double) s->n_moe * nv_odds(s->nv, layer, f);
-        s->cand_s[k] = minus_expected(s, k);
+        s->exact[k] = (uint8_t) nv_wait_bounds(s->nv, layer, f, &lo, &hi);
+        s->cand_le[k] = (double) s->n_moe * hi;
+        s->cand_lo[k] = (double) s->n_moe * lo;
+        set_bounds(s, k);
     } else {
-        s->cand_le[k] = -INFINITY;                /* s = +inf: never the least */
+        s->cand_le[k] = s->cand_lo[k] = -INFINITY;   /* s = +inf: never the least */
         s->cand_s[k] = INFINITY;
+        s->exact[k] = 1;
     }
 }
 
@@ -371,40 +433,97 @@ static void distances(double *restrict s, const double *restrict le, int32_t L, 
     for (int32_t k = split; k < L; k++) s[k] = -((double) (k - ci) + le[k]);
 }
 
-/* the least of s[0 .. n) (+inf if none) */
-static double least(const double *s, int32_t n) {
+/* v1 = the least of s[0 .. n), v2 = the least of the others (+inf if none): per lane a
+ * min/max cascade (no branches), two lanes of two */
+static void two_least(const double *s, int32_t n, double *v1, double *v2) {
     int32_t k = 0;
-    double a = INFINITY;
+    double a1 = INFINITY, a2 = INFINITY;
 #ifdef __SSE2__
-    __m128d m0 = _mm_set1_pd(INFINITY), m1 = m0;  /* (minpd: no branches) */
+    __m128d m1 = _mm_set1_pd(INFINITY), m2 = m1, n1 = m1, n2 = m1;
     for (; k + 4 <= n; k += 4) {
-        m0 = _mm_min_pd(_mm_loadu_pd(&s[k]), m0);
-        m1 = _mm_min_pd(_mm_loadu_pd(&s[k + 2]), m1);
+        const __m128d x = _mm_loadu_pd(&s[k]), y = _mm_loadu_pd(&s[k + 2]);
+        m2 = _mm_min_pd(m2, _mm_max_pd(x, m1));
+        m1 = _mm_min_pd(x, m1);
+        n2 = _mm_min_pd(n2, _mm_max_pd(y, n1));
+        n1 = _mm_min_pd(y, n1);
     }
-    m0 = _mm_min_pd(m0, m1);
-    m0 = _mm_min_sd(m0, _mm_unpackhi_pd(m0, m0));
-    a = _mm_cvtsd_f64(m0);
+    m2 = _mm_min_pd(_mm_max_pd(m1, n1), _mm_min_pd(m2, n2));   /* the two pairs as one */
+    m1 = _mm_min_pd(m1, n1);
+    const __m128d h1 = _mm_unpackhi_pd(m1, m1), h2 = _mm_unpackhi_pd(m2, m2);
+    a2 = _mm_cvtsd_f64(_mm_min_sd(_mm_max_sd(m1, h1), _mm_min_sd(m2, h2)));
+    a1 = _mm_cvtsd_f64(_mm_min_sd(m1, h1));
 #endif
-    for (; k < n; k++) a = s[k] < a ? s[k] : a;
-    return a;
+    for (; k < n; k++) {
+        const double x = s[k];
+        a2 = (x < a1 ? a1 : x) < a2 ? (x < a1 ? a1 : x) : a2;
+        a1 = x < a1 ? x : a1;
+    }
+    *v1 = a1;
+    *v2 = a2;
 }
 
-/* the one k with s[k] == v, or -1 (none, or several) */
-static int32_t only_at(const double *s, int32_t n, double v) {
-    int32_t count = 0, at = -1, k = 0;
+/* the first k with s[k] == v (one is) */
+static int32_t first_at(const double *s, int32_t n, double v) {
+    int32_t k = 0;
 #ifdef __SSE2__
     const __m128d vv = _mm_set1_pd(v);
-    for (; k + 2 <= n; k += 2) {                  /* (a branch that is most often not taken) */
+    for (; k + 2 <= n; k += 2) {
         const int mask = _mm_movemask_pd(_mm_cmpeq_pd(_mm_loadu_pd(&s[k]), vv));
-        if (mask) {
-            count += (mask & 1) + (mask >> 1);
-            at = k + (mask & 1 ? 0 : 1);
-        }
+        if (mask) return k + (mask & 1 ? 0 : 1);
     }
 #endif
     for (; k < n; k++)
-        if (s[k] == v) { count++; at = k; }
-    return count == 1 ? at : -1;
+        if (s[k] == v) return k;
+    return -1;
+}
+
+/* the pool's -expected lower bounds: cand_s itself with one pool, else a masked copy */
+static const double *pool_bounds(nv_victim *s, int32_t pool) {
+    if (s->one_pool) return s->cand_s;
+    for (int32_t k = 0; k < s->n_moe; k++)
+        s->masked[k] = s->pool[k] == pool ? s->cand_s[k] : INFINITY;
+    return s->masked;
+}
+
+/* of the pool's candidates with -expected == bs (every one exact), the lowest in
+ * (z, last seq, flat) */
+static int32_t break_tie(const nv_victim *s, int32_t pool, double bs) {
+    int32_t best = -1, bk = -1;
+    for (int32_t k = 0; k < s->n_moe; k++) {
+        if (s->cand_s[k] != bs) continue;
+        const int32_t f = s->cand[k];
+        if (f < 0 || s->pool[k] != pool) continue;
+        if (best >= 0 && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best)) continue;
+        best = f; bk = k;
+    }
+    return best;
+}
+
+/* the pool's candidate least in (-expected, z, last seq, flat) from the bounds, each made
+ * exact only while it is not yet apart: the least lower bound's candidate wins once its
+ * upper bound is below every other's lower bound; exact and tied, the ties are made exact
+ * too and broken by (z, last seq, flat). Every other candidate's -expected is above the
+ * winner's, as the bounds show */
+static int32_t pick(nv_victim *s, int32_t pool) {
+    for (;;) {
+        const double *lo = pool_bounds(s, pool);
+        double v1, v2;
+        two_least(lo, s->n_moe, &v1, &v2);
+        if (v1 == INFINITY) return -1;
+        const int32_t k = first_at(lo, s->n_moe, v1);
+        if (minus_expected_hi(s, k) < v2) return s->cand[k];
+        if (!s->exact[k]) {
+            make_exact(s, k);
+            continue;
+        }
+        int32_t n_made = 0;                       /* exact and tied (v2 == v1) */
+        for (int32_t j = 0; j < s->n_moe; j++)
+            if (lo[j] == v1 && !s->exact[j]) {
+                make_exact(s, j);
+                n_made++;
+            }
+        if (n_made == 0) return break_tie(s, pool, v1);
+    }
 }
 
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
@@ -425,34 +544,12 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     }
     s->n_dirty = 0;
     if (s->nv->cur != s->s_cur) {                 /* every distance moved */
-        const int32_t cur = s->nv->cur;
-        distances(s->cand_s, s->cand_le, s->n_moe, cur >= 0 ? s->nv->moe_index[cur] : -1);
+        const int32_t cur = s->nv->cur, ci = cur >= 0 ? s->nv->moe_index[cur] : -1;
+        distances(s->cand_s, s->cand_le, s->n_moe, ci);
         s->s_cur = cur;
     }
-    double bs = INFINITY;                         /* the least s in the pool (s <= -1) */
-    if (s->one_pool) {
-        if (s->n_moe == 0 || s->pool[0] != pool) return -1;
-        bs = least(s->cand_s, s->n_moe);
-    } else {
-        for (int32_t k = 0; k < s->n_moe; k++) {
-            const double v = s->pool[k] == pool ? s->cand_s[k] : INFINITY;
-            bs = v < bs ? v : bs;
-        }
-    }
-    int32_t best = -1, bk = -1;
-    if (bs == INFINITY) return -1;
-    if (s->one_pool) {                            /* most often one layer holds the least */
-        const int32_t k = only_at(s->cand_s, s->n_moe, bs);
-        if (k >= 0) return s->cand[k];
-    }
-    for (int32_t k = 0; k < s->n_moe; k++) {     /* ties: (z, last seq, flat) */
-        if (s->cand_s[k] != bs) continue;
-        const int32_t f = s->cand[k];
-        if (f < 0 || s->pool[k] != pool) continue;
-        if (best >= 0 && !z_below(s, s->cand_z[k], f, s->cand_z[bk], best)) continue;
-        best = f; bk = k;
-    }
-    return best;
+    if (s->n_moe == 0 || (s->one_pool && s->pool[0] != pool)) return -1;
+    return pick(s, pool);
 }
 
 /* every layer with a list: listed keys are members, in order, below every unlisted member,
@@ -461,6 +558,13 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
 int nvv_verify(const nv_victim *s) {
     const nv_model *m = s->nv;
     if (s->list[s->n_layer * NV_LIST] != -1) return 7;          /* a list overran */
+    for (int32_t k = 0; k < s->n_moe && s->version == m->version; k++) {
+        const int32_t layer = s->moe_layers[k], f = s->cand[k];  /* the wait's bounds hold */
+        if (f < 0 || s->dirty[k] || m->e_stamp[f] != nv_stamp(m, layer)) continue;
+        const double le = (double) s->n_moe * nv_roll(m, layer, f);
+        if (!(s->cand_lo[k] <= le && le <= s->cand_le[k])) return 8;
+        if (s->exact[k] && s->cand_lo[k] != s->cand_le[k]) return 8;
+    }
     for (int32_t k = 0; k < s->n_moe; k++) {
         const int32_t layer = s->moe_layers[k];
         if (s->list_vis[layer] != m->vis[layer]) continue;       /* refilled before use */

@@ -1,10 +1,10 @@
 /* nv_victim: eviction next-visit's victim search (internal to the residency core).
  *
- * The order: (-expected, z, last seq, flat), expected = distance + n_moe exp(-z) with z and the
- * distance from the model (next_visit.h). Within one layer the distance is common and expected
- * falls as z grows, so a layer's candidate is its lowest unprotected (z, last seq, flat), found
- * with no exp; the victim is the candidate lowest in the full order. Protected: touched at or
- * after the call's first sequence number (seq0), leased or pinned (the core's arrays).
+ * The rule (next_visit.h): a layer's candidate is its lowest unprotected (z, last seq, flat),
+ * found with no exp; the victim is the candidate lowest in (-expected, z, last seq, flat),
+ * expected = distance + n_moe wait, with z, the rolled wait and the distance from the model.
+ * Protected: touched at or after the call's first sequence number (seq0), leased or pinned
+ * (the core's arrays).
  *
  * Kept between calls, so a call costs O(layers) plus the layers that changed:
  *   - per layer, a list: a prefix of its keys in (z, last seq, flat), at most NV_LIST long
@@ -14,13 +14,18 @@
  *     weight update moves every z by dw . x, which the features' box bounds: the listed keys
  *     are rescored and those still strictly below the bound's new value stay, in order
  *     (resort_list), so a weight update costs each layer its listed keys, not all of them;
- *   - per layer, its candidate with z and n_moe exp(-z), until marked dirty: a key of the
+ *   - per layer, its candidate with z and n_moe wait, until marked dirty: a key of the
  *     layer joined or left the order, its leases or pins changed, it was visited, the model's
  *     weights moved (once per token's worth of layer-steps), or a key skipped
- *     for being touched at or after seq0 may no longer be (seq0 moved);
- *   - every layer's -expected, recomputed when the model's current layer moves.
- * nvv_verify checks the lists' invariants (rc_verify's check 11); every decision is the
- * reference's (runtime/residency/reference.py sorts every key; tests compare).
+ *     for being touched at or after seq0 may no longer be (seq0 moved). The wait is first
+ *     only bounded, with no exp (nv_wait_bounds: about 1e-5 apart); the search computes it
+ *     (nv_wait, four exp) only for a candidate whose bounds do not yet set it apart from
+ *     every other's: most candidates are never the victim, and the victim is most often
+ *     apart from the rest by more than its bounds' width;
+ *   - every layer's -expected (its bounds), recomputed when the model's current layer moves.
+ * nvv_verify checks the lists' invariants and the candidates' bounds (rc_verify's check
+ * 11); every decision is the reference's (runtime/residency/reference.py sorts every key;
+ * tests compare).
  * The core keeps the order's membership (its heap, with no order) and tells this search every
  * change through the functions below.
  */
@@ -51,7 +56,13 @@ typedef struct {
     int64_t version;              /* the model's version the candidates are for */
     /* per MoE index k: the candidate (-1: none), its scores below, pool */
     int32_t *cand, *pool;
-    double *cand_z, *cand_le, *cand_s; /* z, n_moe exp(-z), -expected (+inf: none) */
+    double *cand_z;               /* z */
+    double *cand_le, *cand_lo;    /* n_moe wait's upper and lower bound (equal once exact;
+                                     -inf: none) */
+    double *cand_s;               /* -expected's lower bound, -(distance + le) (+inf: none;
+                                     the upper: -(distance + lo)) */
+    double *masked;               /* (n_moe,) scratch: cand_s, +inf outside the pool */
+    uint8_t *exact;               /* (n_moe,) the candidate's wait is nv_wait's, not bounds */
     uint8_t *dirty, *dep;         /* (n_moe,) dep: a key was skipped for last seq >= seq0 */
     int32_t *dirty_list, n_dirty, n_dep;
     int64_t seq0;                 /* of the latest search */

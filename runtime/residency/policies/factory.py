@@ -8,11 +8,13 @@ Python reference); what each one does:
     lfu-decay       exponentially decayed count: a use ``half_life`` accesses ago counts half
     phase-weighted  w_prefill * prefill uses + w_decode * (decode + mixed) uses
     belady          offline: -(next use)
-    next-visit      -(expected layer-steps to the next use): the layer's distance in the cycle
-                    + n_moe_layers * (1/p - 1), p = P(routed at its layer's next visit) from
-                    a logistic model over age and frequency at three time scales, learned
-                    online at decode layer-steps from the resident experts (the keys it
-                    ranks) (core/next_visit.h); ``learning_rate``
+    next-visit      -(expected layer-steps to the next use) of each layer's lowest p: the
+                    layer's distance in the cycle + n_moe_layers * wait, p = P(routed at its
+                    layer's next visit) from a logistic model over age and frequency at
+                    three time scales, learned online at decode layer-steps from the
+                    resident experts (the keys it ranks), wait = the visits after the next
+                    before it is routed, p rolled forward as its features decay (1/p - 1
+                    if p stayed) (core/next_visit.h); ``learning_rate``
   admission (a demand miss is admitted, or used transiently)
     always                 admit whenever victims exist
     reuse-threshold        decode: admit once routed >= break_even times (prefill: always)

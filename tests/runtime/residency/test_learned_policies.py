@@ -189,3 +189,25 @@ def test_affinity_learns_from_the_prompt():
     print("prefetches used in the first 4 decode tokens, without / with the prompt's pairs:",
           used[0], used[2])
     assert used[2] >= 4 and used[2] > 2 * used[0]
+
+
+def test_next_visit_wait_rolls_the_hazard_forward():
+    """The wait (expected visits after the next before a key is routed again) rolls p
+    forward: a key whose features do not decay (never routed) waits 1 / p - 1 = exp(-z); a
+    routed key waits longer than exp(-z), its p falling as its features decay, and one routed
+    once longer than one routed at every visit. (The C core against this
+    reference: test_core_reference.py.)"""
+    from runtime.residency.reference_next_visit import NextVisitModel
+
+    m = NextVisitModel(1, 4, [0], 0.0)
+    m.visit(0, [1], 1, [False] * 4)              # expert 1: once; 2: every visit
+    for _ in range(3):
+        m.visit(0, [2], 1, [False] * 4)
+    assert math.isclose(m.wait(0), math.exp(-m.logit(0)), rel_tol=1e-12)
+    m.w = [-3.0, 0.0, 0.0, 0.0, 3.0]             # p from the slow EMA alone
+    assert m.wait(1) > math.exp(-m.logit(1))      # it decays
+    assert m.wait(2) > math.exp(-m.logit(2))
+    assert m.wait(1) > m.wait(2)                   # routed once decays from lower
+    m.h[2][3] = m.h[2][1]                          # expert 3: expert 1's slow EMA, the
+    assert m.wait(3) == m.wait(1)                  # features the weights read: the same wait
+    assert m.expected(1) == 1.0 + 1.0 * m.wait(1)  # distance 1 (its layer is next), n_moe 1
