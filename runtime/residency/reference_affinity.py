@@ -9,6 +9,9 @@ import math
 
 import numpy as np
 
+from runtime.residency.core import AFFINITY_SOURCES
+from runtime.residency.reference_neighbours import BLEND, Neighbours
+
 DECAY = 0.9
 WARMUP = 8.0
 COUNT_MAX = 65535   # counts and pairs are 16-bit in the core (affinity.h)
@@ -47,6 +50,7 @@ class AffinityModel:
         self.pred_sum: dict[int, float] = {}             # target MoE index -> its raw q sum
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
+        self.nb = Neighbours(self.n_moe, n_expert, self.k) if self.k > 0 and self.n_moe else None
 
     def observe(self, layer: int, experts: list[int], phase: int) -> None:
         routed = set(experts)
@@ -63,15 +67,20 @@ class AffinityModel:
             for e in self.src[si][0]:
                 self._learn(si, e, routed)
         if phase == 1 and idx >= 0:
-            self.src[idx] = (list(dict.fromkeys(experts)), self.step)
+            distinct = list(dict.fromkeys(experts))
+            self.src[idx] = (distinct[:AFFINITY_SOURCES], self.step)   # the strongest
+            if self.nb is not None and len(experts) <= self.k:         # one token
+                self.nb.decode(idx, distinct)
         k = self.k
+        if phase == 0 and idx >= 0 and self.nb is not None and len(experts) % k == 0:
+            self.nb.chunk(idx, list(experts))
         if phase == 0 and idx >= 0 and k > 0 and len(experts) % k == 0:   # a prompt chunk
             if si >= 0 and si in self.chunk and self.chunk[si][1] == self.step - self.lead \
                     and len(self.chunk[si][0]) == len(experts):
                 src = self.chunk[si][0]
                 for t in range(0, len(experts), k):     # token by token
                     routed_t = set(experts[t:t + k])
-                    for e in dict.fromkeys(src[t:t + k]):
+                    for e in list(dict.fromkeys(src[t:t + k]))[:AFFINITY_SOURCES]:
                         self._learn(si, e, routed_t)
             self.chunk[idx] = (list(experts), self.step)
         self.step += 1
@@ -153,6 +162,17 @@ class AffinityModel:
             r = 1.0 / float(cnt)
             for x in range(ne):
                 q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) * r
+        if self.nb is not None:                    # the neighbours' vote blended in
+            v, order, tot = self.nb.vote(ti)
+            if order and tot > 0.0:
+                a = BLEND if n_known > 0 else 1.0
+                inv = 1.0 / float(n_known) if n_known > 0 else 0.0
+                b = 1.0 - a
+                q = [b * (x * inv) for x in q]
+                a = (BLEND if n_known > 0 else 1.0) / tot
+                for x in order:
+                    q[x] = q[x] + a * v[x]
+                n_known = 1
         if n_known == 0:
             return []
         cands = [x for x in range(ne) if absent(target * ne + x)]

@@ -8,6 +8,8 @@
 #define AF_DECAY 0.9
 #define AF_COUNT_MAX 65535   /* counts and pairs are 16-bit (see af_bump) */
 #define AF_WARMUP 8.0
+#define AF_SOURCES 4   /* a token's sources: its first experts in routing order (the router's
+                          strongest; AFFINITY_SOURCES in runtime/residency/core/__init__.py) */
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
@@ -50,6 +52,15 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
         af_free(m);
         return NULL;
     }
+    if (m->k > 0 && n_moe > 0) {                  /* the neighbour vote needs k */
+        m->nb = nb_create(n_moe, n_expert, m->k);
+        m->nb_v = calloc((size_t) n_expert, sizeof *m->nb_v);
+        m->nb_voted = malloc((size_t) NB_K * m->k * sizeof *m->nb_voted);
+        if (m->nb == NULL || m->nb_v == NULL || m->nb_voted == NULL) {
+            af_free(m);
+            return NULL;
+        }
+    }
     for (int32_t l = 0; l < n_layer; l++) m->moe_index[l] = -1;
     for (int32_t i = 0; i < n_moe; i++) {
         m->moe_layers[i] = moe_layers[i];
@@ -70,6 +81,7 @@ void af_free(af_model *m) {
     if (m->chunk != NULL)
         for (int32_t i = 0; i < m->n_moe; i++) free(m->chunk[i]);
     free(m->chunk); free(m->chunk_cap); free(m->n_chunk); free(m->chunk_step);
+    nb_free(m->nb); free(m->nb_v); free(m->nb_voted);
     free(m);
 }
 
@@ -114,11 +126,11 @@ static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32
     for (int32_t t = 0; t + k <= n; t += k) {
         const int32_t nd = mark_distinct(m, &el[t], k);
         for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
-        for (int32_t j = t; j < t + k; j++) {
+        for (int32_t j = t, ns = 0; j < t + k && ns < AF_SOURCES; j++) {   /* the strongest */
             const int32_t e = src[j];
             int dup = 0;
             for (int32_t i = t; i < j; i++) dup |= src[i] == e;
-            if (!dup) learn_row(m, si, e, d, nd);
+            if (!dup) { learn_row(m, si, e, d, nd); ns++; }
         }
     }
 }
@@ -137,7 +149,7 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
     }
     for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
     if (phase == 1 && idx >= 0 && idx + m->lead < m->n_moe)   /* the rows af_plan will sum */
-        for (int32_t i = 0; i < nd; i++) {
+        for (int32_t i = 0; i < nd && i < AF_SOURCES; i++) {
             const char *row = (const char *) &m->pair[((int64_t) idx * ne + d[i]) * ne];
             for (int32_t b = 0; b < ne * (int32_t) sizeof(uint16_t); b += 64)
                 __builtin_prefetch(row + b);
@@ -149,10 +161,19 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
     }
     if (phase == 1 && idx >= 0) {
         int32_t *src = &m->src[(int64_t) idx * ne];
-        for (int32_t i = 0; i < nd; i++) src[i] = d[i];
-        m->n_src[idx] = nd;
+        const int32_t ns = nd < AF_SOURCES ? nd : AF_SOURCES;   /* the strongest */
+        for (int32_t i = 0; i < ns; i++) src[i] = d[i];
+        m->n_src[idx] = ns;
         m->src_step[idx] = m->step;
+        if (m->nb != NULL && n <= m->k) {         /* one token */
+            nb_decode(m->nb, idx, d, nd);
+            if (idx + m->lead < m->n_moe)         /* the rows af_plan's vote reads */
+                for (int32_t b = 0; b < m->nb->n_best; b++)
+                    __builtin_prefetch(&m->nb->ex[((int64_t) (idx + m->lead) * NB_HISTORY +
+                                                   m->nb->best[b]) * m->k]);
+        }
     }
+    if (phase == 0 && idx >= 0 && m->nb != NULL && n % m->k == 0) nb_chunk(m->nb, idx, el, n);
     if (phase == 0 && idx >= 0 && m->k > 0 && n % m->k == 0) {   /* a prompt chunk */
         if (si >= 0 && m->chunk_step[si] == m->step - m->lead && m->n_chunk[si] == n)
             learn_chunk(m, si, m->chunk[si], el, n);
@@ -177,6 +198,32 @@ __attribute__((optimize("tree-vectorize")))
 static void mask_candidates(double *restrict q, const uint8_t *restrict state, uint8_t absent,
                             int32_t ne) {
     for (int32_t x = 0; x < ne; x++) q[x] = state[x] == absent ? q[x] : -1.0;
+}
+
+/* q[x] = (1 - a) (q[x] / n_known), a = NB_BLEND (1 where the table knew no source: q is 0) */
+__attribute__((optimize("tree-vectorize")))
+static void scale_table(double *restrict q, int32_t n_known, int32_t ne) {
+    const double a = n_known > 0 ? NB_BLEND : 1.0;
+    const double inv = n_known > 0 ? 1.0 / (double) n_known : 0.0, b = 1.0 - a;
+    for (int32_t x = 0; x < ne; x++) q[x] = b * (q[x] * inv);
+}
+
+/* the neighbours' vote into q (neighbours.h): 0 when no token voted (q unchanged), else q is
+ * the blend, as the mean of one source */
+static int add_vote(af_model *m, int32_t ti, int32_t n_known) {
+    double tot;
+    const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
+    const int ok = nv > 0 && tot > 0.0;
+    if (ok) {
+        scale_table(m->q, n_known, m->n_expert);
+        const double a = (n_known > 0 ? NB_BLEND : 1.0) / tot;
+        for (int32_t i = 0; i < nv; i++) {
+            const int32_t x = m->nb_voted[i];
+            m->q[x] = m->q[x] + a * m->nb_v[x];
+        }
+    }
+    for (int32_t i = 0; i < nv; i++) m->nb_v[m->nb_voted[i]] = 0.0;
+    return ok;
 }
 
 double af_transfer_cost(const af_model *m, int64_t bytes) {
@@ -218,6 +265,7 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
         n_known++;
         add_row(m->q, &m->pair[((int64_t) idx * ne + e) * ne], 1.0 / (double) cnt, ne);
     }
+    if (m->nb != NULL && add_vote(m, ti, n_known)) n_known = 1;
     if (n_known == 0) return 0;
     int32_t *pred = &m->pred[(int64_t) ti * ne];
     int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */

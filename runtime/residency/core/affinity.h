@@ -58,6 +58,8 @@
 #define AFFINITY_H
 #include <stdint.h>
 
+#include "neighbours.h"
+
 typedef struct {
     int32_t n_layer, n_expert, n_moe, lead;
     int32_t k;                    /* experts per token (n_expert_used); 0 unknown */
@@ -88,6 +90,9 @@ typedef struct {
     double top_n, min_precision, link_bytes;
     double link_bps, latency_s, gpu_bps, cpu_bps;  /* the [cost] rates: bytes/s, s */
     double per_transfer;          /* link_bps * latency_s: a transfer's fixed cost, bytes */
+    nb_model *nb;                 /* the token-neighbour vote (neighbours.h); NULL: k unknown */
+    double *nb_v;                 /* (E,) scratch: its vote, 0 between plans */
+    int32_t *nb_voted;            /* (NB_K * k,) scratch: the experts voted for */
 } af_model;
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
