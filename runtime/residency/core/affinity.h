@@ -2,17 +2,22 @@
  *
  * Learned online from decode routing and from the prompt's chunks: for MoE layers (index i,
  * i + lead) of the same token, pair[i][e][e'] counts tokens routed to e at i and e' at
- * i + lead, count[i][e] the tokens routed to e at i whose layer i + lead was seen. A decode
- * layer-step is one token (its distinct experts); a prompt chunk's rows are token-major,
+ * i + lead, count[i][e] the tokens routed to e at i whose layer i + lead was seen, for e one of
+ * the token's sources at i: its first AF_SOURCES (4) distinct experts in routing order, the
+ * router's strongest (on the real traces all of qwen3-30b-a3b's 6 scored no better, and a
+ * plan's cost is its sources' rows). A decode layer-step is one token (its distinct
+ * experts); a prompt chunk's rows are token-major,
  * n_expert_used per token (k, given at creation; 0: prompt chunks are not learned), and each
  * of its tokens counts as one decode token would, paired with the same chunk at layer
  * i + lead (observed lead layer-steps earlier, with as many rows). Most of what a prompt
  * teaches is what decode misses: an expert the prompt used and decode has not yet (of
  * gpt-oss-120b's non-cold decode misses at 20 % of its expert bytes, lead 5, 1 % had
- * q >= 0.3 from decode-only tables, 11 % with the prompt's pairs). After a decode layer-step of layer
- * i routed to the distinct set S, the prediction for layer i + lead is
+ * q >= 0.3 from decode-only tables, 11 % with the prompt's pairs). After a decode layer-step
+ * of layer i, the prediction for layer i + lead is
  *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] * (1 / count[i][e])
- * (S' the experts of S with count > 0; no plan when S' is empty)
+ * (S the step's sources, S' those with count > 0), blended with the vote of the tokens routed
+ * most like this one so far (neighbours.h: (1 - NB_BLEND) q + NB_BLEND vote; the vote alone
+ * when S' is empty; no plan when neither knows anything)
  * and the plan is the top_n experts by q (ties: lower id) among the keys of layer i + lead
  * that need a transfer (state absent: a resident or in-flight key is never a candidate, so
  * the plan's slots go to what a prefetch can change), with calibrated q >= min_precision:
