@@ -193,12 +193,15 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
 
 /* q[x] = the sum over rows j = 0 .. n - 1, in order, of rows[j][x] * r[j], from 0: the same
  * IEEE operations, in the same order, as adding one row at a time, but in one pass over x that
- * keeps the sums in registers (SSE2: eight experts, four pairs of doubles, at a time) */
-static void sum_rows(double *restrict q, const uint16_t *const *rows, const double *r, int32_t n,
-                     int32_t ne) {
+ * keeps the sums in registers (SSE2: eight experts, four pairs of doubles, at a time); returns
+ * the largest q */
+static double sum_rows(double *restrict q, const uint16_t *const *rows, const double *r, int32_t n,
+                       int32_t ne) {
     int32_t x = 0;
+    double top = 0.0;                             /* the largest sum (sums are >= 0) */
 #ifdef __SSE2__
     const __m128i zero = _mm_setzero_si128();
+    __m128d mx = _mm_setzero_pd();
     for (; x + 8 <= ne; x += 8) {
         __m128d s0 = _mm_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
         for (int32_t j = 0; j < n; j++) {
@@ -212,13 +215,19 @@ static void sum_rows(double *restrict q, const uint16_t *const *rows, const doub
         }
         _mm_storeu_pd(&q[x], s0); _mm_storeu_pd(&q[x + 2], s1);
         _mm_storeu_pd(&q[x + 4], s2); _mm_storeu_pd(&q[x + 6], s3);
+        mx = _mm_max_pd(mx, _mm_max_pd(_mm_max_pd(s0, s1), _mm_max_pd(s2, s3)));
     }
+    double lanes[2];
+    _mm_storeu_pd(lanes, mx);
+    top = lanes[0] > lanes[1] ? lanes[0] : lanes[1];
 #endif
     for (; x < ne; x++) {
         double v = 0.0;
         for (int32_t j = 0; j < n; j++) v = v + (double) rows[j][x] * r[j];
         q[x] = v;
+        top = v > top ? v : top;
     }
+    return top;
 }
 
 /* q[x] = -1 (never a candidate) where state[x] is not absent: only keys that need a transfer */
@@ -237,17 +246,21 @@ static void scale_table(double *restrict q, int32_t n_known, int32_t ne) {
 }
 
 /* the neighbours' vote into q (neighbours.h): 0 when no token voted (q unchanged), else q is
- * the blend, as the mean of one source */
-static int add_vote(af_model *m, int32_t ti, int32_t n_known) {
+ * the blend, as the mean of one source; *top stays >= the largest q (the table's largest,
+ * scaled as scale_table does, or a voted one) */
+static int add_vote(af_model *m, int32_t ti, int32_t n_known, double *top) {
     double tot;
     const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
     const int ok = nv > 0 && tot > 0.0;
     if (ok) {
         scale_table(m->q, n_known, m->n_expert);
         const double a = (n_known > 0 ? NB_BLEND : 1.0) / tot;
+        const double inv = n_known > 0 ? 1.0 / (double) n_known : 0.0;
+        *top = (1.0 - (n_known > 0 ? NB_BLEND : 1.0)) * (*top * inv);
         for (int32_t i = 0; i < nv; i++) {
             const int32_t x = m->nb_voted[i];
             m->q[x] = m->q[x] + a * m->nb_v[x];
+            *top = m->q[x] > *top ? m->q[x] : *top;
         }
     }
     for (int32_t i = 0; i < nv; i++) m->nb_v[m->nb_voted[i]] = 0.0;
@@ -294,9 +307,14 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
         rows[n_known] = &m->pair[((int64_t) idx * ne + e) * ne];
         r[n_known++] = 1.0 / (double) cnt;
     }
-    sum_rows(m->q, rows, r, n_known, ne);
-    if (m->nb != NULL && add_vote(m, ti, n_known)) n_known = 1;
+    double top_q = sum_rows(m->q, rows, r, n_known, ne);
+    if (m->nb != NULL && add_vote(m, ti, n_known, &top_q)) n_known = 1;
     if (n_known == 0) return 0;
+    if (top_q / (double) n_known * cal < m->min_precision) {   /* nothing can pass: */
+        m->n_pred[ti] = 0;                        /* the empty plan, scored at ti's visit */
+        m->pred_sum[ti] = 0.0;
+        return 0;
+    }
     int32_t *pred = &m->pred[(int64_t) ti * ne];
     int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
     if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
