@@ -13,7 +13,7 @@ from runtime.residency.core import AFFINITY_SOURCES
 from runtime.residency.reference_neighbours import BLEND, Neighbours
 
 DECAY = 0.9
-WARMUP = 8.0
+PRIOR = 8.0        # AF_PRIOR: the calibration's prior, predicted hits at factor 1
 COUNT_MAX = 65535   # counts and pairs are 16-bit in the core (affinity.h)
 
 
@@ -45,8 +45,8 @@ class AffinityModel:
         self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
         self.chunk: dict[int, tuple[list[int], int]] = {}  # MoE index -> (prompt chunk, step)
         self.hits = 0.0
-        self.scored = 0.0
         self.predicted = 0.0        # decayed sum of the scored predictions' raw q
+        self.keep = 1.0 - 1.0 / float(self.n_moe if self.n_moe else 1)   # per plan
         self.pred_sum: dict[int, float] = {}             # target MoE index -> its raw q sum
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
@@ -58,9 +58,8 @@ class AffinityModel:
         if idx >= 0 and idx in self.pred:
             pred = self.pred.pop(idx)
             hit = sum(1 for e in pred if e in routed)
-            self.hits = self.hits * DECAY + float(hit)
-            self.scored = self.scored * DECAY + float(len(pred))
-            self.predicted = self.predicted * DECAY + self.pred_sum.pop(idx)
+            self.hits = self.hits * self.keep + float(hit)
+            self.predicted = self.predicted * self.keep + self.pred_sum.pop(idx)
         si = idx - self.lead
         if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
                 and self.src[si][1] == self.step - self.lead:
@@ -150,8 +149,7 @@ class AffinityModel:
         room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
             return []                 # not one transfer would cross in time: no plan
-        cal = (self.hits / self.predicted if self.scored >= WARMUP and self.predicted > 0.0
-               else 1.0)
+        cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
         q = [0.0] * ne
         n_known = 0
         for e in self.src[idx][0]:

@@ -11,7 +11,7 @@
 
 #define AF_DECAY 0.9
 #define AF_COUNT_MAX 65535   /* counts and pairs are 16-bit (see af_bump) */
-#define AF_WARMUP 8.0
+#define AF_PRIOR 8.0   /* the calibration's prior: this many predicted hits at factor 1 */
 #define AF_SOURCES 4   /* a token's sources: its first experts in routing order (the router's
                           strongest; AFFINITY_SOURCES in runtime/residency/core/__init__.py) */
 
@@ -30,6 +30,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
     m->step_ema = -1.0;
+    m->tally_keep = 1.0 - 1.0 / (double) nm;     /* about one token's plans remembered */
     m->k = n_expert_used > 0 ? n_expert_used : 0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
@@ -146,9 +147,8 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
         int32_t hit = 0;
         const int32_t *pred = &m->pred[(int64_t) idx * ne];
         for (int32_t j = 0; j < m->n_pred[idx]; j++) hit += m->mark[pred[j]];
-        m->hits = m->hits * AF_DECAY + (double) hit;
-        m->scored = m->scored * AF_DECAY + (double) m->n_pred[idx];
-        m->predicted = m->predicted * AF_DECAY + m->pred_sum[idx];
+        m->hits = m->hits * m->tally_keep + (double) hit;
+        m->predicted = m->predicted * m->tally_keep + m->pred_sum[idx];
         m->n_pred[idx] = -1;
     }
     for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
@@ -294,8 +294,7 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
     /* measured hits per predicted one: what a prediction's q is worth */
-    const double cal = m->scored >= AF_WARMUP && m->predicted > 0.0 ? m->hits / m->predicted
-                                                                      : 1.0;
+    const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
     int32_t n_known = 0;
     const uint16_t *rows[AF_SOURCES];
     double r[AF_SOURCES];

@@ -21,9 +21,9 @@
  * and the plan is the top_n experts by q (ties: lower id) among the keys of layer i + lead
  * that need a transfer (state absent: a resident or in-flight key is never a candidate, so
  * the plan's slots go to what a prefetch can change), with calibrated q >= min_precision:
- *     calibrated q = min(1, q * hits / predicted)
- * hits / predicted the measured hits per predicted hit (the decayed tallies below: the sum
- * of the scored keys' q; 1 until AF_WARMUP predictions were scored). The raw q is
+ *     calibrated q = min(1, q * (hits + AF_PRIOR) / (predicted + AF_PRIOR))
+ * the measured hits per predicted hit (the decayed tallies below: predicted is the sum of the
+ * scored keys' q), shrunk toward 1 by a prior of AF_PRIOR (8) predicted hits. The raw q is
  * overconfident where its counts are small: uncalibrated, the prefetches issued with q in
  * [0.5, 0.7) were used in time 6-17 % of the time on gpt-oss-120b (2 experts per token, 64
  * decode tokens; 10-30 % of the expert bytes), 71-80 % on qwen3-30b-a3b (6 per token, 128).
@@ -50,13 +50,18 @@
  * transfer of layer i + lead would fit, no plan is made (nor scored): the q rows are not
  * computed at all.
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
- * tallies, AF_DECAY per plan: hits, scored keys and their raw q summed as predicted): it
- * calibrates q above, which is the only gate (a gate that stopped every plan while the
- * measured precision was below min_precision, planning one layer-step in 8 to keep measuring,
- * stopped the calibrated candidates that do pay: without it 1.868x -> 1.855x Belady on the
- * real traces, no cell worse). An empty plan is scored too: it decays the tallies, so once
- * nothing passes for a while they fall below AF_WARMUP and the calibration starts over at 1
- * (what re-measures a predictor that went bad, or recovered).
+ * tallies, by 1 - 1 / n_moe per plan, about one token's plans: hits, and the raw q summed as
+ * predicted): it calibrates q above, which is the only gate (a gate that stopped every plan
+ * while the measured precision was below min_precision, planning one layer-step in 8 to keep
+ * measuring, stopped the calibrated candidates that do pay: without it 1.868x -> 1.855x
+ * Belady on the real traces, no cell worse). An empty plan is scored too: it decays the
+ * tallies, so once nothing passes for a while the prior takes over and the calibration
+ * drifts back toward 1 (what re-measures a predictor that went bad, or recovered). The prior
+ * and the token-long memory replaced a hard start over at 1 once the tallies (then decayed
+ * by 0.9 per plan) fell below 8 predictions: on routing with no structure (bench_manager's
+ * stream) that reset let through bursts of wasted prefetches (18,000 issued over 1000 tokens
+ * with the neighbour vote, 4,200 now), and on the real traces it scored 1.794x forced Belady
+ * against 1.792x now.
  * Operations are in the order of the Python reference (runtime/residency/reference_affinity.py).
  */
 #ifndef AFFINITY_H
@@ -86,8 +91,9 @@ typedef struct {
     int64_t *chunk_cap;           /* (n_moe,) its capacity, elements */
     int32_t *n_chunk;             /* (n_moe,) its elements */
     int64_t *chunk_step;          /* (n_moe,) the step it was observed at, -1 none */
-    double hits, scored;          /* decayed precision tallies */
-    double predicted;             /* decayed sum of the scored predictions' raw q */
+    double hits;                  /* decayed tallies: hits of the scored plans, and */
+    double predicted;             /* the sum of their predictions' raw q */
+    double tally_keep;            /* their decay per plan: 1 - 1 / n_moe */
     double *pred_sum;             /* (n_moe,) the pending plan's raw q, summed */
     double backlog;               /* link bytes queued for prefetch, not yet carried */
     double last_step_s, step_ema; /* the latest step's expert compute, and its running mean
