@@ -63,6 +63,9 @@ class InlineTransport:
         self.dropped += 1
 
 
+TOP_K = 8   # experts per token (bind_model's n_expert_used, as the live setup passes it)
+
+
 def decode_stream(tokens: int, layers: int, experts: int, top_k: int, seed: int) -> np.ndarray:
     """(tokens, layers, top_k) int32 expert ids: Zipf-like popularity per layer, distinct per
     token (Gumbel top-k)."""
@@ -87,7 +90,7 @@ class ManagerRun:
     def __init__(self, layers: int, capacity_experts: int, policy: str, expert_bytes: int = 1):
         self.transport = InlineTransport()
         self.m = ExpertResidencyManager(_config(policy), transport=self.transport)
-        self.m.bind_model([expert_bytes] * layers, 128)
+        self.m.bind_model([expert_bytes] * layers, 128, TOP_K)   # as the live setup does
         self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.layers = layers
         self.held = None       # the previous layer-step's access, leased until the next one
@@ -115,7 +118,7 @@ class NativeRun:
 
     def __init__(self, layers: int, capacity_experts: int, policy: str, expert_bytes: int = 1):
         self.m = ExpertResidencyManager(_config(policy), transport=InlineTransport())
-        self.m.bind_model([expert_bytes] * layers, 128)
+        self.m.bind_model([expert_bytes] * layers, 128, TOP_K)   # as the live setup does
         self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.core = self.m.core_handle("cuda:0")
         from runtime.residency.core.build import load_core
@@ -210,7 +213,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.expert_bytes < 1:
         ap.error(f"--expert-bytes: {args.expert_bytes} must be >= 1")
-    layers, experts, top_k = 48, 128, 8
+    layers, experts, top_k = 48, 128, TOP_K
     stream = decode_stream(args.tokens, layers, experts, top_k, args.seed)
     capacity = int(args.capacity * layers * experts)
     b = args.expert_bytes

@@ -534,7 +534,8 @@ class ExpertResidencyManager:
                             "profile")
         dev = self._device(device)
         with self._lock:
-            dev.core.warm_start(profile.frequency, profile.pair, profile.count)
+            dev.core.warm_start(profile.frequency, profile.pair, profile.count,
+                                profile.history)
 
     # ---- queries -------------------------------------------------------------------------
     def is_resident(self, device: str, key: ExpertKey) -> bool:

@@ -4,13 +4,20 @@ A profile holds, from the decode tokens of one or more traces of the same model:
   frequency (n_layer, n_expert) float64   the share of decode tokens routed to each expert
   pair      (n_moe - 1, E, E) int32       tokens routed to e at MoE layer i and e' at i + 1
   count     (n_moe - 1, E) int32          tokens routed to e at MoE layer i (with layer i + 1)
+  (e: one of the token's first AFFINITY_SOURCES distinct experts at i in routing order, the
+  sources prefetch affinity learns from)
+  history   (T, n_moe, n_expert_used) int16 the last T <= NEIGHBOUR_HISTORY decode tokens'
+                                        distinct experts at each MoE layer, routing order,
+                                        -1 pad (prefetch affinity's token neighbours)
 Eviction next-visit starts its frequency estimates at ``frequency`` and prefetch affinity its
-table at ``pair`` / ``count`` (``ExpertResidencyManager.warm_start``), instead of from nothing:
-the first decode tokens of a cold start miss most of their experts.
+table at ``pair`` / ``count`` and its token neighbours at ``history``
+(``ExpertResidencyManager.warm_start``), instead of from nothing: the first decode tokens of a
+cold start miss most of their experts.
 
 File: a NumPy ``.npz`` (no pickles) with those arrays and ``header``, the UTF-8 JSON of
-{"format": "moe-offload routing profile", "version": 1, "model", "arch", "n_layer",
-"n_expert", "n_expert_used", "expert_bytes", "decode_tokens", "traces"}.
+{"format": "moe-offload routing profile", "version": 2, "model", "arch", "n_layer",
+"n_expert", "n_expert_used", "expert_bytes", "decode_tokens", "traces"}. A version 1 file (no
+``history``) is read with an empty one.
 
     prof = build_profile([read_trace("a.rtb"), read_trace("b.rtb")])
     write_profile("model.profile.npz", prof)
@@ -26,8 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import UserError
+from runtime.residency.core import AFFINITY_SOURCES, NEIGHBOUR_HISTORY
 
-FORMAT, VERSION = "moe-offload routing profile", 1
+FORMAT, VERSION = "moe-offload routing profile", 2
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class RoutingProfile:
     frequency: np.ndarray           # (n_layer, n_expert) float64
     pair: np.ndarray                # (n_moe - 1, n_expert, n_expert) int32
     count: np.ndarray               # (n_moe - 1, n_expert) int32
+    history: np.ndarray             # (T, n_moe, n_expert_used) int16, -1 pad
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -84,6 +93,8 @@ def build_profile(traces, names: list[str] | None = None) -> RoutingProfile:
     pair = np.zeros((n_pair, h.n_expert, h.n_expert), dtype=np.int64)
     count = np.zeros((n_pair, h.n_expert), dtype=np.int64)
     tokens = 0
+    k_used = max(int(h.n_expert_used), 1)
+    history: list[np.ndarray] = []                 # the last tokens of each trace, in order
     for t in traces:
         dec = np.flatnonzero(t.phase == 1)
         if not len(dec):
@@ -97,24 +108,33 @@ def build_profile(traces, names: list[str] | None = None) -> RoutingProfile:
         tok, rest = np.divmod(key, h.n_layer * h.n_expert)
         lay, exp = np.divmod(rest, h.n_expert)
         np.add.at(routed, (lay, exp), 1)
-        # pairs: the same token at MoE layers i and i + 1
-        idx = index[lay]
-        by = {}
-        for k, (a, i, e) in enumerate(zip(tok.tolist(), idx.tolist(), exp.tolist())):
-            by.setdefault((a, i), []).append(e)
+        # pairs: the same token at MoE layers i and i + 1, from its first AFFINITY_SOURCES
+        # distinct experts at i in routing order (the rows' order), as the core learns them
+        by: dict[tuple[int, int], dict[int, None]] = {}
+        for a, i, e in zip(token.tolist(), index[layer].tolist(), expert.tolist()):
+            by.setdefault((a, i), {})[e] = None
         for (a, i), experts in by.items():
             nxt = by.get((a, i + 1))
             if nxt is None or i + 1 >= len(moe):
                 continue
-            count[i, experts] += 1
-            pair[i][np.ix_(experts, nxt)] += 1
+            src = list(experts)[:AFFINITY_SOURCES]
+            count[i, src] += 1
+            pair[i][np.ix_(src, list(nxt))] += 1
+        n_tok = int(token.max()) + 1
+        last = np.full((min(n_tok, NEIGHBOUR_HISTORY), len(moe), k_used), -1, dtype=np.int16)
+        for (a, i), experts in by.items():
+            if a >= n_tok - len(last) and i >= 0:
+                row = list(experts)[:k_used]
+                last[a - (n_tok - len(last)), i, :len(row)] = row
+        history.append(last)
     if tokens == 0:
         raise UserError(f"{names[0]}: no decode tokens to build a profile from")
     return RoutingProfile(model=h.model, arch=h.arch, n_layer=h.n_layer, n_expert=h.n_expert,
                           n_expert_used=h.n_expert_used, expert_bytes=tuple(h.expert_bytes),
                           decode_tokens=tokens, traces=tuple(str(n) for n in names),
                           frequency=routed / float(tokens), pair=pair.astype(np.int32),
-                          count=count.astype(np.int32))
+                          count=count.astype(np.int32),
+                          history=np.concatenate(history)[-NEIGHBOUR_HISTORY:])
 
 
 def write_profile(path: str | Path, prof: RoutingProfile) -> None:
@@ -126,7 +146,7 @@ def write_profile(path: str | Path, prof: RoutingProfile) -> None:
     try:
         with open(path, "wb") as f:
             np.savez_compressed(f, header=raw, frequency=prof.frequency, pair=prof.pair,
-                                count=prof.count)
+                                count=prof.count, history=prof.history)
     except OSError as err:
         raise UserError(f"{path}: cannot write ({err.strerror})") from None
 
@@ -137,6 +157,8 @@ def read_profile(path: str | Path) -> RoutingProfile:
     try:
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in ("header", "frequency", "pair", "count")}
+            if "history" in z.files:
+                arrays["history"] = z["history"]
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -145,15 +167,18 @@ def read_profile(path: str | Path) -> RoutingProfile:
         raise UserError(bad) from None
     try:
         head = json.loads(arrays["header"].tobytes().decode())
-        if head.get("format") != FORMAT or head.get("version") != VERSION:
+        if head.get("format") != FORMAT or head.get("version") not in (1, VERSION):
             raise ValueError
+        n_moe = sum(1 for b in head["expert_bytes"] if int(b) > 0)
+        if head["version"] == 1:                  # (before the neighbour history)
+            arrays["history"] = np.full((0, n_moe, int(head["n_expert_used"])), -1, np.int16)
         prof = RoutingProfile(
             model=str(head["model"]), arch=str(head["arch"]), n_layer=int(head["n_layer"]),
             n_expert=int(head["n_expert"]), n_expert_used=int(head["n_expert_used"]),
             expert_bytes=tuple(int(b) for b in head["expert_bytes"]),
             decode_tokens=int(head["decode_tokens"]), traces=tuple(head["traces"]),
             frequency=arrays["frequency"].astype(np.float64), pair=arrays["pair"],
-            count=arrays["count"])
+            count=arrays["count"], history=arrays["history"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise UserError(bad) from None
     n_pair = max(len(prof.moe_layers) - 1, 0)
@@ -163,6 +188,23 @@ def read_profile(path: str | Path) -> RoutingProfile:
             or prof.count.shape != (n_pair, prof.n_expert)
             or not np.isfinite(prof.frequency).all() or (prof.frequency < 0).any()
             or (prof.frequency > 1).any() or (prof.pair < 0).any() or (prof.count < 0).any()
-            or (n_pair and (prof.pair > prof.count[:, :, None]).any())):
+            or (n_pair and (prof.pair > prof.count[:, :, None]).any())
+            or not _history_ok(prof)):
         raise UserError(f"{path}: a corrupt routing profile (arrays do not match its header)")
     return prof
+
+
+def _history_ok(prof: RoutingProfile) -> bool:
+    """history is (T <= NEIGHBOUR_HISTORY, n_moe, n_expert_used) int16: each row distinct
+    expert ids, then only -1."""
+    h = prof.history
+    if (h.dtype != np.int16 or h.ndim != 3 or len(h) > NEIGHBOUR_HISTORY
+            or h.shape[1:] != (len(prof.moe_layers), max(prof.n_expert_used, 1))):
+        return False
+    if ((h < -1) | (h >= prof.n_expert)).any():
+        return False
+    pad = h < 0
+    if (pad[..., :-1] & ~pad[..., 1:]).any():      # an id after a pad
+        return False
+    rows = np.sort(h.reshape(-1, h.shape[2]), axis=1)
+    return not ((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any()

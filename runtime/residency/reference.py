@@ -516,13 +516,16 @@ class ReferenceCore:
         return (np.array([b for b, _ in log], dtype=np.int64),
                 np.array([f for _, f in log], dtype=np.int32))
 
-    def warm_start(self, frequency, pair, count) -> None:
+    def warm_start(self, frequency, pair, count, history=None) -> None:
         freq = np.asarray(frequency, dtype=np.float64).reshape(-1).tolist()
         if self.nv is not None:
             self.nv.h = [list(freq) for _ in self.nv.h]
         pair, count = np.asarray(pair), np.asarray(count)
         if self.af is not None and pair.size:
             self.af.warm_start(pair, count)
+        if self.af is not None and self.af.nb is not None and history is not None \
+                and np.asarray(history).size:
+            self.af.nb.warm_start(np.asarray(history).tolist())
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, tid: int):

@@ -9,8 +9,11 @@ import math
 
 import numpy as np
 
+from runtime.residency.core import AFFINITY_SOURCES
+from runtime.residency.reference_neighbours import BLEND, Neighbours
+
 DECAY = 0.9
-WARMUP = 8.0
+PRIOR = 8.0        # AF_PRIOR: the calibration's prior, predicted hits at factor 1
 COUNT_MAX = 65535   # counts and pairs are 16-bit in the core (affinity.h)
 
 
@@ -42,11 +45,12 @@ class AffinityModel:
         self.pred: dict[int, list[int]] = {}             # target MoE index -> its plan
         self.chunk: dict[int, tuple[list[int], int]] = {}  # MoE index -> (prompt chunk, step)
         self.hits = 0.0
-        self.scored = 0.0
         self.predicted = 0.0        # decayed sum of the scored predictions' raw q
+        self.keep = 1.0 - 1.0 / float(self.n_moe if self.n_moe else 1)   # per plan
         self.pred_sum: dict[int, float] = {}             # target MoE index -> its raw q sum
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
+        self.nb = Neighbours(self.n_moe, n_expert, self.k) if self.k > 0 and self.n_moe else None
 
     def observe(self, layer: int, experts: list[int], phase: int) -> None:
         routed = set(experts)
@@ -54,24 +58,28 @@ class AffinityModel:
         if idx >= 0 and idx in self.pred:
             pred = self.pred.pop(idx)
             hit = sum(1 for e in pred if e in routed)
-            self.hits = self.hits * DECAY + float(hit)
-            self.scored = self.scored * DECAY + float(len(pred))
-            self.predicted = self.predicted * DECAY + self.pred_sum.pop(idx)
+            self.hits = self.hits * self.keep + float(hit)
+            self.predicted = self.predicted * self.keep + self.pred_sum.pop(idx)
         si = idx - self.lead
         if phase == 1 and idx >= 0 and si >= 0 and si in self.src \
                 and self.src[si][1] == self.step - self.lead:
             for e in self.src[si][0]:
                 self._learn(si, e, routed)
         if phase == 1 and idx >= 0:
-            self.src[idx] = (list(dict.fromkeys(experts)), self.step)
+            distinct = list(dict.fromkeys(experts))
+            self.src[idx] = (distinct[:AFFINITY_SOURCES], self.step)   # the strongest
+            if self.nb is not None and len(experts) <= self.k:         # one token
+                self.nb.decode(idx, distinct)
         k = self.k
+        if phase == 0 and idx >= 0 and self.nb is not None and len(experts) % k == 0:
+            self.nb.chunk(idx, list(experts))
         if phase == 0 and idx >= 0 and k > 0 and len(experts) % k == 0:   # a prompt chunk
             if si >= 0 and si in self.chunk and self.chunk[si][1] == self.step - self.lead \
                     and len(self.chunk[si][0]) == len(experts):
                 src = self.chunk[si][0]
                 for t in range(0, len(experts), k):     # token by token
                     routed_t = set(experts[t:t + k])
-                    for e in dict.fromkeys(src[t:t + k]):
+                    for e in list(dict.fromkeys(src[t:t + k]))[:AFFINITY_SOURCES]:
                         self._learn(si, e, routed_t)
             self.chunk[idx] = (list(experts), self.step)
         self.step += 1
@@ -141,8 +149,7 @@ class AffinityModel:
         room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
             return []                 # not one transfer would cross in time: no plan
-        cal = (self.hits / self.predicted if self.scored >= WARMUP and self.predicted > 0.0
-               else 1.0)
+        cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
         q = [0.0] * ne
         n_known = 0
         for e in self.src[idx][0]:
@@ -153,6 +160,17 @@ class AffinityModel:
             r = 1.0 / float(cnt)
             for x in range(ne):
                 q[x] = q[x] + float(self.pair.get((idx, e, x), 0)) * r
+        if self.nb is not None:                    # the neighbours' vote blended in
+            v, order, tot = self.nb.vote(ti)
+            if order and tot > 0.0:
+                a = BLEND if n_known > 0 else 1.0
+                inv = 1.0 / float(n_known) if n_known > 0 else 0.0
+                b = 1.0 - a
+                q = [b * (x * inv) for x in q]
+                a = (BLEND if n_known > 0 else 1.0) / tot
+                for x in order:
+                    q[x] = q[x] + a * v[x]
+                n_known = 1
         if n_known == 0:
             return []
         cands = [x for x in range(ne) if absent(target * ne + x)]

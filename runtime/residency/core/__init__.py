@@ -30,6 +30,13 @@ COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_b
             "prefetch_issued_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
             "transition_hits")
 
+# prefetch affinity's sources: a token's first experts at a layer in routing order (the
+# router's strongest; affinity.c's AF_SOURCES), what its pair table learns and plans from
+AFFINITY_SOURCES = 4
+# the decode tokens prefetch affinity's neighbour vote keeps (neighbours.h's NB_HISTORY): what
+# a routing profile carries for it
+NEIGHBOUR_HISTORY = 128
+
 # key states
 RESIDENT_MAX, ABSENT, PENDING, EVICTING = 2, 8, 9, 10
 NEVER = 2**62   # next_use value meaning "not used again"

@@ -5,9 +5,15 @@
 #include <math.h>
 #include <stdlib.h>
 
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
 #define AF_DECAY 0.9
 #define AF_COUNT_MAX 65535   /* counts and pairs are 16-bit (see af_bump) */
-#define AF_WARMUP 8.0
+#define AF_PRIOR 8.0   /* the calibration's prior: this many predicted hits at factor 1 */
+#define AF_SOURCES 4   /* a token's sources: its first experts in routing order (the router's
+                          strongest; AFFINITY_SOURCES in runtime/residency/core/__init__.py) */
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,
                     double top_n, double min_precision, double link_bytes,
@@ -24,6 +30,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
     m->n_layer = n_layer; m->n_expert = n_expert; m->n_moe = n_moe; m->lead = lead;
     m->top_n = top_n; m->min_precision = min_precision; m->link_bytes = link_bytes;
     m->step_ema = -1.0;
+    m->tally_keep = 1.0 - 1.0 / (double) nm;     /* about one token's plans remembered */
     m->k = n_expert_used > 0 ? n_expert_used : 0;
     m->moe_index = malloc((size_t) n_layer * sizeof *m->moe_index);
     m->moe_layers = malloc((size_t) nm * sizeof *m->moe_layers);
@@ -50,6 +57,15 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
         af_free(m);
         return NULL;
     }
+    if (m->k > 0 && n_moe > 0) {                  /* the neighbour vote needs k */
+        m->nb = nb_create(n_moe, n_expert, m->k);
+        m->nb_v = calloc((size_t) n_expert, sizeof *m->nb_v);
+        m->nb_voted = malloc((size_t) NB_K * m->k * sizeof *m->nb_voted);
+        if (m->nb == NULL || m->nb_v == NULL || m->nb_voted == NULL) {
+            af_free(m);
+            return NULL;
+        }
+    }
     for (int32_t l = 0; l < n_layer; l++) m->moe_index[l] = -1;
     for (int32_t i = 0; i < n_moe; i++) {
         m->moe_layers[i] = moe_layers[i];
@@ -70,6 +86,7 @@ void af_free(af_model *m) {
     if (m->chunk != NULL)
         for (int32_t i = 0; i < m->n_moe; i++) free(m->chunk[i]);
     free(m->chunk); free(m->chunk_cap); free(m->n_chunk); free(m->chunk_step);
+    nb_free(m->nb); free(m->nb_v); free(m->nb_voted);
     free(m);
 }
 
@@ -114,11 +131,11 @@ static void learn_chunk(af_model *m, int32_t si, const int32_t *src, const int32
     for (int32_t t = 0; t + k <= n; t += k) {
         const int32_t nd = mark_distinct(m, &el[t], k);
         for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
-        for (int32_t j = t; j < t + k; j++) {
+        for (int32_t j = t, ns = 0; j < t + k && ns < AF_SOURCES; j++) {   /* the strongest */
             const int32_t e = src[j];
             int dup = 0;
             for (int32_t i = t; i < j; i++) dup |= src[i] == e;
-            if (!dup) learn_row(m, si, e, d, nd);
+            if (!dup) { learn_row(m, si, e, d, nd); ns++; }
         }
     }
 }
@@ -130,14 +147,13 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
         int32_t hit = 0;
         const int32_t *pred = &m->pred[(int64_t) idx * ne];
         for (int32_t j = 0; j < m->n_pred[idx]; j++) hit += m->mark[pred[j]];
-        m->hits = m->hits * AF_DECAY + (double) hit;
-        m->scored = m->scored * AF_DECAY + (double) m->n_pred[idx];
-        m->predicted = m->predicted * AF_DECAY + m->pred_sum[idx];
+        m->hits = m->hits * m->tally_keep + (double) hit;
+        m->predicted = m->predicted * m->tally_keep + m->pred_sum[idx];
         m->n_pred[idx] = -1;
     }
     for (int32_t i = 0; i < nd; i++) m->mark[d[i]] = 0;
     if (phase == 1 && idx >= 0 && idx + m->lead < m->n_moe)   /* the rows af_plan will sum */
-        for (int32_t i = 0; i < nd; i++) {
+        for (int32_t i = 0; i < nd && i < AF_SOURCES; i++) {
             const char *row = (const char *) &m->pair[((int64_t) idx * ne + d[i]) * ne];
             for (int32_t b = 0; b < ne * (int32_t) sizeof(uint16_t); b += 64)
                 __builtin_prefetch(row + b);
@@ -149,10 +165,19 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
     }
     if (phase == 1 && idx >= 0) {
         int32_t *src = &m->src[(int64_t) idx * ne];
-        for (int32_t i = 0; i < nd; i++) src[i] = d[i];
-        m->n_src[idx] = nd;
+        const int32_t ns = nd < AF_SOURCES ? nd : AF_SOURCES;   /* the strongest */
+        for (int32_t i = 0; i < ns; i++) src[i] = d[i];
+        m->n_src[idx] = ns;
         m->src_step[idx] = m->step;
+        if (m->nb != NULL && n <= m->k) {         /* one token */
+            nb_decode(m->nb, idx, d, nd);
+            if (idx + m->lead < m->n_moe)         /* the rows af_plan's vote reads */
+                for (int32_t b = 0; b < m->nb->n_best; b++)
+                    __builtin_prefetch(&m->nb->ex[((int64_t) (idx + m->lead) * NB_HISTORY +
+                                                   m->nb->best[b]) * m->k]);
+        }
     }
+    if (phase == 0 && idx >= 0 && m->nb != NULL && n % m->k == 0) nb_chunk(m->nb, idx, el, n);
     if (phase == 0 && idx >= 0 && m->k > 0 && n % m->k == 0) {   /* a prompt chunk */
         if (si >= 0 && m->chunk_step[si] == m->step - m->lead && m->n_chunk[si] == n)
             learn_chunk(m, si, m->chunk[si], el, n);
@@ -166,10 +191,43 @@ int af_observe(af_model *m, int32_t layer, const int32_t *el, int32_t n, int32_t
     return 0;
 }
 
-/* q += row * r over the experts: a loop the compiler vectorizes (the same IEEE operations) */
-__attribute__((optimize("tree-vectorize")))
-static void add_row(double *restrict q, const uint16_t *restrict row, double r, int32_t ne) {
-    for (int32_t x = 0; x < ne; x++) q[x] = q[x] + (double) row[x] * r;
+/* q[x] = the sum over rows j = 0 .. n - 1, in order, of rows[j][x] * r[j], from 0: the same
+ * IEEE operations, in the same order, as adding one row at a time, but in one pass over x that
+ * keeps the sums in registers (SSE2: eight experts, four pairs of doubles, at a time); returns
+ * the largest q */
+static double sum_rows(double *restrict q, const uint16_t *const *rows, const double *r, int32_t n,
+                       int32_t ne) {
+    int32_t x = 0;
+    double top = 0.0;                             /* the largest sum (sums are >= 0) */
+#ifdef __SSE2__
+    const __m128i zero = _mm_setzero_si128();
+    __m128d mx = _mm_setzero_pd();
+    for (; x + 8 <= ne; x += 8) {
+        __m128d s0 = _mm_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+        for (int32_t j = 0; j < n; j++) {
+            const __m128i v = _mm_loadu_si128((const __m128i *) &rows[j][x]);
+            const __m128i lo = _mm_unpacklo_epi16(v, zero), hi = _mm_unpackhi_epi16(v, zero);
+            const __m128d rj = _mm_set1_pd(r[j]);
+            s0 = _mm_add_pd(s0, _mm_mul_pd(_mm_cvtepi32_pd(lo), rj));
+            s1 = _mm_add_pd(s1, _mm_mul_pd(_mm_cvtepi32_pd(_mm_srli_si128(lo, 8)), rj));
+            s2 = _mm_add_pd(s2, _mm_mul_pd(_mm_cvtepi32_pd(hi), rj));
+            s3 = _mm_add_pd(s3, _mm_mul_pd(_mm_cvtepi32_pd(_mm_srli_si128(hi, 8)), rj));
+        }
+        _mm_storeu_pd(&q[x], s0); _mm_storeu_pd(&q[x + 2], s1);
+        _mm_storeu_pd(&q[x + 4], s2); _mm_storeu_pd(&q[x + 6], s3);
+        mx = _mm_max_pd(mx, _mm_max_pd(_mm_max_pd(s0, s1), _mm_max_pd(s2, s3)));
+    }
+    double lanes[2];
+    _mm_storeu_pd(lanes, mx);
+    top = lanes[0] > lanes[1] ? lanes[0] : lanes[1];
+#endif
+    for (; x < ne; x++) {
+        double v = 0.0;
+        for (int32_t j = 0; j < n; j++) v = v + (double) rows[j][x] * r[j];
+        q[x] = v;
+        top = v > top ? v : top;
+    }
+    return top;
 }
 
 /* q[x] = -1 (never a candidate) where state[x] is not absent: only keys that need a transfer */
@@ -177,6 +235,36 @@ __attribute__((optimize("tree-vectorize")))
 static void mask_candidates(double *restrict q, const uint8_t *restrict state, uint8_t absent,
                             int32_t ne) {
     for (int32_t x = 0; x < ne; x++) q[x] = state[x] == absent ? q[x] : -1.0;
+}
+
+/* q[x] = (1 - a) (q[x] / n_known), a = NB_BLEND (1 where the table knew no source: q is 0) */
+__attribute__((optimize("tree-vectorize")))
+static void scale_table(double *restrict q, int32_t n_known, int32_t ne) {
+    const double a = n_known > 0 ? NB_BLEND : 1.0;
+    const double inv = n_known > 0 ? 1.0 / (double) n_known : 0.0, b = 1.0 - a;
+    for (int32_t x = 0; x < ne; x++) q[x] = b * (q[x] * inv);
+}
+
+/* the neighbours' vote into q (neighbours.h): 0 when no token voted (q unchanged), else q is
+ * the blend, as the mean of one source; *top stays >= the largest q (the table's largest,
+ * scaled as scale_table does, or a voted one) */
+static int add_vote(af_model *m, int32_t ti, int32_t n_known, double *top) {
+    double tot;
+    const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
+    const int ok = nv > 0 && tot > 0.0;
+    if (ok) {
+        scale_table(m->q, n_known, m->n_expert);
+        const double a = (n_known > 0 ? NB_BLEND : 1.0) / tot;
+        const double inv = n_known > 0 ? 1.0 / (double) n_known : 0.0;
+        *top = (1.0 - (n_known > 0 ? NB_BLEND : 1.0)) * (*top * inv);
+        for (int32_t i = 0; i < nv; i++) {
+            const int32_t x = m->nb_voted[i];
+            m->q[x] = m->q[x] + a * m->nb_v[x];
+            *top = m->q[x] > *top ? m->q[x] : *top;
+        }
+    }
+    for (int32_t i = 0; i < nv; i++) m->nb_v[m->nb_voted[i]] = 0.0;
+    return ok;
 }
 
 double af_transfer_cost(const af_model *m, int64_t bytes) {
@@ -206,19 +294,26 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
     if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
     /* measured hits per predicted one: what a prediction's q is worth */
-    const double cal = m->scored >= AF_WARMUP && m->predicted > 0.0 ? m->hits / m->predicted
-                                                                      : 1.0;
+    const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
     int32_t n_known = 0;
-    for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;
+    const uint16_t *rows[AF_SOURCES];
+    double r[AF_SOURCES];
     const int32_t *src = &m->src[(int64_t) idx * ne];
     for (int32_t j = 0; j < m->n_src[idx]; j++) {
         const int32_t e = src[j];
         const int32_t cnt = m->count[idx * ne + e];
         if (cnt == 0) continue;
-        n_known++;
-        add_row(m->q, &m->pair[((int64_t) idx * ne + e) * ne], 1.0 / (double) cnt, ne);
+        rows[n_known] = &m->pair[((int64_t) idx * ne + e) * ne];
+        r[n_known++] = 1.0 / (double) cnt;
     }
+    double top_q = sum_rows(m->q, rows, r, n_known, ne);
+    if (m->nb != NULL && add_vote(m, ti, n_known, &top_q)) n_known = 1;
     if (n_known == 0) return 0;
+    if (top_q / (double) n_known * cal < m->min_precision) {   /* nothing can pass: */
+        m->n_pred[ti] = 0;                        /* the empty plan, scored at ti's visit */
+        m->pred_sum[ti] = 0.0;
+        return 0;
+    }
     int32_t *pred = &m->pred[(int64_t) ti * ne];
     int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
     if (top > ne) top = ne;                           /* one pass, kept sorted in pred */

@@ -2,23 +2,28 @@
  *
  * Learned online from decode routing and from the prompt's chunks: for MoE layers (index i,
  * i + lead) of the same token, pair[i][e][e'] counts tokens routed to e at i and e' at
- * i + lead, count[i][e] the tokens routed to e at i whose layer i + lead was seen. A decode
- * layer-step is one token (its distinct experts); a prompt chunk's rows are token-major,
+ * i + lead, count[i][e] the tokens routed to e at i whose layer i + lead was seen, for e one of
+ * the token's sources at i: its first AF_SOURCES (4) distinct experts in routing order, the
+ * router's strongest (on the real traces all of qwen3-30b-a3b's 6 scored no better, and a
+ * plan's cost is its sources' rows). A decode layer-step is one token (its distinct
+ * experts); a prompt chunk's rows are token-major,
  * n_expert_used per token (k, given at creation; 0: prompt chunks are not learned), and each
  * of its tokens counts as one decode token would, paired with the same chunk at layer
  * i + lead (observed lead layer-steps earlier, with as many rows). Most of what a prompt
  * teaches is what decode misses: an expert the prompt used and decode has not yet (of
  * gpt-oss-120b's non-cold decode misses at 20 % of its expert bytes, lead 5, 1 % had
- * q >= 0.3 from decode-only tables, 11 % with the prompt's pairs). After a decode layer-step of layer
- * i routed to the distinct set S, the prediction for layer i + lead is
+ * q >= 0.3 from decode-only tables, 11 % with the prompt's pairs). After a decode layer-step
+ * of layer i, the prediction for layer i + lead is
  *     q(e') = (1 / |S'|) * sum over e in S' of pair[i][e][e'] * (1 / count[i][e])
- * (S' the experts of S with count > 0; no plan when S' is empty)
+ * (S the step's sources, S' those with count > 0), blended with the vote of the tokens routed
+ * most like this one so far (neighbours.h: (1 - NB_BLEND) q + NB_BLEND vote; the vote alone
+ * when S' is empty; no plan when neither knows anything)
  * and the plan is the top_n experts by q (ties: lower id) among the keys of layer i + lead
  * that need a transfer (state absent: a resident or in-flight key is never a candidate, so
  * the plan's slots go to what a prefetch can change), with calibrated q >= min_precision:
- *     calibrated q = min(1, q * hits / predicted)
- * hits / predicted the measured hits per predicted hit (the decayed tallies below: the sum
- * of the scored keys' q; 1 until AF_WARMUP predictions were scored). The raw q is
+ *     calibrated q = min(1, q * (hits + AF_PRIOR) / (predicted + AF_PRIOR))
+ * the measured hits per predicted hit (the decayed tallies below: predicted is the sum of the
+ * scored keys' q), shrunk toward 1 by a prior of AF_PRIOR (8) predicted hits. The raw q is
  * overconfident where its counts are small: uncalibrated, the prefetches issued with q in
  * [0.5, 0.7) were used in time 6-17 % of the time on gpt-oss-120b (2 experts per token, 64
  * decode tokens; 10-30 % of the expert bytes), 71-80 % on qwen3-30b-a3b (6 per token, 128).
@@ -45,18 +50,25 @@
  * transfer of layer i + lead would fit, no plan is made (nor scored): the q rows are not
  * computed at all.
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
- * tallies, AF_DECAY per plan: hits, scored keys and their raw q summed as predicted): it
- * calibrates q above, which is the only gate (a gate that stopped every plan while the
- * measured precision was below min_precision, planning one layer-step in 8 to keep measuring,
- * stopped the calibrated candidates that do pay: without it 1.868x -> 1.855x Belady on the
- * real traces, no cell worse). An empty plan is scored too: it decays the tallies, so once
- * nothing passes for a while they fall below AF_WARMUP and the calibration starts over at 1
- * (what re-measures a predictor that went bad, or recovered).
+ * tallies, by 1 - 1 / n_moe per plan, about one token's plans: hits, and the raw q summed as
+ * predicted): it calibrates q above, which is the only gate (a gate that stopped every plan
+ * while the measured precision was below min_precision, planning one layer-step in 8 to keep
+ * measuring, stopped the calibrated candidates that do pay: without it 1.868x -> 1.855x
+ * Belady on the real traces, no cell worse). An empty plan is scored too: it decays the
+ * tallies, so once nothing passes for a while the prior takes over and the calibration
+ * drifts back toward 1 (what re-measures a predictor that went bad, or recovered). The prior
+ * and the token-long memory replaced a hard start over at 1 once the tallies (then decayed
+ * by 0.9 per plan) fell below 8 predictions: on routing with no structure (bench_manager's
+ * stream) that reset let through bursts of wasted prefetches (18,000 issued over 1000 tokens
+ * with the neighbour vote, 4,200 now), and on the real traces it scored 1.794x forced Belady
+ * against 1.792x now.
  * Operations are in the order of the Python reference (runtime/residency/reference_affinity.py).
  */
 #ifndef AFFINITY_H
 #define AFFINITY_H
 #include <stdint.h>
+
+#include "neighbours.h"
 
 typedef struct {
     int32_t n_layer, n_expert, n_moe, lead;
@@ -79,8 +91,9 @@ typedef struct {
     int64_t *chunk_cap;           /* (n_moe,) its capacity, elements */
     int32_t *n_chunk;             /* (n_moe,) its elements */
     int64_t *chunk_step;          /* (n_moe,) the step it was observed at, -1 none */
-    double hits, scored;          /* decayed precision tallies */
-    double predicted;             /* decayed sum of the scored predictions' raw q */
+    double hits;                  /* decayed tallies: hits of the scored plans, and */
+    double predicted;             /* the sum of their predictions' raw q */
+    double tally_keep;            /* their decay per plan: 1 - 1 / n_moe */
     double *pred_sum;             /* (n_moe,) the pending plan's raw q, summed */
     double backlog;               /* link bytes queued for prefetch, not yet carried */
     double last_step_s, step_ema; /* the latest step's expert compute, and its running mean
@@ -88,6 +101,9 @@ typedef struct {
     double top_n, min_precision, link_bytes;
     double link_bps, latency_s, gpu_bps, cpu_bps;  /* the [cost] rates: bytes/s, s */
     double per_transfer;          /* link_bps * latency_s: a transfer's fixed cost, bytes */
+    nb_model *nb;                 /* the token-neighbour vote (neighbours.h); NULL: k unknown */
+    double *nb_v;                 /* (E,) scratch: its vote, 0 between plans */
+    int32_t *nb_voted;            /* (NB_K * k,) scratch: the experts voted for */
 } af_model;
 
 af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers, int32_t n_moe,

@@ -31,14 +31,14 @@ ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
 SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "nv_victim.c",
-           HERE / "affinity.c",
+           HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c",
            NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
 INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
-            HERE / "grow.h",
+            HERE / "neighbours.h", HERE / "grow.h",
             RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None

@@ -176,16 +176,22 @@ class NativeCore:
         return (np.frombuffer(self.ffi.buffer(b[0], 8 * n), dtype=np.int64).copy(),
                 np.frombuffer(self.ffi.buffer(f[0], 4 * n), dtype=np.int32).copy())
 
-    def warm_start(self, frequency: np.ndarray, pair: np.ndarray, count: np.ndarray) -> None:
+    def warm_start(self, frequency: np.ndarray, pair: np.ndarray, count: np.ndarray,
+                   history: np.ndarray | None = None) -> None:
         """Seed the learned policies from a routing profile (see rc_warm_start): frequency
-        (n_layer, n_expert) float64, pair (n_moe - 1, E, E) and count (n_moe - 1, E) int32."""
+        (n_layer, n_expert) float64, pair (n_moe - 1, E, E) and count (n_moe - 1, E) int32,
+        history (tokens, n_moe, k) int16 (-1 pad) or None."""
         ffi = self.ffi
         freq = np.ascontiguousarray(frequency, dtype=np.float64).reshape(-1)
         pair = np.ascontiguousarray(pair, dtype=np.int32).reshape(-1)
         count = np.ascontiguousarray(count, dtype=np.int32).reshape(-1)
+        hist = np.ascontiguousarray(history if history is not None
+                                    else np.zeros((0, 0, 0)), dtype=np.int16)
         self.lib.rc_warm_start(self._c, ffi.from_buffer("double[]", freq),
                                ffi.from_buffer("int32_t[]", pair) if pair.size else ffi.NULL,
-                               ffi.from_buffer("int32_t[]", count) if count.size else ffi.NULL)
+                               ffi.from_buffer("int32_t[]", count) if count.size else ffi.NULL,
+                               ffi.from_buffer("int16_t[]", hist) if hist.size else ffi.NULL,
+                               hist.shape[0], hist.shape[2] if hist.ndim == 3 else 0)
 
     # -- tickets -------------------------------------------------------------------------
     def ticket(self, ticket_id: int):

@@ -1249,10 +1249,13 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
                           miss_kind, pf_event));
 }
 int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair,
-                  const int32_t *count) {
+                  const int32_t *count, const int16_t *history, int32_t n_history,
+                  int32_t history_k) {
     pthread_mutex_lock(&c->mu);
     if (c->nv != NULL && frequency != NULL) nv_warm_start(c->nv, frequency);
     if (c->af != NULL && pair != NULL && count != NULL) af_warm_start(c->af, pair, count);
+    if (c->af != NULL && c->af->nb != NULL && history != NULL && history_k > 0)
+        nb_warm_start(c->af->nb, history, n_history, history_k);
     if (c->nvv != NULL) nvv_stale_all(c->nvv);
     pthread_mutex_unlock(&c->mu);
     return RC_OK;

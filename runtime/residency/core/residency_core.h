@@ -128,8 +128,12 @@ void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, 
 /* warm start from a routing profile (runtime/residency/profile.py): frequency (n_flat,) the
  * share of decode tokens routed to each key seeds next-visit's frequency estimates (every
  * time scale); pair ((n_moe - 1) * E * E,) and count ((n_moe - 1) * E,) seed affinity's
- * table (added to it). NULL: leave that part; a policy without the model ignores it. */
-int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair, const int32_t *count);
+ * table (added to it); history (n_history, n_moe, history_k) the last decode tokens' distinct
+ * experts at each MoE layer in routing order (-1 pad) join affinity's token-neighbour history
+ * (neighbours.h), oldest first. NULL (or n_history 0): leave that part; a policy without the
+ * model ignores it. */
+int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair, const int32_t *count,
+                  const int16_t *history, int32_t n_history, int32_t history_k);
 
 /* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
  * committed already; out->evicted lists the victims) */

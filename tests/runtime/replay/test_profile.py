@@ -12,6 +12,7 @@ import pytest
 from runtime.errors import UserError
 from runtime.replay.harness import prepare, replay_cell
 from runtime.residency.config import PhasePolicies, ResidencyConfig
+from runtime.residency.core import AFFINITY_SOURCES, NEIGHBOUR_HISTORY
 from runtime.residency.policies.factory import make_spec
 from runtime.residency.profile import build_profile, read_profile, write_profile
 
@@ -60,18 +61,48 @@ def test_profile_of_the_first_half_lowers_the_second_halfs_misses(real_prep):
 def test_profile_round_trips_and_counts_the_decode_routing(tmp_path):
     from runtime.traces.files import read_trace
 
-    trace = read_trace(REAL_TRACES[0])
+    trace = read_trace(next(p for p in REAL_TRACES if "qwen" in p.name))
     prof = build_profile([trace])
     path = tmp_path / "p.npz"
     write_profile(path, prof)
     back = read_profile(path)
     assert back.decode_tokens == trace.token_count(1) == prof.decode_tokens
     assert np.array_equal(back.frequency, prof.frequency) and np.array_equal(back.pair, prof.pair)
-    # each decode token routes top-k distinct experts per MoE layer
+    assert np.array_equal(back.history, prof.history)
+    # each decode token routes top-k distinct experts per MoE layer; the table's sources are
+    # the first AFFINITY_SOURCES of them (routing order), paired with all k of the next layer
     k, n_moe = trace.header.n_expert_used, len(prof.moe_layers)
+    assert k > AFFINITY_SOURCES                    # (qwen3: 6 per token, so the cut shows)
     assert np.isclose(prof.frequency.sum(), k * n_moe)
-    assert prof.count.sum() == prof.decode_tokens * (n_moe - 1) * k
-    assert prof.pair.sum() == prof.decode_tokens * (n_moe - 1) * k * k
+    assert prof.count.sum() == prof.decode_tokens * (n_moe - 1) * AFFINITY_SOURCES
+    assert prof.pair.sum() == prof.decode_tokens * (n_moe - 1) * AFFINITY_SOURCES * k
+    # the neighbour history: the last decode tokens, each layer's experts in routing order
+    assert prof.history.shape == (min(prof.decode_tokens, NEIGHBOUR_HISTORY), n_moe, k)
+    dec = np.flatnonzero(trace.phase == 1)
+    last = dec[trace.step[dec] == trace.step[dec].max()]
+    layer0 = last[trace.layer[last] == prof.moe_layers[0]]
+    assert prof.history[-1, 0].tolist() == trace.expert[layer0].tolist()
+
+
+def test_profile_with_a_bad_history_is_refused(tmp_path):
+    """The neighbour history must hold distinct expert ids per token and layer, then only the
+    pad -1, in the model's shape: anything else is a corrupt profile, refused in one line."""
+    import dataclasses
+
+    from runtime.traces.files import read_trace
+
+    prof = build_profile([read_trace(next(p for p in REAL_TRACES if "qwen" in p.name))])
+    h = prof.history
+    dup, gap, big = h.copy(), h.copy(), h.copy()
+    dup[3, 2, 1] = dup[3, 2, 0]
+    gap[3, 2, 0] = -1
+    big[0, 0, 0] = prof.n_expert
+    for name, bad in (("dup", dup), ("gap", gap), ("range", big), ("shape", h[:, :-1]),
+                      ("dtype", h.astype(np.int32))):
+        path = tmp_path / f"{name}.npz"
+        write_profile(path, dataclasses.replace(prof, history=bad))
+        with pytest.raises(UserError, match="a corrupt routing profile"):
+            read_profile(path)
 
 
 def _cli(*argv):

@@ -352,3 +352,55 @@ def test_affinity_learns_prompt_chunks_equal_reference(zipf_stream, pf):
             outs.setdefault(k, []).append(out[0])
         same_state(cores)
     assert outs[0] != outs[2]                      # the prompt's pairs changed decisions
+
+
+def test_affinity_neighbours_equal_reference(zipf_stream, monkeypatch):
+    """The token-neighbour vote of prefetch affinity (neighbours.h) in both cores: a prompt
+    chunk of 150 tokens, then 250 decode tokens (both longer than its 128-token history, so
+    tokens leave it), skewed routing (its most common experts are not matched). Both cores
+    decide the same at every call; a reference whose vote is off decides otherwise."""
+    import runtime.residency.reference_neighbours as ref_nb
+    n_layer, n_expert, k = 5, 24, 2
+    pol = replace(policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), PREFETCHES[4]),
+                  n_expert_used=k)
+    s = zipf_stream(400, n_layer, n_expert, k, seed=7)
+    steps = [(layer, s[:150, layer].reshape(-1), 0) for layer in range(n_layer)]
+    steps += [(layer, s[t, layer], 1) for t in range(150, 400) for layer in range(n_layer)]
+
+    def run(kind):
+        c = make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
+        c.set_capacity(0, 900)
+        return c, [c.access(layer, ex.astype(np.int32), ph) for layer, ex, ph in steps]
+
+    (native, out_n), (ref, out_r) = run("native"), run("reference")
+    assert out_n == out_r
+    same_state([native, ref])
+    monkeypatch.setattr(ref_nb, "K", 0)            # no token votes
+    assert run("reference")[1] != out_n
+
+
+def test_warm_start_neighbour_history_equals_reference(zipf_stream):
+    """A profile's neighbour history (its last decode tokens, -1 padded) seeds affinity's
+    token neighbours alike in both cores, and changes what the first decode tokens prefetch."""
+    n_layer, n_expert, k = 5, 24, 2
+    pol = replace(policy(("lru", {}), ("always", {}), PREFETCHES[4]), n_expert_used=k)
+    s = zipf_stream(100, n_layer, n_expert, k, seed=9)
+    history = s[:40].astype(np.int16)
+    history[5, 1, 1] = -1                          # a layer-step with one expert
+    freq = np.zeros((n_layer, n_expert))
+    table = np.zeros((n_layer - 1, n_expert, n_expert), dtype=np.int32)
+    count = np.zeros((n_layer - 1, n_expert), dtype=np.int32)
+    outs = {}
+    for name, hist in (("without", None), ("with", history)):
+        cores = [make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
+                 for kind in ("native", "reference")]
+        for c in cores:
+            c.set_capacity(0, 900)
+            c.warm_start(freq, table, count, hist)
+        for t in range(40, 100):
+            for layer in range(n_layer):
+                out = [c.access(layer, s[t, layer].astype(np.int32), 1) for c in cores]
+                assert out[0] == out[1], (name, t, layer)
+                outs.setdefault(name, []).append(out[0])
+        same_state(cores)
+    assert outs["without"] != outs["with"]

@@ -211,3 +211,40 @@ def test_next_visit_wait_rolls_the_hazard_forward():
     m.h[2][3] = m.h[2][1]                          # expert 3: expert 1's slow EMA, the
     assert m.wait(3) == m.wait(1)                  # features the weights read: the same wait
     assert m.expected(1) == 1.0 + 1.0 * m.wait(1)  # distance 1 (its layer is next), n_moe 1
+
+
+def test_affinity_neighbours_tell_apart_what_the_table_cannot():
+    """16 token types: layer 0 routes each type to its own two experts, layer 1 each pair of
+    types to the same two, layer 2 each type to its own again. From layer 1 alone the pair
+    table can only say "one of two types" (q 0.5 each for four keys); the tokens routed like
+    this one at layers 0 and 1 (neighbours.h) say which, so the plans for layer 2 are right."""
+    n_layer, n_expert, k = 3, 64, 2
+    rng = np.random.default_rng(11)
+    types = rng.integers(0, 16, 232)
+    route = [[[2 * t, 2 * t + 1], [2 * (t // 2), 2 * (t // 2) + 1], [2 * t, 2 * t + 1]]
+             for t in types.tolist()]
+    prompt, decode = route[:32], route[32:]
+    batches = [(layer, [e for tok in prompt for e in tok[layer]], 0) for layer in range(n_layer)]
+    batches += [(layer, tok[layer], 1) for tok in decode for layer in range(n_layer)]
+    experts = np.array([e for _, ex, _ in batches for e in ex], dtype=np.int32)
+    bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex, _ in batches])]).astype(np.int64)
+    layers = np.array([b[0] for b in batches], dtype=np.int32)
+    phases = np.array([b[2] for b in batches], dtype=np.int8)
+    pol = replace(_policy("lru", ("affinity", {"top_n": 2.0, "min_precision": 0.2,
+                                               "layer_us": 0.02})), n_expert_used=k)
+    got = []
+    for kind in ("native", "reference"):
+        core = make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
+        core.set_capacity(0, 800)
+        kinds = np.zeros(len(experts), dtype=np.int8)
+        events = np.full(len(experts), -1, dtype=np.int64)
+        assert core.replay(bounds, layers, phases, experts, None, False, kinds, events) == 0
+        got.append((kinds, events, *core.replay_prefetches()))
+    (k0, e0, b0, f0), (k1, e1, b1, f1) = got
+    assert np.array_equal(k0, k1) and np.array_equal(b0, b1) and np.array_equal(f0, f1)
+    to_layer2 = f0 // n_expert == 2
+    used = np.zeros(len(f0), dtype=bool)
+    used[e0[k0 == 4]] = True
+    precision = used[to_layer2].mean()
+    print(f"prefetches for layer 2: {int(to_layer2.sum())}, used {precision:.2f}")
+    assert to_layer2.sum() >= 100 and precision >= 0.8
