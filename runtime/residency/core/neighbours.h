@@ -6,25 +6,29 @@
  * (on the real traces, the top prediction among the keys not recently routed was right
  * 0.495 against 0.407 of the time on qwen3-30b-a3b at lead 2, 0.19 against 0.13 on
  * gpt-oss-120b at lead 5). So the model keeps the routing of the last NB_HISTORY tokens
- * (decode tokens and the prompt's, at every MoE layer; the token being scored is one of them), and while a decode token passes its
- * layers it scores each of them by the experts they share, a layer's overlap weighing NB_DECAY
- * less per layer-step after it:
+ * (decode tokens and the prompt's, at every MoE layer; the token being scored is one of
+ * them), and while a decode token passes its layers it scores each of them by the experts
+ * they share, a layer's overlap weighing NB_DECAY less per layer-step after it:
  *     sim(t) = sum over the token's MoE layers j <= i of NB_DECAY^(i - j) |S_j ∩ X_t,j|
  * kept scaled by NB_DECAY^-i (the same order of tokens; no pass over every token per layer):
  * each shared expert adds inc[j] = (1 / NB_DECAY)^j, found in a per-(layer, expert) bitset of
- * the history slots routed there, so a layer-step costs its matches, not the history. Only the
- * scored token's first NB_WALK experts in routing order (the router's strongest; S_j above is
- * those) are matched, against every expert of the others: on the real traces matching all of
- * them scored no better (1.803x against 1.804x forced Belady), and what a layer-step costs is
- * its matches. The NB_K tokens of highest sim (ties: the newer) vote for layer i + lead:
+ * the history slots routed there, so a layer-step costs its matches, not the history. S_j is
+ * the scored token's first NB_WALK experts in routing order (the router's strongest), less
+ * those more than NB_COMMON history tokens share at j (too common to tell tokens apart),
+ * matched against every expert of the others: on the real traces matching all of them scored
+ * no better (1.803x against 1.804x forced Belady), and a layer-step costs its matches. The
+ * NB_K tokens of highest sim (ties: the newer) vote for layer i + lead:
  *     v(e') = sum over those t of sim(t) [e' in X_t,i+lead] / sum of their sim
  * (tokens with no routing recorded there do not vote). affinity's q is then
- *     (1 - NB_BLEND) q_table + (NB_BLEND / sum of their sim) (sum of sim(t) [e' in X_t,i+lead])
- * (the vote alone, NB_BLEND = 1, where the table knows no source)
- * Only one-token decode layer-steps are scored (a layer-step at or before the previous
- * one's MoE layer starts a new token); prompt chunks (token-major, k per token) join the
- * history token by token. Needs k (n_expert_used): with k = 0 there is no history.
- * Operations are in the order of the Python reference (runtime/residency/reference_affinity.py).
+ *     (1 - NB_BLEND) q_table + NB_BLEND v(e')
+ * (the vote alone where the table knows no source; affinity.c adds NB_BLEND / (sum of their
+ * sim) times the sum, for the experts voted for only). Only one-token decode layer-steps are
+ * scored (a layer-step at or before the previous one's MoE layer starts a new token); prompt
+ * chunks (token-major, k per token) and a routing profile's last decode tokens join the
+ * history token by token. Needs k (n_expert_used): with k = 0 there is no history. The
+ * constants were chosen on the two real traces; the variants tried scored within 0.01x but
+ * for a shorter history (32 or 64 tokens: 0.03x and 0.01x worse; docs/design/policy-study.md).
+ * Operations are in the order of the Python reference (runtime/residency/reference_neighbours.py).
  */
 #ifndef NEIGHBOURS_H
 #define NEIGHBOURS_H
