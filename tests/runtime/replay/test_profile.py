@@ -173,3 +173,28 @@ def test_profile_with_a_pair_above_its_count_is_refused(tmp_path):
     write_profile(path, dataclasses.replace(prof, pair=pair))
     with pytest.raises(UserError, match="a corrupt routing profile"):
         read_profile(path)
+
+
+def test_profile_of_version_1_reads_with_an_empty_history(tmp_path):
+    """A profile written before the neighbour history (format version 1, no ``history``
+    array) still reads, with an empty history, and warm-starts a replay."""
+    import json
+
+    from runtime.traces.files import read_trace
+
+    qwen = next(p for p in REAL_TRACES if "qwen" in p.name)
+    prof = build_profile([read_trace(qwen)])
+    path = tmp_path / "v1.npz"
+    write_profile(path, prof)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files if k != "history"}
+    head = json.loads(arrays["header"].tobytes().decode())
+    head["version"] = 1
+    arrays["header"] = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
+    np.savez_compressed(path, **arrays)
+    back = read_profile(path)
+    assert back.history.shape == (0, len(prof.moe_layers), prof.n_expert_used)
+    assert np.array_equal(back.pair, prof.pair)
+    config = Path(__file__).parents[3] / "configs" / "best-replay.toml"
+    ok = _cli("replay", qwen, "--capacity", "10%", "--config", config, "--profile", path)
+    assert ok.returncode == 0, ok.stderr
