@@ -408,7 +408,7 @@ class ReferenceCore:
             for f, _ in got:
                 spent = spent + self.af.transfer_cost(self.nbytes[f])
             before = len(res["prefetched"])
-            mine = [-(float(self.af.lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
+            mine = [-(float(self.af.plan_lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
                     for _, q in got]
             self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
             for _, f, _ in res["prefetched"][before:]:

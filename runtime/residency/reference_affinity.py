@@ -51,6 +51,7 @@ class AffinityModel:
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
         self.nb = Neighbours(self.n_moe, n_expert, self.k) if self.k > 0 and self.n_moe else None
+        self.plan_lead = lead       # how far ahead the latest plan is
 
     def observe(self, layer: int, experts: list[int], phase: int) -> None:
         routed = set(experts)
@@ -147,8 +148,9 @@ class AffinityModel:
         ti = idx + self.lead
         target = self.moe_layers[ti]
         room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
+        self.plan_lead = self.lead
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
-            return []                 # not one transfer would cross in time: no plan
+            return self._plan_further(idx, step_s, absent)   # no room at lead
         cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
         q = [0.0] * ne
         n_known = 0
@@ -175,10 +177,43 @@ class AffinityModel:
             return []
         cands = [x for x in range(ne) if absent(target * ne + x)]
         ranked = sorted(cands, key=lambda x: (-q[x], x))[:max(min(int(self.top_n), ne), 0)]
+        return self._finish(ti, target, [(x, q[x]) for x in ranked], n_known, cal, room)
+
+    def _plan_further(self, idx: int, step_s: float, absent) -> list[tuple[int, float]]:
+        """While the link is idle, the nearest MoE layer up to lead further ahead whose
+        transfers cross in time and with no plan pending, from the neighbours' vote alone."""
+        ne = self.n_expert
+        if self.nb is None or self.backlog > 0.0:
+            return []
+        for d in range(1, self.lead + 1):
+            ti = idx + self.lead + d
+            if ti >= self.n_moe:
+                return []
+            if ti in self.pred:
+                continue
+            target = self.moe_layers[ti]
+            room = self.link_bps * (step_s + float(self.lead - 1 + d) * self.step_ema)
+            if self.transfer_cost(self.bytes_of(target * ne)) > room:
+                continue
+            self.plan_lead = self.lead + d
+            v, order, tot = self.nb.vote(ti)
+            a = 1.0 / tot if tot > 0.0 else 0.0
+            cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
+            cands = [(x, a * v[x]) for x in order if absent(target * ne + x)]
+            top = max(min(int(self.top_n), ne), 0)
+            ranked = sorted(cands, key=lambda c: (-c[1], c[0]))[:top]
+            return self._finish(ti, target, ranked, 1, cal, room)
+        return []
+
+    def _finish(self, ti: int, target: int, ranked, n_known: int, cal: float,
+                room: float) -> list[tuple[int, float]]:
+        """The plan for MoE index ti from its ranked (expert, q): those at calibrated q >=
+        min_precision (scored at ti's visit); of them, what the link's room carries."""
+        ne = self.n_expert
         plan = []
         raw_sum = 0.0
-        for x in ranked:
-            raw = q[x] / float(n_known)
+        for x, qv in ranked:
+            raw = qv / float(n_known)
             qx = raw * cal
             if qx < self.min_precision:
                 break

@@ -271,6 +271,88 @@ double af_transfer_cost(const af_model *m, int64_t bytes) {
     return (double) bytes + m->per_transfer;
 }
 
+/* the plan for MoE index ti (layer target) from its ranked candidates pred / top_q (n_top of
+ * them, q summed over n_known sources): those at calibrated q >= min_precision are the plan
+ * (scored at ti's visit), and of them what the link carries in its room is issued */
+static int32_t finish_plan(af_model *m, int32_t ti, int32_t target, int32_t n_top,
+                           int32_t n_known, double cal, double room, const int64_t *bytes_flat,
+                           int32_t *out, double *out_q) {
+    const int32_t ne = m->n_expert;
+    const int32_t *pred = &m->pred[(int64_t) ti * ne];
+    const double *tq = m->top_q;
+    int32_t n_plan = 0;
+    double raw_sum = 0.0;
+    for (; n_plan < n_top; n_plan++) {
+        const double raw = tq[n_plan] / (double) n_known;
+        double q = raw * cal;
+        if (q < m->min_precision) break;
+        if (q > 1.0) q = 1.0;
+        raw_sum = raw_sum + raw;
+        out_q[n_plan] = q;
+        out[n_plan] = target * ne + pred[n_plan];
+    }
+    m->n_pred[ti] = n_plan;
+    m->pred_sum[ti] = raw_sum;
+    int32_t n_out = 0;
+    for (int32_t j = 0; j < n_plan; j++) {
+        const int32_t f = out[j];
+        const double cost = af_transfer_cost(m, bytes_flat[f]);
+        if (m->backlog + cost > room) continue;
+        m->backlog = m->backlog + cost;
+        out_q[n_out] = out_q[j];
+        out[n_out++] = f;
+    }
+    return n_out;
+}
+
+/* (q, x) ranks above (bq, bx): the higher q, then the lower id */
+static inline int ranks_above(double q, int32_t x, double bq, int32_t bx) {
+    return q > bq || (q == bq && x < bx);
+}
+
+/* layer idx + lead has no room this step: while the link is idle, the nearest MoE layer up
+ * to lead further ahead whose transfers would cross in time, planned from the neighbours'
+ * vote alone (the pair table holds the layers lead apart only); none pending there. The
+ * vote's q is (1 / sum of the voters' sim) times its sum, as where the table knows nothing;
+ * the rest is af_plan's (top_n among the keys that need a transfer, calibrated, the link's
+ * room); m->plan_lead says how far ahead it planned. */
+static int32_t plan_further(af_model *m, int32_t idx, double step_s, const uint8_t *state,
+                            uint8_t absent_state, const int64_t *bytes_flat, int32_t *out,
+                            double *out_q) {
+    const int32_t ne = m->n_expert;
+    if (m->nb == NULL || m->backlog > 0.0) return 0;
+    for (int32_t d = 1; d <= m->lead && idx + m->lead + d < m->n_moe; d++) {
+        const int32_t ti = idx + m->lead + d, target = m->moe_layers[ti];
+        if (m->n_pred[ti] >= 0) continue;         /* a plan for it is pending */
+        const double room = m->link_bps * (step_s + (double) (m->lead - 1 + d) * m->step_ema);
+        if (af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) continue;
+        m->plan_lead = m->lead + d;
+        double tot;
+        const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
+        const double a = tot > 0.0 ? 1.0 / tot : 0.0;
+        const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
+        int32_t top = (int32_t) m->top_n, n_top = 0;
+        if (top > ne) top = ne;
+        if (top < 1) top = 0;
+        int32_t *pred = &m->pred[(int64_t) ti * ne];
+        double *tq = m->top_q;
+        for (int32_t i = 0; i < nv; i++) {        /* the voted keys that need a transfer, */
+            const int32_t x = m->nb_voted[i];     /* by (q, lower id) */
+            const double q = a * m->nb_v[x];
+            m->nb_v[x] = 0.0;
+            if (state[(int64_t) target * ne + x] != absent_state || top == 0) continue;
+            if (n_top == top && !ranks_above(q, x, tq[top - 1], pred[top - 1])) continue;
+            int32_t j = n_top < top ? n_top++ : top - 1;
+            while (j > 0 && ranks_above(q, x, tq[j - 1], pred[j - 1])) {
+                pred[j] = pred[j - 1]; tq[j] = tq[j - 1]; j--;
+            }
+            pred[j] = x; tq[j] = q;
+        }
+        return finish_plan(m, ti, target, n_top, 1, cal, room, bytes_flat, out, out_q);
+    }
+    return 0;
+}
+
 int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
                 const uint8_t *state, uint8_t absent_state, const int64_t *bytes_flat,
                 int32_t *out, double *out_q) {
@@ -292,7 +374,9 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
      * lead - 1 more steps of the running estimate (the dense parts not counted); no plan
      * (nor its scoring) when not even one of its transfers would fit */
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
-    if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) return 0;
+    m->plan_lead = m->lead;
+    if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room)
+        return plan_further(m, idx, step_s, state, absent_state, bytes_flat, out, out_q);
     /* measured hits per predicted one: what a prediction's q is worth */
     const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
     int32_t n_known = 0;
@@ -329,29 +413,7 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
         pred[i] = x; tq[i] = v;
     }
     while (n_top < top && tq[n_top] >= 0.0) n_top++;
-    int32_t n_plan = 0;
-    double raw_sum = 0.0;
-    for (; n_plan < n_top; n_plan++) {
-        const double raw = tq[n_plan] / (double) n_known;
-        double q = raw * cal;
-        if (q < m->min_precision) break;
-        if (q > 1.0) q = 1.0;
-        raw_sum = raw_sum + raw;
-        out_q[n_plan] = q;
-        out[n_plan] = target * ne + pred[n_plan];
-    }
-    m->n_pred[ti] = n_plan;
-    m->pred_sum[ti] = raw_sum;
-    int32_t n_out = 0;
-    for (int32_t j = 0; j < n_plan; j++) {
-        const int32_t f = out[j];
-        const double cost = af_transfer_cost(m, bytes_flat[f]);
-        if (m->backlog + cost > room) continue;
-        m->backlog = m->backlog + cost;
-        out_q[n_out] = out_q[j];
-        out[n_out++] = f;
-    }
-    return n_out;
+    return finish_plan(m, ti, target, n_top, n_known, cal, room, bytes_flat, out, out_q);
 }
 
 void af_refund(af_model *m, double bytes) {

@@ -46,9 +46,16 @@
  * experts start, after this step's experts and lead - 1 more steps (estimated by the running
  * mean of step_s, decay AF_DECAY). So a planned key is issued only while
  *     backlog + cost(b) <= link_bps * (step_s + (lead - 1) * mean step_s)
- * and its cost joins the backlog (given back if it is not issued); when not even one
- * transfer of layer i + lead would fit, no plan is made (nor scored): the q rows are not
- * computed at all.
+ * and its cost joins the backlog (given back if it is not issued). When not even one
+ * transfer of layer i + lead would fit, the q rows are not computed; if the link is idle then
+ * (backlog 0), the nearest MoE layer up to lead further ahead (i + lead + d, d <= lead) with
+ * no plan pending and room for a transfer (this step plus lead - 1 + d steps of the mean) is
+ * planned from the neighbours' vote alone (the table holds layers lead apart only), and
+ * ranked against victims as plan_lead = lead + d layers ahead; otherwise nothing is planned
+ * (nor scored). Most layer-steps at 20-30 % of the expert bytes are all hits, too short for a
+ * transfer to reach i + lead: qwen3-30b-a3b 20 / 30 % 1.93 / 2.20x -> 1.91 / 2.18x, the
+ * matrix 1.807x -> 1.797x Belady (1.792x -> 1.782x forced), no cell higher (planning further
+ * while the link was busy: 1.799x, gpt-oss at 10 and 20 % higher).
  * Precision is measured on every plan, issued or not, at its target layer's visit (decayed
  * tallies, by 1 - 1 / n_moe per plan, about one token's plans: hits, and the raw q summed as
  * predicted): it calibrates q above, which is the only gate (a gate that stopped every plan
@@ -72,6 +79,7 @@
 
 typedef struct {
     int32_t n_layer, n_expert, n_moe, lead;
+    int32_t plan_lead;            /* how far ahead the latest plan is: lead, or up to 2 lead */
     int32_t k;                    /* experts per token (n_expert_used); 0 unknown */
     int32_t *moe_index;           /* (n_layer,) position among the MoE layers, -1 dense */
     int32_t *moe_layers;          /* (n_moe,) */

@@ -772,8 +772,8 @@ static int run_prefetch(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
             spent = spent + af_transfer_cost(c->af, c->bytes_flat[c->af_plan[i]]);
         const int32_t before = c->r_pf_flats.n;
         double mine[np];
-        for (int32_t i = 0; i < np; i++)           /* lead layers ahead: lead + n_moe (1/q - 1) */
-            mine[i] = -((double) c->af->lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
+        for (int32_t i = 0; i < np; i++)      /* plan_lead layers ahead: plan_lead + n_moe (1/q - 1) */
+            mine[i] = -((double) c->af->plan_lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
         const int rc = prefetch_flats(c, c->af_plan, np, phase, seq0, mine);
         for (int32_t i = before; i < c->r_pf_flats.n; i++)
             spent = spent - af_transfer_cost(c->af, c->bytes_flat[c->r_pf_flats.v[i]]);

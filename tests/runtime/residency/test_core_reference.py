@@ -404,3 +404,45 @@ def test_warm_start_neighbour_history_equals_reference(zipf_stream):
                 outs.setdefault(name, []).append(out[0])
         same_state(cores)
     assert outs["without"] != outs["with"]
+
+
+def test_affinity_plans_further_ahead_equals_reference(monkeypatch):
+    """When the link cannot carry a transfer to layer i + lead in time but is idle, affinity
+    plans the nearest layer up to lead further ahead from the neighbours' vote alone (12 token
+    types, each routed to its own pair of experts at every layer; a GPU fast enough that a
+    layer-step of hits gives the link little time). Both cores decide the same at every call,
+    and such plans are made."""
+    import runtime.residency.reference_affinity as ref_af
+
+    n_layer, n_expert, k = 8, 32, 2
+    rng = np.random.default_rng(5)
+    route = [[[(2 * t + 3 * i) % n_expert, (2 * t + 1 + 3 * i) % n_expert]
+              for i in range(n_layer)] for t in rng.integers(0, 12, 260).tolist()]
+    steps = [(i, np.array([e for tok in route[:40] for e in tok[i]]), 0) for i in range(n_layer)]
+    steps += [(i, np.array(tok[i]), 1) for tok in route[40:] for i in range(n_layer)]
+    pp = PhasePolicies(admission=make_spec("admission", "always"),
+                       prefetch=make_spec("prefetch", "affinity", {
+                           "top_n": 2.0, "min_precision": 0.2, "layer_us": 0.006}),
+                       eviction=make_spec("eviction", "next-visit", {"learning_rate": 0.05}))
+    cost = replace(TINY_COST, gpu_mem_gbps=1000.0)     # a hit: 2.5 bytes of link time
+    pol = replace(CorePolicy.from_config(ResidencyConfig(phase_specific=False, prefill=pp,
+                                                         decode=pp, cost=cost)),
+                  n_expert_used=k)
+    further = []
+    plan_further = ref_af.AffinityModel._plan_further
+
+    def counted(self, *args):
+        got = plan_further(self, *args)
+        further.append(len(got))
+        return got
+
+    monkeypatch.setattr(ref_af.AffinityModel, "_plan_further", counted)
+    cores = [make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
+             for kind in ("native", "reference")]
+    for c in cores:
+        c.set_capacity(0, 1200)
+    for j, (layer, experts, phase) in enumerate(steps):
+        out = [c.access(layer, experts.astype(np.int32), phase) for c in cores]
+        assert out[0] == out[1], j
+    same_state(cores)
+    assert sum(1 for n in further if n) >= 5        # plans further ahead were issued
