@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from runtime.errors import UserError
 from runtime.residency.core import AFFINITY_SOURCES, NEIGHBOUR_HISTORY
 
 FORMAT, VERSION = "moe-offload routing profile", 2
+INT32_MAX = 2**31 - 1            # pair and count are int32 in the core
 
 
 @dataclass(frozen=True)
@@ -163,15 +165,17 @@ def read_profile(path: str | Path) -> RoutingProfile:
         raise UserError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise UserError(f"{path}: is a directory, not a profile") from None
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error):
         raise UserError(bad) from None
     try:
         head = json.loads(arrays["header"].tobytes().decode())
-        if head.get("format") != FORMAT or head.get("version") not in (1, VERSION):
+        if not isinstance(head, dict) or head.get("format") != FORMAT \
+                or head.get("version") not in (1, VERSION):
             raise ValueError
         n_moe = sum(1 for b in head["expert_bytes"] if int(b) > 0)
         if head["version"] == 1:                  # (before the neighbour history)
-            arrays["history"] = np.full((0, n_moe, int(head["n_expert_used"])), -1, np.int16)
+            arrays["history"] = np.full((0, n_moe, max(int(head["n_expert_used"]), 1)), -1,
+                                        np.int16)
         prof = RoutingProfile(
             model=str(head["model"]), arch=str(head["arch"]), n_layer=int(head["n_layer"]),
             n_expert=int(head["n_expert"]), n_expert_used=int(head["n_expert_used"]),
@@ -179,10 +183,15 @@ def read_profile(path: str | Path) -> RoutingProfile:
             decode_tokens=int(head["decode_tokens"]), traces=tuple(head["traces"]),
             frequency=arrays["frequency"].astype(np.float64), pair=arrays["pair"],
             count=arrays["count"], history=arrays["history"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OverflowError, AttributeError):
         raise UserError(bad) from None
     n_pair = max(len(prof.moe_layers) - 1, 0)
     if (len(prof.expert_bytes) != prof.n_layer
+            or not 1 <= prof.n_expert_used <= prof.n_expert
+            or not np.issubdtype(arrays["frequency"].dtype, np.floating)
+            or not all(np.issubdtype(a.dtype, np.integer) for a in (prof.pair, prof.count))
+            or (prof.pair.size and prof.pair.max() > INT32_MAX)
+            or (prof.count.size and prof.count.max() > INT32_MAX)
             or prof.frequency.shape != (prof.n_layer, prof.n_expert)
             or prof.pair.shape != (n_pair, prof.n_expert, prof.n_expert)
             or prof.count.shape != (n_pair, prof.n_expert)

@@ -50,7 +50,8 @@ class AffinityModel:
         self.pred_sum: dict[int, float] = {}             # target MoE index -> its raw q sum
         self.top_n, self.min_precision = top_n, min_precision
         self.link_bytes = link_bytes
-        self.nb = Neighbours(self.n_moe, n_expert, self.k) if self.k > 0 and self.n_moe else None
+        self.nb = (Neighbours(self.n_moe, n_expert, self.k)
+                   if self.k > 0 and self.n_moe and n_expert <= 32767 else None)
         self.plan_lead = lead       # how far ahead the latest plan is
 
     def observe(self, layer: int, experts: list[int], phase: int) -> None:
@@ -197,7 +198,9 @@ class AffinityModel:
                 continue
             self.plan_lead = self.lead + d
             v, order, tot = self.nb.vote(ti)
-            a = 1.0 / tot if tot > 0.0 else 0.0
+            if not order or not tot > 0.0:      # nothing known of it: no plan
+                continue
+            a = 1.0 / tot
             cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
             cands = [(x, a * v[x]) for x in order if absent(target * ne + x)]
             top = max(min(int(self.top_n), ne), 0)
@@ -215,7 +218,7 @@ class AffinityModel:
         for x, qv in ranked:
             raw = qv / float(n_known)
             qx = raw * cal
-            if qx < self.min_precision:
+            if not qx > 0.0 or qx < self.min_precision:
                 break
             if qx > 1.0:
                 qx = 1.0

@@ -103,7 +103,7 @@ class NextVisitModel:
             z = z + w[1] * x1
             for k in range(len(RATES)):
                 z = z + w[2 + k] * (self.h[k][f] * self.decay[i][k])
-            o.append(math.exp(-z))
+            o.append(math.exp(-z) if -z < 709.78 else math.inf)   # (C's exp: inf there)
         acc = 1.0 + o[-1]
         for i in range(len(ROLL_AT) - 2, 0, -1):
             q = _int_pow(o[i] / (1.0 + o[i]), ROLL_LEN[i])

@@ -57,7 +57,7 @@ af_model *af_create(int32_t n_layer, int32_t n_expert, const int32_t *moe_layers
         af_free(m);
         return NULL;
     }
-    if (m->k > 0 && n_moe > 0) {                  /* the neighbour vote needs k */
+    if (m->k > 0 && n_moe > 0 && n_expert <= INT16_MAX) {   /* the vote needs k */
         m->nb = nb_create(n_moe, n_expert, m->k);
         m->nb_v = calloc((size_t) n_expert, sizeof *m->nb_v);
         m->nb_voted = malloc((size_t) NB_K * m->k * sizeof *m->nb_voted);
@@ -285,7 +285,7 @@ static int32_t finish_plan(af_model *m, int32_t ti, int32_t target, int32_t n_to
     for (; n_plan < n_top; n_plan++) {
         const double raw = tq[n_plan] / (double) n_known;
         double q = raw * cal;
-        if (q < m->min_precision) break;
+        if (!(q > 0.0) || q < m->min_precision) break;   /* (q 0: min_precision 0) */
         if (q > 1.0) q = 1.0;
         raw_sum = raw_sum + raw;
         out_q[n_plan] = q;
@@ -329,7 +329,11 @@ static int32_t plan_further(af_model *m, int32_t idx, double step_s, const uint8
         m->plan_lead = m->lead + d;
         double tot;
         const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
-        const double a = tot > 0.0 ? 1.0 / tot : 0.0;
+        if (nv == 0 || !(tot > 0.0)) {            /* nothing known of it: no plan */
+            for (int32_t i = 0; i < nv; i++) m->nb_v[m->nb_voted[i]] = 0.0;
+            continue;
+        }
+        const double a = 1.0 / tot;
         const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
         int32_t top = (int32_t) m->top_n, n_top = 0;
         if (top > ne) top = ne;

@@ -49,8 +49,14 @@ def _cdef() -> str:
     return "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
 
 
+# -ffp-contract=off: no fused multiply-add where a target has one (aarch64 fuses a + b * c by
+# default), so the core's doubles stay its Python reference's
+FLAGS = ("-O2", "-ffp-contract=off", "-shared", "-fPIC")
+
+
 def library_path() -> Path:
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS, *INTERNAL)))
+    digest.update(" ".join((os.environ.get("CC", ""), *FLAGS)).encode())   # another CC: its own
     return cache_dir("residency") / f"moe_offload_native-{digest.hexdigest()[:16]}.so"
 
 
@@ -64,7 +70,7 @@ def _compile(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm",
+        cmd = [*cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm",
                "-lpthread"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)

@@ -62,6 +62,7 @@ class NativeCore:
         self._c = ffi.gc(handle, lib.rc_free)
         self._out = ffi.new("rc_result *")
         self.n_layer, self.n_expert = n_layer, n_expert
+        self.n_moe = sum(1 for b in expert_bytes if int(b) > 0)
         self.last_bad = 0
 
     # -- configuration -------------------------------------------------------------------
@@ -187,6 +188,16 @@ class NativeCore:
         count = np.ascontiguousarray(count, dtype=np.int32).reshape(-1)
         hist = np.ascontiguousarray(history if history is not None
                                     else np.zeros((0, 0, 0)), dtype=np.int16)
+        if hist.size:                 # the core reads it as given: ids, shape, order checked
+            n_moe = self.n_moe
+            ids = hist.reshape(-1, hist.shape[-1]) if hist.ndim == 3 else hist
+            pad = ids < 0
+            srt = np.sort(ids, axis=1)
+            if (hist.ndim != 3 or hist.shape[1] != n_moe or (ids < -1).any()
+                    or (ids >= self.n_expert).any() or (pad[:, :-1] & ~pad[:, 1:]).any()
+                    or ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
+                raise ValueError("warm_start: history must be (tokens, MoE layers, k) distinct "
+                                 "expert ids, then -1")
         self.lib.rc_warm_start(self._c, ffi.from_buffer("double[]", freq),
                                ffi.from_buffer("int32_t[]", pair) if pair.size else ffi.NULL,
                                ffi.from_buffer("int32_t[]", count) if count.size else ffi.NULL,

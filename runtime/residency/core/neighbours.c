@@ -8,7 +8,7 @@
 #define SLOT(t) ((int32_t) ((t) % H))
 
 nb_model *nb_create(int32_t n_moe, int32_t n_expert, int32_t k) {
-    if (n_moe < 1 || k < 1) return NULL;
+    if (n_moe < 1 || k < 1 || n_expert > INT16_MAX) return NULL;
     nb_model *m = calloc(1, sizeof *m);
     if (m == NULL) return NULL;
     m->n_moe = n_moe; m->n_expert = n_expert; m->k = k;

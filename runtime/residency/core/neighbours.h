@@ -37,7 +37,7 @@
 #define NB_HISTORY 128   /* tokens kept (a multiple of 64) */
 #define NB_WORDS (NB_HISTORY / 64)
 #define NB_K 2           /* tokens that vote */
-#define NB_K_MAX 64      /* experts per token kept (k above it: the first NB_K_MAX) */
+#define NB_K_MAX 64      /* a prompt's or profile's token: its first distinct experts read */
 #define NB_WALK 2        /* the scored token's experts matched, per layer: its strongest */
 #define NB_COMMON 16     /* an expert held by more history tokens at a layer is not matched */
 #define NB_DECAY 0.75    /* an earlier layer's overlap, per layer-step */
@@ -63,6 +63,7 @@ typedef struct {
     int32_t n_best;
 } nb_model;
 
+/* NULL: out of memory, or no history possible (k < 1, n_moe < 1, ids past int16) */
 nb_model *nb_create(int32_t n_moe, int32_t n_expert, int32_t k);
 void nb_free(nb_model *m);
 /* a decode layer-step of MoE index idx routed to the distinct experts d[nd] (one token) */

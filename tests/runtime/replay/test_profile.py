@@ -198,3 +198,36 @@ def test_profile_of_version_1_reads_with_an_empty_history(tmp_path):
     config = Path(__file__).parents[3] / "configs" / "best-replay.toml"
     ok = _cli("replay", qwen, "--capacity", "10%", "--config", config, "--profile", path)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_profile_with_a_bad_header_or_arrays_is_refused(tmp_path):
+    """A header that is not a JSON object or holds an infinite size, counts of a float type
+    or past int32, or experts per token out of range: one line each, never a traceback."""
+    import json
+
+    from runtime.traces.files import read_trace
+
+    prof = build_profile([read_trace(next(p for p in REAL_TRACES if "qwen" in p.name))])
+    path = tmp_path / "good.npz"
+    write_profile(path, prof)
+    with np.load(path) as z:
+        good = {k: z[k] for k in z.files}
+    head = json.loads(good["header"].tobytes().decode())
+
+    def with_header(h):
+        return {**good, "header": np.frombuffer(json.dumps(h).encode(), dtype=np.uint8)}
+
+    cases = {
+        "list": {**good, "header": np.frombuffer(b"[1, 2]", dtype=np.uint8)},
+        "inf": {**good, "header": np.frombuffer(
+            json.dumps({**head, "n_layer": 1}).replace('"n_layer": 1', '"n_layer": Infinity')
+            .encode(), dtype=np.uint8)},
+        "k": with_header({**head, "n_expert_used": -3}),
+        "float": {**good, "count": good["count"].astype(np.float64)},
+        "big": {**good, "count": good["count"].astype(np.int64) + 2**32},
+    }
+    for name, arrays in cases.items():
+        bad = tmp_path / f"{name}.npz"
+        np.savez_compressed(bad, **arrays)
+        with pytest.raises(UserError, match="not a routing profile|a corrupt routing profile"):
+            read_profile(bad)

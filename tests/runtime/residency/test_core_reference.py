@@ -446,3 +446,20 @@ def test_affinity_plans_further_ahead_equals_reference(monkeypatch):
         assert out[0] == out[1], j
     same_state(cores)
     assert sum(1 for n in further if n) >= 5        # plans further ahead were issued
+
+
+def test_warm_start_refuses_a_history_the_core_cannot_take():
+    """The native core reads a warm start's history as given; one of the wrong shape, with
+    ids out of range, repeated within a layer-step or after the pad, is refused before."""
+    n_layer, n_expert = 5, 24
+    pol = replace(policy(("lru", {}), ("always", {}), PREFETCHES[4]), n_expert_used=2)
+    core = make_core("native", n_layer, n_expert, [100] * n_layer, pol, inline=True)
+    freq = np.zeros((n_layer, n_expert))
+    table = np.zeros((n_layer - 1, n_expert, n_expert), dtype=np.int32)
+    count = np.zeros((n_layer - 1, n_expert), dtype=np.int32)
+    good = np.array([[[1, 2]] * n_layer] * 3, dtype=np.int16)
+    core.warm_start(freq, table, count, good)
+    for bad in (good[:, :-1], np.where(good == 2, n_expert, good), np.where(good == 2, 1, good),
+                np.where(good == 1, -1, good), np.where(good == 2, -2, good)):
+        with pytest.raises(ValueError, match="history must be"):
+            core.warm_start(freq, table, count, bad)
