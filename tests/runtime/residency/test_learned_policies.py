@@ -26,12 +26,26 @@ def _policy(eviction: str, prefetch=("none", {}), cost=TINY_COST) -> CorePolicy:
 
 def _replay(kind: str, pol: CorePolicy, steps: list[list[list[int]]], capacity: int):
     """steps: per token, per layer, the routed experts (decode)."""
-    batches = [(layer, ex) for tok in steps for layer, ex in enumerate(tok)]
-    experts = np.array([e for _, ex in batches for e in ex], dtype=np.int32)
-    bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex in batches])]).astype(np.int64)
+    return _replay_batches(kind, pol, [(layer, ex, 1) for tok in steps
+                                       for layer, ex in enumerate(tok)], capacity)
+
+
+def _prompt_then_decode(prompt, decode, n_layer: int) -> list[tuple[int, list[int], int]]:
+    """(layer, experts, phase) batches: the prompt's tokens as one token-major chunk per layer,
+    then each decode token layer by layer (prompt, decode: per token, per layer, experts)."""
+    batches = [(layer, [e for tok in prompt for e in tok[layer]], 0) for layer in range(n_layer)]
+    return batches + [(layer, tok[layer], 1) for tok in decode for layer in range(n_layer)]
+
+
+def _replay_batches(kind: str, pol: CorePolicy, batches, capacity: int, n_layer: int = N_LAYER,
+                    n_expert: int = N_EXPERT, nbytes=None):
+    """batches: (layer, experts, phase) in order, through one core's replay. Returns the core,
+    each row's miss kind, each row's prefetch event, the prefetch log and each row's batch."""
+    experts = np.array([e for _, ex, _ in batches for e in ex], dtype=np.int32)
+    bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex, _ in batches])]).astype(np.int64)
     layers = np.array([b[0] for b in batches], dtype=np.int32)
-    phases = np.ones(len(batches), dtype=np.int8)
-    core = make_core(kind, N_LAYER, N_EXPERT, BYTES, pol, inline=True)
+    phases = np.array([b[2] for b in batches], dtype=np.int8)
+    core = make_core(kind, n_layer, n_expert, nbytes or BYTES, pol, inline=True)
     core.set_capacity(0, capacity)
     kinds = np.zeros(len(experts), dtype=np.int8)
     events = np.full(len(experts), -1, dtype=np.int64)
@@ -164,27 +178,15 @@ def test_affinity_learns_from_the_prompt():
     for _ in range(24):
         first = sorted(rng.choice(N_EXPERT, 2, replace=False).tolist())
         tokens.append([[(e + d) % N_EXPERT for e in first] for d in range(N_LAYER)])
-    prompt, decode = tokens[:12], tokens[12:]
-    batches = [(layer, [e for tok in prompt for e in tok[layer]], 0) for layer in range(N_LAYER)]
-    batches += [(layer, tok[layer], 1) for tok in decode for layer in range(N_LAYER)]
-    experts = np.array([e for _, ex, _ in batches for e in ex], dtype=np.int32)
-    bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex, _ in batches])]).astype(np.int64)
-    layers = np.array([b[0] for b in batches], dtype=np.int32)
-    phases = np.array([b[2] for b in batches], dtype=np.int8)
+    batches = _prompt_then_decode(tokens[:12], tokens[12:], N_LAYER)
     base = _policy("lru", ("affinity", {"top_n": 2.0, "min_precision": 0.5, "layer_us": 1.0}))
     used = {}
     for k in (0, 2):
-        got = []
-        for kind in ("native", "reference"):
-            core = make_core(kind, N_LAYER, N_EXPERT, BYTES, replace(base, n_expert_used=k),
-                             inline=True)
-            core.set_capacity(0, 600)
-            kinds = np.zeros(len(experts), dtype=np.int8)
-            events = np.full(len(experts), -1, dtype=np.int64)
-            assert core.replay(bounds, layers, phases, experts, None, False, kinds, events) == 0
-            got.append(kinds)
+        got = [_replay_batches(kind, replace(base, n_expert_used=k), batches, 600)[1]
+               for kind in ("native", "reference")]
         assert np.array_equal(got[0], got[1])
-        early = bounds[3 + 4 * N_LAYER]            # the first 4 decode tokens' rows
+        early = sum(len(ex) for _, ex, _ in batches[:3 + 4 * N_LAYER])   # (the first 4
+                                                   # decode tokens' rows)
         used[k] = int((got[0][:early] == 4).sum())
     print("prefetches used in the first 4 decode tokens, without / with the prompt's pairs:",
           used[0], used[2])
@@ -223,23 +225,14 @@ def test_affinity_neighbours_tell_apart_what_the_table_cannot():
     types = rng.integers(0, 16, 232)
     route = [[[2 * t, 2 * t + 1], [2 * (t // 2), 2 * (t // 2) + 1], [2 * t, 2 * t + 1]]
              for t in types.tolist()]
-    prompt, decode = route[:32], route[32:]
-    batches = [(layer, [e for tok in prompt for e in tok[layer]], 0) for layer in range(n_layer)]
-    batches += [(layer, tok[layer], 1) for tok in decode for layer in range(n_layer)]
-    experts = np.array([e for _, ex, _ in batches for e in ex], dtype=np.int32)
-    bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex, _ in batches])]).astype(np.int64)
-    layers = np.array([b[0] for b in batches], dtype=np.int32)
-    phases = np.array([b[2] for b in batches], dtype=np.int8)
+    batches = _prompt_then_decode(route[:32], route[32:], n_layer)
     pol = replace(_policy("lru", ("affinity", {"top_n": 2.0, "min_precision": 0.2,
                                                "layer_us": 0.02})), n_expert_used=k)
     got = []
     for kind in ("native", "reference"):
-        core = make_core(kind, n_layer, n_expert, [100] * n_layer, pol, inline=True)
-        core.set_capacity(0, 800)
-        kinds = np.zeros(len(experts), dtype=np.int8)
-        events = np.full(len(experts), -1, dtype=np.int64)
-        assert core.replay(bounds, layers, phases, experts, None, False, kinds, events) == 0
-        got.append((kinds, events, *core.replay_prefetches()))
+        _, kinds, events, (log_b, log_f), _ = _replay_batches(
+            kind, pol, batches, 800, n_layer, n_expert, [100] * n_layer)
+        got.append((kinds, events, log_b, log_f))
     (k0, e0, b0, f0), (k1, e1, b1, f1) = got
     assert np.array_equal(k0, k1) and np.array_equal(b0, b1) and np.array_equal(f0, f1)
     to_layer2 = f0 // n_expert == 2
