@@ -149,10 +149,10 @@ class AffinityModel:
         ti = idx + self.lead
         target = self.moe_layers[ti]
         room = self.link_bps * (step_s + float(self.lead - 1) * self.step_ema)
+        cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
         self.plan_lead = self.lead
         if self.backlog + self.transfer_cost(self.bytes_of(target * ne)) > room:
-            return self._plan_further(idx, step_s, absent)   # no room at lead
-        cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
+            return self._plan_further(idx, step_s, cal, absent)   # no room at lead
         q = [0.0] * ne
         n_known = 0
         for e in self.src[idx][0]:
@@ -176,11 +176,18 @@ class AffinityModel:
                 n_known = 1
         if n_known == 0:
             return []
+        return self._finish(ti, target, self._ranked(target, q, absent), n_known, cal, room)
+
+    def _ranked(self, target: int, q, absent) -> list[tuple[int, float]]:
+        """The top_n (expert, q) of layer ``target`` by q, then the lower id, among the keys
+        that need a transfer (``q``: per expert)."""
+        ne = self.n_expert
         cands = [x for x in range(ne) if absent(target * ne + x)]
         ranked = sorted(cands, key=lambda x: (-q[x], x))[:max(min(int(self.top_n), ne), 0)]
-        return self._finish(ti, target, [(x, q[x]) for x in ranked], n_known, cal, room)
+        return [(x, q[x]) for x in ranked]
 
-    def _plan_further(self, idx: int, step_s: float, absent) -> list[tuple[int, float]]:
+    def _plan_further(self, idx: int, step_s: float, cal: float,
+                      absent) -> list[tuple[int, float]]:
         """While the link is idle, the nearest MoE layer up to lead further ahead whose
         transfers cross in time and with no plan pending, from the neighbours' vote alone."""
         ne = self.n_expert
@@ -196,16 +203,15 @@ class AffinityModel:
             room = self.link_bps * (step_s + float(self.lead - 1 + d) * self.step_ema)
             if self.transfer_cost(self.bytes_of(target * ne)) > room:
                 continue
-            self.plan_lead = self.lead + d
             v, order, tot = self.nb.vote(ti)
             if not order or not tot > 0.0:      # nothing known of it: no plan
                 continue
+            self.plan_lead = self.lead + d
             a = 1.0 / tot
-            cal = (self.hits + PRIOR) / (self.predicted + PRIOR)
-            cands = [(x, a * v[x]) for x in order if absent(target * ne + x)]
-            top = max(min(int(self.top_n), ne), 0)
-            ranked = sorted(cands, key=lambda c: (-c[1], c[0]))[:top]
-            return self._finish(ti, target, ranked, 1, cal, room)
+            q = [0.0] * ne
+            for x in order:
+                q[x] = a * v[x]
+            return self._finish(ti, target, self._ranked(target, q, absent), 1, cal, room)
         return []
 
     def _finish(self, ti: int, target: int, ranked, n_known: int, cal: float,

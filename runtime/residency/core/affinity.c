@@ -237,34 +237,58 @@ static void mask_candidates(double *restrict q, const uint8_t *restrict state, u
     for (int32_t x = 0; x < ne; x++) q[x] = state[x] == absent ? q[x] : -1.0;
 }
 
-/* q[x] = (1 - a) (q[x] / n_known), a = NB_BLEND (1 where the table knew no source: q is 0) */
+/* q[x] = b (q[x] inv) */
 __attribute__((optimize("tree-vectorize")))
-static void scale_table(double *restrict q, int32_t n_known, int32_t ne) {
-    const double a = n_known > 0 ? NB_BLEND : 1.0;
-    const double inv = n_known > 0 ? 1.0 / (double) n_known : 0.0, b = 1.0 - a;
+static void scale_table(double *restrict q, double b, double inv, int32_t ne) {
     for (int32_t x = 0; x < ne; x++) q[x] = b * (q[x] * inv);
 }
 
 /* the neighbours' vote into q (neighbours.h): 0 when no token voted (q unchanged), else q is
- * the blend, as the mean of one source; *top stays >= the largest q (the table's largest,
- * scaled as scale_table does, or a voted one) */
+ * the blend, as the mean of one source: (1 - a) (q / n_known) + (a / sum of the voters' sim)
+ * times their sum, a = NB_BLEND (1 where the table knew no source: q is 0 there); *top
+ * stays >= the largest q (the table's largest, scaled alike, or a voted one) */
 static int add_vote(af_model *m, int32_t ti, int32_t n_known, double *top) {
     double tot;
     const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
     const int ok = nv > 0 && tot > 0.0;
     if (ok) {
-        scale_table(m->q, n_known, m->n_expert);
-        const double a = (n_known > 0 ? NB_BLEND : 1.0) / tot;
+        const double a = n_known > 0 ? NB_BLEND : 1.0, b = 1.0 - a;
         const double inv = n_known > 0 ? 1.0 / (double) n_known : 0.0;
-        *top = (1.0 - (n_known > 0 ? NB_BLEND : 1.0)) * (*top * inv);
+        scale_table(m->q, b, inv, m->n_expert);
+        *top = b * (*top * inv);
+        const double w = a / tot;
         for (int32_t i = 0; i < nv; i++) {
             const int32_t x = m->nb_voted[i];
-            m->q[x] = m->q[x] + a * m->nb_v[x];
+            m->q[x] = m->q[x] + w * m->nb_v[x];
             *top = m->q[x] > *top ? m->q[x] : *top;
         }
     }
     for (int32_t i = 0; i < nv; i++) m->nb_v[m->nb_voted[i]] = 0.0;
     return ok;
+}
+
+/* the top_n experts by q (ties: the lower id) among the keys of layer target that need a
+ * transfer (a resident or in-flight key is never a candidate, q -1), into pred[ti] / top_q:
+ * one pass, kept sorted; how many (q >= 0) */
+static int32_t rank_candidates(af_model *m, int32_t ti, int32_t target, const uint8_t *state,
+                               uint8_t absent_state) {
+    const int32_t ne = m->n_expert;
+    int32_t *pred = &m->pred[(int64_t) ti * ne];
+    int32_t top = (int32_t) m->top_n, n_top = 0;
+    if (top > ne) top = ne;
+    if (top < 1) top = 0;
+    double *tq = m->top_q;
+    mask_candidates(m->q, &state[(int64_t) target * ne], absent_state, ne);
+    for (int32_t i = 0; i < top; i++) tq[i] = -1.0;   /* top sentinels, below any q */
+    for (int32_t x = 0; x < ne && top > 0; x++) {
+        const double v = m->q[x];
+        if (!(v > tq[top - 1])) continue;
+        int32_t i = top - 1;
+        while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
+        pred[i] = x; tq[i] = v;
+    }
+    while (n_top < top && tq[n_top] >= 0.0) n_top++;
+    return n_top;
 }
 
 double af_transfer_cost(const af_model *m, int64_t bytes) {
@@ -305,20 +329,14 @@ static int32_t finish_plan(af_model *m, int32_t ti, int32_t target, int32_t n_to
     return n_out;
 }
 
-/* (q, x) ranks above (bq, bx): the higher q, then the lower id */
-static inline int ranks_above(double q, int32_t x, double bq, int32_t bx) {
-    return q > bq || (q == bq && x < bx);
-}
-
 /* layer idx + lead has no room this step: while the link is idle, the nearest MoE layer up
- * to lead further ahead whose transfers would cross in time, planned from the neighbours'
- * vote alone (the pair table holds the layers lead apart only); none pending there. The
- * vote's q is (1 / sum of the voters' sim) times its sum, as where the table knows nothing;
- * the rest is af_plan's (top_n among the keys that need a transfer, calibrated, the link's
- * room); m->plan_lead says how far ahead it planned. */
-static int32_t plan_further(af_model *m, int32_t idx, double step_s, const uint8_t *state,
-                            uint8_t absent_state, const int64_t *bytes_flat, int32_t *out,
-                            double *out_q) {
+ * to lead further ahead whose transfers would cross in time and that the neighbours vote for,
+ * planned from their vote alone (the pair table holds the layers lead apart only); none
+ * pending there. The rest is af_plan's (its candidates, calibrated by cal, the link's room);
+ * m->plan_lead says how far ahead it planned. */
+static int32_t plan_further(af_model *m, int32_t idx, double step_s, double cal,
+                            const uint8_t *state, uint8_t absent_state,
+                            const int64_t *bytes_flat, int32_t *out, double *out_q) {
     const int32_t ne = m->n_expert;
     if (m->nb == NULL || m->backlog > 0.0) return 0;
     for (int32_t d = 1; d <= m->lead && idx + m->lead + d < m->n_moe; d++) {
@@ -326,32 +344,11 @@ static int32_t plan_further(af_model *m, int32_t idx, double step_s, const uint8
         if (m->n_pred[ti] >= 0) continue;         /* a plan for it is pending */
         const double room = m->link_bps * (step_s + (double) (m->lead - 1 + d) * m->step_ema);
         if (af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room) continue;
+        for (int32_t x = 0; x < ne; x++) m->q[x] = 0.0;   /* (no table) */
+        double top_q = 0.0;
+        if (!add_vote(m, ti, 0, &top_q)) continue;  /* nothing known of it: no plan */
         m->plan_lead = m->lead + d;
-        double tot;
-        const int32_t nv = nb_vote(m->nb, ti, m->nb_v, m->nb_voted, &tot);
-        if (nv == 0 || !(tot > 0.0)) {            /* nothing known of it: no plan */
-            for (int32_t i = 0; i < nv; i++) m->nb_v[m->nb_voted[i]] = 0.0;
-            continue;
-        }
-        const double a = 1.0 / tot;
-        const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
-        int32_t top = (int32_t) m->top_n, n_top = 0;
-        if (top > ne) top = ne;
-        if (top < 1) top = 0;
-        int32_t *pred = &m->pred[(int64_t) ti * ne];
-        double *tq = m->top_q;
-        for (int32_t i = 0; i < nv; i++) {        /* the voted keys that need a transfer, */
-            const int32_t x = m->nb_voted[i];     /* by (q, lower id) */
-            const double q = a * m->nb_v[x];
-            m->nb_v[x] = 0.0;
-            if (state[(int64_t) target * ne + x] != absent_state || top == 0) continue;
-            if (n_top == top && !ranks_above(q, x, tq[top - 1], pred[top - 1])) continue;
-            int32_t j = n_top < top ? n_top++ : top - 1;
-            while (j > 0 && ranks_above(q, x, tq[j - 1], pred[j - 1])) {
-                pred[j] = pred[j - 1]; tq[j] = tq[j - 1]; j--;
-            }
-            pred[j] = x; tq[j] = q;
-        }
+        const int32_t n_top = rank_candidates(m, ti, target, state, absent_state);
         return finish_plan(m, ti, target, n_top, 1, cal, room, bytes_flat, out, out_q);
     }
     return 0;
@@ -378,11 +375,11 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
      * lead - 1 more steps of the running estimate (the dense parts not counted); no plan
      * (nor its scoring) when not even one of its transfers would fit */
     const double room = m->link_bps * (step_s + (double) (m->lead - 1) * m->step_ema);
-    m->plan_lead = m->lead;
-    if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room)
-        return plan_further(m, idx, step_s, state, absent_state, bytes_flat, out, out_q);
     /* measured hits per predicted one: what a prediction's q is worth */
     const double cal = (m->hits + AF_PRIOR) / (m->predicted + AF_PRIOR);
+    m->plan_lead = m->lead;
+    if (m->backlog + af_transfer_cost(m, bytes_flat[(int64_t) target * ne]) > room)
+        return plan_further(m, idx, step_s, cal, state, absent_state, bytes_flat, out, out_q);
     int32_t n_known = 0;
     const uint16_t *rows[AF_SOURCES];
     double r[AF_SOURCES];
@@ -402,21 +399,7 @@ int32_t af_plan(af_model *m, int32_t layer, int32_t n_hits, int32_t n_misses,
         m->pred_sum[ti] = 0.0;
         return 0;
     }
-    int32_t *pred = &m->pred[(int64_t) ti * ne];
-    int32_t top = (int32_t) m->top_n, n_top = 0;   /* the top by q, lower id on ties: */
-    if (top > ne) top = ne;                           /* one pass, kept sorted in pred */
-    if (top < 1) top = 0;
-    double *tq = m->top_q;
-    mask_candidates(m->q, &state[(int64_t) target * ne], absent_state, ne);
-    for (int32_t i = 0; i < top; i++) tq[i] = -1.0;   /* top sentinels, below any q */
-    for (int32_t x = 0; x < ne && top > 0; x++) {
-        const double v = m->q[x];
-        if (!(v > tq[top - 1])) continue;
-        int32_t i = top - 1;
-        while (i > 0 && v > tq[i - 1]) { pred[i] = pred[i - 1]; tq[i] = tq[i - 1]; i--; }
-        pred[i] = x; tq[i] = v;
-    }
-    while (n_top < top && tq[n_top] >= 0.0) n_top++;
+    const int32_t n_top = rank_candidates(m, ti, target, state, absent_state);
     return finish_plan(m, ti, target, n_top, n_known, cal, room, bytes_flat, out, out_q);
 }
 
