@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import UserError
-from runtime.residency.core import AFFINITY_SOURCES, NEIGHBOUR_HISTORY
+from runtime.residency.core import AFFINITY_SOURCES, NEIGHBOUR_HISTORY, history_ok
 
 FORMAT, VERSION = "moe-offload routing profile", 2
 INT32_MAX = 2**31 - 1            # pair and count are int32 in the core
@@ -204,16 +204,8 @@ def read_profile(path: str | Path) -> RoutingProfile:
 
 
 def _history_ok(prof: RoutingProfile) -> bool:
-    """history is (T <= NEIGHBOUR_HISTORY, n_moe, n_expert_used) int16: each row distinct
-    expert ids, then only -1."""
+    """history is (T <= NEIGHBOUR_HISTORY, n_moe, n_expert_used) int16 the core can take."""
     h = prof.history
-    if (h.dtype != np.int16 or h.ndim != 3 or len(h) > NEIGHBOUR_HISTORY
-            or h.shape[1:] != (len(prof.moe_layers), max(prof.n_expert_used, 1))):
-        return False
-    if ((h < -1) | (h >= prof.n_expert)).any():
-        return False
-    pad = h < 0
-    if (pad[..., :-1] & ~pad[..., 1:]).any():      # an id after a pad
-        return False
-    rows = np.sort(h.reshape(-1, h.shape[2]), axis=1)
-    return not ((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any()
+    return (h.dtype == np.int16 and h.ndim == 3 and len(h) <= NEIGHBOUR_HISTORY
+            and h.shape[2] == max(prof.n_expert_used, 1)
+            and history_ok(h, len(prof.moe_layers), prof.n_expert))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from runtime.residency.types import Phase
 
 EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4,
@@ -36,6 +38,18 @@ AFFINITY_SOURCES = 4
 # the decode tokens prefetch affinity's neighbour vote keeps (neighbours.h's NB_HISTORY): what
 # a routing profile carries for it
 NEIGHBOUR_HISTORY = 128
+
+
+def history_ok(h: np.ndarray, n_moe: int, n_expert: int) -> bool:
+    """A neighbour history the core can take: (tokens, n_moe, k) expert ids in [0, n_expert),
+    each token's layer distinct, then only the pad -1 (routing profiles, warm starts)."""
+    if h.ndim != 3 or h.shape[1] != n_moe or ((h < -1) | (h >= n_expert)).any():
+        return False
+    pad = h < 0
+    if (pad[..., :-1] & ~pad[..., 1:]).any():      # an id after a pad
+        return False
+    rows = np.sort(h.reshape(-1, h.shape[2]), axis=1)
+    return not ((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any()
 
 # key states
 RESIDENT_MAX, ABSENT, PENDING, EVICTING = 2, 8, 9, 10

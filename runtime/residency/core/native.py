@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.residency.core import (ADMISSION_KINDS, EVICTION_KINDS, PREFETCH_KINDS, CorePolicy)
+from runtime.residency.core import (ADMISSION_KINDS, EVICTION_KINDS, PREFETCH_KINDS, CorePolicy,
+                                    history_ok)
 from runtime.residency.core.build import load_core
 
 _EMPTY: tuple = ()
@@ -186,18 +187,11 @@ class NativeCore:
         freq = np.ascontiguousarray(frequency, dtype=np.float64).reshape(-1)
         pair = np.ascontiguousarray(pair, dtype=np.int32).reshape(-1)
         count = np.ascontiguousarray(count, dtype=np.int32).reshape(-1)
-        hist = np.ascontiguousarray(history if history is not None
-                                    else np.zeros((0, 0, 0)), dtype=np.int16)
-        if hist.size:                 # the core reads it as given: ids, shape, order checked
-            n_moe = self.n_moe
-            ids = hist.reshape(-1, hist.shape[-1]) if hist.ndim == 3 else hist
-            pad = ids < 0
-            srt = np.sort(ids, axis=1)
-            if (hist.ndim != 3 or hist.shape[1] != n_moe or (ids < -1).any()
-                    or (ids >= self.n_expert).any() or (pad[:, :-1] & ~pad[:, 1:]).any()
-                    or ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
-                raise ValueError("warm_start: history must be (tokens, MoE layers, k) distinct "
-                                 "expert ids, then -1")
+        given = np.asarray(history if history is not None else np.zeros((0, 0, 0)))
+        if given.size and not history_ok(given, self.n_moe, self.n_expert):
+            raise ValueError("warm_start: history must be (tokens, MoE layers, k) distinct "
+                             "expert ids, then -1")   # (the core reads it as given)
+        hist = np.ascontiguousarray(given, dtype=np.int16)
         self.lib.rc_warm_start(self._c, ffi.from_buffer("double[]", freq),
                                ffi.from_buffer("int32_t[]", pair) if pair.size else ffi.NULL,
                                ffi.from_buffer("int32_t[]", count) if count.size else ffi.NULL,
