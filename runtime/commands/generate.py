@@ -23,17 +23,19 @@ from runtime.errors import UserError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from runtime.engine.cli_args import HelpFormatter as _FMT  # noqa: PLC0415
-    from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
+    from runtime.engine.cli_args import (add_engine_args, add_route_trace_arg,  # noqa: PLC0415
+                                         add_sampling_args)
     from runtime.engine.stats_file import add_stats_json_arg  # noqa: PLC0415
 
     comp = subparsers.add_parser(
         "complete", help="complete a prompt (text to stdout)", formatter_class=_FMT,
         description="Continue PROMPT with the model, streaming only the generated text to "
                     "stdout; timings and expert hit rate go to stderr.")
-    src = comp.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", help="prompt text")
+    src = comp.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text (required unless --route-trace)")
     src.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
     add_engine_args(comp)
+    add_route_trace_arg(comp)
     add_sampling_args(comp)
     add_stats_json_arg(comp)
     comp.set_defaults(func=run_complete)
@@ -49,9 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     chat.set_defaults(func=run_chat)
 
 
-def _prompt_text(args: argparse.Namespace) -> str:
+def _prompt_text(args: argparse.Namespace) -> str | None:
     if args.prompt is not None:
         return args.prompt
+    if args.file is None:
+        return None
     try:
         return Path(args.file).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -80,14 +84,20 @@ def _write(text: str) -> None:
 
 def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; the timings line to stderr."""
-    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.cli_args import (imposed_request, sampling_from_args,  # noqa: PLC0415
+                                         settings_from_args)
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.engine.stats_file import check_stats_json_path, write_stats_json  # noqa: PLC0415
 
     prompt = _prompt_text(args)
+    if prompt is None and args.route_trace is None:
+        raise UserError("give a prompt: -p TEXT or -f FILE (or --route-trace TRACE)")
     params = sampling_from_args(args)
     check_stats_json_path(args.stats_json)
+    note = None
     with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+        prompt, params = imposed_request(engine, prompt, params, args)
+        note = engine.imposed.note() if engine.imposed is not None else None
         last, tail = None, ""
         for chunk in engine.generate(prompt, params):
             _write(chunk.text)
@@ -97,7 +107,7 @@ def run_complete(args: argparse.Namespace) -> int:
     if tail != "\n":       # a file or pipe gets whole lines; a terminal a clean prompt
         _write("\n")
     if last is not None and last.timings is not None:
-        sys.stderr.write(last.timings.summary() + "\n")
+        sys.stderr.write(last.timings.summary() + (f" | {note}" if note else "") + "\n")
     return 0
 
 

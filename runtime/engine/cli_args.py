@@ -10,6 +10,7 @@ record), and their translation into ``EngineSettings`` / ``SamplingParams``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
@@ -114,7 +115,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int =
     d = SamplingParams()
     g = parser.add_argument_group("sampling")
     g.add_argument("-n", "--predict", "--n-predict", dest="predict", type=int,
-                   default=predict_default, metavar="N",
+                   default=predict_default, metavar="N", action=_StoreGiven,
                    help="tokens to generate (-1 = until the context is full)")
     g.add_argument("--temp", type=float, default=d.temperature,
                    help="temperature (0 = greedy)")
@@ -125,6 +126,44 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int =
                    help="penalise the last 64 tokens' repeats (1.0 = off)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+
+
+class _StoreGiven(argparse.Action):
+    """Store the value and mark ``<dest>_given`` (a default the run may choose otherwise)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def add_route_trace_arg(parser: argparse.ArgumentParser) -> None:
+    """``--route-trace TRACE`` (runtime.engine.imposed_routing)."""
+    parser.add_argument(
+        "--route-trace", metavar="TRACE", default=None,
+        help="route as TRACE did (a routing trace, CSV or .rtb, of the model's shape): prompt "
+             "tokens take its prefill rows, generated tokens its decode rows, at every MoE "
+             "layer. Without a prompt the prompt is as long as the trace's; -n defaults to the "
+             "rest of the trace; end-of-text is suppressed so the whole trace plays")
+
+
+def imposed_request(engine, prompt: str | list[int] | None, params: SamplingParams,
+                    args: argparse.Namespace) -> tuple[str | list[int], SamplingParams]:
+    """The prompt and sampling a run under ``--route-trace`` takes: no prompt given = as many
+    tokens as the trace's prefill; -n not given = every position the trace has left."""
+    routing = engine.imposed
+    if routing is None:
+        if prompt is None:
+            raise UserError("give a prompt: -p TEXT or -f FILE")
+        return prompt, params
+    if prompt is None:
+        filler = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 64,
+                                 add_special=True)
+        prompt = (filler * (routing.n_prompt // max(len(filler), 1) + 1))[:routing.n_prompt]
+    if not getattr(args, "predict_given", False):
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenize(prompt))
+        params = dataclasses.replace(params, max_tokens=max(
+            1, routing.n_positions - n_prompt + 1))
+    return prompt, params
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -150,7 +189,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         n_gpu_layers=gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
         seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
         verbose=args.verbose, config=config, flash_attn=args.flash_attn,
-        profile_path=getattr(args, "profile", None) if manage else None)
+        profile_path=getattr(args, "profile", None) if manage else None,
+        route_trace=getattr(args, "route_trace", None))
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -13,6 +13,8 @@ hook as ``cb_eval`` when residency is managed or routes are recorded), then the 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 import threading
@@ -29,6 +31,7 @@ from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
+from runtime.engine.imposed_routing import imposed_for
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -94,7 +97,8 @@ class Engine:
     def _init_context(self) -> None:
         settings = self.settings
         self.hook = None
-        if settings.manage_residency or settings.capture_all_tokens:
+        self.imposed = imposed_for(settings.route_trace, self.facts)
+        if settings.manage_residency or settings.capture_all_tokens or self.imposed:
             moe_layers = self.facts.moe_layers
             if self.remote is not None:    # whole layers remote: reading their routing would
                 remote = self.remote.remote_whole_layers()   # cost a round trip each
@@ -103,6 +107,8 @@ class Engine:
                                        self.facts.n_layer)
             assembler.strict = settings.capture_all_tokens
             self.hook = NativeHook(assembler, self.facts.n_layer)
+            if self.imposed is not None:
+                self.hook.impose(self.imposed, self.facts.n_expert)
         params = make_context_params(settings, self.hook)
         try:
             with interrupt.deferred():
@@ -274,6 +280,8 @@ class Engine:
             if self.hook is not None:
                 self.hook.assembler.turn = self._turn
             self._turn += 1
+            if self.imposed is not None:
+                params = self._imposed_params(len(tokens), params)
             before = self._counters()
             t0 = time.perf_counter()
             steps = self._prefill(tokens, cancel, reuse_prefix)
@@ -290,6 +298,8 @@ class Engine:
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
             if self.settings.context_shift and params.max_tokens > 0:
                 max_new = params.max_tokens          # the context shifts when it is full
+            if self.imposed is not None:             # no token past the trace's positions
+                max_new = min(max_new, self.imposed.n_positions - len(tokens) + 1)
             sampler = Sampler(params, self.n_vocab, self._vocab)
             stream = TextStream(params.stop)
             generated, finish = 0, "length"
@@ -327,6 +337,16 @@ class Engine:
             if sampler is not None:
                 sampler.close()
             self._busy.release()
+
+    def _imposed_params(self, n_prompt: int, params: SamplingParams) -> SamplingParams:
+        """Imposed routing plays the trace to its end (or -n): the request must fit in the
+        trace's positions, and end-of-generation tokens are suppressed (llama.cpp's
+        --ignore-eos), so a random model's early EOS cannot cut the trace short."""
+        self.imposed.check_request(n_prompt, params.max_tokens if params.max_tokens > 0
+                                   else self.imposed.max_new_tokens)
+        bias = dict(params.logit_bias)
+        bias.update({t: float("-inf") for t in self.eog_tokens() if t >= 0})
+        return dataclasses.replace(params, logit_bias=bias)
 
     def _prefill(self, tokens: list[int], cancel: threading.Event | None,
                  reuse_prefix: bool = True) -> Iterator[PromptProgress]:
