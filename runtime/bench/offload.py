@@ -97,11 +97,14 @@ def file_configs(paths: list[str]) -> list[BenchConfig]:
 
 def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: int, cold: int,
               threads: int | None = None, mem_limit: int | None = None,
-              progress: bool = True, gpu_layers: int = 0) -> BenchResult:
+              progress: bool = True, gpu_layers: int = 0,
+              route_trace: str | None = None) -> BenchResult:
     """Run every config in a fresh worker process; rows in config then test order."""
     from tqdm import tqdm
 
     tests = sum(1 for t in (p, n, cold) if t > 0)
+    if route_trace is not None:     # a cold play, a warm-up play, then reps plays
+        tests = 1 + (cold > 0)
     bar = tqdm(total=len(configs) * (1 + tests * reps), desc="bench", unit="step",
                file=sys.stderr, disable=not progress or None, leave=False)
     rows: list[BenchRow] = []
@@ -113,7 +116,7 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
             try:
                 out = _run_worker(model, cfg, p=p, n=n, reps=reps, cold=cold,
                                   threads=threads, mem_limit=mem_limit, bar=bar,
-                                  gpu_layers=gpu_layers)
+                                  gpu_layers=gpu_layers, route_trace=route_trace)
             except UserError as err:        # one config failing keeps the others' rows
                 if len(configs) == 1:
                     raise
@@ -138,11 +141,12 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
 
 
 def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_limit,
-                bar, gpu_layers: int = 0) -> dict:
+                bar, gpu_layers: int = 0, route_trace: str | None = None) -> dict:
     from runtime.ramtier.cgroup import MemoryLimit
 
     job = json.dumps({"model": model, "config": cfg.to_json(), "p": p, "n": n, "reps": reps,
-                      "cold": cold, "threads": threads, "gpu_layers": gpu_layers})
+                      "cold": cold, "threads": threads, "gpu_layers": gpu_layers,
+                      "route_trace": route_trace})
     group = MemoryLimit(mem_limit, name=f"moe-bench-{os.getpid()}") if mem_limit else None
     cmd = [sys.executable, "-m", "runtime.bench.worker"]
     env = dict(os.environ, PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -193,7 +197,7 @@ def _repo_root() -> str:
 
 def cold_ratios(rows: list[BenchRow], cold: int) -> dict[str, float]:
     """mmap's cold-test seconds over each other config's (> 1: faster than kernel faults)."""
-    test = f"cold{cold}"
+    test = next((r.test for r in rows if r.test.startswith("cold")), f"cold{cold}")
     base = next((r for r in rows if r.config == "mmap" and r.test == test), None)
     if base is None:
         return {}
@@ -220,11 +224,13 @@ def cold_line(result: BenchResult, cold: int) -> str:
     """The cold-start comparison, one line per managed config."""
     if not result.cold_ratios:
         return ""
-    test = f"cold{cold}"
+    test = next((r.test for r in result.rows if r.test.startswith("cold")), f"cold{cold}")
     secs = {r.config: r.seconds for r in result.rows if r.test == test}
     parts = [f"{name} {secs[name]:.2f} s ({speed_words(ratio)})"
              for name, ratio in result.cold_ratios.items()]
-    return (f"cold start (page cache dropped; {COLD_PROMPT}-token prompt + {cold} tokens): "
+    what = ("the trace's prompt and decode rows" if test.endswith("@trace")
+            else f"{COLD_PROMPT}-token prompt + {cold} tokens")
+    return (f"cold start (page cache dropped; {what}): "
             f"mmap faults {secs['mmap']:.2f} s; " + ", ".join(parts))
 
 

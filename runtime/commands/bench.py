@@ -56,6 +56,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-ngl", "--gpu-layers", type=int, default=None, metavar="N",
                         help="layers whose dense weights go to the GPU in the mmap and managed "
                              "rows (default: all with a GPU, none without)")
+    parser.add_argument("--route-trace", metavar="TRACE", default=None,
+                        help="route as TRACE did (a routing trace of the model's shape): each "
+                             "config plays the trace (its prompt, then every decode row) "
+                             "instead of the pp/tg/cold tests: pp and tg over warm plays, cold "
+                             "over a play after a page-cache drop (-p and -n are not used)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--save-json", metavar="FILE", default=None,
                         help="also write the JSON to FILE (with the table printed)")
@@ -76,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag}: must be >= {low}, got {value}")
     model = args.model or str(ensure_model(progress=not args.no_progress))
     facts = read_model_facts(model)
+    imposed = None
+    if args.route_trace is not None:      # a bad trace: one line before any row runs
+        from runtime.engine.imposed_routing import imposed_for  # noqa: PLC0415
+
+        imposed = imposed_for(args.route_trace, facts).note()
     total = facts.total_expert_bytes
     budget = parse_size_arg(args.budget, "--budget") if args.budget else int(total * 0.30)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -100,13 +110,13 @@ def run(args: argparse.Namespace) -> int:
     result = bench.run_bench(model, configs, p=args.n_prompt, n=args.n_gen,
                              reps=args.repetitions, cold=args.cold, threads=args.threads,
                              mem_limit=mem_limit, progress=not args.no_progress,
-                             gpu_layers=gpu_layers)
+                             gpu_layers=gpu_layers, route_trace=args.route_trace)
     argv = sys.argv[1:]
     argv = argv[1:] if argv[:1] == ["bench"] else argv
     command = " ".join(["moe-offload bench", *(shlex.quote(a) for a in argv)])
     readahead = bench.read_ahead_kb(model)
     meta = {"command": command, "model": model, "expert_bytes": total, "budget_bytes": budget,
-            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead}
+            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead, "routing": imposed}
     if args.save_json:
         with open(args.save_json, "w", encoding="utf-8") as fh:
             fh.write(bench.to_json(result, meta))
@@ -116,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {model} ({bench.mib(facts.file_bytes)}, experts {bench.mib(total)}: "
           f"{len(facts.moe_layers)} layers x {facts.n_expert} experts, {facts.n_expert_used} "
           f"used per token)" + (f"; memory limit {bench.mib(mem_limit)}" if mem_limit else "")
-          + (f"; disk read_ahead_kb {readahead}" if readahead is not None else ""))
+          + (f"; disk read_ahead_kb {readahead}" if readahead is not None else "")
+          + (f"; {imposed}" if imposed else ""))
     print()
     print(bench.format_table(result.rows))
     print()

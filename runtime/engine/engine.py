@@ -84,8 +84,10 @@ class Engine:
             (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         repack = settings.repack if settings.repack is not None else not native_cache
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
+        self.lazy_experts = wiring.lazy_experts(settings, self.config, self.placement, lib_dir)
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
-                                            repack=repack, remote=self.remote)
+                                            repack=repack, remote=self.remote,
+                                            lazy_experts=self.lazy_experts)
         try:
             self._init_context()
             if self.remote is not None:     # what llama.cpp really put on each remote

@@ -3,6 +3,7 @@ tiers that attach to a loaded engine (see contracts.md, Engine)."""
 from __future__ import annotations
 
 import os
+import sys
 
 from runtime.engine import llama_lib
 from runtime.engine.placement import Placement, plan_placement
@@ -95,7 +96,31 @@ def library_dir(settings: EngineSettings, config) -> str | None:
         from runtime.rpc.server import rpc_library_dir  # noqa: PLC0415
 
         return rpc_library_dir()
-    return cache_library_dir(_cache_devices(config))
+    devices = _cache_devices(config)
+    if not devices and _has_ram_tier(settings, config):
+        # the RAM tier wants the patched build's lazy routed experts (bounded load, see
+        # lazy_experts); a process that already loaded another libllama keeps it
+        if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
+            return None
+        devices = {"cpu-slots"}                       # any current CPU build
+    return cache_library_dir(devices)
+
+
+def _has_ram_tier(settings: EngineSettings, config) -> bool:
+    return settings.manage_residency and config is not None and \
+        any(b.device == "cpu" for b in config.devices)
+
+
+def lazy_experts(settings: EngineSettings, config, placement, lib_dir: str | None) -> bool:
+    """Load the routed experts lazily (llama.cpp's LLAMA_LAZY_MODE_ON, which our build's
+    native/patches/0006 extends to them): no prefetch of the whole file at load, no repacked
+    copy, experts left in the mapping for the RAM tier to page. Only with a RAM tier, our
+    patched library, and no expert placed on a GPU by a static rule (a lazy tensor stays on
+    the host)."""
+    lib = lib_dir or os.environ.get(llama_lib.LIB_PATH_ENV)
+    return (_has_ram_tier(settings, config) and lib is not None
+            and os.path.isfile(os.path.join(lib, "libmoe_cache.so"))
+            and all(target == "cpu" for _, target in placement.rules))
 
 
 def cache_library_dir(devices: set[str]) -> str | None:
