@@ -67,8 +67,8 @@ CASES = {
               "qwen3-30b-a3b Q4_K_M, top-6, under an 8 GiB memory limit"),
     "b": Case("b", "qwen3-30b-a3b", "q8_0", 6, TRACES / "qwen3-30b-a3b.route.csv", None,
               "qwen3-30b-a3b Q8_0 (larger than RAM), top-6, no memory limit"),
-    "c": Case("c", "gpt-oss-120b", "mxfp4", 2, TRACES / "gpt-oss-120b.route.csv", None,
-              "gpt-oss-120b (MXFP4 experts), top-2, no memory limit"),
+    "c": Case("c", "gpt-oss-120b", "q4_k_m", 2, TRACES / "gpt-oss-120b.route.csv", None,
+              "gpt-oss-120b (MXFP4 experts as shipped), top-2, no memory limit"),
 }
 
 
@@ -78,12 +78,10 @@ def cli(*args: str, **kw) -> subprocess.CompletedProcess:
 
 
 def planned_size(case: Case) -> int:
-    proc = cli("synth", "--list-presets")
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_realscale: synth --list-presets failed: {proc.stderr.strip()}")
-    from gguf_tools.presets import preset_file_bytes  # noqa: PLC0415
+    from gguf_tools.presets import get_preset  # noqa: PLC0415
+    from gguf_tools.synth import planned_file_bytes  # noqa: PLC0415
 
-    return preset_file_bytes(case.preset, case.dtype, top_k=case.top_k)
+    return planned_file_bytes(get_preset(case.preset).spec(case.dtype, top_k=case.top_k))
 
 
 def write_model(case: Case, directory: Path) -> Path:

@@ -28,7 +28,7 @@ SPEC = SynthSpec(arch="qwen3moe", layers=16, experts=32, top_k=4, embd=512, ff=5
 LIMIT = 320 * MiB
 BUDGET = 48 * MiB
 INFLIGHT = 16 * MiB          # README: reads in flight (the background refill's at most)
-INTERVAL = 0.025             # seconds between samples (the bound asks for <= 50 ms)
+INTERVAL = 0.02              # seconds between samples (the bound asks for <= 50 ms)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_experts_in_ram_stay_within_the_budget_from_the_first_byte(synth_model_f
     duration = watch.samples[-1].t
     gaps = sorted(b.t - a.t for a, b in zip(watch.samples, watch.samples[1:]))
     assert len(watch.samples) >= duration / 0.05, (len(watch.samples), duration)
-    assert gaps[len(gaps) // 2] <= 0.05, gaps[-5:]
+    assert gaps[int(0.95 * len(gaps))] <= 0.05, gaps[-5:]
     peak = watch.peak("expert_cache_bytes")
     print(f"\nbounded: {len(watch.samples)} samples over {duration:.1f} s (median gap "
           f"{gaps[len(gaps) // 2] * 1e3:.0f} ms, max {gaps[-1] * 1e3:.0f} ms); experts in the "
