@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from gguf_tools import synth_vocab
+from runtime.atomic_write import AtomicTarget, write_error
 from gguf_tools.synth_spec import DTYPES, SynthSpec, SynthSpecError  # noqa: F401 - re-exported
 from gguf_tools.synth_layouts import (DENSE_LEAD_ARCHS, EMBED, LAYOUTS, MERGED_GATE_UP_ARCHS,
                                       NORMAL, ONES, ROUTER, SHARED_EXPERT_ARCHS, UNIFORM, ZEROS,
@@ -198,12 +199,13 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
                           progress: Callable[[int], None] | None = None) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` and return the path.
 
-    Writes to a temporary file in the same directory and renames it into place, so an
-    interrupted write never leaves a partial ``path``. ``progress(n)`` is called with the number
+    Writes to a temporary file in the same directory and renames it into place
+    (runtime.atomic_write), so an interrupted write never leaves a partial ``path`` and the
+    next write removes a killed one's temp file. ``progress(n)`` is called with the number
     of data bytes written since the last call (summing to ``planned_data_bytes(spec)``).
     """
     out = Path(path)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    target = AtomicTarget(out)
     layout = LAYOUTS[spec.arch]
     plans = tensor_plans(spec)
     writer = GGUFWriter(None, layout.name)
@@ -212,7 +214,7 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
         for plan in plans:
             writer.add_tensor_info(plan.name, tuple(reversed(plan.shape)), np.dtype(np.float32),
                                    tensor_nbytes(plan), raw_dtype=plan.qtype)
-        writer.write_header_to_file(tmp)
+        writer.write_header_to_file(target.tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
@@ -230,11 +232,15 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
             if progress:   # count the alignment padding too: the total is planned_data_bytes
                 progress(-(-written // writer.data_alignment) * writer.data_alignment - written)
         writer.close()
-        os.replace(tmp, out)
+    except OSError as err:
+        writer.close()
+        target.discard()
+        raise write_error(out, err) from None
     except BaseException:
         writer.close()
-        tmp.unlink(missing_ok=True)
+        target.discard()
         raise
+    target.publish()
     return out
 
 

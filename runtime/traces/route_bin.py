@@ -27,6 +27,7 @@ import struct
 
 import numpy as np
 
+from runtime.atomic_write import atomic_write
 from runtime.errors import UserError
 from runtime.traces.trace import COLUMNS, RouteTrace, TraceHeader, check_rows
 
@@ -119,19 +120,12 @@ def read_route_bin(path: str | os.PathLike) -> RouteTrace:
 def write_route_bin(trace: RouteTrace, path: str | os.PathLike) -> None:
     """Write ``trace`` in the binary format (atomically: a temp file renamed into place)."""
     head, layout = encode_header(trace.header, len(trace))
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for col in COLUMNS:
-                f.seek(layout[col]["offset"])
-                f.write(np.ascontiguousarray(getattr(trace, col)).tobytes())
-            f.truncate(_align(f.tell()))
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    with atomic_write(path, "wb") as f:
+        f.write(head)
+        for col in COLUMNS:
+            f.seek(layout[col]["offset"])
+            f.write(np.ascontiguousarray(getattr(trace, col)).tobytes())
+        f.truncate(_align(f.tell()))
 
 
 def _align(n: int) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.atomic_write import atomic_write
 from runtime.errors import UserError
 from runtime.traces.trace import RouteTrace, TraceHeader, check_rows
 
@@ -190,15 +191,9 @@ def format_preamble(header: TraceHeader) -> str:
 
 
 def write_route_csv(trace: RouteTrace, path: str | os.PathLike) -> None:
-    """Write ``trace`` as ``route_trace v1`` CSV (atomically: a temp file renamed into place)."""
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(format_preamble(trace.header))
-            chunk = 1 << 16
-            for start in range(0, len(trace), chunk):
-                f.write(format_rows(trace, start, start + chunk))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    """Write ``trace`` as ``route_trace v1`` CSV (atomically: runtime.atomic_write)."""
+    with atomic_write(path, "w") as f:
+        f.write(format_preamble(trace.header))
+        chunk = 1 << 16
+        for start in range(0, len(trace), chunk):
+            f.write(format_rows(trace, start, start + chunk))
