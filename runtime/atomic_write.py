@@ -141,10 +141,11 @@ class AtomicTarget:
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w", *,
                  encoding: str | None = None) -> Iterator[IO]:
-    """Open a temp file beside ``path`` (``mode`` "w" or "wb"); leaving the block publishes it
-    atomically, an exception discards it. ``OSError`` becomes a one-line ``UserError``."""
-    if mode not in ("w", "wb"):
-        raise ValueError(f"atomic_write: mode must be 'w' or 'wb', not {mode!r}")
+    """Open a temp file beside ``path`` (``mode`` "w", "wb" or "w+b"); leaving the block
+    publishes it atomically, an exception discards it. ``OSError`` becomes a one-line
+    ``UserError``."""
+    if mode not in ("w", "wb", "w+b"):
+        raise ValueError(f"atomic_write: mode must be 'w', 'wb' or 'w+b', not {mode!r}")
     target = AtomicTarget(path)
     try:
         kwargs = {"encoding": encoding or "utf-8", "newline": "\n"} if mode == "w" else {}

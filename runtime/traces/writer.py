@@ -157,13 +157,14 @@ class TraceWriter:
 
     def _join_spills(self) -> None:
         head, layout = route_bin.encode_header(self.header, self.rows_written)
-        with open(self._tmp, "wb") as out:
+        with open(self._tmp, "w+b") as out:
             out.write(head)
             for col in COLUMNS:
                 out.seek(layout[col]["offset"])
                 with open(self._spills[col], "rb") as spill:
                     shutil.copyfileobj(spill, out, 1 << 20)
             out.truncate(route_bin._align(out.tell()))
+            route_bin.seal(out)
 
     def _cleanup(self) -> None:
         for f in self._files.values():
