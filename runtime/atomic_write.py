@@ -177,7 +177,7 @@ def write_error(path: Path, err: OSError) -> UserError:
     """The one line for a failed write of ``path``."""
     why = err.strerror or str(err)
     if err.errno == errno.EFBIG:
-        why += " (the file-size limit, ulimit -f)"
+        why += ": the file-size limit, ulimit -f"
     return UserError(f"{path}: cannot write ({why}); the previous file, if any, is unchanged")
 
 

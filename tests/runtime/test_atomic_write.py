@@ -257,22 +257,27 @@ def _assert_refused(proc: subprocess.CompletedProcess, target: Path, old: bytes)
 
 
 @pytest.mark.parametrize("what", ["profile", "trace-synth", "trace-convert-csv", "plan",
-                                  "synth-model"])
+                                  "synth-model", "stats-json", "trace-record"])
 def test_file_size_limit_keeps_the_old_file(tmp_path, what, tiny_model):
     trace = tmp_path / "t.rtb"
     write_route_bin(_trace(3, 300), trace)
     target = {"profile": tmp_path / "p.npz", "trace-synth": tmp_path / "s.rtb",
               "trace-convert-csv": tmp_path / "c.csv", "plan": tmp_path / "plan.toml",
-              "synth-model": tmp_path / "m.gguf"}[what]
+              "synth-model": tmp_path / "m.gguf", "stats-json": tmp_path / "s.json",
+              "trace-record": tmp_path / "r.rtb"}[what]
     old = b"the previous file\n" * 10
     target.write_bytes(old)
     argv = {"profile": ["profile", str(trace), "-o", str(target)],
             "trace-synth": ["trace", "synth", "-o", str(target), "--decode", "2000"],
             "trace-convert-csv": ["trace", "convert", str(trace), str(target)],
             "plan": ["plan", "-m", str(tiny_model), "-o", str(target)],
-            "synth-model": ["synth", str(target), "--quiet"]}[what]
-    # plan -o writes a small TOML: a limit below its size
-    limit = 200 if what == "plan" else 16 << 10
+            "synth-model": ["synth", str(target), "--quiet"],
+            "stats-json": ["complete", "-m", str(tiny_model), "-p", "hi", "-n", "2", "-c", "256",
+                           "-t", "1", "--stats-json", str(target)],
+            "trace-record": ["trace", "record", "-m", str(tiny_model), "-p", "hi there", "-n",
+                             "4", "-c", "256", "-t", "1", "-o", str(target)]}[what]
+    # small files (plan -o's TOML, the stats JSON, a short recording): a limit below their size
+    limit = {"plan": 200, "stats-json": 100, "trace-record": 1000}.get(what, 16 << 10)
     proc = _cli_limited(argv, limit)
     _assert_refused(proc, target, old)
 
@@ -302,3 +307,15 @@ def test_slot_save_killed(tmp_path, tiny_model):
                        whole_run=True)
     finally:
         engine.close()
+
+
+def test_a_normal_exit_removes_an_unfinished_temp_file(tmp_path):
+    """A writer that never published (an exception caught elsewhere, a bug) leaves nothing
+    behind once the interpreter exits."""
+    target = tmp_path / "x.bin"
+    code = ("from runtime.atomic_write import AtomicTarget\n"
+            f"t = AtomicTarget({str(target)!r}); t.tmp.write_bytes(b'half'); "
+            "t.extra('col').write_bytes(b'x')\n")
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert os.listdir(tmp_path) == []
