@@ -5,7 +5,8 @@ message). So the engine first adds up the host RAM the run will hold and compare
 room it has, refusing in one line with both numbers:
 
   need = dense weights (when the model runs on the CPU: no GPU, or -ngl 0)
-       + KV cache (f16, n_ctx tokens over all layers)
+       + KV cache (f16, n_ctx tokens over all layers; with a sliding window, half the layers
+         hold only the window: gpt-oss's alternation, the fewest full layers of our models)
        + compute buffers (a lower estimate: four f32 activations of n_embd per ubatch token)
        + the RAM tier's expert budget, at most every expert, when it locks them
          (MOE_OFFLOAD_RAMTIER_MLOCK=1; else they are page cache the kernel may reclaim)
@@ -66,11 +67,23 @@ def load_need(settings, facts, *, on_gpu: bool, ram_tier_bytes: int) -> LoadNeed
 
     n_ctx = settings.n_ctx or facts.context_length
     ubatch = min(settings.n_ubatch, settings.n_batch, n_ctx or settings.n_ubatch)
+    window = _sliding_window(facts.path)
+    kv_tokens = n_ctx if not window else (n_ctx + min(n_ctx, window)) // 2
     return LoadNeed(
         dense_bytes=0 if on_gpu else facts.dense_bytes,
-        kv_bytes=kv_bytes_per_token(facts.path) * n_ctx, n_ctx=n_ctx,
+        kv_bytes=kv_bytes_per_token(facts.path) * kv_tokens, n_ctx=n_ctx,
         compute_bytes=ubatch * facts.n_embd * 4 * COMPUTE_ACTIVATIONS,
         ram_tier_bytes=min(max(ram_tier_bytes, 0), facts.total_expert_bytes))
+
+
+def _sliding_window(path: str) -> int:
+    """The model's attention.sliding_window in tokens; 0 when it has none."""
+    from gguf_tools.facts import field_value, open_gguf  # noqa: PLC0415
+
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+    value = field_value(reader, f"{arch}.attention.sliding_window")
+    return int(value) if isinstance(value, (int, float)) and value > 0 else 0
 
 
 def memory_room() -> Room | None:

@@ -98,3 +98,16 @@ def test_cgroup_v2_limits_are_read_over_the_ancestors(tmp_path):
     (child / "memory.max").write_text("max\n")
     found = _limits(root, "/a/b", "memory.max", "anon")
     assert [(g.limit_bytes, g.anon_bytes) for g in found] == [(200 << 20, 5 << 20)]
+
+
+def test_a_sliding_window_counts_half_the_layers_at_the_window(synth_model_factory):
+    """gpt-oss alternates full and 128-token sliding-window layers: llama.cpp's KV cache for
+    the window layers holds the window, so counting every layer at n_ctx would refuse loads
+    that fit."""
+    from runtime.residency.planner import kv_bytes_per_token
+    path = synth_model_factory(SynthSpec(arch="gpt-oss", layers=2, experts=4, top_k=2, embd=64,
+                                         ff=32, heads=4, heads_kv=2))
+    facts = read_model_facts(str(path))
+    need = load_need(EngineSettings(model_path=str(path), n_ctx=4096), facts, on_gpu=False,
+                     ram_tier_bytes=0)
+    assert need.kv_bytes == kv_bytes_per_token(str(path)) * (4096 + 128) // 2
