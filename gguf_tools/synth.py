@@ -32,6 +32,7 @@ from gguf_tools import synth_vocab
 from gguf_tools.quant_rules import RULE_DTYPES, llama_quantize_type, more_bits
 from gguf_tools.synth_spec import (DTYPES, TYPE_RULES, SynthSpec,  # noqa: F401 - re-exported
                                    SynthSpecError)
+from runtime.atomic_write import AtomicTarget, write_error
 from gguf_tools.synth_layouts import (DENSE_LEAD_ARCHS, EMBED, LAYOUTS, MERGED_GATE_UP_ARCHS,
                                       NORMAL, ONES, ROUTER, SHARED_EXPERT_ARCHS, UNIFORM, ZEROS,
                                       TensorPlan, Types, deepseek2_dims)
@@ -287,16 +288,17 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
                           progress: Callable[[int], None] | None = None) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` and return the path.
 
-    Writes to a temporary file in the same directory and renames it into place, so an
-    interrupted write never leaves a partial ``path``. ``progress(n)`` is called with the number
+    Writes to a temporary file in the same directory and renames it into place
+    (runtime.atomic_write), so an interrupted write never leaves a partial ``path`` and the
+    next write removes a killed one's temp file. ``progress(n)`` is called with the number
     of data bytes written since the last call (summing to ``planned_data_bytes(spec)``).
     """
     out = Path(path)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    target = AtomicTarget(out)
     plans = tensor_plans(spec)
     writer = _new_writer(spec, synth_vocab.build_vocab(spec.vocab_size))
     try:
-        writer.write_header_to_file(tmp)
+        writer.write_header_to_file(target.tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
@@ -314,11 +316,15 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
             if progress:   # count the alignment padding too: the total is planned_data_bytes
                 progress(-(-written // writer.data_alignment) * writer.data_alignment - written)
         writer.close()
-        os.replace(tmp, out)
+    except OSError as err:
+        writer.close()
+        target.discard()
+        raise write_error(out, err) from None
     except BaseException:
         writer.close()
-        tmp.unlink(missing_ok=True)
+        target.discard()
         raise
+    target.publish()
     return out
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.atomic_write import write_bytes  # noqa: E402
 from runtime.native.source import (NEEDED, SKIPPED, VENDOR_PREFIX,  # noqa: E402
                                    resolve_source)
 
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(data))
-    out.write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
+    write_bytes(out, lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))  # atomic
     print(f"{out}: {len(members)} files, {out.stat().st_size / 2**20:.1f} MiB "
           f"(from {source.path})")
     return 0

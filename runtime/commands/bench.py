@@ -15,6 +15,7 @@ import argparse
 import shlex
 import sys
 
+from runtime.atomic_write import write_text
 from runtime.errors import UserError
 from runtime.units import parse_size_arg
 
@@ -118,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {"command": command, "model": model, "expert_bytes": total, "budget_bytes": budget,
             "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead, "routing": imposed}
     if args.save_json:
-        with open(args.save_json, "w", encoding="utf-8") as fh:
-            fh.write(bench.to_json(result, meta))
+        write_text(args.save_json, bench.to_json(result, meta))
     if args.json:
         print(bench.to_json(result, meta))
         return 0

@@ -83,6 +83,7 @@ class Engine:
         self._overrides = llama_lib.BuftOverrides(remote_rules + [
             (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
         repack = settings.repack if settings.repack is not None else not native_cache
+        self._check_memory(has_gpu)
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
         self.lazy_experts = wiring.lazy_experts(settings, self.config, self.placement, lib_dir)
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
@@ -95,6 +96,22 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _check_memory(self, has_gpu: bool) -> None:
+        """Refuse in one line a load that does not fit the memory cgroup / available memory
+        (runtime.engine.memory_check), instead of the OOM killer's silent -9 part way."""
+        from runtime.engine import memory_check  # noqa: PLC0415
+
+        tier = 0          # the RAM tier's experts are page cache the kernel may reclaim ...
+        if self.manager is not None and "cpu" in {b.device for b in self.config.devices}:
+            from runtime.ramtier import RamTierOptions  # noqa: PLC0415
+
+            if RamTierOptions.from_env().mlock:            # ... unless it locks them
+                tier = self.manager.capacity("cpu") or 0
+        on_gpu = (has_gpu or self.remote is not None) and self.settings.n_gpu_layers != 0
+        need = memory_check.load_need(self.settings, self.facts, on_gpu=on_gpu,
+                                      ram_tier_bytes=tier)
+        memory_check.check_fits(self.settings.model_path, need, memory_check.memory_room())
 
     def _init_context(self) -> None:
         settings = self.settings

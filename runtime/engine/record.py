@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from runtime.atomic_write import scratch_path
 from runtime.engine.routing_hook import RouteEvent
 from runtime.engine.stats_file import add_stats_json_arg, check_stats_json_path, write_stats_json
 from runtime.errors import UserError
@@ -62,7 +63,9 @@ class ProfileCapture:
         self.target = Path(target)
         if not self.target.parent.is_dir():
             raise UserError(f"{self.target}: directory {self.target.parent} does not exist")
-        self._scratch = self.target.with_name(f"{self.target.name}.routing.rtb")
+        # the routing trace the profile is built from; named as the profile's temp files, so
+        # a killed server's scratch trace is removed by the profile's next writer
+        self._scratch = scratch_path(self.target, "routing.rtb")
         self._writer = None
         self.recorder: TraceRecorder | None = None
 
