@@ -45,8 +45,8 @@ from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.core import RESIDENT_MAX, CorePolicy, make_core
-from runtime.residency.telemetry import (DeviceSnapshot, PhaseCounters, PoolSnapshot,
-                                         ResidencySnapshot)
+from runtime.residency.telemetry import (DeviceSnapshot, ExpertMap, PhaseCounters,
+                                         PoolSnapshot, ResidencySnapshot)
 from runtime.residency.transport import SimulatedTransport, Transport
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
@@ -594,13 +594,25 @@ class ExpertResidencyManager:
                 pending = sum(1 for t in self._tickets.values() if t.device == dev.name)
                 assert pending == dev.core.n_pending, f"{dev.name}: tickets disagree"
 
-    def snapshot(self) -> ResidencySnapshot:
-        """Counters and occupancy of every device and pool, frozen."""
+    def snapshot(self, experts: bool = False) -> ResidencySnapshot:
+        """Counters and occupancy of every device and pool, frozen; with ``experts`` also
+        each device's ExpertMap (O(layers x experts))."""
         with self._lock:
-            return ResidencySnapshot(tuple(self._device_snapshot(d)
+            return ResidencySnapshot(tuple(self._device_snapshot(d, experts)
                                            for d in self._devices.values()))
 
-    def _device_snapshot(self, dev: _Device) -> DeviceSnapshot:
+    def _expert_map(self, dev: _Device) -> ExpertMap:
+        layers = list(self._moe_layers)
+        states = dev.core.states()[layers]                       # (n_moe, n_expert) uint8
+        routed = dev.core.use_counts().sum(axis=0)[layers]       # (n_moe, n_expert) int64
+        chars = np.full(states.shape, ord("-"), dtype=np.uint8)
+        chars[states <= RESIDENT_MAX] = ord("R")
+        chars[states == core_api.PENDING] = ord("P")
+        chars[states == core_api.EVICTING] = ord("E")
+        return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
+                         tuple(tuple(row) for row in routed.tolist()))
+
+    def _device_snapshot(self, dev: _Device, experts: bool = False) -> DeviceSnapshot:
         pools = []
         for i, layers in enumerate(dev.pools):
             cap, res_b, res_n, pend_b, pend_n = dev.core.pool_stats(i)
@@ -614,7 +626,8 @@ class ExpertResidencyManager:
                               sum(p.resident_experts for p in pools),
                               sum(p.pending_tickets for p in pools),
                               sum(p.pending_bytes for p in pools), total, dev.reason,
-                              dev.static_bytes if dev.static else None, tuple(pools))
+                              dev.static_bytes if dev.static else None, tuple(pools),
+                              self._expert_map(dev) if experts else None)
 
 
 def _counters(values: tuple[int, ...]) -> PhaseCounters:
