@@ -157,8 +157,9 @@
       this.meta.textContent = "";
       const stats = document.createElement("span");
       stats.className = "stats";
-      stats.textContent = tokens + " tokens · " + rate.toFixed(1) + " tokens/s"
-        + (timings && timings.prompt_n ? " · prompt " + timings.prompt_n + " tokens" : "");
+      const seconds = (performance.now() - this.started) / 1000;
+      stats.textContent = tokens + " tokens · " + rate.toFixed(1) + " tokens/s · "
+        + seconds.toFixed(1) + " s";
       this.meta.appendChild(stats);
       if (how === "stopped" || how === "length") {
         const note = document.createElement("span");

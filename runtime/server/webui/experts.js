@@ -103,6 +103,7 @@
     $("experts-body").hidden = false;
     drawDevices(devices);
     drawPhases(devices);
+    sample(devices);
     if (!map) { setStatus("no expert map in this snapshot"); return; }
     let total = 0, resident = 0;
     for (let i = 0; i < map.routed.length; i++) {
@@ -111,7 +112,8 @@
     }
     const sig = total + "|" + map.where.join("");
     if (sig !== signature) { signature = sig; version++; }
-    const changed = lastRouted && lastRouted.length === map.routed.length
+    // outlined: routed since the previous update, while an answer streams
+    const changed = busy && lastRouted && lastRouted.length === map.routed.length
       ? map.routed.map((v, i) => v - lastRouted[i]) : new Float64Array(map.routed.length);
     lastRouted = map.routed;
     view = {...map, changed};
@@ -123,6 +125,60 @@
     $("map-caption").textContent = map.rows + " layers × " + map.cols + " experts · "
       + resident + " resident";
     setStatus(busy ? "live" : "updated " + new Date().toLocaleTimeString());
+  }
+
+  // ---- recent activity: per update, the hit rate and the bytes moved in per second ------
+  const samples = [];            // {rate: 0..1 | null, moved: bytes/s}
+  let lastTotals = null;
+  function sample(devices) {
+    const now = performance.now();
+    let accesses = 0, hits = 0, moved = 0;
+    for (const d of Object.values(devices))
+      for (const p of Object.values(d.phases)) {
+        accesses += p.accesses; hits += p.hits;
+        moved += p.admitted_bytes + p.prefetch_issued_bytes;
+      }
+    const last = lastTotals;
+    lastTotals = {now, accesses, hits, moved};
+    if (!last || (!busy && accesses === last.accesses)) return;
+    const da = accesses - last.accesses, dt = Math.max(1e-3, (now - last.now) / 1000);
+    samples.push({rate: da > 0 ? (hits - last.hits) / da : null,
+                  moved: (moved - last.moved) / dt});
+    if (samples.length > 60) samples.shift();
+    drawActivity();
+  }
+
+  function drawActivity() {
+    const canvas = $("activity");
+    const width = canvas.clientWidth, height = 56;
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.round(width * dpr); canvas.height = Math.round(height * dpr);
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    const step = width / 60;
+    const x0 = width - samples.length * step;
+    let max = 1;
+    for (const s of samples) max = Math.max(max, s.moved);
+    ctx.fillStyle = "rgba(" + COLORS.loading.join(",") + ",.55)";
+    samples.forEach((s, i) => {
+      const h = (height - 2) * s.moved / max;
+      ctx.fillRect(x0 + i * step, height - h, Math.max(1, step - 1), h);
+    });
+    ctx.strokeStyle = getComputedStyle(document.documentElement).getPropertyValue("--accent");
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    let open = false;
+    samples.forEach((s, i) => {
+      if (s.rate === null) { open = false; return; }
+      const x = x0 + i * step + step / 2, y = 2 + (height - 4) * (1 - s.rate);
+      if (open) ctx.lineTo(x, y); else ctx.moveTo(x, y);
+      open = true;
+    });
+    ctx.stroke();
+    const last = samples[samples.length - 1];
+    $("activity-now").textContent = last ? (last.rate === null ? "–"
+      : (100 * last.rate).toFixed(0) + " % hits") + " · " + bytes(last.moved) + "/s" : "";
   }
 
   function drawDevices(devices) {
@@ -186,8 +242,9 @@
 
   function drawMap(m) {
     const canvas = $("heatmap");
+    const gutter = 22;                             // px: layer numbers on the left
     const width = Math.max(120, canvas.parentElement.clientWidth);
-    const cellW = width / Math.max(1, m.cols);
+    const cellW = (width - gutter) / Math.max(1, m.cols);
     let cellH = Math.min(Math.max(cellW, 4), 16);
     if (cellH * m.rows > 420) cellH = Math.max(2, 420 / m.rows);
     const height = Math.ceil(cellH * m.rows);
@@ -200,24 +257,32 @@
     let max = 0;
     for (const v of m.routed) max = Math.max(max, v);
     const gap = cellW >= 6 && cellH >= 6 ? 1 : 0;
+    const style = getComputedStyle(document.documentElement);
+    ctx.fillStyle = style.getPropertyValue("--muted");
+    ctx.font = "9px system-ui, sans-serif";
+    ctx.textAlign = "right"; ctx.textBaseline = "middle";
+    const every = Math.ceil(11 / cellH);           // a label every `every` rows, 11 px apart
+    for (let l = 0; l < m.rows; l += every)
+      ctx.fillText(String(m.layers[l]), gutter - 4, l * cellH + cellH / 2);
     const dark = matchMedia("(prefers-color-scheme: dark)").matches;
     for (let l = 0; l < m.rows; l++) {
       for (let e = 0; e < m.cols; e++) {
         const i = l * m.cols + e;
         const v = m.routed[i];
-        const t = v > 0 ? 0.3 + 0.7 * Math.log1p(v) / Math.log1p(max) : 0.12;
+        // brightness: the share of the busiest expert's count, on a log scale
+        const t = v > 0 ? 0.22 + 0.78 * Math.log1p(v) / Math.log1p(max) : 0.08;
         const [r, g, b] = COLORS[m.where[i]];
         ctx.fillStyle = "rgba(" + r + "," + g + "," + b + "," + t.toFixed(3) + ")";
-        const x = e * cellW, y = l * cellH;
+        const x = gutter + e * cellW, y = l * cellH;
         ctx.fillRect(x, y, cellW - gap, cellH - gap);
-        if (m.changed[i] > 0 && cellW >= 3 && cellH >= 3) {
-          ctx.strokeStyle = dark ? "rgba(255,255,255,.9)" : "rgba(17,24,39,.85)";
+        if (m.changed[i] > 0 && cellW >= 4 && cellH >= 4) {
+          ctx.strokeStyle = dark ? "rgba(255,255,255,.8)" : "rgba(17,24,39,.6)";
           ctx.lineWidth = 1;
           ctx.strokeRect(x + 0.5, y + 0.5, cellW - gap - 1, cellH - gap - 1);
         }
       }
     }
-    view.cellW = cellW; view.cellH = cellH;
+    m.gutter = gutter; m.cellW = cellW; m.cellH = cellH;
   }
 
   // the tooltip: which expert, where it lives, how often it was routed
@@ -225,7 +290,7 @@
     const tip = $("map-tip");
     if (!view) return;
     const rect = ev.target.getBoundingClientRect();
-    const e = Math.floor((ev.clientX - rect.left) / view.cellW);
+    const e = Math.floor((ev.clientX - rect.left - view.gutter) / view.cellW);
     const l = Math.floor((ev.clientY - rect.top) / view.cellH);
     if (e < 0 || l < 0 || e >= view.cols || l >= view.rows) { tip.hidden = true; return; }
     const i = l * view.cols + e;
