@@ -596,15 +596,22 @@ class ExpertResidencyManager:
 
     def snapshot(self, experts: bool = False) -> ResidencySnapshot:
         """Counters and occupancy of every device and pool, frozen; with ``experts`` also
-        each device's ExpertMap (O(layers x experts))."""
+        each device's ExpertMap (O(layers x experts); only the copies are made under the
+        lock)."""
         with self._lock:
-            return ResidencySnapshot(tuple(self._device_snapshot(d, experts)
-                                           for d in self._devices.values()))
+            taken = [(self._device_snapshot(d),
+                      (d.core.states(), d.core.use_counts()) if experts else None)
+                     for d in self._devices.values()]
+        return ResidencySnapshot(tuple(snap if raw is None else
+                                       replace(snap, experts=self._expert_map(*raw))
+                                       for snap, raw in taken))
 
-    def _expert_map(self, dev: _Device) -> ExpertMap:
+    def _expert_map(self, states: np.ndarray, uses: np.ndarray) -> ExpertMap:
+        """states (n_layer, n_expert) uint8 and uses (3, n_layer, n_expert) int64 of a core
+        as an ExpertMap of the MoE layers."""
         layers = list(self._moe_layers)
-        states = dev.core.states()[layers]                       # (n_moe, n_expert) uint8
-        routed = dev.core.use_counts().sum(axis=0)[layers]       # (n_moe, n_expert) int64
+        states = states[layers]                                  # (n_moe, n_expert)
+        routed = uses.sum(axis=0)[layers]                        # (n_moe, n_expert)
         chars = np.full(states.shape, ord("-"), dtype=np.uint8)
         chars[states <= RESIDENT_MAX] = ord("R")
         chars[states == core_api.PENDING] = ord("P")
@@ -612,7 +619,7 @@ class ExpertResidencyManager:
         return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
                          tuple(tuple(row) for row in routed.tolist()))
 
-    def _device_snapshot(self, dev: _Device, experts: bool = False) -> DeviceSnapshot:
+    def _device_snapshot(self, dev: _Device) -> DeviceSnapshot:
         pools = []
         for i, layers in enumerate(dev.pools):
             cap, res_b, res_n, pend_b, pend_n = dev.core.pool_stats(i)
@@ -626,8 +633,7 @@ class ExpertResidencyManager:
                               sum(p.resident_experts for p in pools),
                               sum(p.pending_tickets for p in pools),
                               sum(p.pending_bytes for p in pools), total, dev.reason,
-                              dev.static_bytes if dev.static else None, tuple(pools),
-                              self._expert_map(dev) if experts else None)
+                              dev.static_bytes if dev.static else None, tuple(pools))
 
 
 def _counters(values: tuple[int, ...]) -> PhaseCounters:

@@ -200,6 +200,8 @@
 
   async function stream(answer) {
     controller = new AbortController();
+    // only the last answer can be asked again
+    for (const b of $("log").querySelectorAll(".regenerate")) if (!answer.div.contains(b)) b.remove();
     document.dispatchEvent(new CustomEvent("moe-answer", {detail: true}));
     $("send").hidden = true; $("stop").hidden = false;
     let how = "stopped", timings = null;
@@ -276,6 +278,9 @@
     }
   };
   $("stop").onclick = () => controller && controller.abort();
+  document.addEventListener("keydown", (e) => {       // Escape stops the answer, as Stop does
+    if (e.key === "Escape" && controller) controller.abort();
+  });
   $("clear").onclick = () => {
     if (controller) controller.abort();
     history.length = 0;

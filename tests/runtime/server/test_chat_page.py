@@ -23,6 +23,7 @@ from selenium.common.exceptions import WebDriverException  # noqa: E402
 from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 # greedy decoding of this prompt on the tiny model runs thousands of tokens without an end
@@ -107,7 +108,7 @@ def _map_state(driver) -> tuple[int, str]:
 
 def test_streamed_reply(page, server):
     _settings(page, temperature="0", max_tokens="40")
-    _send(page, "hello there")
+    page.find_element(By.ID, "input").send_keys("hello there" + Keys.ENTER)   # Enter sends
     assert page.find_element(By.CSS_SELECTOR, ".msg.user .bubble").text == "hello there"
     # the reply's text shows while it streams, then the line under it says how fast it came
     _until(page, lambda d: _answers(d) and _answers(d)[-1].find_element(
