@@ -259,3 +259,59 @@ def test_markdown_lets_no_markup_through(page):
         "const d = document.createElement('div'); d.innerHTML = renderMarkdown(arguments[0]);"
         "return d.textContent", "<img src=x onerror=alert(1)> [x](javascript:alert(1))")
     assert text == "<img src=x onerror=alert(1)> x"
+
+
+_TYPICAL = """# Title
+Some *text* with `code`, a [link](https://example.com/a_(b)) and https://example.org/x.
+
+1. first
+2. second
+   - nested **bold**
+   - nested two
+
+> quoted
+> still quoted
+
+| name | n |
+|:-----|--:|
+| a \\| b | 1 |
+
+```js
+const x = 1 < 2;
+```
+---
+"""
+
+
+def test_markdown_renders_what_models_write(page):
+    shape = page.execute_script("""
+        const d = document.createElement('div'); d.innerHTML = renderMarkdown(arguments[0]);
+        const tags = (sel) => [...d.querySelectorAll(sel)].map((e) => e.textContent);
+        return {h1: tags('h1'), ol: tags('ol > li').length, nested: tags('ol ul > li'),
+                strong: tags('strong'), quote: d.querySelector('blockquote').innerHTML,
+                links: [...d.querySelectorAll('a')].map((a) => a.getAttribute('href')),
+                th: tags('th'), td: tags('td'), align: d.querySelector('td').style.textAlign,
+                code: tags('pre code'), lang: tags('.code-bar span'), hr: tags('hr').length};
+        """, _TYPICAL)
+    assert shape == {"h1": ["Title"], "ol": 2, "nested": ["nested bold", "nested two"],
+                     "strong": ["bold"], "quote": "<p>quoted<br>still quoted</p>",
+                     "links": ["https://example.com/a_(b)", "https://example.org/x"],
+                     "th": ["name", "n"], "td": ["a | b", "1"], "align": "left",
+                     "code": ["const x = 1 < 2;"], "lang": ["js"], "hr": 1}
+
+
+def test_the_api_key_from_the_settings(browser, start_server, tiny_model):
+    """With --api-key the page asks for the key; once it is in the settings, the expert
+    panel and the chat work."""
+    server = start_server(tiny_model, "--api-key", "page-key", "--devices.cpu", "150KiB")
+    browser.get(server.base_url + "/")
+    browser.execute_script("localStorage.clear()")
+    browser.get(server.base_url + "/")
+    _until(browser, lambda d: "API key" in d.find_element(By.ID, "experts-status").text)
+    _settings(browser, key="page-key", max_tokens="8")
+    browser.find_element(By.ID, "key").send_keys(Keys.TAB)        # "change": saved
+    _send(browser, "hello")
+    _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
+    _until(browser, lambda d: int(d.find_element(By.ID, "heatmap").get_attribute(
+        "data-routed") or 0) > 0)
