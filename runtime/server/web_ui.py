@@ -1,10 +1,11 @@
 """The chat page at ``/`` (llama-server serves its web UI there; ``--no-ui`` turns ours off).
 
-A static page (webui/index.html, its script app.js, the markdown renderer markdown.js and the
-expert panel experts.js, which polls ``/v1/residency``) that streams ``/v1/chat/completions``;
-nothing is fetched from elsewhere. Plus the files a browser asks an installable page for: ``/manifest.webmanifest``, ``/sw.js`` and
-``/_app/version.json`` (the path where llama.cpp's UI reads its build). They are public, as
-llama-server's static assets are: the page asks for the API key and sends it with each call.
+A static page (webui/index.html and style.css; app.js streams ``/v1/chat/completions`` and
+renders with markdown.js; experts.js polls ``/v1/residency`` for the expert map), nothing
+fetched from elsewhere, plus the files a browser asks an installable page for:
+``/manifest.webmanifest``, ``/sw.js`` and ``/_app/version.json`` (the path where llama.cpp's
+UI reads its build). They are public, as llama-server's static assets are: the page asks for
+the API key and sends it with each call.
 """
 from __future__ import annotations
 
