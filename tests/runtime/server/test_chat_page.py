@@ -315,3 +315,55 @@ def test_the_api_key_from_the_settings(browser, start_server, tiny_model):
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
     _until(browser, lambda d: int(d.find_element(By.ID, "heatmap").get_attribute(
         "data-routed") or 0) > 0)
+
+
+# A snapshot with a GPU and the RAM tier (what a CUDA machine serves), for the map's merge:
+# each expert shows the fastest tier holding it; one moving in shows as moving.
+_FAKE_RESIDENCY = r"""
+const phases = {prefill: {accesses: 10, hits: 8, admitted_bytes: 0, prefetch_issued_bytes: 0,
+                          evicted_bytes: 0},
+                decode: {accesses: 7, hits: 7, admitted_bytes: 0, prefetch_issued_bytes: 0,
+                         evicted_bytes: 0}};
+const routed = [[5, 0, 1, 0], [0, 0, 9, 2]];
+const device = (state) => ({capacity_bytes: 100, resident_bytes: 50, resident_experts: 2,
+  pending_tickets: 0, pending_bytes: 0, note: "", phases, pools: [],
+  experts: {layers: [1, 3], state, routed}});
+const snapshot = {devices: {"cuda:0": device(["R-P-", "--R-"]), cpu: device(["RR--", "E---"])}};
+const realFetch = window.fetch;
+window.fetch = (url, init) => String(url).includes("/v1/residency")
+  ? Promise.resolve(new Response(JSON.stringify(snapshot), {status: 200}))
+  : realFetch(url, init);
+document.dispatchEvent(new CustomEvent("moe-answer", {detail: false}));   // poll soon
+"""
+
+_PIXELS = """
+const c = document.getElementById('heatmap'), [rows, cols] = arguments;
+const dpr = c.width / c.clientWidth, cellW = (c.clientWidth - 22) / cols;
+const cellH = c.height / dpr / rows, ctx = c.getContext('2d'), out = [];
+for (let l = 0; l < rows; l++) for (let e = 0; e < cols; e++) {
+  const x = Math.round((22 + (e + 0.5) * cellW) * dpr), y = Math.round((l + 0.5) * cellH * dpr);
+  out.push([...ctx.getImageData(x, y, 1, 1).data]);
+}
+return out;
+"""
+
+
+def test_heat_map_places_each_expert(page):
+    page.execute_script(_FAKE_RESIDENCY)
+    _until(page, lambda d: d.find_element(By.ID, "heatmap").get_attribute("data-routed")
+           == "17")
+    assert page.find_element(By.ID, "heatmap").get_attribute("data-resident") == "4"
+    assert page.find_element(By.ID, "map-caption").text.startswith("2 layers × 4 experts")
+    colors = {"gpu": (16, 185, 129), "ram": (59, 130, 246), "disk": (168, 162, 158),
+              "moving": (245, 158, 11)}
+    expected = ["gpu", "ram", "moving", "disk",
+                "ram", "disk", "gpu", "disk"]       # layer 1, then layer 3; E is still resident
+    pixels = page.execute_script(_PIXELS, 2, 4)
+    seen = [min(colors, key=lambda k: sum(abs(a - b) for a, b in zip(colors[k], p[:3])))
+            for p in pixels]
+    assert seen == expected, pixels
+    alpha = [p[3] for p in pixels]
+    assert alpha[6] > alpha[0] > alpha[2] > alpha[1]     # brighter: routed more (9, 5, 1, 0)
+    rows = [r.get_attribute("data-phase") for r in page.find_elements(By.CSS_SELECTOR,
+                                                                       "#phases tr[data-phase]")]
+    assert rows == ["prefill", "decode"] * 2             # two devices, no mixed accesses
