@@ -70,6 +70,7 @@ def page(browser, server):
     """The page, freshly loaded, with its settings reset; its console must stay clean."""
     browser.get(server.base_url + "/")
     browser.execute_script("localStorage.clear()")
+    browser.get_log("browser")                      # what earlier pages logged
     browser.get(server.base_url + "/")
     _until(browser, lambda d: d.find_element(By.ID, "heatmap").get_attribute("data-routed"))
     yield browser
@@ -175,6 +176,7 @@ const cuts = [3, 11, 40, 41, 97, 180, 181, 182, 260, bytes.length];
 const realFetch = window.fetch;
 window.fetch = (url, init) => {
   if (!String(url).includes("/chat/completions")) return realFetch(url, init);
+  window.sentBody = JSON.parse(init.body);
   let at = 0, i = 0;
   const body = new ReadableStream({pull(controller) {
     if (i >= cuts.length || at >= bytes.length) { controller.close(); return; }
@@ -190,6 +192,8 @@ window.fetch = (url, init) => {
 
 def test_thinking_folded_and_markdown_rendered(page):
     page.execute_script(_FAKE_STREAM)
+    _settings(page, system="Answer in code.", temperature="0.3", top_p="0.5",
+              max_tokens="77")
     _send(page, "show me code")
     stats = _until(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
     assert stats[0].text.startswith("3 tokens · 42.5 tokens/s"), stats[0].text
@@ -203,6 +207,13 @@ def test_thinking_folded_and_markdown_rendered(page):
     assert not answer.find_elements(By.CSS_SELECTOR, ".bubble pre b")
     assert [li.text for li in answer.find_elements(By.CSS_SELECTOR, ".bubble li")] == \
         ["one", "two"]
+    # what the page asked for: the system prompt first, the sampling settings, a stream
+    # with its usage and timings
+    sent = page.execute_script("return window.sentBody")
+    assert sent["messages"] == [{"role": "system", "content": "Answer in code."},
+                                {"role": "user", "content": "show me code"}]
+    assert (sent["temperature"], sent["top_p"], sent["max_tokens"]) == (0.3, 0.5, 77)
+    assert sent["stream"] and sent["stream_options"] == {"include_usage": True}
 
 
 _HOSTILE = [
