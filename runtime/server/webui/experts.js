@@ -259,11 +259,13 @@
     const gap = cellW >= 6 && cellH >= 6 ? 1 : 0;
     const style = getComputedStyle(document.documentElement);
     ctx.fillStyle = style.getPropertyValue("--muted");
-    ctx.font = "9px system-ui, sans-serif";
+    ctx.font = "10px system-ui, sans-serif";
     ctx.textAlign = "right"; ctx.textBaseline = "middle";
-    const every = Math.ceil(11 / cellH);           // a label every `every` rows, 11 px apart
+    // a label every `every` rows, at least 12 px apart
+    const every = [1, 2, 4, 5, 10, 20, 50, 100].find((n) => n * cellH >= 12) || 200;
     for (let l = 0; l < m.rows; l += every)
-      ctx.fillText(String(m.layers[l]), gutter - 4, l * cellH + cellH / 2);
+      ctx.fillText(String(m.layers[l]), gutter - 4,
+                   Math.min(Math.max(l * cellH + cellH / 2, 5), height - 5));
     const dark = matchMedia("(prefers-color-scheme: dark)").matches;
     for (let l = 0; l < m.rows; l++) {
       for (let e = 0; e < m.cols; e++) {
@@ -272,10 +274,12 @@
         // brightness: the share of the busiest expert's count, on a log scale
         const t = v > 0 ? 0.22 + 0.78 * Math.log1p(v) / Math.log1p(max) : 0.08;
         const [r, g, b] = COLORS[m.where[i]];
-        ctx.fillStyle = "rgba(" + r + "," + g + "," + b + "," + t.toFixed(3) + ")";
+        const small = cellW < 4 || cellH < 4;      // too small for an outline: solid instead
+        const a = m.changed[i] > 0 && small ? 1 : t;
+        ctx.fillStyle = "rgba(" + r + "," + g + "," + b + "," + a.toFixed(3) + ")";
         const x = gutter + e * cellW, y = l * cellH;
         ctx.fillRect(x, y, cellW - gap, cellH - gap);
-        if (m.changed[i] > 0 && cellW >= 4 && cellH >= 4) {
+        if (m.changed[i] > 0 && !small) {
           ctx.strokeStyle = dark ? "rgba(255,255,255,.8)" : "rgba(17,24,39,.6)";
           ctx.lineWidth = 1;
           ctx.strokeRect(x + 0.5, y + 0.5, cellW - gap - 1, cellH - gap - 1);
