@@ -52,6 +52,11 @@ def serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     sys.exit(f"the server did not start:\n{log.read_text(errors='replace')}")
 
 
+def ask(driver, text: str) -> None:
+    driver.find_element(By.ID, "input").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "ui" / "chat-page.png"
     with tempfile.TemporaryDirectory() as tmp:
@@ -66,17 +71,20 @@ def main() -> None:
         try:
             driver.get(base + "/")
             driver.execute_script("localStorage.setItem('moe-offload-settings', JSON.stringify("
-                                  "{max_tokens: '3000', temperature: '0.7', top_p: '0.95'}))")
+                                  "{max_tokens: '120', temperature: '0.7', top_p: '0.95'}))")
             driver.get(base + "/")
             wait = WebDriverWait(driver, 60, poll_frequency=0.05)
             wait.until(lambda d: d.find_element(By.ID, "heatmap").get_attribute("data-routed"))
             questions = ["Which experts does a short question wake up?",
                          "And a longer one: tell me about the sea.",
-                         "Tell me more, with a list.", "Go on.", "Once more, at length."]
+                         "Tell me more, with a list.", "Go on.", "Once more, at length.",
+                         "Why?", "Say it differently.", "And then?", "Explain it slowly."]
             out.parent.mkdir(parents=True, exist_ok=True)
-            for text in questions:      # until an answer still streams a moment in
-                driver.find_element(By.ID, "input").send_keys(text)
-                driver.find_element(By.ID, "send").click()
+            ask(driver, questions[0])    # one finished answer: its speed and expert cost
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .experts"))
+            driver.execute_script("document.getElementById('max_tokens').value = '3000'")
+            for text in questions[1:]:  # then until an answer still streams a moment in
+                ask(driver, text)
                 shots, started = 0, time.monotonic()
                 # the page as late as 3 s into the answer, while it still streams
                 while time.monotonic() - started < 3.0:
@@ -86,7 +94,7 @@ def main() -> None:
                         break
                     out.write_bytes(png)
                     shots += 1
-                if shots >= 3:
+                if shots >= 2:
                     break
                 wait.until(lambda d: d.find_element(By.ID, "send").is_displayed())
             else:

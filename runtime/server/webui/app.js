@@ -200,6 +200,7 @@
 
   async function stream(answer) {
     controller = new AbortController();
+    lastAnswer = answer;
     // only the last answer can be asked again
     for (const b of $("log").querySelectorAll(".regenerate")) if (!answer.div.contains(b)) b.remove();
     document.dispatchEvent(new CustomEvent("moe-answer", {detail: true}));
@@ -242,6 +243,22 @@
       document.dispatchEvent(new CustomEvent("moe-answer", {detail: false}));
     }
   }
+
+  // what the answer cost in experts, from the expert panel's update after it
+  let lastAnswer = null;
+  document.addEventListener("moe-answer-experts", (e) => {
+    const d = e.detail;
+    if (!lastAnswer || !lastAnswer.done || !d.accesses) return;
+    const span = document.createElement("span");
+    span.className = "experts";
+    span.title = "expert accesses served by resident experts, and bytes moved in, during "
+      + "this answer";
+    const mib = d.moved / 1048576;
+    span.textContent = "experts: " + (100 * d.hits / d.accesses).toFixed(0) + " % hits · "
+      + (mib >= 10 ? mib.toFixed(0) : mib.toFixed(1)) + " MiB moved in";
+    const stats = lastAnswer.meta.querySelector(".stats");
+    if (stats) stats.after(span);
+  });
 
   function send(text) {
     history.push({role: "user", content: text});

@@ -3,7 +3,8 @@
 // expert lives (the fastest tier holding it: GPU, RAM, else storage, i.e. paged from the GGUF
 // file) and how often the router picked it; and per phase the hit rate and bytes moved.
 //
-// For tests and tools the canvas carries data-version (bumped whenever the map changes),
+// After each answer it sends "moe-answer-experts" (accesses, hits, bytes moved in during it)
+// for the chat to show. For tests and tools the canvas carries data-version (bumped whenever the map changes),
 // data-routed (accesses so far, all experts) and data-resident (experts resident anywhere).
 "use strict";
 (function () {
@@ -37,7 +38,14 @@
     clearTimeout(timer);
     timer = setTimeout(poll, ms);
   }
-  document.addEventListener("moe-answer", (e) => { busy = e.detail; schedule(busy ? 0 : 300); });
+  // per answer: the totals before it and, at the first update after it, what it cost (the
+  // chat shows it under the answer; another client's requests meanwhile count too)
+  let answerFrom = null, answerDone = false;
+  document.addEventListener("moe-answer", (e) => {
+    busy = e.detail;
+    if (busy) { answerFrom = lastTotals; answerDone = false; } else answerDone = true;
+    schedule(0);                 // the answer's start, or its final counters
+  });
   document.addEventListener("visibilitychange", () => { if (!document.hidden) schedule(0); });
 
   async function poll() {
@@ -140,6 +148,12 @@
       }
     const last = lastTotals;
     lastTotals = {now, accesses, hits, moved};
+    if (answerDone && !busy) {
+      answerDone = false;
+      if (answerFrom) document.dispatchEvent(new CustomEvent("moe-answer-experts", {detail: {
+        accesses: accesses - answerFrom.accesses, hits: hits - answerFrom.hits,
+        moved: moved - answerFrom.moved}}));
+    }
     if (!last || (!busy && accesses === last.accesses)) return;
     const da = accesses - last.accesses, dt = Math.max(1e-3, (now - last.now) / 1000);
     samples.push({rate: da > 0 ? (hits - last.hits) / da : null,

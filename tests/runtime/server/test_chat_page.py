@@ -118,6 +118,10 @@ def test_streamed_reply(page, server):
     assert re.match(r"\d+ tokens · \d+\.\d tokens/s", stats[0].text), stats[0].text
     assert page.find_element(By.ID, "send").is_displayed()
     assert not page.find_element(By.ID, "stop").is_displayed()
+    # and, from the expert panel's next update, what the answer cost in experts
+    cost = _until(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .experts"))
+    assert re.fullmatch(r"experts: \d+ % hits · [\d.]+ MiB moved in", cost[0].text), \
+        cost[0].text
 
 
 def test_stop_mid_stream_while_the_heat_map_changes(page, server):
