@@ -7,8 +7,9 @@
   const $ = (id) => document.getElementById(id);
   const SETTINGS = {system: "", temperature: "0.8", top_p: "0.95", max_tokens: "512", key: ""};
   const STORE = "moe-offload-settings";
-  const history = [];          // {role, content, reasoning?} as sent to the server
+  const history = [];          // {role, content} as sent to the server
   let controller = null;       // the AbortController of the answer streaming now
+  let conversation = 0;        // bumped by "New chat": an answer cut by it is not kept
 
   // ---- settings ---------------------------------------------------------------------------
   function loadSettings() {
@@ -201,8 +202,10 @@
   async function stream(answer) {
     controller = new AbortController();
     lastAnswer = answer;
+    const mine = conversation;
     // only the last answer can be asked again
-    for (const b of $("log").querySelectorAll(".regenerate")) if (!answer.div.contains(b)) b.remove();
+    for (const button of $("log").querySelectorAll(".regenerate"))
+      if (!answer.div.contains(button)) button.remove();
     document.dispatchEvent(new CustomEvent("moe-answer", {detail: true}));
     $("send").hidden = true; $("stop").hidden = false;
     let how = "stopped", timings = null;
@@ -237,7 +240,7 @@
       if (err.name === "AbortError") answer.finish("stopped", null);
       else { answer.render(); answer.fail(String(err.message || err)); }
     } finally {
-      history.push({role: "assistant", content: answer.content});
+      if (mine === conversation) history.push({role: "assistant", content: answer.content});
       controller = null;
       $("send").hidden = false; $("stop").hidden = true;
       document.dispatchEvent(new CustomEvent("moe-answer", {detail: false}));
@@ -299,6 +302,7 @@
     if (e.key === "Escape" && controller) controller.abort();
   });
   $("clear").onclick = () => {
+    conversation++;
     if (controller) controller.abort();
     history.length = 0;
     for (const m of $("log").querySelectorAll(".msg")) m.remove();

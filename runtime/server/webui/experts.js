@@ -4,7 +4,8 @@
 // file) and how often the router picked it; and per phase the hit rate and bytes moved.
 //
 // After each answer it sends "moe-answer-experts" (accesses, hits, bytes moved in during it)
-// for the chat to show. For tests and tools the canvas carries data-version (bumped whenever the map changes),
+// for the chat to show. For tests and tools the canvas carries data-version (bumped whenever
+// the map changes),
 // data-routed (accesses so far, all experts) and data-resident (experts resident anywhere).
 "use strict";
 (function () {
@@ -53,7 +54,8 @@
     inFlight = true;
     let delay = busy ? FAST_MS : SLOW_MS;
     try {
-      const r = await fetch("/v1/residency", {headers: window.moeHeaders ? window.moeHeaders() : {}});
+      const headers = window.moeHeaders ? window.moeHeaders() : {};
+      const r = await fetch("/v1/residency", {headers});
       if (r.ok) {
         update(await r.json());
       } else {

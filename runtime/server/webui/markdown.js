@@ -14,6 +14,11 @@
   const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => ESC[c]);
   const MAX_DEPTH = 16;       // nested quotes and lists beyond this render as plain paragraphs
 
+  // [label](target "title"): the label may hold code placeholders, the target balanced
+  // parentheses one deep
+  const LINK = new RegExp("\\[([^\\]\u0000]*(?:\u0000\\d+\u0000[^\\]\u0000]*)*)\\]"
+    + "\\(\\s*((?:[^\\s()]|\\([^\\s()]*\\))+)(?:\\s+&quot;.*?&quot;)?\\s*\\)", "g");
+
   // ---- inline ------------------------------------------------------------------------------
   // Code spans and links are set aside as \u0000N\u0000 placeholders (the source's own \u0000
   // are dropped first), so that emphasis never reaches into them.
@@ -24,9 +29,8 @@
     s = s.replace(/(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/g,
                   (m, ticks, code) => keep("<code>" + escapeHtml(code) + "</code>"));
     s = escapeHtml(s);
-    // [label](target "title"), the target with balanced parentheses one deep: target and
-    // title are already escaped (no quote survives)
-    s = s.replace(/\[([^\]\u0000]*(?:\u0000\d+\u0000[^\]\u0000]*)*)\]\(\s*((?:[^\s()]|\([^\s()]*\))+)(?:\s+&quot;.*?&quot;)?\s*\)/g,
+    // target and title are already escaped (no quote survives)
+    s = s.replace(LINK,
                   (m, label, target) => /^(https?:\/\/|mailto:)/i.test(target)
                     ? keep('<a href="' + target + '" target="_blank" rel="noopener noreferrer">'
                            + emphasis(label) + "</a>")
