@@ -45,8 +45,8 @@ from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.core import RESIDENT_MAX, CorePolicy, make_core
-from runtime.residency.telemetry import (DeviceSnapshot, ExpertMap, PhaseCounters,
-                                         PoolSnapshot, ResidencySnapshot)
+from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap,
+                                         PhaseCounters, PoolSnapshot, ResidencySnapshot)
 from runtime.residency.transport import SimulatedTransport, Transport
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
@@ -612,10 +612,10 @@ class ExpertResidencyManager:
         layers = list(self._moe_layers)
         states = states[layers]                                  # (n_moe, n_expert)
         routed = uses.sum(axis=0)[layers]                        # (n_moe, n_expert)
-        chars = np.full(states.shape, ord("-"), dtype=np.uint8)
-        chars[states <= RESIDENT_MAX] = ord("R")
-        chars[states == core_api.PENDING] = ord("P")
-        chars[states == core_api.EVICTING] = ord("E")
+        chars = np.full(states.shape, ord(STATE_CHARS["absent"]), dtype=np.uint8)
+        chars[states <= RESIDENT_MAX] = ord(STATE_CHARS["resident"])
+        chars[states == core_api.PENDING] = ord(STATE_CHARS["loading"])
+        chars[states == core_api.EVICTING] = ord(STATE_CHARS["evicting"])
         return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
                          tuple(tuple(row) for row in routed.tolist()))
 

@@ -75,7 +75,8 @@ class PoolSnapshot:
                 "phases": {p.label: asdict(self.phases[p]) for p in Phase}}
 
 
-# ExpertMap.state characters: one per expert
+# ExpertMap.state: one character per expert (an evicting expert is still resident; a loading
+# one is not yet)
 STATE_CHARS = {"resident": "R", "loading": "P", "evicting": "E", "absent": "-"}
 
 
