@@ -5,7 +5,8 @@ A streamed reply appears as it comes, a long one stops mid-stream (and the serve
 generating), the expert heat map changes while the model answers, thinking is folded, and the
 markdown renderer lets no markup of the model's through. Skips, with the reason, where
 Selenium, Chromium or its driver is missing. ``MOE_OFFLOAD_UI_SCREENSHOT=PATH`` saves a
-screenshot taken mid-answer (docs/ui/chat-page.png is one).
+screenshot taken mid-answer (docs/ui/chat-page.png comes from scripts/chat_page_screenshot.py,
+with a larger model).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _browser_paths() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def server(start_server, tiny_model):
-    # a RAM budget of a few experts (24 KiB each of 32): the map shows RAM and storage, and
+    # a RAM budget of 6 of the 32 experts (24 KiB each): the map shows RAM and storage, and
     # experts move while the model answers
     return start_server(tiny_model, "-c", "8192", "--devices.cpu", "150KiB")
 
