@@ -1,13 +1,13 @@
 // The chat: streams /v1/chat/completions, renders answers with markdown.js, folds the
 // thinking (reasoning_content), stops and regenerates, and keeps the settings (system prompt,
-// sampling, API key) in localStorage. Tells the expert panel (experts.js) when an answer
-// starts and ends, so that it polls faster meanwhile.
+// sampling, API key) and the conversation in localStorage. Tells the expert panel
+// (experts.js) when an answer starts and ends, so that it polls faster meanwhile.
 "use strict";
 (function () {
   const $ = (id) => document.getElementById(id);
   const SETTINGS = {system: "", temperature: "0.8", top_p: "0.95", max_tokens: "512", key: ""};
   const STORE = "moe-offload-settings";
-  const history = [];          // {role, content} as sent to the server
+  const history = [];          // {role, content, ...}: role and content go to the server
   let controller = null;       // the AbortController of the answer streaming now
   let conversation = 0;        // bumped by "New chat": an answer cut by it is not kept
 
@@ -144,23 +144,30 @@
       if (this.first && !this.done) this.meta.textContent = this.tokens + " tokens · "
         + this.rate().toFixed(1) + " tokens/s";
     }
-    finish(how, timings) {
+    // the answer ended (how: its finish_reason, or "stopped"); `saved`: an answer restored
+    // from localStorage, with its line as it was
+    finish(how, timings, saved) {
       this.render();
       this.done = true;
+      this.how = how;
       this.bubble.classList.remove("streaming");
-      if (this.thinking && !this.thinking.dataset.done) {
-        const s = (performance.now() - this.started) / 1000;
-        this.thinking.firstChild.textContent = "Thought for " + s.toFixed(1) + " s";
+      const seconds = (performance.now() - this.started) / 1000;
+      if (this.thinking && (saved || !this.thinking.dataset.done))
+        this.thinking.firstChild.textContent = saved ? String(saved.thought || "Thought")
+          : "Thought for " + seconds.toFixed(1) + " s";
+      if (saved) {
+        this.statsText = String(saved.stats || "");
+      } else {
+        const tokens = timings && timings.predicted_n ? timings.predicted_n : this.tokens;
+        const rate = timings && timings.predicted_per_second ? timings.predicted_per_second
+          : this.rate();
+        this.statsText = tokens + " tokens · " + rate.toFixed(1) + " tokens/s · "
+          + seconds.toFixed(1) + " s";
       }
-      const tokens = timings && timings.predicted_n ? timings.predicted_n : this.tokens;
-      const rate = timings && timings.predicted_per_second ? timings.predicted_per_second
-        : this.rate();
       this.meta.textContent = "";
       const stats = document.createElement("span");
       stats.className = "stats";
-      const seconds = (performance.now() - this.started) / 1000;
-      stats.textContent = tokens + " tokens · " + rate.toFixed(1) + " tokens/s · "
-        + seconds.toFixed(1) + " s";
+      stats.textContent = this.statsText;
       this.meta.appendChild(stats);
       if (how === "stopped" || how === "length") {
         const note = document.createElement("span");
@@ -177,8 +184,15 @@
       again.onclick = regenerate;
       this.meta.appendChild(again);
     }
+    // what the conversation keeps of it (history, and localStorage across reloads)
+    record() {
+      return {role: "assistant", content: this.content, reasoning: this.reasoning,
+              stats: this.statsText || "", how: this.how || "", error: this.error || "",
+              thought: this.thinking ? this.thinking.firstChild.textContent : ""};
+    }
     fail(message) {
       this.done = true;
+      this.error = message;
       this.bubble.classList.remove("streaming");
       this.div.classList.add("error");
       const p = document.createElement("p");
@@ -203,9 +217,7 @@
     controller = new AbortController();
     lastAnswer = answer;
     const mine = conversation;
-    // only the last answer can be asked again
-    for (const button of $("log").querySelectorAll(".regenerate"))
-      if (!answer.div.contains(button)) button.remove();
+    onlyLastRegenerates(answer.div);
     document.dispatchEvent(new CustomEvent("moe-answer", {detail: true}));
     $("send").hidden = true; $("stop").hidden = false;
     let how = "stopped", timings = null;
@@ -240,7 +252,7 @@
       if (err.name === "AbortError") answer.finish("stopped", null);
       else { answer.render(); answer.fail(String(err.message || err)); }
     } finally {
-      if (mine === conversation) history.push({role: "assistant", content: answer.content});
+      if (mine === conversation) { history.push(answer.record()); save(); }
       controller = null;
       $("send").hidden = false; $("stop").hidden = true;
       document.dispatchEvent(new CustomEvent("moe-answer", {detail: false}));
@@ -263,8 +275,39 @@
     if (stats) stats.after(span);
   });
 
+  // only the last answer can be asked again
+  function onlyLastRegenerates(last) {
+    for (const button of $("log").querySelectorAll(".regenerate"))
+      if (!last.contains(button)) button.remove();
+  }
+
+  // the conversation survives a reload (localStorage; "New chat" forgets it)
+  const CHAT = "moe-offload-chat";
+  function save() {
+    try { localStorage.setItem(CHAT, JSON.stringify(history)); } catch (e) { /* full */ }
+  }
+  function restore() {
+    let saved = [];
+    try { saved = JSON.parse(localStorage.getItem(CHAT) || "[]"); } catch (e) { saved = []; }
+    if (!Array.isArray(saved)) return;
+    let last = null;
+    for (const m of saved) {
+      if (!m || typeof m.content !== "string" || (m.role !== "user" && m.role !== "assistant"))
+        continue;
+      history.push(m);
+      if (m.role === "user") { userMessage(m.content); continue; }
+      last = new Answer();
+      last.content = m.content;
+      last.reasoning = typeof m.reasoning === "string" ? m.reasoning : "";
+      if (m.error) { last.render(); last.fail(String(m.error)); }
+      else last.finish(String(m.how || "stop"), null, m);
+    }
+    if (last) onlyLastRegenerates(last.div);
+  }
+
   function send(text) {
     history.push({role: "user", content: text});
+    save();
     userMessage(text);
     return stream(new Answer());
   }
@@ -276,6 +319,7 @@
     const last = answers[answers.length - 1];
     if (!last || history.length === 0 || history[history.length - 1].role !== "assistant") return;
     history.pop();
+    save();
     last.remove();
     stream(new Answer());
   }
@@ -305,6 +349,7 @@
     conversation++;
     if (controller) controller.abort();
     history.length = 0;
+    save();
     for (const m of $("log").querySelectorAll(".msg")) m.remove();
     $("empty").hidden = false;
   };
@@ -315,5 +360,6 @@
     button.textContent = "Copied";
     setTimeout(() => { button.textContent = "Copy"; }, 1200);
   });
+  restore();
   if ("serviceWorker" in navigator) navigator.serviceWorker.register("/sw.js").catch(() => {});
 })();

@@ -123,6 +123,17 @@ def test_streamed_reply(page, server):
     cost = _until(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .experts"))
     assert re.fullmatch(r"experts: \d+ % hits · [\d.]+ MiB moved in", cost[0].text), \
         cost[0].text
+    # the conversation survives a reload; New chat forgets it
+    answer = _answers(page)[-1].find_element(By.CLASS_NAME, "bubble").text
+    line = stats[0].text
+    page.refresh()
+    assert page.find_element(By.CSS_SELECTOR, ".msg.user .bubble").text == "hello there"
+    assert _answers(page)[-1].find_element(By.CLASS_NAME, "bubble").text == answer
+    assert page.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text == line
+    page.find_element(By.ID, "clear").click()
+    page.refresh()
+    assert not page.find_elements(By.CSS_SELECTOR, ".msg")
+    assert page.find_element(By.ID, "empty").is_displayed()
 
 
 def test_stop_mid_stream_while_the_heat_map_changes(page, server):
@@ -219,6 +230,14 @@ def test_thinking_folded_and_markdown_rendered(page):
                                 {"role": "user", "content": "show me code"}]
     assert (sent["temperature"], sent["top_p"], sent["max_tokens"]) == (0.3, 0.5, 77)
     assert sent["stream"] and sent["stream_options"] == {"include_usage": True}
+    # restored after a reload as it was: folded thinking, rendered code, the line under it
+    summary = thinking.find_element(By.TAG_NAME, "summary").text
+    page.refresh()
+    answer = _answers(page)[0]
+    assert answer.find_element(By.CSS_SELECTOR, "details.reasoning summary").text == summary
+    assert answer.find_element(By.CSS_SELECTOR, ".bubble pre code").text == \
+        "print('<b>hi</b>')"
+    assert answer.find_element(By.CLASS_NAME, "stats").text.startswith("3 tokens · 42.5")
 
 
 _HOSTILE = [
