@@ -148,14 +148,15 @@ async def list_models(request: Request) -> dict:
 
 @info_router.get("/v1/residency")
 async def residency(request: Request) -> Response:
-    """The residency manager's snapshot as JSON."""
+    """The residency manager's snapshot as JSON, with every device's expert map."""
     engine = request.app.state.host.engine()
     manager = getattr(engine, "manager", None)
     remote = getattr(engine, "remote", None)
     if manager is None and remote is None:
         raise APIError(404, "Residency management is off for this model, so there is no "
                             "snapshot.", code="residency_disabled")
-    payload = manager.snapshot().to_json() if manager is not None else {}
+    # experts: each expert's state and access count (the chat page's heat map)
+    payload = manager.snapshot(experts=True).to_json() if manager is not None else {}
     if remote is not None:              # the remote plan and each remote's link state
         if isinstance(payload, str):
             payload = json.loads(payload)
