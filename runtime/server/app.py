@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``create_app`` builds the FastAPI application.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (completions.py),
+``POST /v1/messages`` (anthropic_api.py), ``POST /v1/responses`` (responses_api.py),
 ``GET /v1/models``, ``GET /v1/residency`` (the manager's snapshot as JSON), ``GET /metrics``
 (Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready),
 the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/health``,
@@ -25,11 +26,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
+from runtime.server.anthropic_api import router as anthropic_router
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
 from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
+from runtime.server.responses_api import router as responses_router
 from runtime.server.slot_routes import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
 from runtime.server.stream_sessions import router as stream_router
@@ -263,6 +266,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
 
     app.include_router(info_router)
     app.include_router(completions_router)
+    app.include_router(anthropic_router)       # /v1/messages: translated to chat completions
+    app.include_router(responses_router)       # /v1/responses: likewise
     app.include_router(native_router)
     app.include_router(embeddings_router)
     app.include_router(slot_router)
