@@ -26,6 +26,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
+from runtime.server.anthropic_api import ANTHROPIC_PATHS
 from runtime.server.anthropic_api import router as anthropic_router
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
@@ -39,7 +40,8 @@ from runtime.server.stream_sessions import router as stream_router
 from runtime.server.unsupported import router as unsupported_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
-from runtime.server.errors import APIError, error_body, install_error_handlers
+from runtime.server.errors import (APIError, anthropic_response, error_body,
+                                   install_error_handlers)
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.model_host import LoadState, ModelHost
@@ -117,6 +119,8 @@ class ApiKeyGuard:
         error = self._check(headers.get("authorization", ""), headers.get("x-api-key"))
         if error is None:
             await self.app(scope, receive, send)
+        elif scope.get("path") in ANTHROPIC_PATHS:        # Anthropic clients read their shape
+            await anthropic_response(error)(scope, receive, send)
         else:
             await error.response()(scope, receive, send)
 

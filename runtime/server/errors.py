@@ -67,6 +67,10 @@ def anthropic_error_body(err: APIError) -> dict:
     return {"type": "error", "error": {"type": kind, "message": err.message}}
 
 
+def anthropic_response(err: APIError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
+
+
 def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
@@ -114,8 +118,7 @@ def install_error_handlers(app: FastAPI) -> None:
         from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
 
         if request.url.path in ANTHROPIC_PATHS:
-            return JSONResponse(anthropic_error_body(err), status_code=err.status,
-                                headers=err.headers)
+            return anthropic_response(err)
         if request.url.path in NATIVE_PATHS or request.url.path.startswith("/slots/"):      # llama-server's own shape there
             return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
         return err.response()

@@ -157,6 +157,10 @@ def test_bad_input_is_400_in_anthropics_shape(client, server):
     assert err.value.body["type"] == "error"
     assert err.value.body["error"]["type"] == "invalid_request_error"
     assert "multimodal projector" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as err:      # refused before it streams
+        client.messages.create(model="any", max_tokens=8, stream=True, messages=[
+            {"role": "user", "content": "word " * N_CTX}])
+    assert err.value.body["type"] == "error" and "context" in err.value.body["error"]["message"]
     for body in ({"max_tokens": 8, "messages": [{"role": "robot", "content": "hi"}]},
                  {"max_tokens": 8, "messages": []},
                  {"max_tokens": 8, "messages": TURNS, "frobnicate": 1},
@@ -165,3 +169,14 @@ def test_bad_input_is_400_in_anthropics_shape(client, server):
         r = httpx.post(f"{server.base_url}/v1/messages", json=body)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}
+
+
+def test_the_clients_api_key_header_and_a_401_in_anthropics_shape(start_server, tiny_model):
+    server = start_server(tiny_model, "-c", "512", "--api-key", "sk-ant-test")
+    good = anthropic.Anthropic(base_url=server.base_url, api_key="sk-ant-test", max_retries=0)
+    assert good.messages.create(model="any", max_tokens=2, messages=TURNS).usage.output_tokens
+    bad = anthropic.Anthropic(base_url=server.base_url, api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        bad.messages.create(model="any", max_tokens=2, messages=TURNS)
+    assert err.value.body == {"type": "error", "error": {
+        "type": "authentication_error", "message": "Incorrect API key provided."}}
