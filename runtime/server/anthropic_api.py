@@ -1,7 +1,8 @@
 """The Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) as a
 translation over the chat-completion path, as llama-server serves it: the body becomes a
 ``ChatCompletionRequest`` (system first, ``tool_use`` blocks as assistant ``tool_calls``,
-``tool_result`` blocks as ``tool`` messages), is generated like any chat request, and the
+``tool_result`` blocks as ``tool`` messages, ``thinking`` blocks as the turn's
+``reasoning_content``), is generated like any chat request, and the
 answer (or its stream of chunks, anthropic_stream.py) is written back in Anthropic's shape.
 Errors leave as ``{"type": "error", "error": {"type", "message"}}`` (errors.py).
 
@@ -154,14 +155,17 @@ def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
         where = f"messages.{i}.content.{j}"
         if block.type == "text":
             texts.append(block.text or "")
-        elif block.type in ("thinking", "redacted_thinking"):
-            continue                    # an earlier answer's thinking: templates drop it too
+        elif block.type == "thinking" and message.role == "assistant":
+            thoughts.append(block.thinking or "")      # reasoning_content, for the template
+        elif block.type == "redacted_thinking":
+            continue                    # encrypted by Anthropic: nothing to render
         elif block.type == "tool_use" and message.role == "assistant":
             if not block.id or not block.name:
                 raise APIError(400, f"{where}: a tool_use block needs id and name",
@@ -181,10 +185,12 @@ def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
             raise APIError(400, f"{where}: a {block.type!r} block is not supported in a "
                                 f"{message.role} message", code="invalid_value", param=where)
     turns = list(results)
-    if texts or calls or not results:
+    if texts or calls or thoughts or not results:
         turn: dict[str, Any] = {"role": message.role, "content": "\n\n".join(texts)}
         if calls:
             turn["tool_calls"] = calls
+        if thoughts:
+            turn["reasoning_content"] = "\n\n".join(thoughts)
         turns.append(turn)
     return turns
 

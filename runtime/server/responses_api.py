@@ -7,7 +7,8 @@ a ``response`` with output items (reasoning, message, function calls), or as Res
 
 Nothing is stored: ``previous_response_id``, ``conversation``, ``item_reference`` items and
 ``background`` are refused (400), ``store`` and the other labels change nothing. Earlier
-``reasoning`` items in the input are dropped, as chat templates drop earlier thinking.
+``reasoning`` items become their assistant turn's ``reasoning_content`` (for templates that
+render it).
 """
 from __future__ import annotations
 
@@ -110,8 +111,13 @@ def _messages(body: InputTokensRequest) -> list[dict[str, Any]]:
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role: must be user, system, developer or "
                                     "assistant", code="invalid_value", param=f"{where}.role")
-            messages.append({"role": item["role"],
-                             "content": _text(item.get("content", ""), f"{where}.content")})
+            text = _text(item.get("content", ""), f"{where}.content")
+            last = messages[-1] if messages else None
+            if item["role"] == "assistant" and last is not None and last["role"] == "assistant" \
+                    and not last["content"] and not last.get("tool_calls"):
+                last["content"] = text          # the answer after its reasoning item
+            else:
+                messages.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise APIError(400, f"{where}: a function_call needs call_id, name and "
@@ -129,8 +135,15 @@ def _messages(body: InputTokensRequest) -> list[dict[str, Any]]:
                                code="invalid_value", param=where)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(item.get("output", ""), f"{where}.output")})
-        elif kind == "reasoning":
-            continue                    # an earlier answer's thinking: templates drop it too
+        elif kind == "reasoning":       # an earlier answer's thinking: its reasoning_content
+            parts = item.get("content") or item.get("summary") or []
+            thought = "\n\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last["reasoning_content"] = thought
+            else:
+                messages.append({"role": "assistant", "content": "",
+                                 "reasoning_content": thought})
         elif kind == "item_reference":
             raise APIError(400, f"{where}: item references need stored responses, and this "
                                 "server stores none; send the items themselves",

@@ -131,3 +131,58 @@ def test_responses_stream_of_an_empty_cut_answer_still_has_a_message():
     assert completed["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [item["type"] for item in completed["output"]] == ["message"]
     assert completed["output"][0]["content"][0]["text"] == ""
+
+
+def test_anthropic_request_as_chat_messages():
+    from runtime.server.anthropic_api import MessagesRequest, to_chat_request
+
+    body = MessagesRequest.model_validate({"max_tokens": 8, "system": [
+        {"type": "text", "text": "Be terse."}], "messages": [
+        {"role": "user", "content": "Fix it"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "look first", "signature": "x"},
+            {"type": "tool_use", "id": "call_1", "name": "ls", "input": {"path": "."}}]},
+        {"role": "user", "content": [
+            {"type": "text", "text": "here:"},
+            {"type": "tool_result", "tool_use_id": "call_1", "is_error": True,
+             "content": [{"type": "text", "text": "denied"}]}]}],
+        "tools": [{"name": "ls", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any"}, "thinking": {"type": "disabled"}})
+    chat = to_chat_request(body)
+    assert chat.message_dicts() == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Fix it"},
+        {"role": "assistant", "content": "", "reasoning_content": "look first", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+        {"role": "tool", "content": "Error: denied", "tool_call_id": "call_1"},
+        {"role": "user", "content": "here:"}]
+    assert chat.tool_choice_value() == "required" and chat.max_tokens == 8
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_responses_input_items_as_chat_messages():
+    from runtime.server.responses_api import ResponsesRequest, to_chat_request
+
+    body = ResponsesRequest.model_validate({"instructions": "Be terse.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Fix it"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "look first"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "ls", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Done."}]},
+        {"role": "user", "content": "Thanks"}], "max_output_tokens": 5,
+        "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "ls"}})
+    chat = to_chat_request(body)
+    assert chat.message_dicts() == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Fix it"},
+        {"role": "assistant", "content": "", "reasoning_content": "look first", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
+        {"role": "tool", "content": "a.py", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "Thanks"}]
+    assert chat.tool_choice_value() == {"type": "function", "function": {"name": "ls"}}
+    assert chat.max_tokens == 5
