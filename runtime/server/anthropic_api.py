@@ -47,6 +47,8 @@ class _Block(BaseModel):
     id: str | None = None                      # tool_use
     name: str | None = None
     input: Any = None
+    caller: Any = None                         # who called it (labels of a tool_use block)
+    toolset_name: str | None = None
     tool_use_id: str | None = None             # tool_result
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None

@@ -106,8 +106,7 @@ def test_forced_tool_gives_a_tool_use_block_then_takes_the_result(client, chat):
     jsonschema.validate(call.input, WEATHER_SCHEMA)
     # the follow-up turn: the call's result, answered as the chat completion answers it
     follow = [{"role": "user", "content": "Weather in Paris?"},
-              {"role": "assistant", "content": [b.model_dump(exclude_none=True)
-                                                for b in message.content]},
+              {"role": "assistant", "content": message.content},   # as Anthropic's docs do
               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                             "content": "Sunny, 25 C"}]}]
     answer = client.messages.create(model="any", max_tokens=16,
