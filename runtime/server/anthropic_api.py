@@ -23,15 +23,13 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sse_starlette import EventSourceResponse
 
 from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
-from runtime.server.chat_stream import ChatFramer
-from runtime.server.completions import (SHUTDOWN_GRACE_S, chat_answer, chat_base, chat_frames,
-                                        submit_chat)
+from runtime.server.completions import chat_answer, chat_base, submit_chat
 from runtime.server.errors import APIError, anthropic_error_body, validation_error
 from runtime.server.prepare import prepare_chat
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
+from runtime.server.translated_stream import event_source
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
@@ -250,8 +248,6 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences or None,
                  "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
                  "stream": body.stream}
-        if body.stream:     # the usage frame and llama's timings (its cache_n) at the end
-            chat |= {"stream_options": {"include_usage": True}, "timings_per_token": True}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in chat.items() if v is not None})
@@ -298,31 +294,9 @@ async def messages(body: MessagesRequest, request: Request):
     model = request.app.state.host.model_id
     if not body.stream:
         return JSONResponse(message_of(await chat_answer(request, chat, prep, job, base), model))
-    shutdown = anyio.Event()
-    frames = chat_frames(job, prep, True, ChatFramer(base, prep, timings=True), shutdown)
-    events = AnthropicEvents(f"msg_{uuid.uuid4().hex[:24]}", model, prep.prompt_tokens)
-
-    async def sse():
-        try:
-            for event in events.opening():
-                yield _sse(event)
-            async for frame in frames:
-                for event in events.feed(frame):
-                    yield _sse(event)
-            for event in events.closing():
-                yield _sse(event)
-        except APIError as err:        # headers are sent: Anthropic's error event ends it
-            yield _sse(anthropic_error_body(err))
-        finally:
-            job.cancel.set()
-    return EventSourceResponse(sse(), shutdown_event=shutdown,
-                               shutdown_grace_period=SHUTDOWN_GRACE_S)
-
-
-def _sse(event: dict) -> dict:
-    """An Anthropic event, named by its type (the client dispatches on the SSE name)."""
-    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False,
-                                                       separators=(",", ":"))}
+    return event_source(job, prep, base, AnthropicEvents(f"msg_{uuid.uuid4().hex[:24]}",
+                                                         model, prep.prompt_tokens),
+                        anthropic_error_body)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -12,7 +12,6 @@ render it).
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import anyio
@@ -20,17 +19,15 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sse_starlette import EventSourceResponse
 
-from runtime.server.chat_stream import ChatFramer
-from runtime.server.completions import (SHUTDOWN_GRACE_S, chat_answer, chat_base, chat_frames,
-                                        submit_chat)
+from runtime.server.completions import chat_answer, chat_base, submit_chat
 from runtime.server.errors import APIError, validation_error
 from runtime.server.prepare import prepare_chat
 from runtime.server.responses_stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
+from runtime.server.translated_stream import event_source
 
 router = APIRouter()
 
@@ -213,8 +210,6 @@ def to_chat_request(body: InputTokensRequest) -> ChatCompletionRequest:
         chat |= {"max_tokens": body.max_output_tokens, "temperature": body.temperature,
                  "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
                  "seed": body.seed, "stream": body.stream}
-        if body.stream:     # the usage frame and llama's timings (its cache_n) at the end
-            chat |= {"stream_options": {"include_usage": True}, "timings_per_token": True}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in chat.items() if v is not None})
@@ -266,31 +261,9 @@ async def responses(body: ResponsesRequest, request: Request):
             new_id("resp"), answer["created"], echo, output_of(answer), status,
             usage_of(usage["prompt_tokens"], usage["completion_tokens"],
                      (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))))
-    shutdown = anyio.Event()
-    frames = chat_frames(job, prep, True, ChatFramer(base, prep, timings=True), shutdown)
     events = ResponsesEvents(new_id("resp"), echo, prep.prompt_tokens)
-
-    async def sse():
-        try:
-            for event in events.opening():
-                yield _sse(event)
-            async for frame in frames:
-                for event in events.feed(frame):
-                    yield _sse(event)
-            for event in events.closing():
-                yield _sse(event)
-        except APIError as err:        # headers are sent: an error event ends the stream
-            yield _sse(events.event("error", code=err.code, message=err.message,
-                                     param=err.param))
-        finally:
-            job.cancel.set()
-    return EventSourceResponse(sse(), shutdown_event=shutdown,
-                               shutdown_grace_period=SHUTDOWN_GRACE_S)
-
-
-def _sse(event: dict) -> dict:
-    return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False,
-                                                       separators=(",", ":"))}
+    return event_source(job, prep, base, events, lambda err: events.event(
+        "error", code=err.code, message=err.message, param=err.param))
 
 
 @router.post("/v1/responses/input_tokens")

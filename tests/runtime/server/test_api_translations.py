@@ -186,3 +186,32 @@ def test_responses_input_items_as_chat_messages():
         {"role": "user", "content": "Thanks"}]
     assert chat.tool_choice_value() == {"type": "function", "function": {"name": "ls"}}
     assert chat.max_tokens == 5
+
+
+def test_an_error_after_the_headers_ends_the_stream_with_the_apis_error_event():
+    import anyio
+
+    from runtime.server.errors import APIError, anthropic_error_body
+    from runtime.server.translated_stream import translated
+
+    async def frames_then_shutdown():
+        for frame in _frames(["Hel", "lo"])[:3]:
+            yield frame
+        raise APIError(503, "The server is shutting down; the answer was cut short.",
+                       code="server_shutdown")
+
+    async def collect(translator, error_event) -> list[dict]:
+        return [e async for e in translated(frames_then_shutdown(), translator, error_event)]
+
+    events = anyio.run(collect, AnthropicEvents("msg_1", "m", 10), anthropic_error_body)
+    assert [e["type"] for e in events] == ["message_start", "content_block_start",
+                                           "content_block_delta", "content_block_delta",
+                                           "error"]
+    assert events[-1]["error"] == {
+        "type": "overloaded_error",
+        "message": "The server is shutting down; the answer was cut short."}
+    responses = ResponsesEvents("resp_1", {"model": "m"}, 10)
+    events = anyio.run(collect, responses, lambda err: responses.event(
+        "error", code=err.code, message=err.message, param=err.param))
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "server_shutdown"
+    assert events[-1]["sequence_number"] == len(events) - 1

@@ -159,3 +159,15 @@ def test_json_schema_text_format(client):
         model="any", input="A number as JSON.", temperature=0, max_output_tokens=40,
         text={"format": {"type": "json_schema", "name": "num", "schema": schema}})
     jsonschema.validate(json.loads(response.output_text), schema)
+
+
+def test_the_clients_stream_helper_accumulates_the_response(client):
+    kw = {"model": "any", "input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
+          "temperature": 0, "max_output_tokens": 200}
+    with client.responses.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    whole = client.responses.create(**kw)
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in whole.output]
