@@ -101,8 +101,8 @@ class OutputConfig(BaseModel):
     effort: str | None = None                   # a label; changes nothing
 
 
-class CountTokensRequest(BaseModel):
-    """``/v1/messages/count_tokens``: the prompt fields of a Messages request."""
+class MessagesRequest(BaseModel):
+    """A Messages request (``/v1/messages/count_tokens`` takes one too, without max_tokens)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None                   # any name: one model per process
@@ -113,9 +113,6 @@ class CountTokensRequest(BaseModel):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None   # prompt caching hint: llama's KV cache rules
-
-
-class MessagesRequest(CountTokensRequest):
     max_tokens: int | None = Field(None, ge=1)      # Anthropic requires it; llama-server not
     stream: bool = False
     stop_sequences: list[str] | None = None
@@ -221,7 +218,7 @@ def _tool_choice(choice: AnthropicToolChoice | None) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     """The chat-completion request that generates this Messages request's answer."""
     messages: list[dict[str, Any]] = []
     if body.system is not None:
@@ -244,10 +241,9 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     if body.output_config is not None and body.output_config.format is not None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
-    if isinstance(body, MessagesRequest):
-        chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences or None,
-                 "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-                 "stream": body.stream}
+    chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences or None,
+             "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+             "stream": body.stream}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in chat.items() if v is not None})
@@ -300,8 +296,9 @@ async def messages(body: MessagesRequest, request: Request):
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
-    """``{"input_tokens": N}``: the prompt tokens the request would take."""
+async def count_tokens(body: MessagesRequest, request: Request) -> dict:
+    """``{"input_tokens": N}``: the prompt tokens the request would take (a whole Messages
+    request is accepted too, as llama-server does: its other fields do not change the count)."""
     chat = to_chat_request(body)
     engine = request.app.state.host.engine()
     settings = request.app.state.settings

@@ -34,8 +34,8 @@ router = APIRouter()
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
-class InputTokensRequest(BaseModel):
-    """The prompt fields of a Responses request."""
+class ResponsesRequest(BaseModel):
+    """A Responses request (``/v1/responses/input_tokens`` takes one too)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None                  # any name: one model per process
@@ -57,9 +57,6 @@ class InputTokensRequest(BaseModel):
     truncation: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-
-
-class ResponsesRequest(InputTokensRequest):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -95,7 +92,7 @@ def _text(content: Any, where: str) -> str:
     return "\n\n".join(texts)
 
 
-def _messages(body: InputTokensRequest) -> list[dict[str, Any]]:
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
@@ -189,11 +186,11 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
-def to_chat_request(body: InputTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat-completion request that generates this Responses request's answer."""
     for name, value in (("previous_response_id", body.previous_response_id),
                         ("conversation", body.conversation),
-                        ("background", getattr(body, "background", None) or None)):
+                        ("background", body.background or None)):
         if value is not None:
             raise APIError(400, f"{name}: this server stores no responses or conversations; "
                                 "send the whole conversation as input", code="invalid_value",
@@ -206,10 +203,9 @@ def to_chat_request(body: InputTokensRequest) -> ChatCompletionRequest:
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
-    if isinstance(body, ResponsesRequest):
-        chat |= {"max_tokens": body.max_output_tokens, "temperature": body.temperature,
-                 "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
-                 "seed": body.seed, "stream": body.stream}
+    chat |= {"max_tokens": body.max_output_tokens, "temperature": body.temperature,
+             "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed,
+             "stream": body.stream}
     try:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in chat.items() if v is not None})
@@ -268,8 +264,9 @@ async def responses(body: ResponsesRequest, request: Request):
 
 @router.post("/v1/responses/input_tokens")
 @router.post("/responses/input_tokens", include_in_schema=False)
-async def input_tokens(body: InputTokensRequest, request: Request) -> dict:
-    """``{"object": "response.input_tokens", "input_tokens": N}``."""
+async def input_tokens(body: ResponsesRequest, request: Request) -> dict:
+    """``{"object": "response.input_tokens", "input_tokens": N}`` (a whole Responses request is
+    accepted: its other fields do not change the count)."""
     chat = to_chat_request(body)
     engine = request.app.state.host.engine()
     settings = request.app.state.settings

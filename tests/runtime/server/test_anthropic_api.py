@@ -144,6 +144,9 @@ def test_count_tokens_equals_the_chat_prompt(client, server):
     chat_count = httpx.post(f"{server.api_url}/chat/completions/input_tokens", json={
         "messages": [{"role": "system", "content": SYSTEM}, *TURNS]}).json()
     assert counted.input_tokens == chat_count["input_tokens"] > 0
+    whole_request = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json={
+        "system": SYSTEM, "messages": TURNS, "max_tokens": 8, "stream": True}).json()
+    assert whole_request == {"input_tokens": counted.input_tokens}
 
 
 def test_bad_input_is_400_in_anthropics_shape(client, server):
