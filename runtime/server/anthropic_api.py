@@ -2,15 +2,16 @@
 translation over the chat-completion path, as llama-server serves it: the body becomes a
 ``ChatCompletionRequest`` (system first, ``tool_use`` blocks as assistant ``tool_calls``,
 ``tool_result`` blocks as ``tool`` messages, ``thinking`` blocks as the turn's
-``reasoning_content``), is generated like any chat request, and the
-answer (or its stream of chunks, anthropic_stream.py) is written back in Anthropic's shape.
+``reasoning_content``), is generated like any chat request, and the answer (or its stream
+of chunks, anthropic_stream.py) is written back in Anthropic's shape.
 Errors leave as ``{"type": "error", "error": {"type", "message"}}`` (errors.py).
 
 What Anthropic's API has and this server does not: images and documents (no multimodal
 projector: a 400), server tools (``web_search_...``, ``bash_...``: a 400 naming them), a
 thinking budget or effort (``thinking.budget_tokens`` and ``output_config.effort`` are
-accepted, only ``max_tokens`` bounds the answer), the matched stop sequence (``stop_sequence`` is always null: the engine does not say
-which stop string ended the answer, and ``stop_reason`` is ``end_turn`` for both).
+accepted, only ``max_tokens`` bounds the answer), the matched stop sequence
+(``stop_sequence`` is always null: the engine does not say which stop string ended the
+answer, and ``stop_reason`` is ``end_turn`` for both).
 """
 from __future__ import annotations
 

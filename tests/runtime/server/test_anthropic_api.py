@@ -139,6 +139,14 @@ def test_streamed_tool_use_accumulates_its_input(client):
     jsonschema.validate(final.content[-1].input, WEATHER_SCHEMA)
 
 
+def test_output_config_format_constrains_the_answer(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    message = client.messages.create(
+        model="any", max_tokens=40, messages=[{"role": "user", "content": "A number."}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
 def test_count_tokens_equals_the_chat_prompt(client, server):
     counted = client.messages.count_tokens(model="any", system=SYSTEM, messages=TURNS)
     chat_count = httpx.post(f"{server.api_url}/chat/completions/input_tokens", json={
