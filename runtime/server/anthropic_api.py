@@ -229,14 +229,10 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     for i, message in enumerate(body.messages):
         messages.extend(_turns(i, message))
     chat: dict[str, Any] = {"messages": messages, "model": body.model}
-    tools = _tools(body.tools)
-    if tools:
-        chat["tools"] = tools
-        choice = _tool_choice(body.tool_choice)
-        if choice is not None:
-            chat["tool_choice"] = choice
-        if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
-            chat["parallel_tool_calls"] = False
+    chat["tools"] = _tools(body.tools)
+    chat["tool_choice"] = _tool_choice(body.tool_choice)      # without tools: a 400 if forced
+    if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
+        chat["parallel_tool_calls"] = False
     if body.thinking is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if body.output_config is not None and body.output_config.format is not None:

@@ -174,6 +174,7 @@ def test_bad_input_is_400_in_anthropics_shape(client, server):
     for body in ({"max_tokens": 8, "messages": [{"role": "robot", "content": "hi"}]},
                  {"max_tokens": 8, "messages": []},
                  {"max_tokens": 8, "messages": TURNS, "frobnicate": 1},
+                 {"max_tokens": 8, "messages": TURNS, "tool_choice": {"type": "any"}},
                  {"max_tokens": 8, "messages": TURNS,
                   "tools": [{"type": "web_search_20250305", "name": "web_search"}]}):
         r = httpx.post(f"{server.base_url}/v1/messages", json=body)
