@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema
 import openai
 import pytest
+
+anthropic = pytest.importorskip("anthropic")   # the test extra (pyproject)
 
 N_CTX = 2048
 SYSTEM = "You are terse."

@@ -5,9 +5,10 @@ thinking the chat completion gives as ``reasoning_content`` comes back as a thin
 earlier thinking sent back reaches the template."""
 from __future__ import annotations
 
-import anthropic
 import openai
 import pytest
+
+anthropic = pytest.importorskip("anthropic")   # the test extra (pyproject)
 
 N_CTX = 1024
 TEMPLATE = (
