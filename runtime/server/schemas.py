@@ -117,6 +117,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallItem] | None = None     # assistant turns that called tools
     tool_call_id: str | None = None                  # tool turns: which call this answers
     refusal: str | None = None
+    reasoning_content: str | None = None             # an earlier answer's thinking (templates
+                                                     # that render it, e.g. between tool calls)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -218,6 +220,8 @@ class ChatCompletionRequest(_SamplingFields):
                 d["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 d["name"] = m.name
+            if m.reasoning_content is not None:
+                d["reasoning_content"] = m.reasoning_content
             out.append(d)
         return out
 
