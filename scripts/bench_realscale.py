@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,42 +123,69 @@ def rows_for(budget: int) -> list[TraceRow]:
 
 def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None, threads: int,
             timeout: float) -> dict:
-    """The row in a fresh process, its memory watched from here."""
+    """The row in a fresh process, its memory watched from here. A row past ``timeout``
+    seconds is stopped and reports how far it got (its ``@@`` progress lines)."""
     drop_file_cache(str(model))
     job = json.dumps({"model": str(model), "trace": str(trace), "row": row.to_json(),
                       "threads": threads})
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     group = MemoryLimit(limit, name=f"realscale-{os.getpid()}") if limit else None
     started = time.perf_counter()
+    last: dict = {}
     with (group if group is not None else _Null()), \
-            MemoryWatch(model, interval=0.25,
+            MemoryWatch(model, interval=1.0,
                         cgroup_dir=group.path if group is not None else None) as watch:
         proc = subprocess.Popen([sys.executable, "-m", "runtime.bench.trace_run"], cwd=ROOT,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env,
                                 preexec_fn=group.join if group is not None else None)
         watch.pid = proc.pid
+        errors: list[str] = []
+
+        def pump() -> None:
+            for line in proc.stderr:
+                if line.startswith("@@ "):
+                    last.update(json.loads(line[3:]))
+                elif line.strip():
+                    errors.append(line.rstrip())
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        proc.stdin.write(job)
+        proc.stdin.close()
         try:
-            out, err = proc.communicate(job, timeout=timeout)
+            proc.wait(timeout=timeout)
+            stopped = False
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, err = proc.communicate()
-            return {"died": f"timeout after {timeout:.0f} s", "wall_s": timeout}
+            proc.wait()
+            stopped = True
+        reader.join()
+        out = proc.stdout.read()
         peak_ram = max((s.file_cache_bytes + s.rss_anon_bytes for s in watch.samples), default=0)
         group_peak = group.peak_bytes() if group is not None else None
     result: dict = {"wall_s": time.perf_counter() - started, "peak_ram_bytes": peak_ram,
                     "peak_anon_bytes": watch.peak("rss_anon_bytes"),
                     "peak_expert_cache_bytes": watch.peak("expert_cache_bytes"),
-                    "cgroup_peak_bytes": group_peak}
-    if proc.returncode == -9 and limit:
+                    "cgroup_peak_bytes": group_peak, "progress": dict(last)}
+    if stopped:
+        done = last.get("decoded", 0)
+        rate = done / last["decode_s"] if last.get("decode_s") else 0.0
+        result["died"] = (f"stopped at the {timeout:.0f} s limit: " + (
+            f"{done} decode tokens at {rate:.3f} t/s" if "ttft_s" in last else
+            "before its first token" if "load_s" in last else "while loading"))
+        result["partial"] = {"load_s": last.get("load_s"), "ttft_s": last.get("ttft_s"),
+                             "decode_tps": rate, "decoded": done,
+                             "read_bytes_per_decode_token": last.get("read", 0) / done
+                             if done else None}
+    elif proc.returncode == -9 and limit:
         result["died"] = (f"OOM (killed under the {format_size(limit)} limit; anonymous peak "
                           f"{format_size(watch.peak('rss_anon_bytes'))})")
     elif proc.returncode != 0:
-        lines = [ln for ln in (out + "\n" + err).splitlines() if ln.strip()]
         try:
             why = json.loads(out.strip().splitlines()[-1])["error"]
         except (ValueError, KeyError, IndexError):
-            why = lines[-1] if lines else f"exit status {proc.returncode}"
+            why = errors[-1] if errors else f"exit status {proc.returncode}"
         result["died"] = f"error: {why[:160]}"
     else:
         result.update(json.loads(out.strip().splitlines()[-1]))
@@ -207,7 +235,14 @@ def table(case: Case, results: list[tuple[TraceRow, dict, int | None]]) -> list[
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, r, predicted in results:
         if "died" in r:
-            cells = [row.name, row.note, r["died"]] + [""] * (len(head) - 3)
+            p = r.get("partial") or {}
+            cells = [row.name, row.note, fmt(p.get("load_s"), ".1f"),
+                     fmt(p.get("ttft_s"), ".2f"),
+                     f"({p['decode_tps']:.3f})" if p.get("decoded") else "-",
+                     fmt(p.get("read_bytes_per_decode_token") and
+                         p["read_bytes_per_decode_token"] / 1e6, ".1f"),
+                     f"{r.get('peak_ram_bytes', 0) / GIB:.2f}", "-", "-", "-", "-",
+                     r["died"]]
             lines.append("| " + " | ".join(cells) + " |")
             continue
         d = r.get("decode")
@@ -225,6 +260,15 @@ def table(case: Case, results: list[tuple[TraceRow, dict, int | None]]) -> list[
         lines.append("| " + " | ".join(cells) + " |")
     ok = [(row, r) for row, r, _ in results if "died" not in r]
     base = [r["decode_tps"] for row, r in ok if row.kind == "llama.cpp"]
+    # a llama.cpp row stopped at the time limit: its rate so far (decode only speeds up as the
+    # page cache warms, so this flatters it less than it seems: say so)
+    partial = [r["partial"]["decode_tps"] for row, r, _ in results
+               if row.kind == "llama.cpp" and r.get("partial", {}).get("decoded")]
+    if not base and partial:
+        base = partial
+        lines.append("")
+        lines.append("(llama.cpp rows stopped at the time limit: their decode rate so far, in "
+                     "parentheses, is the baseline below)")
     lru = next((r["decode_tps"] for row, r in ok if row.name == "lru"), None)
     if base:
         best = max(base)
@@ -257,7 +301,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the models afterwards")
     parser.add_argument("--cost", default=None, metavar="TOML",
                         help="[cost] table for the replay prediction (moe-offload calibrate)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per row")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds per row; a row past it is stopped and reports its rate so "
+                             "far")
     parser.add_argument("--out", default=None, help="markdown file (default: "
                         "docs/benchmarks/DATE-realscale.md)")
     args = parser.parse_args()

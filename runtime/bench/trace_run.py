@@ -50,7 +50,15 @@ def _residency_config(row: TraceRow):
                         source=row.name)
 
 
-def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int = 512) -> dict:
+def progress(**fields) -> None:
+    """One ``@@ {json}`` line on stderr: the parent reads how far a row got (a row it stops at
+    its time limit still reports its load, first token and decode rate so far)."""
+    sys.stderr.write("@@ " + json.dumps(fields) + "\n")
+    sys.stderr.flush()
+
+
+def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int = 512,
+            report=progress) -> dict:
     """Load, play the trace once, and measure (see the module docstring)."""
     from runtime.bench.memwatch import process_read_bytes  # noqa: PLC0415
     from runtime.engine.cli_args import imposed_request  # noqa: PLC0415
@@ -66,16 +74,25 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
     t0 = time.perf_counter()
     engine = Engine(settings, progress=False)
     load_s = time.perf_counter() - t0
+    report(load_s=load_s)
     try:
         prompt, params = imposed_request(engine, None, SamplingParams(temperature=0.0),
                                          _NoArgs())
         before = _decode_counters(engine, Phase.DECODE)
         t1 = time.perf_counter()
         first_at, io_first, last = None, 0, None
+        n = 0
         for chunk in engine.generate(prompt, params):
-            if first_at is None and chunk.token is not None:
-                first_at = time.perf_counter()
-                io_first = process_read_bytes(pid)
+            if chunk.token is not None:
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    io_first = process_read_bytes(pid)
+                    report(load_s=load_s, ttft_s=first_at - t1, read=io_first)
+                else:
+                    n += 1
+                    report(load_s=load_s, ttft_s=first_at - t1, decoded=n,
+                           decode_s=now - first_at, read=process_read_bytes(pid) - io_first)
             last = chunk
         t2 = time.perf_counter()
         io_end = process_read_bytes(pid)
