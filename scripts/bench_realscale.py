@@ -355,9 +355,9 @@ def main() -> int:
                 model.unlink(missing_ok=True)
     out = Path(args.out) if args.out else \
         ROOT / "docs" / "benchmarks" / f"{dt.date.today().isoformat()}-realscale.md"
-    from runtime.atomic_write import write_text_atomic  # noqa: PLC0415
+    from runtime.atomic_write import write_text  # noqa: PLC0415
 
-    write_text_atomic(out, "\n".join(report) + "\n")
+    write_text(out, "\n".join(report) + "\n")
     print(f"\nwrote {out}")
     return 0
 

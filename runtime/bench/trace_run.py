@@ -134,7 +134,7 @@ def _decode_counters(engine, phase) -> dict | None:
     c = manager.snapshot().device(devices[0]).phase(phase)
     return {name: int(getattr(c, name)) for name in (
         "accesses", "hits", "demand_miss_bytes", "prefetch_issued_bytes",
-        "prefetch_used_bytes", "prefetch_wasted_bytes", "prefetch_late_bytes")}
+        "prefetch_used_bytes", "prefetch_wasted_bytes")}
 
 
 def main() -> int:
