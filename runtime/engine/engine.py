@@ -82,10 +82,13 @@ class Engine:
         remote_rules = list(self.remote.rules) if self.remote is not None else []
         self._overrides = llama_lib.BuftOverrides(remote_rules + [
             (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
-        repack = settings.repack if settings.repack is not None else not native_cache
+        self.lazy_experts = wiring.lazy_experts(settings, self.config, self.placement, lib_dir)
+        # with lazy experts the RAM tier budgets host memory: dense weights stay in the mapping
+        # (read once) rather than also copied into repacked anonymous buffers
+        repack = settings.repack if settings.repack is not None else \
+            not (native_cache or self.lazy_experts)
         self._check_memory(has_gpu)
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
-        self.lazy_experts = wiring.lazy_experts(settings, self.config, self.placement, lib_dir)
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
                                             repack=repack, remote=self.remote,
                                             lazy_experts=self.lazy_experts)
