@@ -34,6 +34,26 @@ COMMAND_MODULES = [
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (``--ctx`` is not ``--ctx-size``), and errors in one line;
+    a llama.cpp flag this command does not take is named with our equivalent."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
+
+        kwargs["allow_abbrev"] = False
+        if kwargs.get("formatter_class") in (None, argparse.HelpFormatter,
+                                             argparse.ArgumentDefaultsHelpFormatter):
+            kwargs["formatter_class"] = HelpFormatter     # no "(default: None)", no ``markup``
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        from runtime.engine.llama_flags import equivalent_line  # noqa: PLC0415
+
+        line = equivalent_line(list(sys.argv[1:] if args is None else args))     # before argparse reads -ctk as -c tk
+        if line:
+            self.error(line)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> None:  # one line, exit 2, like argparse but without usage spam
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
@@ -44,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-offload",
         description="Run mixture-of-experts GGUF models with managed expert residency.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
         try:
@@ -54,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
+
+
+def version_line() -> str:
+    """``moe-offload --version``: ours, and the llama.cpp bindings underneath."""
+    from importlib import metadata  # noqa: PLC0415
+
+    def of(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"moe-offload {of('moe-offload')} (llama-cpp-python {of('llama-cpp-python')})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src = comp.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (required unless --route-trace)")
     src.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
+    comp.add_argument("-sys", "--system-prompt", dest="system", default=None, metavar="TEXT",
+                      help="a system message: the prompt is then rendered with the model's "
+                           "chat template as one user turn (llama.cpp's -sys)")
     add_engine_args(comp)
     add_route_trace_arg(comp)
     add_sampling_args(comp)
@@ -45,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Multi-turn chat using the model's chat template, with line editing and "
                     "history. /help lists the commands (/exit quits, /reset forgets the "
                     "conversation); Ctrl-C stops the current reply.")
-    chat.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    chat.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None,
+                      metavar="TEXT", help="system message")
     add_engine_args(chat)
     add_sampling_args(chat, predict_default=512)
     chat.set_defaults(func=run_chat)
@@ -95,9 +99,13 @@ def run_complete(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     check_stats_json_path(args.stats_json)
     note = None
-    with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+    settings = settings_from_args(args)
+    with _engine_errors(settings.model_path), Engine(settings) as engine:
         prompt, params = imposed_request(engine, prompt, params, args)
         note = engine.imposed.note() if engine.imposed is not None else None
+        if args.system is not None and isinstance(prompt, str):
+            prompt = engine.chat_prompt([{"role": "system", "content": args.system},
+                                         {"role": "user", "content": prompt}])
         last, tail = None, ""
         for chunk in engine.generate(prompt, params):
             _write(chunk.text)
@@ -180,7 +188,8 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     totals: list[Timings] = []
-    with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+    settings = settings_from_args(args)
+    with _engine_errors(settings.model_path), Engine(settings) as engine:
         if interactive:
             sys.stderr.write(f"{engine.model_name}: chat ready. /help lists the commands; "
                              "/exit quits, Ctrl-C stops a reply.\n")

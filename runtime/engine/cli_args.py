@@ -23,9 +23,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
     with llama.cpp's names."""
     from runtime.residency.config_cli import add_config_arguments  # noqa: PLC0415
 
+    from runtime.engine.llama_flags import add_placement_args  # noqa: PLC0415
+
     g = parser.add_argument_group("model and runtime")
-    g.add_argument("-m", "--model", required=model_required, metavar="FILE",
-                   help="GGUF model file")
+    g.add_argument("-m", "--model", metavar="FILE",
+                   help="GGUF model file" + (" (or -hf REPO)" if model_required else ""))
+    parser.set_defaults(model_required=model_required)
+    g.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", default=None,
+                   metavar="USER/MODEL[:QUANT]",
+                   help="download the model from Hugging Face into its cache (as llama.cpp: "
+                        "QUANT picks the file, Q4_K_M when there is one)")
+    g.add_argument("-hff", "--hf-file", dest="hf_file", default=None, metavar="FILE",
+                   help="with -hf: this file of the repository (wins over :QUANT)")
     g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
                    help="context size in tokens (0 = the model's training context)")
     g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
@@ -45,6 +54,17 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
         g.add_argument("--no-residency", action="store_true",
                        help="plain llama.cpp placement: no residency manager, no routing hook")
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
+    g.add_argument("--no-mmap", dest="mmap", action="store_false",
+                   help="read the weights into memory instead of mapping the file")
+    g.add_argument("--mlock", action="store_true",
+                   help="lock the model's pages in RAM (never swapped out)")
+    g.add_argument("--no-repack", dest="repack", action="store_false", default=None,
+                   help="no repacked CPU weight layouts (llama.cpp's extra buffer types)")
+    g.add_argument("--list-devices", action=_ListDevices,
+                   help="list the devices llama.cpp sees here, then exit")
+    g.add_argument("--version", action="version", version=_version())
+    add_placement_args(parser.add_argument_group(
+        "static placement (llama.cpp's flags; the README says how they meet the budgets)"))
     if residency:
         g.add_argument("--auto", action="store_true",
                        help="plan the residency config from this machine's free memory at "
@@ -56,15 +76,44 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
         show_residency_defaults(parser)
 
 
+def _version() -> str:
+    from runtime.cli import version_line  # noqa: PLC0415
+
+    return version_line()
+
+
+class _ListDevices(argparse.Action):
+    """``--list-devices``: llama.cpp's device list (name, memory), then exit 0."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from runtime.engine import llama_lib  # noqa: PLC0415
+
+        print("Available devices:")
+        for dev in llama_lib.devices():
+            memory = (f" ({dev.total_bytes >> 20} MiB, {dev.free_bytes >> 20} MiB free)"
+                      if dev.total_bytes else "")
+            print(f"  {dev.name}{memory}")
+        parser.exit(0)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with "(default: X)" only where there is a value to show: not None or False,
     not a switch (its help says what it does), not a help that states its own default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if (action.default is None or action.default is False or action.nargs == 0
-                or "(default:" in (action.help or "")):
+                or action.default == [] or "(default:" in (action.help or "")):
             return action.help
         return super()._get_help_string(action)
+
+    def _format_text(self, text: str) -> str:          # docstrings' ``code`` reads as code
+        return super()._format_text(text.replace("``", ""))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return super()._expand_help(action).replace("``", "")
 
 
 def residency_defaults() -> dict[str, str]:
@@ -105,9 +154,13 @@ def show_residency_defaults(parser: argparse.ArgumentParser) -> None:
     by_flag = {f"--{key}": key for key in config_keys()}
     for action in parser._actions:  # noqa: SLF001 - argparse has no public accessor
         key = next((by_flag[o] for o in action.option_strings if o in by_flag), None)
-        if key is None or action.help in (None, argparse.SUPPRESS):
+        if key is None:
             continue
-        action.help = f"{action.help} (default: {defaults.get(key, 'built-in')})"
+        shown = f" (default: {defaults.get(key, 'built-in')})"
+        if getattr(action, "advanced_help", None) is not None:     # listed by --help-all
+            action.advanced_help += shown
+        elif action.help not in (None, argparse.SUPPRESS):
+            action.help += shown
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int = 128) -> None:
@@ -126,6 +179,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int =
                    help="penalise the last 64 tokens' repeats (1.0 = off)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="never sample end-of-generation tokens (generate the whole -n)")
 
 
 class _StoreGiven(argparse.Action):
@@ -170,7 +225,12 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     """``EngineSettings`` from parsed ``add_engine_args`` flags (UserError on bad values)."""
     from runtime.residency.config_cli import config_from_args  # noqa: PLC0415
 
+    from runtime.engine.hub import resolve_model  # noqa: PLC0415
+    from runtime.engine.llama_flags import placement_rules  # noqa: PLC0415
+
+    resolve_model(args)
     manage = hasattr(args, "no_residency") and not args.no_residency
+    rules = tuple(placement_rules(args))
     gpu_layers = args.gpu_layers
     if manage and getattr(args, "auto", False):
         from runtime.residency.config_cli import config_from_text  # noqa: PLC0415
@@ -190,7 +250,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
         verbose=args.verbose, config=config, flash_attn=args.flash_attn,
         profile_path=getattr(args, "profile", None) if manage else None,
-        route_trace=getattr(args, "route_trace", None))
+        route_trace=getattr(args, "route_trace", None),
+        tensor_rules=rules, use_mmap=args.mmap, use_mlock=args.mlock, repack=args.repack)
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -200,4 +261,5 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.predict, temperature=args.temp, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty,
-                          seed=getattr(args, "seed", -1), stop=list(args.stop))
+                          seed=getattr(args, "seed", -1), stop=list(args.stop),
+                          ignore_eos=args.ignore_eos)

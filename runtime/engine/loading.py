@@ -33,6 +33,7 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
             return llama_lib.load_model(
                 settings.model_path, n_gpu_layers=ngl, overrides=overrides,
                 progress=on_progress, repack=repack, lazy_experts=lazy_experts,
+                use_mmap=settings.use_mmap, use_mlock=settings.use_mlock,
                 devices=remote.devices if remote is not None else None,
                 tensor_split=remote.tensor_split if remote is not None else None)
     except RuntimeError as exc:

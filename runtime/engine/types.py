@@ -46,6 +46,10 @@ class EngineSettings:
     #                                    path skips resident experts only over plain buffers),
     #                                    else llama.cpp's default (on)
                                        # (same logits as plain Llama(), hence the parity)
+    tensor_rules: tuple[tuple[str, str], ...] = ()   # llama.cpp's static placement (-ot,
+    #                                    --n-cpu-moe): (regex, buffer type), ahead of ours
+    use_mmap: bool = True              # False: read the weights into buffers (--no-mmap)
+    use_mlock: bool = False            # lock the model's pages in RAM (--mlock)
 
     def __post_init__(self) -> None:
         problems = []

@@ -513,9 +513,10 @@ class ExpertResidencyManager:
             return self._cond.wait_for(done, timeout)
 
     # ---- static devices ------------------------------------------------------------------
-    def plan_static(self, device: str) -> static_plan.StaticPlan:
-        """The static plan for ``device`` at its resolved capacity (changes nothing)."""
-        return static_plan.plan(self, device)
+    def plan_static(self, device: str, skip: tuple[int, ...] = ()) -> static_plan.StaticPlan:
+        """The static plan for ``device`` at its resolved capacity (changes nothing); layers
+        in ``skip`` stay off it."""
+        return static_plan.plan(self, device, skip)
 
     def pin_static(self, device: str, plan: static_plan.StaticPlan) -> None:
         """Make ``plan``'s experts resident on ``device`` for good and mark it static."""

@@ -93,7 +93,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | Non
     fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
                               "logit_bias": req.logit_bias_ids(), "grammar": grammar,
                               "logprobs": logprobs, "post_sampling": post_sampling,
-                              "n_keep": n_keep}
+                              "n_keep": n_keep,
+                              "ignore_eos": defaults is not None and defaults.ignore_eos}
     for name in SAMPLER_FIELDS:
         value = getattr(req, name)
         if value is None and defaults is not None:
