@@ -98,7 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
                        help="answer GET /metrics with 501 (llama-server's default)")
-    group.add_argument("--no-ui", dest="web_ui", action="store_false", default=True,
+    group.add_argument("--no-webui", "--no-ui", dest="web_ui", action="store_false",
+                       default=True,
                        help="do not serve the chat page at / (404 there)")
     group.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="cors_proxy",
                        action="store_true",

@@ -244,6 +244,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         gpu_layers = gpu_layers or planned.gpu_layers
     else:
         config = config_from_args(args) if manage else None
+    if config is not None:
+        check_cuda_devices(config)
     return EngineSettings(
         model_path=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
         n_gpu_layers=gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
@@ -252,6 +254,28 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         profile_path=getattr(args, "profile", None) if manage else None,
         route_trace=getattr(args, "route_trace", None),
         tensor_rules=rules, use_mmap=args.mmap, use_mlock=args.mlock, repack=args.repack)
+
+
+def check_cuda_devices(config) -> None:
+    """A ``cuda:N`` budget on a machine without that GPU is one line and a non-zero exit (on
+    the command line; the engine itself still runs such a device as bookkeeping). A GPU
+    counts when llama.cpp lists it or the NVIDIA driver does (a patched CUDA build loads
+    later)."""
+    import glob  # noqa: PLC0415
+
+    from runtime.engine import llama_lib  # noqa: PLC0415
+
+    wanted = sorted(b.device for b in config.devices if b.device.startswith("cuda:"))
+    if not wanted:
+        return
+    listed = sum(1 for d in llama_lib.devices() if d.name.upper().startswith("CUDA"))
+    present = max(listed, len(glob.glob("/proc/driver/nvidia/gpus/*")))
+    missing = [d for d in wanted if int(d.split(":")[1]) >= present]
+    if missing:
+        have = f"{present} CUDA device{'s' if present != 1 else ''}" if present else \
+            "no CUDA device (no NVIDIA GPU or driver found)"
+        raise UserError(f"{missing[0]}: no such device, this machine has {have}; drop its "
+                        "budget (host RAM is --devices.cpu SIZE)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

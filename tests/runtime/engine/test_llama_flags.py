@@ -171,3 +171,13 @@ def test_hf_needs_a_repo(cli):
     _one_line_error(cli("complete", "-p", "A"), "-m FILE", "-hf")
     _one_line_error(cli("complete", "-p", "A", "--hf-file", "x.gguf"), "--hf-file")
     _one_line_error(cli("complete", "-p", "A", "-hf", "nouser"), "USER/MODEL")
+
+
+def test_cuda_budget_without_the_device_is_one_line(tiny_model, prompt, cli):
+    import glob
+
+    if glob.glob("/proc/driver/nvidia/gpus/*"):
+        pytest.skip("this machine has an NVIDIA GPU")
+    for command in (["complete", "-p", prompt], ["serve", "--port", "0"]):
+        proc = cli(*command, "-m", str(tiny_model), "--devices.cuda:0", "4GiB")
+        _one_line_error(proc, "cuda:0: no such device", "no CUDA device")
