@@ -5,9 +5,10 @@
 
 Without ``-m`` it writes (once) and uses the default benchmark model in the cache directory
 (``runtime/bench/model.py``). Without ``--config`` the configurations are: plain mmap,
-read-ahead (managed, room for every expert), and each eviction policy at ``--budget``
-(default 30% of the expert bytes); with ``--config`` files, plain mmap and one row group per
-file. ``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
+read-ahead (managed, room for every expert), each eviction policy at ``--budget``
+(default 30% of the expert bytes) and configs/best-replay.toml at the same budget; with
+``--config`` files, plain mmap and one row group per file. A model that fits in free memory
+gets a note under the table: without memory pressure (``--mem-limit``) no tier can gain. ``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from runtime.units import parse_size_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from runtime.bench.offload import POLICIES  # noqa: PLC0415
     from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
 
     parser = subparsers.add_parser(
@@ -44,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--budget", default=None, metavar="SIZE",
                         help="cpu expert budget of the policy rows (default: 30%% of the "
                              "model's expert bytes)")
-    parser.add_argument("--policies", default="lru,lfu,lfu-decay,phase-weighted",
-                        help="eviction policies to run at --budget (comma-separated)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="eviction policies to run at --budget (comma-separated); "
+                             "configs/best-replay.toml runs there too")
     parser.add_argument("--n-cpu-moe", type=int, action="append", default=[], metavar="N",
                         help="add a static placement with the first N layers' experts on the "
                              "CPU, the rest on the GPU (repeatable; needs a GPU build)")
@@ -131,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(bench.format_table(result.rows))
     print()
+    import psutil  # noqa: PLC0415
+
+    note = bench.pressure_note(facts.file_bytes, psutil.virtual_memory().available, mem_limit)
+    if note:
+        print(note)
     line = bench.cold_line(result, args.cold)
     if line:
         print(line)
