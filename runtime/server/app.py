@@ -44,6 +44,7 @@ from runtime.server.errors import (APIError, anthropic_response, error_body,
                                    install_error_handlers)
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from runtime.server.request_log import JsonBody, RequestLog
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.queue import RequestQueue
 from runtime.server.reasoning import FORMATS
@@ -285,5 +286,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key
         app.add_middleware(CorsMiddleware, origins=settings.cors_origins)
-    app.add_middleware(RequestCounter, metrics=app.state.metrics)   # outermost: counts 401s too
+    app.add_middleware(JsonBody)         # a body without a Content-Type is JSON (llama-server)
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)   # counts 401s too
+    app.add_middleware(RequestLog)       # outermost: one line per request, 401s included
     return app

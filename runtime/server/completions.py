@@ -31,6 +31,7 @@ from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.reasoning import split_reasoning
+from runtime.server.request_log import record_for
 from runtime.server.stream_sessions import resumable
 
 log = logging.getLogger("moe_offload.server")
@@ -40,10 +41,11 @@ router = APIRouter()
 
 
 def _generation(engine: Any, prep: Prepared, metrics: Any,
-                llamacpp: Any = None) -> Callable[[threading.Event], Iterator[Any]]:
+                llamacpp: Any = None, record: Any = None
+                ) -> Callable[[threading.Event], Iterator[Any]]:
     """The job run on the worker thread: ``(choice index, chunk)`` for each of the ``n``
     choices in turn (one KV sequence: each choice reuses the prompt's cached prefix), with
-    metrics kept on the way."""
+    metrics and the request log's ``record`` (request_log.GenerationRecord) kept on the way."""
     def work(cancel: threading.Event) -> Iterator[Any]:
         t0 = time.perf_counter()
         generated = 0
@@ -71,8 +73,11 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
                     llamacpp.observe(chunk.timings, prep.prompt_tokens)
                 yield index, chunk
         finally:
-            metrics.observe_generation(prep.prompt_tokens, generated, time.perf_counter() - t0,
+            seconds = time.perf_counter() - t0
+            metrics.observe_generation(prep.prompt_tokens, generated, seconds,
                                        cancelled=cancel.is_set() and finished < prep.n)
+            if record is not None:
+                record.add(prep.prompt_tokens, generated, seconds)
     return work
 
 
@@ -111,7 +116,8 @@ async def _submit(request: Request,
         raise _engine_failure(exc) from exc
     try:
         job = state.queue.submit(_generation(engine, prep, state.metrics,
-                                             getattr(state, "llamacpp", None)))
+                                             getattr(state, "llamacpp", None),
+                                             record_for(request)))
     except QueueClosed as exc:
         raise APIError(503, "The server is shutting down.", code="server_shutdown") from exc
     except QueueFull as exc:

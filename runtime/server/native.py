@@ -283,7 +283,7 @@ async def apply_template(request: Request) -> dict:
                                              else None, add_generation_prompt=add,
                                              variables=template_variables(
                                                  request.app.state.settings.reasoning,
-                                                 req.chat_template_kwargs))}
+                                                 req.template_kwargs()))}
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

@@ -164,7 +164,7 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
         prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
                                     add_generation_prompt=add_prompt and not prefill,
                                     variables=template_variables(reasoning,
-                                                                 req.chat_template_kwargs))
+                                                                 req.template_kwargs()))
         if prefill:     # templates close every turn; the prefill must stay open
             end = prompt.rfind(messages[-1]["content"])
             if messages[-1]["content"] and end >= 0:

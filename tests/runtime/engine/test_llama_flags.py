@@ -181,3 +181,12 @@ def test_cuda_budget_without_the_device_is_one_line(tiny_model, prompt, cli):
     for command in (["complete", "-p", prompt], ["serve", "--port", "0"]):
         proc = cli(*command, "-m", str(tiny_model), "--devices.cuda:0", "4GiB")
         _one_line_error(proc, "cuda:0: no such device", "no CUDA device")
+
+
+def test_serve_ignore_eos_is_the_default_of_requests():
+    from runtime.server.prepare import sampling_params
+    from runtime.server.schemas import CompletionRequest
+
+    req = CompletionRequest(prompt="A")
+    assert sampling_params(req, 4, defaults=SamplingParams(ignore_eos=True)).ignore_eos
+    assert not sampling_params(req, 4, defaults=SamplingParams()).ignore_eos
