@@ -49,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         from runtime.engine.llama_flags import equivalent_line  # noqa: PLC0415
 
-        line = equivalent_line(list(sys.argv[1:] if args is None else args))     # before argparse reads -ctk as -c tk
+        # before argparse reads -ctk as -c tk
+        line = equivalent_line(list(sys.argv[1:] if args is None else args))
         if line:
             self.error(line)
         return super().parse_known_args(args, namespace)

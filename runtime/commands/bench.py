@@ -8,7 +8,8 @@ Without ``-m`` it writes (once) and uses the default benchmark model in the cach
 read-ahead (managed, room for every expert), each eviction policy at ``--budget``
 (default 30% of the expert bytes) and configs/best-replay.toml at the same budget; with
 ``--config`` files, plain mmap and one row group per file. A model that fits in free memory
-gets a note under the table: without memory pressure (``--mem-limit``) no tier can gain. ``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
+gets a note under the table: without memory pressure (``--mem-limit``) no tier can gain.
+``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ SIZE is bytes with units (``6GiB``), a share of the trace model's expert bytes (
 ``recorded``: the pools (layers and capacities) of the device a live run recorded the trace
 with (``trace record --config ...``), which replays that run's decisions exactly.
 Each policy / config is a row (without one: ``DEFAULT_POLICIES``), each capacity a column;
-every cell also gets the Belady ceiling of its trace and capacity. Output: the markdown matrix (default) or a JSON list of cells.
+every cell also gets the Belady ceiling of its trace and capacity. Output: the markdown matrix
+(default; on a terminal without HTML) or a JSON list of cells.
 Prefetches are timed on the cost model (runtime/replay/timing.py): a late one is a demand miss.
 ``--profile FILE`` (``moe-offload profile``) warm-starts the learned policies of every cell.
 """
