@@ -49,11 +49,27 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         from runtime.engine.llama_flags import equivalent_line  # noqa: PLC0415
 
-        # before argparse reads -ctk as -c tk
-        line = equivalent_line(list(sys.argv[1:] if args is None else args))
-        if line:
+        argv = list(sys.argv[1:] if args is None else args)
+        line = equivalent_line(argv) or self._glued_flag(argv)   # before argparse reads
+        if line:                                                   # -ctk as -c tk
             self.error(line)
         return super().parse_known_args(args, namespace)
+
+    def _glued_flag(self, argv: list[str]) -> str:
+        """llama.cpp's tools take no value glued to a short flag: ``-sys`` is not ``-s ys``,
+        nor ``-c512`` ``-c 512``. argparse would read them so (allow_abbrev does not stop it):
+        here such a token is an unknown flag, in one line."""
+        for token in argv:
+            if token == "--" or (self._subparsers is not None and not token.startswith("-")):
+                break            # the rest is the subcommand's to check
+            flag = token.split("=", 1)[0]
+            if (token.startswith("-") and not token.startswith("--") and len(flag) > 2
+                    and " " not in token and flag not in self._option_string_actions
+                    and not self._negative_number_matcher.match(token)
+                    and token[:2] in self._option_string_actions):
+                return (f"unrecognized argument {flag} (not {token[:2]} {token[2:]!r}: "
+                        "a short flag's value goes after a space)")
+        return ""
 
     def error(self, message: str) -> None:  # one line, exit 2, like argparse but without usage spam
         sys.stderr.write(f"{self.prog}: error: {message}\n")

@@ -52,6 +52,14 @@ def test_no_abbreviations(tiny_model, prompt, cli):
                     "unrecognized arguments: --ctx")
     _one_line_error(cli("serve", "-m", str(tiny_model), "--por", "0"),
                     "unrecognized arguments: --por")
+    # nor a value glued to a short flag: -sys is not -s ys anywhere, -c512 not -c 512
+    _one_line_error(cli("serve", "-m", str(tiny_model), "-sys", "hi"),
+                    "unrecognized argument -sys", "not -s 'ys'")
+    _one_line_error(cli("complete", "-m", str(tiny_model), "-p", prompt, "-c512"),
+                    "unrecognized argument -c512")
+    ok = cli("complete", "-m", str(tiny_model), "-p", prompt, "-c", "256", "-n", "-1", "-s",
+             "-1", "-t", "1", "-ngl", "-1")                 # negative values still pass
+    assert ok.returncode == 0, ok.stderr
 
 
 def test_system_prompt_is_the_chat_template(tiny_model, prompt, cli, make_settings):
