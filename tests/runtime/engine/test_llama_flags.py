@@ -198,3 +198,35 @@ def test_serve_ignore_eos_is_the_default_of_requests():
     req = CompletionRequest(prompt="A")
     assert sampling_params(req, 4, defaults=SamplingParams(ignore_eos=True)).ignore_eos
     assert not sampling_params(req, 4, defaults=SamplingParams()).ignore_eos
+
+
+def test_load_flags_reach_llama_cpp(tiny_model, prompt, cli):
+    """--no-mmap reads the weights into a plain CPU buffer, --mlock maps and locks them:
+    llama.cpp's own log (-v) says so."""
+    def log(*flags):
+        proc = cli("complete", "-m", str(tiny_model), "-p", prompt, *COMMON, "-v", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    assert "CPU_Mapped model buffer" in log()
+    no_mmap = log("--no-mmap")
+    assert "CPU model buffer" in no_mmap and "CPU_Mapped" not in no_mmap
+    assert "load_mode = mmap+mlock" in log("--mlock")
+
+
+def test_static_rules_reach_llama_cpp(tiny_model, prompt, cli):
+    """llama.cpp logs each tensor a rule overrides: --n-cpu-moe 1 names layer 0's experts,
+    -ot names what its regex matches."""
+    def overridden(*flags):
+        proc = cli("complete", "-m", str(tiny_model), "-p", prompt, *COMMON, "-v",
+                   "--no-residency", *flags)
+        assert proc.returncode == 0, proc.stderr
+        return {line.split()[1] for line in proc.stderr.splitlines()
+                if line.startswith("tensor ") and "buffer type overridden to CPU" in line}
+
+    assert overridden() == set()
+    assert overridden("-ncmoe", "1") == {f"blk.0.ffn_{p}_exps.weight"
+                                         for p in ("gate", "up", "down")}
+    assert overridden("-cmoe") == {f"blk.{i}.ffn_{p}_exps.weight" for i in range(4)
+                                   for p in ("gate", "up", "down")}
+    assert overridden("-ot", r"blk\.1\.attn_q\.=CPU") == {"blk.1.attn_q.weight"}
