@@ -54,6 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
         g.add_argument("--no-residency", action="store_true",
                        help="plain llama.cpp placement: no residency manager, no routing hook")
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
+    g.add_argument("--mmap", dest="mmap", action="store_true", default=True,
+                   help="map the model file (the default)")
     g.add_argument("--no-mmap", dest="mmap", action="store_false",
                    help="read the weights into memory instead of mapping the file")
     g.add_argument("--mlock", action="store_true",

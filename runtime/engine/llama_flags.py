@@ -69,8 +69,19 @@ _UNTAKEN: dict[tuple[str, ...], str] = {
      "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow", "--yarn-beta-fast"):
         "RoPE settings come from the model file here",
     ("--override-kv",): "model metadata comes from the file here (gguf_tools edits a copy)",
-    ("-dt", "--defrag-thold", "--swa-full", "-kvu"): "the KV cache is laid out by llama.cpp's "
-                                                     "defaults here (serve: --kv-unified)",
+    ("-dt", "--defrag-thold", "--swa-full", "--ctx-checkpoints", "--swa-checkpoints"):
+        "the KV cache is laid out by llama.cpp's defaults here (serve: -kvu)",
+    ("-nocb", "--no-cont-batching"): "serve -np 1 answers one request at a time",
+    ("--cache-reuse",): "serve reuses a slot's KV prefix by itself (--cache-ram keeps more)",
+    ("-sps", "--slot-prompt-similarity"): "serve -np N picks the slot with the longest "
+                                          "common prefix by itself",
+    ("--models-dir", "--models-max", "--models-preset", "--no-models-autoload"):
+        "serve runs the one model it was started with (no router mode)",
+    ("--rerank", "--reranking"): "reranking is not served here",
+    ("--chat-template-kwargs",): "each request's chat_template_kwargs (serve --reasoning off "
+                                 "sets enable_thinking=false)",
+    ("--reasoning-budget",): "serve --reasoning off, or a request's reasoning_effort",
+    ("-lcs", "--lookup-cache-static", "-lcd", "--lookup-cache-dynamic"): _DRAFT,
     ("--ssl-key-file", "--ssl-cert-file"): "serve speaks plain HTTP: put a TLS proxy in front",
     ("--api-key-file",): "--api-key KEY, or the MOE_OFFLOAD_API_KEY environment variable",
     ("-to", "--timeout", "--threads-http"): "serve's HTTP timeouts and threads are uvicorn's",

@@ -83,6 +83,8 @@ def test_system_prompt_is_the_chat_template(tiny_model, prompt, cli, make_settin
     (["-fit", "on"], "--auto"),
     (["-md", "draft.gguf"], "speculative decoding"),
     (["-cnv"], "moe-offload chat"),
+    (["--cache-reuse", "256"], "reuses a slot's KV prefix"),
+    (["--models-dir", "models"], "no router mode"),
 ])
 def test_untaken_llama_flag_names_the_equivalent(tiny_model, prompt, cli, flag, says):
     proc = cli("complete", "-m", str(tiny_model), "-p", prompt, *flag)
@@ -110,6 +112,10 @@ def test_version_and_list_devices(cli):
         assert proc.stdout.startswith("moe-offload ") and "llama-cpp-python 0.3." in proc.stdout
     proc = cli("complete", "--list-devices")
     assert proc.returncode == 0, proc.stderr
+    # llama-server's own short and positive forms parse (--list-devices then exits)
+    server = cli("serve", "-a", "x", "-kvu", "-cb", "--webui", "--no-context-shift", "--mmap",
+                 "--list-devices")
+    assert server.returncode == 0 and server.stdout == proc.stdout, server.stderr
     assert proc.stdout.splitlines()[0] == "Available devices:"
     assert any(line.strip().startswith("CPU") for line in proc.stdout.splitlines()[1:])
 
