@@ -112,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--n-cpu-moe: no GPU backend in this llama.cpp build")
 
     gpu_layers = args.gpu_layers if args.gpu_layers is not None else (-1 if _has_gpu() else 0)
+    import psutil  # noqa: PLC0415 - memory free before the run (its own pages not counted)
+
+    pressure = bench.pressure_note(facts.file_bytes, psutil.virtual_memory().available,
+                                   mem_limit)
     result = bench.run_bench(model, configs, p=args.n_prompt, n=args.n_gen,
                              reps=args.repetitions, cold=args.cold, threads=args.threads,
                              mem_limit=mem_limit, progress=not args.no_progress,
@@ -121,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     command = " ".join(["moe-offload bench", *(shlex.quote(a) for a in argv)])
     readahead = bench.read_ahead_kb(model)
     meta = {"command": command, "model": model, "expert_bytes": total, "budget_bytes": budget,
-            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead, "routing": imposed}
+            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead, "routing": imposed,
+            "memory_pressure_note": pressure or None}
     if args.save_json:
         write_text(args.save_json, bench.to_json(result, meta))
     if args.json:
@@ -135,11 +140,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(bench.format_table(result.rows))
     print()
-    import psutil  # noqa: PLC0415
-
-    note = bench.pressure_note(facts.file_bytes, psutil.virtual_memory().available, mem_limit)
-    if note:
-        print(note)
+    if pressure:
+        print(pressure)
     line = bench.cold_line(result, args.cold)
     if line:
         print(line)

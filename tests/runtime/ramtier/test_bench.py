@@ -72,6 +72,7 @@ def test_bench_cli_runs_every_config_and_prints_json(synth_model_factory, capsys
         assert r["tps"] > 0 and r["seconds"] > 0
         assert (r["hit_pct"] is None) == (r["config"] == "mmap")
     assert set(out["cold_start_ratio_vs_mmap"]) == {"read-ahead", "lru", "best-replay"}
+    assert "--mem-limit" in out["meta"]["memory_pressure_note"]      # it fits in memory
     truth = out["details"]["lru"]["tier"]["truth"]
     assert truth["manager_resident_bytes"] <= truth["budget_bytes"]
 
