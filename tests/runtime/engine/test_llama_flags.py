@@ -236,3 +236,16 @@ def test_static_rules_reach_llama_cpp(tiny_model, prompt, cli):
     assert overridden("-cmoe") == {f"blk.{i}.ffn_{p}_exps.weight" for i in range(4)
                                    for p in ("gate", "up", "down")}
     assert overridden("-ot", r"blk\.1\.attn_q\.=CPU") == {"blk.1.attn_q.weight"}
+
+
+def test_hf_fetches_every_part_of_a_split_model(tiny_model, tmp_path):
+    part2 = tmp_path / "part2.gguf"
+    part2.write_bytes(b"second part")
+    repo = {"me/split-GGUF": {"m-Q8_0-00001-of-00002.gguf": tiny_model,
+                              "m-Q8_0-00002-of-00002.gguf": part2}}
+    home = tmp_path / "hf"
+    with FakeHub(repo) as hub:
+        proc = _hf(hub.url, home, "-hf", "me/split-GGUF:Q8_0")
+        assert proc.returncode == 0, proc.stderr          # loaded from the first part
+    got = {p.name for p in (home / "hub").rglob("*.gguf")}
+    assert got == {"m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"}
