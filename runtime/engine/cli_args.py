@@ -261,17 +261,22 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
 def check_cuda_devices(config) -> None:
     """A ``cuda:N`` budget on a machine without that GPU is one line and a non-zero exit (on
     the command line; the engine itself still runs such a device as bookkeeping). A GPU
-    counts when llama.cpp lists it or the NVIDIA driver does (a patched CUDA build loads
-    later)."""
+    counts when the NVIDIA driver shows it, or llama.cpp lists it where it is loaded already:
+    loading it here would pin this process to the stock library before the engine picks the
+    patched CUDA build."""
     import glob  # noqa: PLC0415
-
-    from runtime.engine import llama_lib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
 
     wanted = sorted(b.device for b in config.devices if b.device.startswith("cuda:"))
     if not wanted:
         return
-    listed = sum(1 for d in llama_lib.devices() if d.name.upper().startswith("CUDA"))
-    present = max(listed, len(glob.glob("/proc/driver/nvidia/gpus/*")))
+    listed = 0
+    if "llama_cpp.llama_cpp" in sys.modules:
+        from runtime.engine import llama_lib  # noqa: PLC0415
+
+        listed = sum(1 for d in llama_lib.devices() if d.name.upper().startswith("CUDA"))
+    present = max(listed, len(glob.glob("/proc/driver/nvidia/gpus/*")),
+                  len(glob.glob("/dev/nvidia[0-9]*")))
     missing = [d for d in wanted if int(d.split(":")[1]) >= present]
     if missing:
         have = f"{present} CUDA device{'s' if present != 1 else ''}" if present else \

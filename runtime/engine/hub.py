@@ -86,6 +86,9 @@ def _unreachable() -> str:
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+                                       "http_proxy", "ALL_PROXY", "all_proxy")):
+        return ""                 # through a proxy: only huggingface_hub's own try can tell
     url = urlsplit(_endpoint())
     port = url.port or (443 if url.scheme == "https" else 80)
     try:

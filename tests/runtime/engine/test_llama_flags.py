@@ -136,7 +136,9 @@ def test_ignore_eos_generates_past_the_end_token(tiny_model, make_settings):
 
 def _hf(hub_url: str, home, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_ENDPOINT=hub_url, HF_HOME=str(home))
-    env.pop("HF_HUB_OFFLINE", None)
+    for key in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                "ALL_PROXY", "all_proxy"):       # the stand-in hub is on this machine
+        env.pop(key, None)
     return subprocess.run([sys.executable, "-m", "runtime.cli", "complete", *args, "-p", "A",
                            *COMMON], capture_output=True, text=True, timeout=120, env=env,
                           cwd=REPO_ROOT)
@@ -190,7 +192,7 @@ def test_hf_needs_a_repo(cli):
 def test_cuda_budget_without_the_device_is_one_line(tiny_model, prompt, cli):
     import glob
 
-    if glob.glob("/proc/driver/nvidia/gpus/*"):
+    if glob.glob("/proc/driver/nvidia/gpus/*") or glob.glob("/dev/nvidia[0-9]*"):
         pytest.skip("this machine has an NVIDIA GPU")
     for command in (["complete", "-p", prompt], ["serve", "--port", "0"]):
         proc = cli(*command, "-m", str(tiny_model), "--devices.cuda:0", "4GiB")
@@ -249,3 +251,18 @@ def test_hf_fetches_every_part_of_a_split_model(tiny_model, tmp_path):
         assert proc.returncode == 0, proc.stderr          # loaded from the first part
     got = {p.name for p in (home / "hub").rglob("*.gguf")}
     assert got == {"m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"}
+
+
+def test_positive_forms_keep_the_defaults():
+    """A positive form added beside a negative one (--webui, --mmap, --no-context-shift) does
+    not change what giving neither means."""
+    from runtime.cli import build_parser
+
+    parser = build_parser()
+    plain = parser.parse_args(["serve", "-m", "x.gguf"])
+    assert plain.web_ui is True and plain.context_shift is False and plain.mmap is True
+    assert plain.repack is None and plain.mlock is False and plain.kv_unified is False
+    flipped = parser.parse_args(["serve", "-m", "x.gguf", "--no-webui", "--context-shift",
+                                 "--no-mmap", "--no-repack", "-kvu", "-a", "name"])
+    assert (flipped.web_ui, flipped.context_shift, flipped.mmap, flipped.repack,
+            flipped.kv_unified, flipped.alias) == (False, True, False, False, True, "name")
