@@ -53,6 +53,9 @@ _UNTAKEN: dict[tuple[str, ...], str] = {
     ("-tb", "--threads-batch"): "-t N sets the threads; prompts use every core by default",
     ("--log-file", "--log-disable", "--log-colors", "--log-verbosity", "-lv", "--log-prefix",
      "--log-timestamps"): "logs go to stderr; -v shows llama.cpp's own log",
+    ("-mu", "--model-url", "-dr", "--docker-repo"):
+        "-hf USER/MODEL[:QUANT] downloads from Hugging Face; anything else: download it and "
+        "give -m FILE",
     ("-hft", "--hf-token"): "huggingface_hub reads the token from HF_TOKEN or "
                             "`hf auth login`",
     ("-hfv", "--hf-repo-v", "-hffv", "--hf-file-v"): "vocoders are not supported here",

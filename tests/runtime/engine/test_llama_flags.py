@@ -84,6 +84,7 @@ def test_system_prompt_is_the_chat_template(tiny_model, prompt, cli, make_settin
     (["-md", "draft.gguf"], "speculative decoding"),
     (["-cnv"], "moe-offload chat"),
     (["--cache-reuse", "256"], "reuses a slot's KV prefix"),
+    (["-mu", "https://example.com/m.gguf"], "-hf USER/MODEL[:QUANT]"),
     (["--models-dir", "models"], "no router mode"),
 ])
 def test_untaken_llama_flag_names_the_equivalent(tiny_model, prompt, cli, flag, says):
