@@ -14,7 +14,8 @@ import pytest
 from gguf_tools.synth import SynthSpec
 from tests.runtime.engine.conftest import REPO_ROOT
 
-# big enough that 1500 greedy tokens take seconds, so a Ctrl-C lands mid-generation
+# big enough that 1500 greedy tokens take seconds, so a Ctrl-C lands mid-generation (with
+# --ignore-eos: this model samples its end of text after ~650 tokens, under a second here)
 SPEC = SynthSpec(arch="qwen3moe", layers=8, experts=16, top_k=2, embd=256, ff=256,
                  dtype="f32", seed=5, skew=1.0)
 N = 1500
@@ -46,7 +47,7 @@ def _interrupt(proc: subprocess.Popen) -> tuple[bytes, str, float]:
 
 def _complete_args(model: str, *extra: str) -> list[str]:
     return ["complete", "-m", model, "-p", "Once upon a time", "-n", str(N), "-c", "2048",
-            "--temp", "0", "-t", "1", *extra]
+            "--temp", "0", "-t", "1", "--ignore-eos", *extra]
 
 
 # "ram tier": a cpu budget of about a third of the experts, the tier stepped in C per layer
