@@ -106,19 +106,39 @@ def planned_budget(model: Path, limit: int | None, ctx: int) -> int:
     return next(d.budget_bytes for d in plan.devices if d.device == "cpu")
 
 
-def rows_for(budget: int) -> list[TraceRow]:
+def rows_for(budget: int, cost: dict | None) -> list[TraceRow]:
     both = lambda name: {"policy": {"prefill": {"eviction": name},  # noqa: E731
                                     "decode": {"eviction": name}}}
     label = format_size(budget)
     return [
         TraceRow("llama.cpp (defaults)", "llama.cpp", note="mmap, CPU repacking on"),
         TraceRow("llama.cpp --no-repack", "llama.cpp", repack=False, note="mmap"),
-        TraceRow("lru", "managed", config=both("lru"), budget_bytes=budget, note=label),
+        TraceRow("lru", "managed", config=both("lru"), budget_bytes=budget, note=label,
+                 cost=cost),
         TraceRow("next-visit", "managed", config=both("next-visit"), budget_bytes=budget,
-                 note=label),
-        TraceRow("best-replay.toml", "managed", budget_bytes=budget, note=label,
+                 note=label, cost=cost),
+        TraceRow("best-replay.toml", "managed", budget_bytes=budget, note=label, cost=cost,
                  config_path=str(ROOT / "configs" / "best-replay.toml")),
     ]
+
+
+def trace_at_model_sizes(trace: Path, model: Path, directory: Path) -> Path:
+    """The trace with the model's bytes per expert and dense bytes per layer in its header
+    (a Q8_0 model's experts are larger than those of the Q4_K_M file the trace was recorded
+    on): replay then predicts for the bytes the live run moves."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    from runtime.traces.files import read_trace, write_trace  # noqa: PLC0415
+    from runtime.traces.model_header import header_from_model  # noqa: PLC0415
+    from runtime.traces.trace import COLUMNS, RouteTrace  # noqa: PLC0415
+
+    t = read_trace(trace)
+    mine = header_from_model(str(model))
+    header = replace(t.header, expert_bytes=mine.expert_bytes, dense_bytes=mine.dense_bytes)
+    out = directory / f"{trace.stem}.{model.stem}.rtb"
+    write_trace(RouteTrace(header=header, source=str(out),
+                           **{name: getattr(t, name) for name in COLUMNS}), out)
+    return out
 
 
 def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None, threads: int,
@@ -201,6 +221,7 @@ class _Null:
 
 
 def replay_prediction(trace: Path, row: TraceRow, budget: int, cost: Path | None) -> int | None:
+    # ``trace``: at the model's sizes (trace_at_model_sizes)
     """``moe-offload replay``'s decode demand-miss bytes for this row's config and budget."""
     if row.kind != "managed":
         return None
@@ -222,6 +243,21 @@ def replay_prediction(trace: Path, row: TraceRow, budget: int, cost: Path | None
         print(f"replay failed for {row.name}: {proc.stderr.strip()}", file=sys.stderr)
         return None
     return int(json.loads(proc.stdout)[0]["decode"]["demand_miss_bytes"])
+
+
+def calibrate(model: Path, directory: Path) -> tuple[Path, dict]:
+    """``moe-offload calibrate --storage MODEL``: this machine's rates (its disk's cold reads
+    included) as a [cost] TOML for the managed rows and replay's prediction."""
+    import tomllib  # noqa: PLC0415
+
+    proc = cli("calibrate", "--storage", str(model), "--repeats", "2")
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_realscale: calibrate failed: {proc.stderr.strip()}")
+    snippet = proc.stdout[proc.stdout.index("[cost]"):]
+    path = directory / f"{model.stem}.cost.toml"
+    path.write_text(snippet)
+    print(snippet, flush=True)
+    return path, tomllib.loads(snippet)["cost"]
 
 
 def fmt(value, spec: str, none: str = "-") -> str:
@@ -300,7 +336,12 @@ def main() -> int:
                         help="comma-separated row names to run (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the models afterwards")
     parser.add_argument("--cost", default=None, metavar="TOML",
-                        help="[cost] table for the replay prediction (moe-offload calibrate)")
+                        help="a [cost] table (moe-offload calibrate --storage MODEL) for the "
+                             "managed rows and replay's prediction alike: the rates the "
+                             "prefetch planner times its reads on")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's rates per case (moe-offload calibrate "
+                             "--storage MODEL) and use them as --cost does")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds per row; a row past it is stopped and reports its rate so "
                              "far")
@@ -308,6 +349,12 @@ def main() -> int:
                         "docs/benchmarks/DATE-realscale.md)")
     args = parser.parse_args()
     cases = [CASES[k] for k in (args.case or sorted(CASES))]
+    cost_table, cost_path = None, Path(args.cost) if args.cost else None
+    if args.cost:                   # the live managed rows run on the same [cost] as replay
+        import tomllib  # noqa: PLC0415
+
+        with open(args.cost, "rb") as fh:
+            cost_table = tomllib.load(fh).get("cost")
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     command = "python scripts/bench_realscale.py " + " ".join(sys.argv[1:])
@@ -331,7 +378,13 @@ def main() -> int:
         model = write_model(case, directory)
         try:
             budget = planned_budget(model, case.mem_limit, 512)
-            rows = rows_for(budget)
+            cost_file, case_cost = cost_path, cost_table
+            if args.calibrate:
+                cost_file, case_cost = calibrate(model, directory)
+                report += [f"`moe-offload calibrate --storage {model.name}`: "
+                           + ", ".join(f"{k} = {v}" for k, v in case_cost.items()), ""]
+            rows = rows_for(budget, case_cost)
+            sized = trace_at_model_sizes(case.trace, model, directory)
             if args.rows:
                 wanted = {r.strip() for r in args.rows.split(",")}
                 rows = [r for r in rows if r.name in wanted]
@@ -340,8 +393,7 @@ def main() -> int:
                 print(f"-- {row.name} ...", flush=True)
                 r = run_row(model, case.trace, row, limit=case.mem_limit,
                             threads=args.threads, timeout=args.timeout)
-                predicted = replay_prediction(case.trace, row, budget,
-                                              Path(args.cost) if args.cost else None)
+                predicted = replay_prediction(sized, row, budget, cost_file)
                 results.append((row, r, predicted))
                 print(json.dumps({k: v for k, v in r.items() if k != "tier_notices"}),
                       flush=True)
@@ -353,6 +405,9 @@ def main() -> int:
         finally:
             if not args.keep:
                 model.unlink(missing_ok=True)
+            for p in [*directory.glob(f"*.{model.stem}.rtb"),
+                      *directory.glob(f"{model.stem}.cost.toml")]:
+                p.unlink()
     out = Path(args.out) if args.out else \
         ROOT / "docs" / "benchmarks" / f"{dt.date.today().isoformat()}-realscale.md"
     from runtime.atomic_write import write_text  # noqa: PLC0415

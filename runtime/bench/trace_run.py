@@ -27,6 +27,7 @@ class TraceRow:
     config: dict | None = None      # residency TOML as a dict (managed)
     config_path: str | None = None  # or a file (managed); its [devices] replaced by budget
     budget_bytes: int | None = None  # the cpu budget of a managed row
+    cost: dict | None = None        # a [cost] table replacing the config's (this machine's)
     note: str = ""
     env: dict = field(default_factory=dict)
 
@@ -35,19 +36,18 @@ class TraceRow:
 
 
 def _residency_config(row: TraceRow):
+    import dataclasses  # noqa: PLC0415
+
     from runtime.residency.config import load_config, parse_config  # noqa: PLC0415
 
     if row.kind != "managed":
         return None
-    if row.config_path:
-        import dataclasses  # noqa: PLC0415
-
-        base = load_config(row.config_path)
-        devices = parse_config({"devices": {"cpu": int(row.budget_bytes)}},
-                               source=row.name).devices
-        return dataclasses.replace(base, devices=devices)
-    return parse_config({**(row.config or {}), "devices": {"cpu": int(row.budget_bytes)}},
-                        source=row.name)
+    mine = parse_config({"devices": {"cpu": int(row.budget_bytes)},
+                         **({"cost": row.cost} if row.cost else {})}, source=row.name)
+    base = load_config(row.config_path) if row.config_path else \
+        parse_config(row.config or {}, source=row.name)
+    return dataclasses.replace(base, devices=mine.devices,
+                               **({"cost": mine.cost} if row.cost else {}))
 
 
 def progress(**fields) -> None:
