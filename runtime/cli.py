@@ -50,10 +50,25 @@ class _Parser(argparse.ArgumentParser):
         from runtime.engine.llama_flags import equivalent_line  # noqa: PLC0415
 
         argv = list(sys.argv[1:] if args is None else args)
-        line = equivalent_line(argv) or self._glued_flag(argv)   # before argparse reads
+        line = equivalent_line(argv, self._known_flags(argv)) or self._glued_flag(argv)
         if line:                                                   # -ctk as -c tk
             self.error(line)
         return super().parse_known_args(args, namespace)
+
+    def _known_flags(self, argv: list[str]) -> set[str]:
+        """This parser's option strings and those of the subcommands ``argv`` chooses (a
+        command's own ``-j`` or ``--rpc`` is not llama.cpp's)."""
+        known = set(self._option_string_actions)
+        actions = self._subparsers._group_actions if self._subparsers is not None else []
+        for action in actions:
+            if not isinstance(action, argparse._SubParsersAction):
+                continue
+            for at, token in enumerate(argv):
+                sub = action.choices.get(token)
+                if sub is not None and isinstance(sub, _Parser):
+                    known |= sub._known_flags(argv[at + 1:])
+                    break
+        return known
 
     def _glued_flag(self, argv: list[str]) -> str:
         """llama.cpp's tools take no value glued to a short flag: ``-sys`` is not ``-s ys``,

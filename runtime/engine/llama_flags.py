@@ -97,14 +97,15 @@ _UNTAKEN: dict[tuple[str, ...], str] = {
 UNTAKEN: dict[str, str] = {flag: why for flags, why in _UNTAKEN.items() for flag in flags}
 
 
-def equivalent_line(argv: list[str]) -> str:
-    """One line for the first llama.cpp flag in ``argv`` that no command here takes, naming
-    the equivalent; "" when there is none. Stops at ``--``."""
+def equivalent_line(argv: list[str], known: set[str] = frozenset()) -> str:
+    """One line for the first llama.cpp flag in ``argv`` that the command does not take (not
+    in ``known``: the parsers' own flags), naming the equivalent; "" when there is none.
+    Stops at ``--``."""
     for token in argv:
         if token == "--":
             break
         flag = token.split("=", 1)[0]
-        why = UNTAKEN.get(flag)
+        why = None if flag in known else UNTAKEN.get(flag)
         if why is not None and token.startswith("-"):
             return f"{flag} is llama.cpp's flag; {why}"
     return ""

@@ -20,7 +20,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
                                                "0002-ggml-cpu-mul-mat-id-used-matrices.patch",
                                                "0003-ggml-cpu-amx-tile-config.patch",
                                                "0004-rpc-errors-not-abort.patch",
-                                               "0005-ggml-vulkan-mmid-prealloc-per-graph.patch"]
+                                               "0005-ggml-vulkan-mmid-prealloc-per-graph.patch",
+                                               "0006-lazy-routed-experts.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
