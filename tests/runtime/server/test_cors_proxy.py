@@ -46,7 +46,8 @@ def target():
 
 
 def test_proxy_forwards_only_named_headers(start_server, tiny_model, target):
-    server = start_server(tiny_model, "--api-key", KEY, "--ui-mcp-proxy")
+    server = start_server(tiny_model, "--api-key", KEY, "--ui-mcp-proxy",
+                          "--ui-mcp-proxy-allow", "127.0.0.1")
     base = f"http://127.0.0.1:{target.server_port}"
     auth = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
