@@ -121,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="most prompt tokens per request (default: the context decides)")
     limits.add_argument("--max-grammar-kib", type=int, default=256, metavar="KiB",
                         help="largest grammar or JSON schema")
-    limits.add_argument("--max-grammar-repeat", type=int, default=4096, metavar="N",
+    limits.add_argument("--max-grammar-repeat", type=int, default=1000, metavar="N",
                         help="largest repetition count in a grammar or schema (minLength, "
                              "maxItems, x{m,n} ...); all of them together: 16x this")
     group.add_argument("--tags", default=None, metavar="A,B",

@@ -119,7 +119,8 @@ def _checked_grammar(engine: Any, grammar: str | None, param: str) -> str | None
         try:
             check_grammar(vocab, grammar)
         except UserError as exc:
-            raise APIError(400, f"{param}: {exc}", code="invalid_value", param=param) from exc
+            reason = str(exc).removeprefix("grammar: ")
+            raise APIError(400, f"{param}: {reason}", code="invalid_value", param=param) from exc
     return grammar
 
 
