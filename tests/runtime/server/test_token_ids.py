@@ -81,3 +81,25 @@ def test_n_probs_is_bounded(server):
     r = _post(server, "/completion", {"prompt": "hi", "n_predict": 1, "n_probs": 20})
     assert r.status_code == 200 and len(r.json()["completion_probabilities"][0][
         "top_logprobs"]) == 20
+
+
+def test_a_slot_file_with_ids_outside_the_vocabulary_is_refused(start_server, tiny_model,
+                                                                  tmp_path):
+    """A slot file (llama.cpp's seq state: magic, version, token count, int32 ids, state)
+    from another model, or edited, carries ids llama.cpp would index unchecked later."""
+    import struct
+    server = start_server(tiny_model, "--slot-save-path", str(tmp_path), "-c", "256")
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        assert http.post("/completion", json={"prompt": "the sea", "n_predict": 2}).is_success
+        assert http.post("/slots/0?action=save", json={"filename": "s.bin"}).is_success
+        raw = bytearray((tmp_path / "s.bin").read_bytes())
+        assert struct.unpack_from("<I", raw, 8)[0] > 0          # the token count
+        struct.pack_into("<i", raw, 12, 99999)                   # the first id
+        (tmp_path / "bad.bin").write_bytes(bytes(raw))
+        r = http.post("/slots/0?action=restore", json={"filename": "bad.bin"})
+        err = error_of(r, "/slots/0")
+        assert "token id 99999" in err["message"], err
+        r = http.post("/completion", json={"prompt": "the sea", "n_predict": 2})
+        assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0   # slot emptied
+        assert http.post("/slots/0?action=restore", json={"filename": "s.bin"}).is_success
+    server.assert_alive()
