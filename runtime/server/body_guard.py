@@ -96,9 +96,8 @@ class BodyGuard:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":        # the client left mid-body
-                await self.app(scope, _replay([message], receive), send)
-                return
+            if message["type"] != "http.request":        # the client left mid-body:
+                return                                    # nobody to answer (counted 499)
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
