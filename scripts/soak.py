@@ -134,9 +134,9 @@ def _request(rng: random.Random) -> tuple[str, str, dict, bool]:
     if kind == "native":
         return kind, "/completion", {"prompt": prompt, "n_predict": n, "stream": stream}, stream
     if kind == "structured":
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
         return kind, "/v1/chat/completions", {"messages": chat, "max_tokens": 48,
-                                              "response_format": {"type": "json_schema",
-                                              "json_schema": {"name": "s", "schema": SCHEMA}}}, False
+                                              "response_format": fmt}, False
     return kind, "/v1/chat/completions", {"messages": chat, "max_tokens": 48, "tools": [TOOL],
                                           "tool_choice": "required"}, False
 

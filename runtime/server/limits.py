@@ -28,7 +28,7 @@ class Limits:
 
     max_body_bytes: int = 16 << 20        # bytes of one request body (--max-body-mib)
     max_prompt_tokens: int | None = None  # None: the context decides (--max-prompt-tokens)
-    max_grammar_bytes: int = 256 << 10    # bytes of a GBNF grammar or a JSON schema (--max-grammar-kib)
+    max_grammar_bytes: int = 256 << 10    # bytes of a grammar or a schema (--max-grammar-kib)
     # one count: minLength, maxItems, x{m,n} (--max-grammar-repeat); llama.cpp's grammar parser
     # refuses the converter's nested optional rules past ~1000 (maxLength 1024 fails there)
     max_repeat: int = 1000

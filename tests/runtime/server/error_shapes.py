@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 NATIVE = ("/completion", "/completions", "/tokenize", "/detokenize", "/apply-template",
-          "/infill", "/props", "/slots")
+          "/embedding", "/infill", "/props", "/slots")
 
 
 def error_of(r: httpx.Response, path: str) -> dict:

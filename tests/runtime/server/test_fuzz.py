@@ -1,4 +1,5 @@
-"""Property-based fuzzing of every generating and token route's request schema (hypothesis):
+"""Property-based fuzzing of every generating, token and embedding route's request schema
+(hypothesis):
 whatever the body, the answer is a 2xx, or a 4xx in the route's error shape; never a 5xx, a
 stream never carries a server error, and the server still answers /health afterwards.
 
@@ -101,6 +102,14 @@ FIELDS = {
                      "input_extra": maybe(st.lists(any_json, max_size=1))}),
     "/v1/chat/completions/input_tokens": ({"messages": messages}, {"tools": maybe(tools)}),
 }
+embed_input = maybe(st.one_of(text, prompt_ids, st.lists(st.one_of(text, prompt_ids),
+                                                          max_size=3)))
+EMBEDDING_FIELDS = {       # served by a second server, started with --embedding
+    "/v1/embeddings": ({"input": embed_input}, {"encoding_format": maybe(st.sampled_from(
+        ["float", "base64", "hex"])), "model": maybe(text), "dimensions": maybe(small)}),
+    "/embedding": ({"content": embed_input}, {"embd_normalize": maybe(small)}),
+}
+FIELDS |= EMBEDDING_FIELDS
 
 
 def bodies(path: str) -> st.SearchStrategy:
@@ -117,9 +126,8 @@ def server(start_server, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
-        yield client
+def embedding_server(start_server, tiny_model):
+    return start_server(tiny_model, "--embedding", "--pooling", "mean")
 
 
 def check_answer(path: str, r: httpx.Response) -> None:
@@ -139,7 +147,10 @@ def check_answer(path: str, r: httpx.Response) -> None:
 
 
 @pytest.mark.parametrize("path", list(FIELDS))
-def test_any_body_gets_a_2xx_or_a_4xx_in_the_routes_shape(server, http, path):
+def test_any_body_gets_a_2xx_or_a_4xx_in_the_routes_shape(request, path):
+    server = request.getfixturevalue("embedding_server" if path in EMBEDDING_FIELDS
+                                     else "server")
+    http = httpx.Client(base_url=server.base_url, timeout=60)
     t0 = time.monotonic()
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -150,7 +161,8 @@ def test_any_body_gets_a_2xx_or_a_4xx_in_the_routes_shape(server, http, path):
         check_answer(path, http.post(path, content=raw,
                                      headers={"Content-Type": "application/json"}))
 
-    run()
-    server.assert_alive()
-    assert http.get("/health").status_code == 200
+    with http:
+        run()
+        server.assert_alive()
+        assert http.get("/health").status_code == 200
     assert time.monotonic() - t0 < 30, "one route's fuzzing must stay bounded"

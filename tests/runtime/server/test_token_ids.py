@@ -103,3 +103,13 @@ def test_a_slot_file_with_ids_outside_the_vocabulary_is_refused(start_server, ti
         assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0   # slot emptied
         assert http.post("/slots/0?action=restore", json={"filename": "s.bin"}).is_success
     server.assert_alive()
+
+
+def test_embedding_inputs_are_checked(start_server, tiny_model, n_vocab):
+    server = start_server(tiny_model, "--embedding", "--pooling", "mean")
+    for path, key in (("/v1/embeddings", "input"), ("/embedding", "content")):
+        for value in ([n_vocab], [[1, 2], [5, -1]], ["text", 2**64]):
+            err = error_of(_post(server, path, {key: value}), path)
+            assert "token id" in err["message"] and f"n_vocab {n_vocab}" in err["message"]
+        assert _post(server, path, {key: [1, n_vocab - 1]}).status_code == 200
+    server.assert_alive()
