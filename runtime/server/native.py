@@ -16,6 +16,7 @@ import math
 import time
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
@@ -237,18 +238,21 @@ def llama_error(err: APIError) -> dict:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = request.app.state.host.engine()
-    tokens = engine.tokenize(body.content, add_special=body.add_special)
-    if not body.with_pieces:
-        return {"tokens": tokens}
-    out = []
-    for t in tokens:
-        piece = engine.token_bytes(t, special=True)
-        try:
-            shown: Any = piece.decode("utf-8")
-        except UnicodeDecodeError:
-            shown = list(piece)            # llama-server: bytes when not valid UTF-8
-        out.append({"id": t, "piece": shown})
-    return {"tokens": out}
+
+    def work() -> dict:             # off the event loop: a long text takes a while
+        tokens = engine.tokenize(body.content, add_special=body.add_special)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        out = []
+        for t in tokens:
+            piece = engine.token_bytes(t, special=True)
+            try:
+                shown: Any = piece.decode("utf-8")
+            except UnicodeDecodeError:
+                shown = list(piece)            # llama-server: bytes when not valid UTF-8
+            out.append({"id": t, "piece": shown})
+        return {"tokens": out}
+    return await anyio.to_thread.run_sync(work)
 
 
 @router.post("/detokenize")
@@ -259,7 +263,8 @@ async def detokenize(request: Request) -> dict:
     if not isinstance(tokens, list):
         raise APIError(400, "tokens: must be a list of token ids", code="invalid_value",
                        param="tokens")
-    return {"content": engine.detokenize(checked_ids(tokens, engine_vocab(engine), "tokens"))}
+    ids = checked_ids(tokens, engine_vocab(engine), "tokens")
+    return {"content": await anyio.to_thread.run_sync(engine.detokenize, ids)}
 
 
 @router.post("/apply-template")
@@ -280,13 +285,12 @@ async def apply_template(request: Request) -> dict:
     if not isinstance(add, bool):
         raise APIError(400, "add_generation_prompt: must be true or false",
                        code="invalid_value", param="add_generation_prompt")
-    try:
-        return {"prompt": engine.chat_prompt(messages, tools=req.tool_dicts()
-                                             if structured.template_knows_tools(template.source)
-                                             else None, add_generation_prompt=add,
-                                             variables=template_variables(
-                                                 request.app.state.settings.reasoning,
-                                                 req.chat_template_kwargs))}
+    tools = req.tool_dicts() if structured.template_knows_tools(template.source) else None
+    variables = template_variables(request.app.state.settings.reasoning,
+                                   req.chat_template_kwargs)
+    try:                            # off the event loop: a long chat takes a while to render
+        return {"prompt": await anyio.to_thread.run_sync(lambda: engine.chat_prompt(
+            messages, tools=tools, add_generation_prompt=add, variables=variables))}
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

@@ -56,7 +56,7 @@ def _all_refs(node: Any) -> list[str]:
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            if "$ref" in n:
+            if isinstance(n.get("$ref"), str):      # (a property may be named "$ref")
                 refs.append(n["$ref"])
             stack.extend(v for k, v in n.items() if k != "$ref")
         elif isinstance(n, list):
