@@ -144,6 +144,9 @@ def test_what_the_limits_and_checks_let_through(server):
     r = httpx.post(f"{base}/completion", json={"prompt": "hi", "n_predict": 2, "json_schema": {
         "type": "string", "maxLength": 1000}}, timeout=60)
     assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/completion", json={"prompt": "hi", "n_predict": 2, "grammar":
+                   'root ::= "{99999}" [{}0-9]{0,8}'}, timeout=60)   # braces in literals
+    assert r.status_code == 200, r.text
     r = httpx.post(f"{base}/v1/chat/completions", json={"messages": USER, "max_tokens": 2,
                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {
                        "type": "object", "properties": {"a": {"type": "string"}}}}}]},
