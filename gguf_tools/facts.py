@@ -14,10 +14,12 @@ import math
 import os
 import re
 import struct
+
+import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from runtime.errors import UserError
 
@@ -107,6 +109,9 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     return reader
 
 
+_BIG_ARRAY = 4096      # elements: metadata arrays larger than this are skimmed
+
+
 class _TensorPastEnd(ValueError):
     def __init__(self, name: str, end: int):
         super().__init__(name)
@@ -115,7 +120,38 @@ class _TensorPastEnd(ValueError):
 
 class _CheckedReader(GGUFReader):
     """``GGUFReader`` that names the first tensor whose data lies past the end of the file
-    (the stock reader fails later with a numpy reshape error)."""
+    (the stock reader fails later with a numpy reshape error), and skims vocabulary-sized
+    metadata arrays: the stock reader makes a numpy view per element (a 151,936-token
+    vocabulary took ~6 s to parse, four times per engine load). An array of more than
+    ``_BIG_ARRAY`` scalars is one view (``contents()`` returns the same list); an array of more
+    strings is stepped over and its ``contents()`` is empty (nothing here reads the
+    tokenizer's tokens or merges: llama.cpp does)."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type == GGUFValueType.ARRAY:
+            item = int(self._get(orig_offs, np.uint32)[0])
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            if count > _BIG_ARRAY:
+                return self._skim_array(orig_offs, GGUFValueType(item), count)
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _skim_array(self, orig_offs: int, item: GGUFValueType, count: int):
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs = orig_offs + 12
+        nptype = self.gguf_scalar_to_np.get(item)
+        if nptype is not None:
+            values = self._get(offs, nptype, count)
+            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], \
+                [GGUFValueType.ARRAY, item]
+        if item != GGUFValueType.STRING:
+            raise ValueError(f"unhandled array of {item!r}")
+        view, at = memoryview(self.data), offs
+        for _ in range(count):                     # each string: uint64 length, then bytes
+            at += 8 + struct.unpack_from("<Q", view, at)[0]
+        if at > len(self.data):
+            raise ValueError("string array past the end of the file")
+        return at - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, item]
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         size = len(self.data)

@@ -5,17 +5,21 @@ a 3D expert tensor, or a whole 1D/2D tensor), so RAM stays bounded by the larges
 full-size shapes (Qwen3-30B-A3B: 48 layers x 128 experts of 2048 x 768). Every slab's values come
 from an RNG seeded by (seed, tensor name, slab index): the same spec gives the same bytes.
 
+A padded vocabulary's rows (presets: the real n_vocab) follow in slabs of 4,096 rows.
+
 Usage::
 
     spec = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, dtype="q8_0", skew=1.0)
     write_synthetic_model("tiny.gguf", spec)
+    write_synthetic_model("q3.gguf", PRESETS["qwen3-30b-a3b"].spec("q4_k_m"))   # presets.py
 """
 from __future__ import annotations
 
 import math
 import os
+import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -25,11 +29,14 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from gguf_tools import synth_vocab
-from gguf_tools.synth_spec import DTYPES, SynthSpec, SynthSpecError  # noqa: F401 - re-exported
+from gguf_tools.quant_rules import RULE_DTYPES, llama_quantize_type, more_bits
+from gguf_tools.synth_spec import (DTYPES, TYPE_RULES, SynthSpec,  # noqa: F401 - re-exported
+                                   SynthSpecError)
+from runtime.atomic_write import AtomicTarget, write_error
 from gguf_tools.synth_layouts import (DENSE_LEAD_ARCHS, EMBED, LAYOUTS, MERGED_GATE_UP_ARCHS,
                                       NORMAL, ONES, ROUTER, SHARED_EXPERT_ARCHS, UNIFORM, ZEROS,
-                                      TensorPlan, Types)
-from gguf_tools.synth_blocks import BLOCK_TYPES, random_blocks
+                                      TensorPlan, Types, deepseek2_dims)
+from gguf_tools.synth_blocks import BLOCK_TYPES, UNIT_COL0_TYPES, random_blocks
 
 # --dtype name -> (expert type, dense 2D type). "q4_k_m" is resolved per layer (see _types).
 SIMPLE_DTYPES: dict[str, tuple[Q, Q]] = {
@@ -54,6 +61,13 @@ def spec_problem(spec: SynthSpec) -> str | None:
         return f"unknown arch {spec.arch!r} (choose from {', '.join(LAYOUTS)})"
     if spec.dtype not in DTYPES:
         return f"unknown dtype {spec.dtype!r} (choose from {', '.join(DTYPES)})"
+    if spec.expert_dtype and spec.expert_dtype not in DTYPES:
+        return f"unknown expert dtype {spec.expert_dtype!r} (choose from {', '.join(DTYPES)})"
+    if spec.type_rules not in TYPE_RULES:
+        return f"unknown type rules {spec.type_rules!r} (choose from {', '.join(TYPE_RULES)})"
+    if spec.type_rules == "llama-quantize" and spec.dtype not in RULE_DTYPES:
+        return (f"--dtype {spec.dtype}: llama-quantize's per-tensor types are transcribed for "
+                f"{', '.join(RULE_DTYPES)} only")
     for label, value, low in (("layers", spec.layers, 1), ("experts", spec.experts, 1),
                               ("top-k", spec.top_k, 1), ("embd", spec.embd, 2), ("ff", spec.ff, 1),
                               ("heads", spec.heads, 1), ("heads-kv", spec.heads_kv, 1),
@@ -62,6 +76,15 @@ def spec_problem(spec: SynthSpec) -> str | None:
             return f"--{label} must be at least {low}, got {value}"
     if spec.head_dim < 0 or spec.seed < 0:
         return "--head-dim and --seed must not be negative"
+    mla = {"kv_lora_rank": spec.kv_lora_rank, "rope_dim": spec.rope_dim,
+           "value_dim": spec.value_dim, "dense_ff": spec.dense_ff}
+    if spec.n_vocab < 0 or min(mla.values()) < 0:
+        return "--n-vocab and the deepseek2 sizes must not be negative"
+    if spec.n_vocab and spec.n_vocab < VOCAB.size:
+        return (f"--n-vocab {spec.n_vocab} is less than the synthetic vocabulary's "
+                f"{VOCAB.size} tokens")
+    if any(mla.values()) and spec.arch != "deepseek2":
+        return f"{', '.join(k for k, v in mla.items() if v)}: only --arch deepseek2 has them"
     if spec.top_k > spec.experts:
         return f"--top-k {spec.top_k} is more than --experts {spec.experts}"
     if spec.experts > _MAX_EXPERTS:
@@ -76,6 +99,11 @@ def spec_problem(spec: SynthSpec) -> str | None:
         return "--arch olmoe needs --heads x head dimension == --embd (leave --head-dim 0)"
     if spec.n_head_dim % 2:
         return f"head dimension {spec.n_head_dim} must be even (RoPE rotates pairs)"
+    if spec.arch == "deepseek2":
+        rope = deepseek2_dims(spec)["rope"]
+        if rope % 2 or not 0 < rope < spec.n_head_dim:
+            return (f"deepseek2 rope_dim {rope} must be even and less than the head dimension "
+                    f"{spec.n_head_dim}")
     if spec.dense_layers and spec.arch not in DENSE_LEAD_ARCHS:
         return f"--arch {spec.arch} has no leading dense layers (--dense-layers needs deepseek2)"
     if not 0 <= spec.dense_layers < spec.layers:
@@ -91,8 +119,7 @@ def spec_problem(spec: SynthSpec) -> str | None:
                "ffn_gate_up_exps.scale)"
     if not math.isfinite(spec.skew) or spec.skew < 0:
         return f"--skew must be a finite number >= 0, got {spec.skew}"
-    types = _types(spec)
-    for plan in LAYOUTS[spec.arch].tensors(spec, types):
+    for plan in tensor_plans(spec):
         block = GGML_QUANT_SIZES[plan.qtype][0]
         if plan.shape[0] % block:
             return (f"--dtype {spec.dtype}: {plan.qtype.name} packs rows in blocks of {block}, "
@@ -101,28 +128,41 @@ def spec_problem(spec: SynthSpec) -> str | None:
     return None
 
 
-def _more_bits(layer: int, n_layer: int) -> bool:
-    # llama.cpp's use_more_bits() for Q4_K_M: first and last eighth, and every third layer.
-    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+def _dtype_types(dtype: str, n: int) -> Types:
+    if dtype in SIMPLE_DTYPES:
+        expert, dense = SIMPLE_DTYPES[dtype]
+        return Types(dense=dense, gate_up=(expert,) * n, down=(expert,) * n)
+    if dtype == "q4_k":
+        return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=(Q.Q4_K,) * n)
+    if dtype == "q6_k":
+        return Types(dense=Q.Q8_0, gate_up=(Q.Q6_K,) * n, down=(Q.Q6_K,) * n)
+    # q4_k_m: Q4_K gate/up, Q6_K down on the "more bits" layers, as llama-quantize does
+    down = tuple(Q.Q6_K if more_bits(i, n) else Q.Q4_K for i in range(n))
+    return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=down)
 
 
 def _types(spec: SynthSpec) -> Types:
-    n = spec.layers
-    if spec.dtype in SIMPLE_DTYPES:
-        expert, dense = SIMPLE_DTYPES[spec.dtype]
-        return Types(dense=dense, gate_up=(expert,) * n, down=(expert,) * n)
-    if spec.dtype == "q4_k":
-        return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=(Q.Q4_K,) * n)
-    if spec.dtype == "q6_k":
-        return Types(dense=Q.Q8_0, gate_up=(Q.Q6_K,) * n, down=(Q.Q6_K,) * n)
-    # q4_k_m: Q4_K gate/up, Q6_K down on the "more bits" layers, as llama-quantize does
-    down = tuple(Q.Q6_K if _more_bits(i, n) else Q.Q4_K for i in range(n))
-    return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=down)
+    types = _dtype_types(spec.dtype, spec.layers)
+    if spec.expert_dtype:
+        experts = _dtype_types(spec.expert_dtype, spec.layers)
+        types = Types(dense=types.dense, gate_up=experts.gate_up, down=experts.down)
+    return types
 
 
 def tensor_plans(spec: SynthSpec) -> list[TensorPlan]:
     """Every tensor the model will contain, in file order."""
-    return LAYOUTS[spec.arch].tensors(spec, _types(spec))
+    plans = LAYOUTS[spec.arch].tensors(spec, _types(spec))
+    if spec.type_rules == "llama-quantize":
+        plans = [_llama_quantize(spec, plan) for plan in plans]
+    return plans
+
+
+def _llama_quantize(spec: SynthSpec, plan: TensorPlan) -> TensorPlan:
+    if spec.expert_dtype and "_exps.weight" in plan.name:
+        return plan   # routed experts kept in their own type (gpt-oss ships them in MXFP4)
+    qtype = llama_quantize_type(plan.name, plan.shape, spec.dtype, n_layer=spec.layers,
+                                n_expert=spec.experts)
+    return plan if qtype is None else replace(plan, qtype=qtype)
 
 
 def tensor_nbytes(plan: TensorPlan) -> int:
@@ -134,7 +174,32 @@ def tensor_nbytes(plan: TensorPlan) -> int:
 
 def planned_data_bytes(spec: SynthSpec, alignment: int = 32) -> int:
     """Bytes of the data section, padding included (for progress bars)."""
-    return sum(-(-tensor_nbytes(p) // alignment) * alignment for p in tensor_plans(spec))
+    return sum(_align(tensor_nbytes(p), alignment) for p in tensor_plans(spec))
+
+
+def planned_file_bytes(spec: SynthSpec) -> int:
+    """The size of the file ``write_synthetic_model`` writes for ``spec``, without writing it.
+
+    The metadata is serialized with the synthetic vocabulary only (a temporary file of a few
+    hundred KB); each padding token adds its GGUF array entries: a uint64 length and the
+    string, a float32 score and an int32 type."""
+    writer = _new_writer(spec, VOCAB)
+    with tempfile.TemporaryDirectory(prefix="moe-offload-synth-") as tmp:
+        try:
+            writer.write_header_to_file(Path(tmp) / "metadata.gguf")
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            metadata = writer.fout[0].tell()
+        finally:
+            writer.close()
+    metadata += sum(8 + len(token.encode()) + 4 + 4
+                    for token in synth_vocab.pad_tokens(VOCAB.size, spec.vocab_size))
+    return _align(metadata, writer.data_alignment) + planned_data_bytes(spec,
+                                                                        writer.data_alignment)
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
 
 
 def _rng(spec: SynthSpec, name: str, slab: int) -> np.random.Generator:
@@ -174,45 +239,66 @@ def _slab_values(spec: SynthSpec, plan: TensorPlan, slab: int, shape: tuple[int,
     return x
 
 
+_PAD_ROWS_PER_SLAB = 4096   # vocabulary padding is written this many rows at a time
+
+
 def _slab_bytes(spec: SynthSpec, plan: TensorPlan) -> Iterator[np.ndarray]:
     """The tensor's data as uint8/float arrays, one slab (expert) at a time."""
     np_shape = tuple(reversed(plan.shape))
-    slabs, slab_shape = (np_shape[0], np_shape[1:]) if len(np_shape) == 3 else (1, np_shape)
-    for s in range(slabs):
-        if plan.qtype in BLOCK_TYPES and plan.init == NORMAL:
-            # random quants written directly: fast, and the only way for K-quants
-            rows = math.prod(slab_shape[:-1])
-            yield random_blocks(_rng(spec, plan.name, s), plan.qtype, rows, slab_shape[-1],
-                                std=plan.std, zero_row0=plan.zero_row0)
-            continue
-        values = _slab_values(spec, plan, s, slab_shape)
-        if plan.qtype == Q.F32:
-            yield values
-        elif plan.qtype == Q.F16:
-            yield values.astype(np.float16)
+    if len(np_shape) == 3:
+        for s in range(np_shape[0]):
+            yield _slab(spec, plan, s, np_shape[1:])
+        return
+    if not plan.live_rows:
+        yield _slab(spec, plan, 0, np_shape)
+        return
+    # A padded vocabulary: the live rows are the unpadded tensor's bytes (slab 0); the padding
+    # follows in bounded slabs. Output rows of padding are zero: those tokens' logits are 0,
+    # below the best live token's, so greedy text stays in the synthetic vocabulary.
+    rows, row_len = np_shape
+    yield _slab(spec, plan, 0, (plan.live_rows, row_len))
+    for k, start in enumerate(range(plan.live_rows, rows, _PAD_ROWS_PER_SLAB)):
+        n = min(_PAD_ROWS_PER_SLAB, rows - start)
+        if plan.init == EMBED:
+            yield _slab(spec, plan, 1 + k, (n, row_len))
         else:
-            yield quantize(values, plan.qtype)
+            block, type_size = GGML_QUANT_SIZES[plan.qtype]
+            yield np.zeros((n, row_len // block * type_size), np.uint8)
+
+
+def _slab(spec: SynthSpec, plan: TensorPlan, s: int, slab_shape: tuple[int, ...]) -> np.ndarray:
+    """Slab ``s`` of numpy shape ``slab_shape`` as stored: float32/float16 or uint8 blocks."""
+    rows = math.prod(slab_shape[:-1])
+    if plan.qtype in BLOCK_TYPES and plan.init == NORMAL:
+        # random quants written directly: fast, and the only way for K-quants
+        return random_blocks(_rng(spec, plan.name, s), plan.qtype, rows, slab_shape[-1],
+                             std=plan.std, zero_row0=plan.zero_row0)
+    if plan.qtype in UNIT_COL0_TYPES and plan.init == EMBED:   # gguf-py cannot quantize these
+        return random_blocks(_rng(spec, plan.name, s), plan.qtype, rows, slab_shape[-1],
+                             std=1.0, unit_col0=True)
+    values = _slab_values(spec, plan, s, slab_shape)
+    if plan.qtype == Q.F32:
+        return values
+    if plan.qtype == Q.F16:
+        return values.astype(np.float16)
+    return quantize(values, plan.qtype)
 
 
 def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
                           progress: Callable[[int], None] | None = None) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` and return the path.
 
-    Writes to a temporary file in the same directory and renames it into place, so an
-    interrupted write never leaves a partial ``path``. ``progress(n)`` is called with the number
+    Writes to a temporary file in the same directory and renames it into place
+    (runtime.atomic_write), so an interrupted write never leaves a partial ``path`` and the
+    next write removes a killed one's temp file. ``progress(n)`` is called with the number
     of data bytes written since the last call (summing to ``planned_data_bytes(spec)``).
     """
     out = Path(path)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    layout = LAYOUTS[spec.arch]
+    target = AtomicTarget(out)
     plans = tensor_plans(spec)
-    writer = GGUFWriter(None, layout.name)
+    writer = _new_writer(spec, synth_vocab.build_vocab(spec.vocab_size))
     try:
-        _add_metadata(writer, spec)
-        for plan in plans:
-            writer.add_tensor_info(plan.name, tuple(reversed(plan.shape)), np.dtype(np.float32),
-                                   tensor_nbytes(plan), raw_dtype=plan.qtype)
-        writer.write_header_to_file(tmp)
+        writer.write_header_to_file(target.tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         fout = writer.fout[0]
@@ -230,15 +316,29 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
             if progress:   # count the alignment padding too: the total is planned_data_bytes
                 progress(-(-written // writer.data_alignment) * writer.data_alignment - written)
         writer.close()
-        os.replace(tmp, out)
+    except OSError as err:
+        writer.close()
+        target.discard()
+        raise write_error(out, err) from None
     except BaseException:
         writer.close()
-        tmp.unlink(missing_ok=True)
+        target.discard()
         raise
+    target.publish()
     return out
 
 
-def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
+def _new_writer(spec: SynthSpec, vocab: synth_vocab.SynthVocab) -> GGUFWriter:
+    """A writer holding ``spec``'s metadata (with ``vocab``) and tensor infos, nothing written."""
+    writer = GGUFWriter(None, LAYOUTS[spec.arch].name)
+    _add_metadata(writer, spec, vocab)
+    for plan in tensor_plans(spec):
+        writer.add_tensor_info(plan.name, tuple(reversed(plan.shape)), np.dtype(np.float32),
+                               tensor_nbytes(plan), raw_dtype=plan.qtype)
+    return writer
+
+
+def _add_metadata(w: GGUFWriter, spec: SynthSpec, vocab: synth_vocab.SynthVocab) -> None:
     layout = LAYOUTS[spec.arch]
     extra = layout.extra_kv(spec)
     w.add_name(spec.name or f"synthetic-{spec.arch}")
@@ -270,9 +370,9 @@ def _add_metadata(w: GGUFWriter, spec: SynthSpec) -> None:
             w.add_uint32(full, value)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
-    w.add_token_list(list(VOCAB.tokens))
-    w.add_token_scores(list(VOCAB.scores))
-    w.add_token_types(list(VOCAB.token_types))
+    w.add_token_list(list(vocab.tokens))
+    w.add_token_scores(list(vocab.scores))
+    w.add_token_types(list(vocab.token_types))
     w.add_bos_token_id(synth_vocab.BOS_ID)
     w.add_eos_token_id(synth_vocab.EOS_ID)
     w.add_eot_token_id(synth_vocab.IM_END_ID)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from gguf import GGMLQuantizationType as Q
 
+from gguf_tools import synth_vocab
 from gguf_tools.synth_spec import (ARCHS, DENSE_LEAD_ARCHS, MERGED_GATE_UP_ARCHS,  # noqa: F401
                                    SHARED_EXPERT_ARCHS)
 
@@ -46,6 +47,8 @@ class TensorPlan:
     zero_row0: bool = False  # rows of numpy shape (..., n_out, ne0): output channel 0 -> 0
     low: float = 0.0
     high: float = 0.0
+    live_rows: int = 0       # token_embd/output of a padded vocabulary: rows past this are the
+                             # unused [PADn] tokens' (embeddings random, output rows zero)
 
 
 @dataclass(frozen=True)
@@ -74,17 +77,19 @@ def _head_dim(spec: SynthSpec) -> int:
 
 def _common_top(spec: SynthSpec, t: Types) -> list[TensorPlan]:
     vocab = spec.vocab_size
+    live = synth_vocab.build_vocab().size
+    live = live if vocab > live else 0
     plans = [
-        TensorPlan("token_embd.weight", (spec.embd, vocab), t.dense, EMBED),
+        TensorPlan("token_embd.weight", (spec.embd, vocab), t.dense, EMBED, live_rows=live),
         TensorPlan("output_norm.weight", (spec.embd,), Q.F32, ONES),
     ]
     # A separate output head (gpt-oss and olmoe require one; the others accept one).
     plans.append(TensorPlan("output.weight", (spec.embd, vocab), t.dense, NORMAL,
-                            std=2.0 / spec.embd ** 0.5))
+                            std=2.0 / spec.embd ** 0.5, live_rows=live))
     return plans
 
 
-def _attention(spec: SynthSpec, t: Types, i: int, *, qk_norm: int = 0, out_bias: bool = False,
+def _attention(spec: SynthSpec, t: Types, i: int, *, qk_norm: int = 0, biases: bool = False,
                kv_heads: int = 0) -> list[TensorPlan]:
     hd = _head_dim(spec)
     q_dim, kv_dim = spec.heads * hd, (kv_heads or spec.heads_kv) * hd
@@ -97,8 +102,11 @@ def _attention(spec: SynthSpec, t: Types, i: int, *, qk_norm: int = 0, out_bias:
         TensorPlan(p + "attn_output.weight", (q_dim, spec.embd), t.dense, NORMAL,
                    std=0.5 * q_dim ** -0.5, zero_row0=True),
     ]
-    if out_bias:
-        plans.append(TensorPlan(p + "attn_output.bias", (spec.embd,), Q.F32, ZEROS))
+    if biases:   # q, k, v, output (gpt-oss)
+        plans += [TensorPlan(p + "attn_q.bias", (q_dim,), Q.F32, ZEROS),
+                  TensorPlan(p + "attn_k.bias", (kv_dim,), Q.F32, ZEROS),
+                  TensorPlan(p + "attn_v.bias", (kv_dim,), Q.F32, ZEROS),
+                  TensorPlan(p + "attn_output.bias", (spec.embd,), Q.F32, ZEROS)]
     if qk_norm:
         plans.append(TensorPlan(p + "attn_q_norm.weight", (qk_norm,), Q.F32, ONES))
         plans.append(TensorPlan(p + "attn_k_norm.weight", (qk_norm,), Q.F32, ONES))
@@ -168,7 +176,7 @@ def _olmoe_kv(spec: SynthSpec) -> dict[str, int | float]:
 def _gpt_oss(spec: SynthSpec, t: Types) -> list[TensorPlan]:
     plans = _common_top(spec, t)
     for i in range(spec.layers):
-        plans += _attention(spec, t, i, out_bias=True)
+        plans += _attention(spec, t, i, biases=True)
         plans.append(TensorPlan(f"blk.{i}.post_attention_norm.weight", (spec.embd,), Q.F32, ONES))
         plans.append(TensorPlan(f"blk.{i}.attn_sinks.weight", (spec.heads,), Q.F32, ZEROS))
         plans += _experts(spec, t, i, biases=True)
@@ -186,10 +194,13 @@ def _dense_ffn(spec: SynthSpec, t: Types, i: int, ff: int, suffix: str = "") -> 
 
 
 def deepseek2_dims(spec: SynthSpec) -> dict[str, int]:
-    """Attention sizes of the synthetic deepseek2 (plain, non-MLA-split KV projection)."""
+    """Attention sizes of the synthetic deepseek2 (plain, non-MLA-split KV projection).
+
+    The head dimension is the query/key one (nope + rope: DeepSeek-V2-Lite 128 + 64 = 192)."""
     hd = _head_dim(spec)
-    return {"rope": hd // 2, "nope": hd - hd // 2, "v": hd, "kv_lora": spec.embd,
-            "dense_ff": 4 * spec.ff}
+    rope = spec.rope_dim or hd // 2
+    return {"rope": rope, "nope": hd - rope, "v": spec.value_dim or hd,
+            "kv_lora": spec.kv_lora_rank or spec.embd, "dense_ff": spec.dense_ff or 4 * spec.ff}
 
 
 def _deepseek2(spec: SynthSpec, t: Types) -> list[TensorPlan]:

@@ -14,6 +14,10 @@ DTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8_0", "q5_0", "q5_1", "q4_0",
 DENSE_LEAD_ARCHS = frozenset({"deepseek2"})      # leading dense layers
 SHARED_EXPERT_ARCHS = frozenset({"deepseek2"})   # required there: shared_experts >= 1
 MERGED_GATE_UP_ARCHS = frozenset({"deepseek2"})  # ffn_gate_up_exps instead of gate + up
+# How tensor types follow from the dtype: "synth" = one dense type and the expert types of the
+# dtype (the --dtype table in synth.py); "llama-quantize" = each tensor's type as llama-quantize
+# picks it for that file type (src/llama-quant.cpp: quant_rules.py), as in published GGUFs.
+TYPE_RULES: tuple[str, ...] = ("synth", "llama-quantize")
 
 
 class SynthSpecError(ValueError):
@@ -42,6 +46,14 @@ class SynthSpec:
     shared_experts: int = 0    # always-on shared experts per MoE layer (deepseek2: >= 1)
     gate_up_merged: bool = False  # one ffn_gate_up_exps tensor instead of gate + up (deepseek2)
     name: str = ""             # general.name; "" = "synthetic-<arch>"
+    n_vocab: int = 0           # token rows of token_embd/output; 0 = the synthetic vocabulary's
+                               # (1,621); more pads the vocabulary with unused "[PADn]" tokens
+    type_rules: str = "synth"  # one of TYPE_RULES
+    expert_dtype: str = ""     # routed-expert weights' dtype when not dtype's ("mxfp4": gpt-oss)
+    kv_lora_rank: int = 0      # deepseek2 compressed KV width; 0 = embd
+    rope_dim: int = 0          # deepseek2 rotated dims per head; 0 = head dim // 2
+    value_dim: int = 0         # deepseek2 value head dim; 0 = head dim
+    dense_ff: int = 0          # deepseek2 dense FFN length (leading dense layers); 0 = 4 * ff
 
     def __post_init__(self) -> None:
         from gguf_tools.synth import spec_problem  # noqa: PLC0415 - the writer's own checks
@@ -54,7 +66,7 @@ class SynthSpec:
     def vocab_size(self) -> int:
         from gguf_tools.synth import VOCAB  # noqa: PLC0415
 
-        return VOCAB.size
+        return self.n_vocab or VOCAB.size
 
     @property
     def n_head_dim(self) -> int:

@@ -4,16 +4,21 @@ llama.cpp's SPM tokenizer splits text into UTF-8 characters, merges neighbouring
 concatenation is in the vocabulary (highest score first) and falls back to ``<0xNN>`` byte
 tokens for anything else, so every string round-trips. The vocabulary here is: control tokens,
 256 byte tokens, the printable ASCII characters, and every prefix of a few hundred common
-English words (so whole words are reachable by successive merges).
+English words (so whole words are reachable by successive merges). A preset pads it with unused
+``[PADn]`` tokens to a real model's row count (``build_vocab(size)``), so token_embd and output
+have the real shapes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterator
 
 # llama.cpp token types (llama_token_type in llama.h)
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
 TOKEN_CONTROL = 3
+TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
@@ -78,8 +83,17 @@ class SynthVocab:
         return len(self.tokens)
 
 
-def build_vocab() -> SynthVocab:
-    """The fixed synthetic vocabulary (deterministic; 1,621 tokens)."""
+def pad_tokens(start: int, stop: int) -> Iterator[str]:
+    """The padding tokens of ids ``start..stop-1``: ``[PADid]``, as llama.cpp's converter pads a
+    vocabulary to the model's row count. The tokenizer never produces them: no merge reaches
+    them ("[P" is not a token) and unused tokens are not special-cased."""
+    return (f"[PAD{i}]" for i in range(start, stop))
+
+
+@lru_cache(maxsize=4)
+def build_vocab(size: int = 0) -> SynthVocab:
+    """The fixed synthetic vocabulary (deterministic; 1,621 tokens), padded with unused
+    ``[PADn]`` tokens to ``size`` tokens when ``size`` is larger (real models' row counts)."""
     tokens: list[str] = list(_CONTROL)
     types: list[int] = [TOKEN_UNKNOWN] + [TOKEN_CONTROL] * (len(_CONTROL) - 1)
     scores: list[float] = [0.0] * len(_CONTROL)
@@ -105,4 +119,9 @@ def build_vocab() -> SynthVocab:
         # longer pieces score higher so whole words win over their prefixes.
         for end in range(2, len(piece) + 1):
             add(piece[:end], float(end) - 100.0)
+    if size > len(tokens):
+        pad = size - len(tokens)
+        tokens += pad_tokens(len(tokens), size)
+        types += [TOKEN_UNUSED] * pad
+        scores += [0.0] * pad
     return SynthVocab(tokens=tuple(tokens), scores=tuple(scores), token_types=tuple(types))

@@ -34,6 +34,43 @@ COMMAND_MODULES = [
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (``--ctx`` is not ``--ctx-size``), and errors in one line;
+    a llama.cpp flag this command does not take is named with our equivalent."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
+
+        kwargs["allow_abbrev"] = False
+        if kwargs.get("formatter_class") in (None, argparse.HelpFormatter,
+                                             argparse.ArgumentDefaultsHelpFormatter):
+            kwargs["formatter_class"] = HelpFormatter     # no "(default: None)", no ``markup``
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        from runtime.engine.llama_flags import equivalent_line  # noqa: PLC0415
+
+        argv = list(sys.argv[1:] if args is None else args)
+        line = equivalent_line(argv) or self._glued_flag(argv)   # before argparse reads
+        if line:                                                   # -ctk as -c tk
+            self.error(line)
+        return super().parse_known_args(args, namespace)
+
+    def _glued_flag(self, argv: list[str]) -> str:
+        """llama.cpp's tools take no value glued to a short flag: ``-sys`` is not ``-s ys``,
+        nor ``-c512`` ``-c 512``. argparse would read them so (allow_abbrev does not stop it):
+        here such a token is an unknown flag, in one line."""
+        for token in argv:
+            if token == "--" or (self._subparsers is not None and not token.startswith("-")):
+                break            # the rest is the subcommand's to check
+            flag = token.split("=", 1)[0]
+            if (token.startswith("-") and not token.startswith("--") and len(flag) > 2
+                    and " " not in token and flag not in self._option_string_actions
+                    and not self._negative_number_matcher.match(token)
+                    and token[:2] in self._option_string_actions):
+                return (f"unrecognized argument {flag} (not {token[:2]} {token[2:]!r}: "
+                        "a short flag's value goes after a space)")
+        return ""
+
     def error(self, message: str) -> None:  # one line, exit 2, like argparse but without usage spam
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
@@ -44,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-offload",
         description="Run mixture-of-experts GGUF models with managed expert residency.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
         try:
@@ -54,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
+
+
+def version_line() -> str:
+    """``moe-offload --version``: ours, and the llama.cpp bindings underneath."""
+    from importlib import metadata  # noqa: PLC0415
+
+    def of(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"moe-offload {of('moe-offload')} (llama-cpp-python {of('llama-cpp-python')})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,7 +96,7 @@ def _decode(engine, n_gen: int) -> tuple[float, float, list[int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--n-gen", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)

@@ -102,7 +102,7 @@ class _NullWriter:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", help="GGUF model (default: a synthetic bench model)")
     ap.add_argument("-n", "--predict", type=int, default=128, help="tokens per run")
     ap.add_argument("-c", "--ctx-size", type=int, default=1024)

@@ -197,7 +197,7 @@ def timed(stream: np.ndarray, capacity: int, policy: str, chunk: int, repeat: in
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--capacity", type=float, default=0.3, help="share of all experts")
     ap.add_argument("--policy", default="lru", help="replay's preset policy name")

@@ -58,7 +58,7 @@ def run(client, streams: int, n: int) -> float:
 def main() -> int:
     import openai
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("-m", "--model", default=None)
     parser.add_argument("-n", type=int, default=128)
     parser.add_argument("--streams", default="1,2,4")

@@ -89,7 +89,7 @@ def breakdown(path: Path, capacity: str, policy: str) -> list[tuple[str, float]]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)

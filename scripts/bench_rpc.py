@@ -194,7 +194,7 @@ def _cache_rows(runs, work: Path, lib: str, model: str, args, ports: list[int], 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("-n", type=int, default=64, help="tokens generated per run (default 64)")
     ap.add_argument("--delay-ms", default="0", help="one-way delays to add, comma-separated")
     ap.add_argument("--budget-a", default="60MiB")

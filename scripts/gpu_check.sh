@@ -3,7 +3,7 @@
 # NO network: everything comes from the repository (native/offline/: the pruned llama.cpp
 # source archive and the Python wheels).
 #
-#   scripts/gpu_check.sh             # CUDA build for sm_90, Qwen3-30B-A3B-shaped model, benchmark
+#   scripts/gpu_check.sh             # CUDA build for sm_90, the qwen3-30b-a3b preset, benchmark
 #   scripts/gpu_check.sh --dry-run   # the same steps on the CPU (cpu backend, cpu-slots, tiny model)
 #   scripts/gpu_check.sh --vulkan-dry-run
 #                                    # the GPU steps on a Vulkan device (lavapipe works: needs
@@ -12,11 +12,13 @@
 #
 # Steps: (1) python3 (or $PYTHON) with the packages it lacks installed from the offline wheels
 # into $GPU_CHECK_WORK/site, the llama_cpp bindings from the archive; (2) `moe-offload native build
-# --backend cuda --cuda-arch 90 --no-cuda-fa` from the archive; (3) a synthetic model shaped like
-# Qwen3-30B-A3B (48 layers, 128 experts, top-8, embd 2048, expert ff 768, Q4_0, skewed routing);
-# (4) `moe-offload bench` at one expert budget (25% of the expert bytes): all experts on the CPU
-# (--n-cpu-moe 48), the largest --n-cpu-moe N that fits the budget, our cache with lru, our
-# phase-specific policy; pp512 / tg128 tokens/s and hit rates, as a table written to
+# --backend cuda --cuda-arch 90 --no-cuda-fa` from the archive; (3) the model: `moe-offload synth
+# --preset qwen3-30b-a3b --top-k 6 --dtype q4_k_m` (Qwen3-30B-A3B's tensors, Q4_K_M, top-6 as the
+# trace was recorded); (4) `moe-offload bench --route-trace` with the real Qwen3-30B-A3B routing
+# trace (tests/runtime/traces/data: a real router's locality, not the random weights') at one
+# expert budget (25% of the expert bytes): all experts on the CPU (--n-cpu-moe 48), the largest
+# --n-cpu-moe N that fits the budget, our cache with lru, our phase-specific policy; the trace's
+# prompt (pp28@trace) and decode rows (tg129@trace) tokens/s and hit rates, as a table written to
 # docs/benchmarks/gpu-check-DATE.md (dry run: under $GPU_CHECK_WORK); then (5) the same configs
 # through the Engine (runtime.bench.cache_check.py): speed, hit rates per phase, copies, and greedy
 # tokens against the same placement without the cache (cpu-slots: the script fails if they
@@ -107,16 +109,23 @@ if [[ $DRY == 1 ]]; then
   # the real depth and top-k (48 layers, top-8), tiny widths: what scales with depth is covered.
   # Vulkan: 4 layers; lavapipe (Mesa 22.3) crashes intermittently in its shader threads at 48
   # layers with the cache and the routing hook on (cause not found; see native/README.md)
-  LAYERS=$([[ $VK == 1 ]] && echo 4 || echo 48)
-  SHAPE=(--layers "$LAYERS" --experts 16 --top-k 8 --embd 64 --ff 32 --dtype q4_0)
+  # (the CPU dry run: the trace's shape, 48 layers x 128 experts, top-6, so it plays the trace)
+  if [[ $VK == 1 ]]; then
+    SHAPE=(--arch qwen3moe --layers 4 --experts 16 --top-k 8 --embd 64 --ff 32 --dtype q4_0)
+  else
+    SHAPE=(--arch qwen3moe --layers 48 --experts 128 --top-k 6 --embd 64 --ff 32 --dtype q4_0)
+  fi
 else
-  MODEL=$WORK/qwen3-30b-a3b-shape-q4_0.gguf
-  SHAPE=(--layers 48 --experts 128 --top-k 8 --embd 2048 --ff 768 --heads 32 --heads-kv 4
-         --head-dim 128 --dtype q4_0)
+  MODEL=$WORK/qwen3-30b-a3b-q4_k_m-top6.gguf
+  SHAPE=(--preset qwen3-30b-a3b --top-k 6 --dtype q4_k_m)
 fi
+# the real Qwen3-30B-A3B routing (28 prompt + 128 decode tokens, top-6); not on the 4-layer model
+TRACE=$REPO/tests/runtime/traces/data/qwen3-30b-a3b.route.csv
+ROUTE=()
+[[ $VK == 1 ]] || ROUTE=(--route-trace "$TRACE")
 if [[ ! -f $MODEL ]]; then
   step "writing $MODEL"
-  "${CLI[@]}" synth "$MODEL" --arch qwen3moe "${SHAPE[@]}" --skew 1.0 --seed 0 --quiet
+  "${CLI[@]}" synth "$MODEL" "${SHAPE[@]}" --skew 1.0 --seed 0 --quiet
 fi
 
 # (4) budgets and configs
@@ -160,7 +169,7 @@ step "expert bytes $TOTAL, budget $BUDGET ($PCT%), --n-cpu-moe $NCPU"
 
 # (5) the benchmark
 BENCH=("${CLI[@]}" bench -m "$MODEL" --config "$WORK/lru.toml" --config "$WORK/phase-specific.toml"
-       -r "$REPS" --cold 0 --no-progress)
+       -r "$REPS" --cold 0 --no-progress ${ROUTE[@]+"${ROUTE[@]}"})
 if [[ $VK == 1 ]]; then
   BENCH+=(-p 32 -n 8 -t 1 --n-cpu-moe "$NMOE" --n-cpu-moe "$NCPU")
   RESULT=$WORK/bench-vulkan-dry-run.md

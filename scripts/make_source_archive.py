@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.atomic_write import write_bytes  # noqa: E402
 from runtime.native.source import (NEEDED, SKIPPED, VENDOR_PREFIX,  # noqa: E402
                                    resolve_source)
 
@@ -40,7 +41,7 @@ def keep(rel_vendor: str | None, rel_pkg: str | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sdist", default=None, help="the llama-cpp-python 0.3.36 sdist")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             info.uid = info.gid = 0
             info.uname = info.gname = ""
             tar.addfile(info, io.BytesIO(data))
-    out.write_bytes(lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))
+    write_bytes(out, lzma.compress(buf.getvalue(), preset=9 | lzma.PRESET_EXTREME))  # atomic
     print(f"{out}: {len(members)} files, {out.stat().st_size / 2**20:.1f} MiB "
           f"(from {source.path})")
     return 0

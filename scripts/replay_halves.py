@@ -21,7 +21,7 @@ from runtime.traces.files import read_trace  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--config", default="configs/best-replay.toml")
     args = ap.parse_args()

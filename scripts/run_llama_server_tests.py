@@ -105,7 +105,7 @@ def run(tests: Path, work: Path, select: str | None, timeout: float) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--sdist", type=Path, default=None, help=f"the {ARCHIVE} to read")
     parser.add_argument("--tests", type=Path, default=None,
                         help="an already extracted tools/server/tests directory")

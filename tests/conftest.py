@@ -2,17 +2,44 @@
 
 ``tiny_model``: qwen3moe, f32, 4 layers, 8 experts, top-2, embd 64, expert ff 32, skewed
 routing (a few MB). ``synth_model_factory(spec)``: writes any ``SynthSpec`` once per session
-(cached by spec) and returns its path.
+(cached by spec) and returns its path. ``terminal_notice(line)``: a line on pytest's terminal
+while a fixture works for minutes (the native build), past its output capture.
 """
 from __future__ import annotations
 
+import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
 from gguf_tools.synth import SynthSpec, write_synthetic_model
+
+_CONFIG: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _CONFIG
+    _CONFIG = config
+
+
+def terminal_notice(line: str) -> None:
+    """Write ``line`` on pytest's terminal now, through its terminal writer with capture
+    suspended (a captured stream, even sys.__stderr__ under fd capture, shows nothing until
+    the test ends: a first run looked frozen for minutes while the native build ran)."""
+    plugins = _CONFIG.pluginmanager if _CONFIG is not None else None
+    reporter = plugins.get_plugin("terminalreporter") if plugins is not None else None
+    if reporter is None:
+        print(line, file=sys.__stderr__, flush=True)
+        return
+    capture = plugins.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else nullcontext():
+        reporter.ensure_newline()
+        reporter.write_line(line)
+        reporter.flush()
+
 
 TINY_SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
                       dtype="f32", seed=0, skew=1.0)

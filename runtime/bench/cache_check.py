@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from runtime.residency.config import load_config  # noqa: PLC0415
 
-    parser = argparse.ArgumentParser(prog="python -m runtime.bench.cache_check",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m runtime.bench.cache_check",
                                      description=__doc__)
     parser.add_argument("model")
     parser.add_argument("--config", action="append", default=[], metavar="TOML")

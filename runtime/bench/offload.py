@@ -19,7 +19,9 @@ from runtime.errors import UserError
 from runtime.bench.run import BenchConfig, COLD_PROMPT
 from runtime.ramtier.pager import drop_file_cache
 
-POLICIES = ("lru", "lfu", "lfu-decay", "phase-weighted")
+POLICIES = ("lru", "lfu", "lfu-decay", "phase-weighted", "next-visit")
+# the replay study's best config (docs/policy-study.md), a default row at --budget
+BEST_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "best-replay.toml"
 HEADER = ("config", "backend", "expert budget", "test", "t/s ± sd", "hit %",
           "demand-miss MiB/tok")
 
@@ -60,10 +62,12 @@ def mib(n: int) -> str:
 
 def default_configs(total_expert_bytes: int, budget_bytes: int,
                     policies: tuple[str, ...] = POLICIES, *,
-                    read_ahead: bool = True) -> list[BenchConfig]:
+                    read_ahead: bool = True,
+                    best_config: Path | None = BEST_CONFIG) -> list[BenchConfig]:
     """mmap (kernel paging); read-ahead (managed, room for every expert: reads only; left
-    out under a memory limit, where it cannot hold its budget); and each eviction policy at
-    ``budget_bytes``."""
+    out under a memory limit, where it cannot hold its budget); each eviction policy at
+    ``budget_bytes``; and ``best_config``'s policies at ``budget_bytes`` (when the file is
+    there: a source checkout)."""
     configs = [BenchConfig("mmap", "mmap", "kernel (all)")]
     if read_ahead:
         configs.append(BenchConfig("read-ahead", "managed", f"{mib(total_expert_bytes)} (all)",
@@ -73,7 +77,25 @@ def default_configs(total_expert_bytes: int, budget_bytes: int,
             name, "managed", mib(budget_bytes),
             config={"devices": {"cpu": int(budget_bytes)},
                     "policy": {"prefill": {"eviction": name}, "decode": {"eviction": name}}}))
+    if best_config is not None and best_config.is_file():
+        import tomllib  # noqa: PLC0415
+
+        data = tomllib.loads(best_config.read_text(encoding="utf-8"))
+        data["devices"] = {"cpu": int(budget_bytes)}
+        configs.append(BenchConfig(best_config.stem, "managed", mib(budget_bytes), config=data))
     return configs
+
+
+def pressure_note(file_bytes: int, available_bytes: int, mem_limit: int | None) -> str:
+    """The line under the table when nothing forces the model out of memory: "" under a
+    memory limit, or when the model file is larger than the memory available."""
+    if mem_limit or file_bytes > available_bytes:
+        return ""
+    return (f"note: the model ({mib(file_bytes)}) fits in free memory ({mib(available_bytes)}), "
+            "so after its first read the kernel's page cache holds every expert and no "
+            "managed tier can gain without memory pressure: the rows above measure the "
+            "tiers' overhead. `--mem-limit SIZE` (below the model's size) runs each config "
+            "under a memory limit, where the tiers can gain.")
 
 
 def static_configs(n_layers: list[int]) -> list[BenchConfig]:
@@ -97,11 +119,14 @@ def file_configs(paths: list[str]) -> list[BenchConfig]:
 
 def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: int, cold: int,
               threads: int | None = None, mem_limit: int | None = None,
-              progress: bool = True, gpu_layers: int = 0) -> BenchResult:
+              progress: bool = True, gpu_layers: int = 0,
+              route_trace: str | None = None) -> BenchResult:
     """Run every config in a fresh worker process; rows in config then test order."""
     from tqdm import tqdm
 
     tests = sum(1 for t in (p, n, cold) if t > 0)
+    if route_trace is not None:     # a cold play, a warm-up play, then reps plays
+        tests = 1 + (cold > 0)
     bar = tqdm(total=len(configs) * (1 + tests * reps), desc="bench", unit="step",
                file=sys.stderr, disable=not progress or None, leave=False)
     rows: list[BenchRow] = []
@@ -113,7 +138,7 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
             try:
                 out = _run_worker(model, cfg, p=p, n=n, reps=reps, cold=cold,
                                   threads=threads, mem_limit=mem_limit, bar=bar,
-                                  gpu_layers=gpu_layers)
+                                  gpu_layers=gpu_layers, route_trace=route_trace)
             except UserError as err:        # one config failing keeps the others' rows
                 if len(configs) == 1:
                     raise
@@ -138,11 +163,12 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
 
 
 def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_limit,
-                bar, gpu_layers: int = 0) -> dict:
+                bar, gpu_layers: int = 0, route_trace: str | None = None) -> dict:
     from runtime.ramtier.cgroup import MemoryLimit
 
     job = json.dumps({"model": model, "config": cfg.to_json(), "p": p, "n": n, "reps": reps,
-                      "cold": cold, "threads": threads, "gpu_layers": gpu_layers})
+                      "cold": cold, "threads": threads, "gpu_layers": gpu_layers,
+                      "route_trace": route_trace})
     group = MemoryLimit(mem_limit, name=f"moe-bench-{os.getpid()}") if mem_limit else None
     cmd = [sys.executable, "-m", "runtime.bench.worker"]
     env = dict(os.environ, PYTHONPATH=_repo_root() + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -193,7 +219,7 @@ def _repo_root() -> str:
 
 def cold_ratios(rows: list[BenchRow], cold: int) -> dict[str, float]:
     """mmap's cold-test seconds over each other config's (> 1: faster than kernel faults)."""
-    test = f"cold{cold}"
+    test = next((r.test for r in rows if r.test.startswith("cold")), f"cold{cold}")
     base = next((r for r in rows if r.config == "mmap" and r.test == test), None)
     if base is None:
         return {}
@@ -220,22 +246,24 @@ def cold_line(result: BenchResult, cold: int) -> str:
     """The cold-start comparison, one line per managed config."""
     if not result.cold_ratios:
         return ""
-    test = f"cold{cold}"
+    test = next((r.test for r in result.rows if r.test.startswith("cold")), f"cold{cold}")
     secs = {r.config: r.seconds for r in result.rows if r.test == test}
-    parts = [f"{name} {secs[name]:.2f} s ({speed_words(ratio)})"
+    parts = [f"{name} {secs[name]:.2f} s, {speed_words(ratio)}"
              for name, ratio in result.cold_ratios.items()]
-    return (f"cold start (page cache dropped; {COLD_PROMPT}-token prompt + {cold} tokens): "
-            f"mmap faults {secs['mmap']:.2f} s; " + ", ".join(parts))
+    what = ("the trace's prompt and decode rows" if test.endswith("@trace")
+            else f"{COLD_PROMPT}-token prompt + {cold} tokens")
+    return (f"cold start (page cache dropped; {what}): "
+            f"mmap faults {secs['mmap']:.2f} s; speed against mmap: " + "; ".join(parts))
 
 
 def speed_words(ratio: float) -> str:
-    """``ratio`` = mmap's seconds / this config's, in words that never call a slowdown
-    faster: "1.52x faster than mmap", "1.30x slower than mmap", "as fast as mmap"."""
+    """``ratio`` = mmap's seconds / this config's (its speed against mmap's), one way for
+    gains and losses alike: "1.52x (faster)", "0.52x (slower)", "1.00x (as fast)"."""
     if ratio >= 1.005:
-        return f"{ratio:.2f}x faster than mmap"
+        return f"{ratio:.2f}x (faster)"
     if ratio <= 1 / 1.005:
-        return f"{1 / ratio:.2f}x slower than mmap"
-    return "as fast as mmap"
+        return f"{ratio:.2f}x (slower)"
+    return "1.00x (as fast)"
 
 
 def to_json(result: BenchResult, meta: dict) -> str:

@@ -66,7 +66,7 @@ class ConfigRunner:
     """Builds the engine for one config and runs the tests on it."""
 
     def __init__(self, model: str, cfg: BenchConfig, *, n_ctx: int, threads: int | None,
-                 gpu_layers: int = 0):
+                 gpu_layers: int = 0, route_trace: str | None = None):
         from runtime.engine.engine import Engine, EngineSettings
         from runtime.engine.placement import cpu_moe_placement
         from runtime.residency.config import load_config, parse_config
@@ -78,7 +78,8 @@ class ConfigRunner:
                       else parse_config(cfg.config or {}, source=cfg.name))
         settings = EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
                                   manage_residency=cfg.kind == "managed", config=config,
-                                  n_gpu_layers=-1 if cfg.kind == "static" else gpu_layers)
+                                  n_gpu_layers=-1 if cfg.kind == "static" else gpu_layers,
+                                  route_trace=route_trace)
         placement = cpu_moe_placement(cfg.n_cpu_moe or 0) if cfg.kind == "static" else None
         self.engine = Engine(settings, progress=False, placement=placement)
         self.tier = next((p for p in self.engine.tiers
@@ -110,13 +111,21 @@ class ConfigRunner:
     def _run(self, prompt: list[int], max_tokens: int, rate_of: str) -> Sample:
         from runtime.engine.sampling import SamplingParams
 
+        return self._play(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                          (rate_of,))[0]
+
+    def _play(self, prompt: list[int], params, rates: tuple[str, ...]) -> list[Sample]:
+        """One generation; a Sample per rate ("prompt", "generation" or "total"), each with
+        the whole generation's counters and reads."""
         before, io0 = self._counters(), _read_bytes()
         timings = None
-        for chunk in self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
-                                                                 temperature=0.0)):
+        for chunk in self.engine.generate(prompt, params):
             if chunk.timings is not None:
                 timings = chunk.timings
         after, io1 = self._counters(), _read_bytes()
+        return [self._sample(timings, rate_of, before, after, io1 - io0) for rate_of in rates]
+
+    def _sample(self, timings, rate_of: str, before, after, read: int) -> Sample:
         if rate_of == "prompt":
             tokens, seconds = timings.prompt_tokens, timings.prompt_s
         elif rate_of == "generation":
@@ -124,7 +133,7 @@ class ConfigRunner:
         else:
             tokens, seconds = timings.completion_tokens, timings.prompt_s + timings.generation_s
         delta = None if before is None else [a - b for a, b in zip(after, before)]
-        return Sample(tokens, seconds, *(delta if delta else (None, None, None)), io1 - io0)
+        return Sample(tokens, seconds, *(delta if delta else (None, None, None)), read)
 
     def warm_up(self) -> None:
         self._run(self._prompt(8), 4, "generation")
@@ -138,6 +147,26 @@ class ConfigRunner:
     def cold(self, n: int) -> Sample:
         drop_file_cache(self.model)
         return self._run(self._prompt(COLD_PROMPT), n, "total")
+
+    def play_trace(self, *, cold: bool = False) -> list[Sample]:
+        """The imposed trace played from its first position: its prompt, then every decode
+        row. (prompt, generation) samples, or the whole play's when ``cold`` (page cache
+        dropped first)."""
+        from runtime.engine.cli_args import imposed_request
+        from runtime.engine.sampling import SamplingParams
+
+        if cold:
+            drop_file_cache(self.model)
+        self.engine.reset()
+        prompt, params = imposed_request(self.engine, None, SamplingParams(temperature=0.0),
+                                         _WholeTrace())
+        return self._play(prompt, params, ("total",) if cold else ("prompt", "generation"))
+
+
+class _WholeTrace:
+    """Arguments without -p and -n: the trace's own prompt and every decode row."""
+
+    predict_given = False
 
 
 def summarize(samples: list[Sample]) -> dict:
@@ -161,23 +190,32 @@ def summarize(samples: list[Sample]) -> dict:
 
 
 def run_config(model: str, cfg: BenchConfig, *, p: int, n: int, reps: int, cold: int,
-               threads: int | None, step: Callable[[str], None], gpu_layers: int = 0) -> dict:
-    """Every test of one config: ``{"backend", "tests": {name: summary}, "tier": ...}``."""
+               threads: int | None, step: Callable[[str], None], gpu_layers: int = 0,
+               route_trace: str | None = None) -> dict:
+    """Every test of one config: ``{"backend", "tests": {name: summary}, "tier": ...}``.
+    With ``route_trace`` the tests are plays of the trace instead (``trace_tests``)."""
     n_ctx = max(p, COLD_PROMPT, 8) + max(n, cold, 4) + 16
-    runner = ConfigRunner(model, cfg, n_ctx=n_ctx, threads=threads, gpu_layers=gpu_layers)
+    if route_trace is not None:     # a play needs the trace's positions (refused past n_ctx)
+        n_ctx = 2048
+    runner = ConfigRunner(model, cfg, n_ctx=n_ctx, threads=threads,
+                          gpu_layers=gpu_layers, route_trace=route_trace)
     try:
         out: dict = {"backend": runner.backend(), "tests": {}}
-        step("warm-up")
-        runner.warm_up()
-        plan = [(f"pp{p}", lambda: runner.pp(p)) if p > 0 else None,
-                (f"tg{n}", lambda: runner.tg(n)) if n > 0 else None,
-                (f"cold{cold}", lambda: runner.cold(cold)) if cold > 0 else None]
-        for name, fn in filter(None, plan):
-            samples = []
-            for rep in range(reps):
-                step(f"{name} {rep + 1}/{reps}")
-                samples.append(fn())
-            out["tests"][name] = summarize(samples)
+        if route_trace is not None:
+            out["tests"] = trace_tests(runner, reps, cold > 0, step)
+            out["imposed"] = runner.engine.imposed.note()
+        else:
+            step("warm-up")
+            runner.warm_up()
+            plan = [(f"pp{p}", lambda: runner.pp(p)) if p > 0 else None,
+                    (f"tg{n}", lambda: runner.tg(n)) if n > 0 else None,
+                    (f"cold{cold}", lambda: runner.cold(cold)) if cold > 0 else None]
+            for name, fn in filter(None, plan):
+                samples = []
+                for rep in range(reps):
+                    step(f"{name} {rep + 1}/{reps}")
+                    samples.append(fn())
+                out["tests"][name] = summarize(samples)
         if runner.tier is not None:
             out["tier"] = {"stats": asdict(runner.tier.stats()),
                            "truth": runner.tier.truth().to_dict(),
@@ -186,6 +224,26 @@ def run_config(model: str, cfg: BenchConfig, *, p: int, n: int, reps: int, cold:
         return out
     finally:
         runner.close()
+
+
+def trace_tests(runner: ConfigRunner, reps: int, cold: bool,
+                step: Callable[[str], None]) -> dict:
+    """Plays of the imposed trace: ``pp{P}@trace`` and ``tg{D}@trace`` (its prompt and its
+    decode rows, warm: after one play), and ``cold{D}@trace`` (a play after a page-cache drop,
+    t/s over the whole time)."""
+    routing = runner.engine.imposed
+    tests: dict[str, list[Sample]] = {}
+    if cold:
+        step("cold play")
+        tests[f"cold{routing.max_new_tokens}@trace"] = runner.play_trace(cold=True)
+    step("warm-up play")
+    runner.play_trace()
+    for rep in range(reps):
+        step(f"trace play {rep + 1}/{reps}")
+        prompt, generation = runner.play_trace()
+        tests.setdefault(f"pp{routing.n_prompt}@trace", []).append(prompt)
+        tests.setdefault(f"tg{routing.max_new_tokens}@trace", []).append(generation)
+    return {name: summarize(samples) for name, samples in tests.items()}
 
 
 def _peak_rss() -> int:

@@ -24,7 +24,8 @@ def main() -> int:
     try:
         result = run_config(job["model"], BenchConfig(**job["config"]), p=job["p"], n=job["n"],
                             reps=job["reps"], cold=job["cold"], threads=job["threads"],
-                            step=step, gpu_layers=job.get("gpu_layers", 0))
+                            step=step, gpu_layers=job.get("gpu_layers", 0),
+                            route_trace=job.get("route_trace"))
     except UserError as err:
         sys.stdout.write(json.dumps({"error": str(err)}) + "\n")
         return 2

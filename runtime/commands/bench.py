@@ -5,9 +5,11 @@
 
 Without ``-m`` it writes (once) and uses the default benchmark model in the cache directory
 (``runtime/bench/model.py``). Without ``--config`` the configurations are: plain mmap,
-read-ahead (managed, room for every expert), and each eviction policy at ``--budget``
-(default 30% of the expert bytes); with ``--config`` files, plain mmap and one row group per
-file. ``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
+read-ahead (managed, room for every expert), each eviction policy at ``--budget``
+(default 30% of the expert bytes) and configs/best-replay.toml at the same budget; with
+``--config`` files, plain mmap and one row group per file. A model that fits in free memory
+gets a note under the table: without memory pressure (``--mem-limit``) no tier can gain.
+``--n-cpu-moe N`` adds static ``--n-cpu-moe`` placements (a GPU build only).
 """
 from __future__ import annotations
 
@@ -15,11 +17,13 @@ import argparse
 import shlex
 import sys
 
+from runtime.atomic_write import write_text
 from runtime.errors import UserError
 from runtime.units import parse_size_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from runtime.bench.offload import POLICIES  # noqa: PLC0415
     from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
 
     parser = subparsers.add_parser(
@@ -43,8 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--budget", default=None, metavar="SIZE",
                         help="cpu expert budget of the policy rows (default: 30%% of the "
                              "model's expert bytes)")
-    parser.add_argument("--policies", default="lru,lfu,lfu-decay,phase-weighted",
-                        help="eviction policies to run at --budget (comma-separated)")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="eviction policies to run at --budget (comma-separated); "
+                             "configs/best-replay.toml runs there too")
     parser.add_argument("--n-cpu-moe", type=int, action="append", default=[], metavar="N",
                         help="add a static placement with the first N layers' experts on the "
                              "CPU, the rest on the GPU (repeatable; needs a GPU build)")
@@ -56,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-ngl", "--gpu-layers", type=int, default=None, metavar="N",
                         help="layers whose dense weights go to the GPU in the mmap and managed "
                              "rows (default: all with a GPU, none without)")
+    parser.add_argument("--route-trace", metavar="TRACE", default=None,
+                        help="route as TRACE did (a routing trace of the model's shape): each "
+                             "config plays the trace (its prompt, then every decode row) "
+                             "instead of the pp/tg/cold tests: pp and tg over warm plays, cold "
+                             "over a play after a page-cache drop (-p and -n are not used)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--save-json", metavar="FILE", default=None,
                         help="also write the JSON to FILE (with the table printed)")
@@ -76,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{flag}: must be >= {low}, got {value}")
     model = args.model or str(ensure_model(progress=not args.no_progress))
     facts = read_model_facts(model)
+    imposed = None
+    if args.route_trace is not None:      # a bad trace: one line before any row runs
+        from runtime.engine.imposed_routing import imposed_for  # noqa: PLC0415
+
+        imposed = imposed_for(args.route_trace, facts).note()
     total = facts.total_expert_bytes
     budget = parse_size_arg(args.budget, "--budget") if args.budget else int(total * 0.30)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -97,29 +112,36 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--n-cpu-moe: no GPU backend in this llama.cpp build")
 
     gpu_layers = args.gpu_layers if args.gpu_layers is not None else (-1 if _has_gpu() else 0)
+    import psutil  # noqa: PLC0415 - memory free before the run (its own pages not counted)
+
+    pressure = bench.pressure_note(facts.file_bytes, psutil.virtual_memory().available,
+                                   mem_limit)
     result = bench.run_bench(model, configs, p=args.n_prompt, n=args.n_gen,
                              reps=args.repetitions, cold=args.cold, threads=args.threads,
                              mem_limit=mem_limit, progress=not args.no_progress,
-                             gpu_layers=gpu_layers)
+                             gpu_layers=gpu_layers, route_trace=args.route_trace)
     argv = sys.argv[1:]
     argv = argv[1:] if argv[:1] == ["bench"] else argv
     command = " ".join(["moe-offload bench", *(shlex.quote(a) for a in argv)])
     readahead = bench.read_ahead_kb(model)
     meta = {"command": command, "model": model, "expert_bytes": total, "budget_bytes": budget,
-            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead}
+            "mem_limit_bytes": mem_limit, "read_ahead_kb": readahead, "routing": imposed,
+            "memory_pressure_note": pressure or None}
     if args.save_json:
-        with open(args.save_json, "w", encoding="utf-8") as fh:
-            fh.write(bench.to_json(result, meta))
+        write_text(args.save_json, bench.to_json(result, meta))
     if args.json:
         print(bench.to_json(result, meta))
         return 0
     print(f"model: {model} ({bench.mib(facts.file_bytes)}, experts {bench.mib(total)}: "
           f"{len(facts.moe_layers)} layers x {facts.n_expert} experts, {facts.n_expert_used} "
           f"used per token)" + (f"; memory limit {bench.mib(mem_limit)}" if mem_limit else "")
-          + (f"; disk read_ahead_kb {readahead}" if readahead is not None else ""))
+          + (f"; disk read_ahead_kb {readahead}" if readahead is not None else "")
+          + (f"; {imposed}" if imposed else ""))
     print()
     print(bench.format_table(result.rows))
     print()
+    if pressure:
+        print(pressure)
     line = bench.cold_line(result, args.cold)
     if line:
         print(line)

@@ -4,7 +4,9 @@
 2. prints its expert layout (``moe-offload inspect``'s table),
 3. generates a completion through the offload runtime with the expert cache budget set to a
    fraction of the model's expert bytes, streaming the text, and closes with the telemetry
-   line (prompt t/s, generation t/s, expert hit rate) and the manager's per-phase counters.
+   line (prompt t/s, generation t/s, expert hit rate) and the manager's per-phase counters,
+4. says that the weights are random (the text is noise; the counters are the point) and what
+   to run next.
 """
 from __future__ import annotations
 
@@ -98,4 +100,15 @@ def run(args: argparse.Namespace) -> int:
               f"evictions {c.evictions}")
     print(f"  {device} tier: {format_size(snap.resident_bytes)} resident of "
           f"{format_size(snap.capacity_bytes or 0)} ({snap.resident_experts} experts)")
+    print(NEXT_STEPS)
     return 0
+
+
+NEXT_STEPS = """
+The demo model's weights are random, so its text is noise: what it shows is the expert
+traffic above (hits, misses, bytes moved under a budget of part of the experts).
+Next:
+  moe-offload complete -hf unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M -p "Hello" --auto
+                                      # a real model (downloaded once; README: run a real model)
+  moe-offload serve -m MODEL.gguf --auto   # an OpenAI-compatible server and a chat page
+  moe-offload bench                        # mmap vs the managed tiers, on this machine"""

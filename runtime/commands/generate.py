@@ -23,17 +23,22 @@ from runtime.errors import UserError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from runtime.engine.cli_args import HelpFormatter as _FMT  # noqa: PLC0415
-    from runtime.engine.cli_args import add_engine_args, add_sampling_args  # noqa: PLC0415
+    from runtime.engine.cli_args import (add_engine_args, add_route_trace_arg,  # noqa: PLC0415
+                                         add_sampling_args)
     from runtime.engine.stats_file import add_stats_json_arg  # noqa: PLC0415
 
     comp = subparsers.add_parser(
         "complete", help="complete a prompt (text to stdout)", formatter_class=_FMT,
         description="Continue PROMPT with the model, streaming only the generated text to "
                     "stdout; timings and expert hit rate go to stderr.")
-    src = comp.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", help="prompt text")
+    src = comp.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text (required unless --route-trace)")
     src.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE")
+    comp.add_argument("-sys", "--system-prompt", dest="system", default=None, metavar="TEXT",
+                      help="a system message: the prompt is then rendered with the model's "
+                           "chat template as one user turn (llama.cpp's -sys)")
     add_engine_args(comp)
+    add_route_trace_arg(comp)
     add_sampling_args(comp)
     add_stats_json_arg(comp)
     comp.set_defaults(func=run_complete)
@@ -43,15 +48,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Multi-turn chat using the model's chat template, with line editing and "
                     "history. /help lists the commands (/exit quits, /reset forgets the "
                     "conversation); Ctrl-C stops the current reply.")
-    chat.add_argument("--system", default=None, metavar="TEXT", help="system message")
+    chat.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None,
+                      metavar="TEXT", help="system message")
     add_engine_args(chat)
     add_sampling_args(chat, predict_default=512)
     chat.set_defaults(func=run_chat)
 
 
-def _prompt_text(args: argparse.Namespace) -> str:
+def _prompt_text(args: argparse.Namespace) -> str | None:
     if args.prompt is not None:
         return args.prompt
+    if args.file is None:
+        return None
     try:
         return Path(args.file).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -80,14 +88,24 @@ def _write(text: str) -> None:
 
 def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; the timings line to stderr."""
-    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.cli_args import (imposed_request, sampling_from_args,  # noqa: PLC0415
+                                         settings_from_args)
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.engine.stats_file import check_stats_json_path, write_stats_json  # noqa: PLC0415
 
     prompt = _prompt_text(args)
+    if prompt is None and args.route_trace is None:
+        raise UserError("give a prompt: -p TEXT or -f FILE (or --route-trace TRACE)")
     params = sampling_from_args(args)
     check_stats_json_path(args.stats_json)
-    with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+    note = None
+    settings = settings_from_args(args)
+    with _engine_errors(settings.model_path), Engine(settings) as engine:
+        prompt, params = imposed_request(engine, prompt, params, args)
+        note = engine.imposed.note() if engine.imposed is not None else None
+        if args.system is not None and isinstance(prompt, str):
+            prompt = engine.chat_prompt([{"role": "system", "content": args.system},
+                                         {"role": "user", "content": prompt}])
         last, tail = None, ""
         for chunk in engine.generate(prompt, params):
             _write(chunk.text)
@@ -97,7 +115,7 @@ def run_complete(args: argparse.Namespace) -> int:
     if tail != "\n":       # a file or pipe gets whole lines; a terminal a clean prompt
         _write("\n")
     if last is not None and last.timings is not None:
-        sys.stderr.write(last.timings.summary() + "\n")
+        sys.stderr.write(last.timings.summary() + (f" | {note}" if note else "") + "\n")
     return 0
 
 
@@ -170,7 +188,8 @@ def run_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     totals: list[Timings] = []
-    with _engine_errors(args.model), Engine(settings_from_args(args)) as engine:
+    settings = settings_from_args(args)
+    with _engine_errors(settings.model_path), Engine(settings) as engine:
         if interactive:
             sys.stderr.write(f"{engine.model_name}: chat ready. /help lists the commands; "
                              "/exit quits, Ctrl-C stops a reply.\n")

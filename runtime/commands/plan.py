@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from runtime.atomic_write import write_text
 from runtime.errors import UserError
 from runtime.units import parse_size
 
@@ -60,11 +61,7 @@ def run(args: argparse.Namespace) -> int:
                         warn=lambda line: print(line, file=sys.stderr))
     text = result.to_toml()
     if args.output:
-        try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as err:
-            raise UserError(f"{args.output}: cannot write ({err.strerror})") from None
+        write_text(args.output, text)
         sys.stderr.write(f"plan: wrote {args.output} (run with -ngl {result.gpu_layers} "
                          f"--config {args.output})\n")
     else:

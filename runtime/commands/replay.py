@@ -1,14 +1,15 @@
 """``moe-offload replay``: run routing traces through the residency manager, simulated.
 
     moe-offload replay TRACE [TRACE...] --capacity SIZE [--capacity SIZE...]
-        (--policy NAME | --config FILE) [--policy ... / --config ...]
-        [--cost FILE] [--profile FILE] [--json] [--plot OUT.png]
+        [--policy NAME | --config FILE ...] [--cost FILE] [--profile FILE] [--json]
+        [--plot OUT.png]
 
 SIZE is bytes with units (``6GiB``), a share of the trace model's expert bytes (``20%``), or
 ``recorded``: the pools (layers and capacities) of the device a live run recorded the trace
 with (``trace record --config ...``), which replays that run's decisions exactly.
-Each policy / config is a row, each capacity a column; every cell also gets the Belady ceiling
-of its trace and capacity. Output: the markdown matrix (default) or a JSON list of cells.
+Each policy / config is a row (without one: ``DEFAULT_POLICIES``), each capacity a column;
+every cell also gets the Belady ceiling of its trace and capacity. Output: the markdown matrix
+(default; on a terminal without HTML) or a JSON list of cells.
 Prefetches are timed on the cost model (runtime/replay/timing.py): a late one is a demand miss.
 ``--profile FILE`` (``moe-offload profile``) warm-starts the learned policies of every cell.
 """
@@ -25,6 +26,7 @@ from runtime.residency.config import ResidencyConfig, load_config, preset_config
 from runtime.traces.files import read_trace
 from runtime.units import parse_percent, parse_size
 
+DEFAULT_POLICIES = ("lru", "lfu-decay", "next-visit")   # rows when none is given
 
 @dataclass(frozen=True)
 class Capacity:
@@ -79,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", action=_Row, dest="rows", default=[], metavar="NAME",
                    help="eviction policy under demand admission (lru, lfu, lfu-decay, "
                         "phase-weighted, next-visit), belady (offline, with bypass) or "
-                        "belady-forced; repeat for more rows")
+                        "belady-forced; repeat for more rows (default: "
+                        f"{', '.join(DEFAULT_POLICIES)})")
     p.add_argument("--config", action=_Row, dest="rows", metavar="FILE",
                    help="residency TOML with phase-specific policies; repeat for more rows")
     p.add_argument("--cost", metavar="FILE",
@@ -89,13 +92,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "warm-start next-visit and affinity in every cell")
     p.add_argument("--json", action="store_true", help="print a JSON list of cells")
     p.add_argument("--plot", metavar="OUT.png", help="write a PNG of demand-miss bytes "
-                                                     "against capacity")
+                                                     "against capacity (its path is said on "
+                                                     "stderr)")
     p.set_defaults(func=run)
 
 
 def _rows(args: argparse.Namespace) -> list[tuple[str, ResidencyConfig]]:
     if not args.rows:
-        raise UserError("replay: give --policy NAME or --config FILE")
+        args.rows = [("--policy", name) for name in DEFAULT_POLICIES]
     rows = [(value, preset_config(value) if flag == "--policy" else load_config(value))
             for flag, value in args.rows]
     if args.cost:
@@ -148,11 +152,13 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         from runtime.replay.report import matrix_markdown
-        sys.stdout.write(matrix_markdown(cells))
+        # a file or pipe gets markdown with a folded <details> table; a terminal plain text
+        sys.stdout.write(matrix_markdown(cells, html=not sys.stdout.isatty()))
     sys.stdout.flush()
     if args.plot:
         from runtime.replay.plot import plot_matrix
         plot_matrix(cells, args.plot)
+        sys.stderr.write(f"replay: plot written to {args.plot}\n")
     elapsed = time.perf_counter() - started
     sys.stderr.write(f"replay: {len(cells)} cells, {replayed:,} accesses through the manager "
                      f"in {elapsed:.2f} s ({replayed / max(elapsed, 1e-9):,.0f}/s, Belady "

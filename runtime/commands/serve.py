@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every "
                             "route but /health and /models, as llama-server (default: the "
                             "MOE_OFFLOAD_API_KEY environment variable, if set)")
-    group.add_argument("--alias", default=None, metavar="NAME",
+    group.add_argument("-a", "--alias", default=None, metavar="NAME",
                        help="model name shown by /v1/models and in answers; a,b,c gives "
                             "several, the first in sorted order is the id (default: the "
                             "model file's name without .gguf)")
@@ -79,10 +79,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "default, as llama-server")
     group.add_argument("--no-cache-idle-slots", dest="cache_idle_slots", action="store_false",
                        help="with --cache-ram: leave idle slots alone")
+    group.add_argument("--no-context-shift", dest="context_shift", action="store_false",
+                       default=False, help="refuse a request whose context fills (the default)")
     group.add_argument("--context-shift", action="store_true",
                        help="when a request's context is full, drop the oldest half after its "
                             "first n_keep tokens and go on generating (llama-server's flag)")
-    group.add_argument("--kv-unified", action="store_true",
+    group.add_argument("-kvu", "--kv-unified", action="store_true",
                        help="with -np N: one KV pool that every request may fill up to -c "
                             "(a request fails with 500 when the pool is full); default: "
                             "ctx-size / N each")
@@ -100,7 +102,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
                        help="answer GET /metrics with 501 (llama-server's default)")
-    group.add_argument("--no-ui", dest="web_ui", action="store_false", default=True,
+    group.add_argument("-cb", "--cont-batching", action="store_true",
+                       help="accepted: -np N batches its requests continuously (llama-server's "
+                            "default)")
+    group.add_argument("--webui", dest="web_ui", action="store_true", default=True,
+                       help="serve the chat page at / (the default)")
+    group.add_argument("--no-webui", "--no-ui", dest="web_ui", action="store_false",
+                       default=True,
                        help="do not serve the chat page at / (404 there)")
     group.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="cors_proxy",
                        action="store_true",

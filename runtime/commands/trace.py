@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.errors import UserError
-from runtime.traces.files import is_csv_path, read_trace, write_trace
+from runtime.traces.files import is_csv_path, read_trace, trace_integrity, write_trace
 from runtime.traces.synthetic import SynthTraceSpec, synthesize
 from runtime.traces.trace import PHASE_DECODE, PHASE_PREFILL
 from runtime.units import format_size, parse_size_arg
@@ -70,7 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="take layers, experts, top-k and bytes from this model")
     syn.set_defaults(func=run_synth)
 
-    info = sub.add_parser("info", help="print a trace's shape and counts")
+    info = sub.add_parser("info", help="print a trace's shape, counts and integrity",
+                          description="Shape and counts of each trace, and whether it is "
+                                      "intact (a .rtb's checksum verified) or has no checksum "
+                                      "(CSV, .rtb version 1). A corrupt file is one line on "
+                                      "stderr and exit status 2; the other files are still "
+                                      "shown.")
     info.add_argument("traces", nargs="+", metavar="TRACE")
     info.set_defaults(func=run_info)
 
@@ -124,8 +129,15 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    failed = 0
     for path in args.traces:
-        t = read_trace(path)
+        try:
+            t = read_trace(path)
+            state = trace_integrity(path)
+        except UserError as err:
+            sys.stderr.write(f"moe-offload: error: {err}\n")
+            failed += 1
+            continue
         h = t.header
         print(f"{path}: {len(t):,} rows; model {h.model} ({h.arch}), {h.n_layer} layers x "
               f"{h.n_expert} experts, top-{h.n_expert_used}; expert bytes "
@@ -137,4 +149,5 @@ def run_info(args: argparse.Namespace) -> int:
                 print(f"  {name}: {int(m.sum()):,} accesses, {t.token_count(phase)} tokens, "
                       f"{len(keys):,} distinct experts")
         print(f"  layer batches: {len(t.batch_bounds()) - 1:,}")
-    return 0
+        print(f"  integrity: {state}")
+    return 2 if failed else 0

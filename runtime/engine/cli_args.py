@@ -10,6 +10,7 @@ record), and their translation into ``EngineSettings`` / ``SamplingParams``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
@@ -22,9 +23,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
     with llama.cpp's names."""
     from runtime.residency.config_cli import add_config_arguments  # noqa: PLC0415
 
+    from runtime.engine.llama_flags import add_placement_args  # noqa: PLC0415
+
     g = parser.add_argument_group("model and runtime")
-    g.add_argument("-m", "--model", required=model_required, metavar="FILE",
-                   help="GGUF model file")
+    g.add_argument("-m", "--model", metavar="FILE",
+                   help="GGUF model file" + (" (or -hf REPO)" if model_required else ""))
+    parser.set_defaults(model_required=model_required)
+    g.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", default=None,
+                   metavar="USER/MODEL[:QUANT]",
+                   help="download the model from Hugging Face into its cache (as llama.cpp: "
+                        "QUANT picks the file, Q4_K_M when there is one)")
+    g.add_argument("-hff", "--hf-file", dest="hf_file", default=None, metavar="FILE",
+                   help="with -hf: this file of the repository (wins over :QUANT)")
     g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
                    help="context size in tokens (0 = the model's training context)")
     g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
@@ -44,6 +54,19 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
         g.add_argument("--no-residency", action="store_true",
                        help="plain llama.cpp placement: no residency manager, no routing hook")
     g.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's own log")
+    g.add_argument("--mmap", dest="mmap", action="store_true", default=True,
+                   help="map the model file (the default)")
+    g.add_argument("--no-mmap", dest="mmap", action="store_false",
+                   help="read the weights into memory instead of mapping the file")
+    g.add_argument("--mlock", action="store_true",
+                   help="lock the model's pages in RAM (never swapped out)")
+    g.add_argument("--no-repack", dest="repack", action="store_false", default=None,
+                   help="no repacked CPU weight layouts (llama.cpp's extra buffer types)")
+    g.add_argument("--list-devices", action=_ListDevices,
+                   help="list the devices llama.cpp sees here, then exit")
+    g.add_argument("--version", action="version", version=_version())
+    add_placement_args(parser.add_argument_group(
+        "static placement (llama.cpp's flags; the README says how they meet the budgets)"))
     if residency:
         g.add_argument("--auto", action="store_true",
                        help="plan the residency config from this machine's free memory at "
@@ -55,15 +78,44 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
         show_residency_defaults(parser)
 
 
+def _version() -> str:
+    from runtime.cli import version_line  # noqa: PLC0415
+
+    return version_line()
+
+
+class _ListDevices(argparse.Action):
+    """``--list-devices``: llama.cpp's device list (name, memory), then exit 0."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from runtime.engine import llama_lib  # noqa: PLC0415
+
+        print("Available devices:")
+        for dev in llama_lib.devices():
+            memory = (f" ({dev.total_bytes >> 20} MiB, {dev.free_bytes >> 20} MiB free)"
+                      if dev.total_bytes else "")
+            print(f"  {dev.name}{memory}")
+        parser.exit(0)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with "(default: X)" only where there is a value to show: not None or False,
     not a switch (its help says what it does), not a help that states its own default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if (action.default is None or action.default is False or action.nargs == 0
-                or "(default:" in (action.help or "")):
+                or action.default == [] or "(default:" in (action.help or "")):
             return action.help
         return super()._get_help_string(action)
+
+    def _format_text(self, text: str) -> str:          # docstrings' ``code`` reads as code
+        return super()._format_text(text.replace("``", ""))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return super()._expand_help(action).replace("``", "")
 
 
 def residency_defaults() -> dict[str, str]:
@@ -104,9 +156,13 @@ def show_residency_defaults(parser: argparse.ArgumentParser) -> None:
     by_flag = {f"--{key}": key for key in config_keys()}
     for action in parser._actions:  # noqa: SLF001 - argparse has no public accessor
         key = next((by_flag[o] for o in action.option_strings if o in by_flag), None)
-        if key is None or action.help in (None, argparse.SUPPRESS):
+        if key is None:
             continue
-        action.help = f"{action.help} (default: {defaults.get(key, 'built-in')})"
+        shown = f" (default: {defaults.get(key, 'built-in')})"
+        if getattr(action, "advanced_help", None) is not None:     # listed by --help-all
+            action.advanced_help += shown
+        elif action.help not in (None, argparse.SUPPRESS):
+            action.help += shown
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int = 128) -> None:
@@ -114,7 +170,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int =
     d = SamplingParams()
     g = parser.add_argument_group("sampling")
     g.add_argument("-n", "--predict", "--n-predict", dest="predict", type=int,
-                   default=predict_default, metavar="N",
+                   default=predict_default, metavar="N", action=_StoreGiven,
                    help="tokens to generate (-1 = until the context is full)")
     g.add_argument("--temp", type=float, default=d.temperature,
                    help="temperature (0 = greedy)")
@@ -125,13 +181,58 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, predict_default: int =
                    help="penalise the last 64 tokens' repeats (1.0 = off)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when TEXT is generated (repeatable; TEXT is not printed)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="never sample end-of-generation tokens (generate the whole -n)")
+
+
+class _StoreGiven(argparse.Action):
+    """Store the value and mark ``<dest>_given`` (a default the run may choose otherwise)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def add_route_trace_arg(parser: argparse.ArgumentParser) -> None:
+    """``--route-trace TRACE`` (runtime.engine.imposed_routing)."""
+    parser.add_argument(
+        "--route-trace", metavar="TRACE", default=None,
+        help="route as TRACE did (a routing trace, CSV or .rtb, of the model's shape): prompt "
+             "tokens take its prefill rows, generated tokens its decode rows, at every MoE "
+             "layer. Without a prompt the prompt is as long as the trace's; -n defaults to the "
+             "rest of the trace; end-of-text is suppressed so the whole trace plays")
+
+
+def imposed_request(engine, prompt: str | list[int] | None, params: SamplingParams,
+                    args: argparse.Namespace) -> tuple[str | list[int], SamplingParams]:
+    """The prompt and sampling a run under ``--route-trace`` takes: no prompt given = as many
+    tokens as the trace's prefill; -n not given = every position the trace has left."""
+    routing = engine.imposed
+    if routing is None:
+        if prompt is None:
+            raise UserError("give a prompt: -p TEXT or -f FILE")
+        return prompt, params
+    if prompt is None:
+        filler = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 64,
+                                 add_special=True)
+        prompt = (filler * (routing.n_prompt // max(len(filler), 1) + 1))[:routing.n_prompt]
+    if not getattr(args, "predict_given", False):
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenize(prompt))
+        params = dataclasses.replace(params, max_tokens=max(
+            1, routing.n_positions - n_prompt + 1))
+    return prompt, params
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     """``EngineSettings`` from parsed ``add_engine_args`` flags (UserError on bad values)."""
     from runtime.residency.config_cli import config_from_args  # noqa: PLC0415
 
+    from runtime.engine.hub import resolve_model  # noqa: PLC0415
+    from runtime.engine.llama_flags import placement_rules  # noqa: PLC0415
+
+    resolve_model(args)
     manage = hasattr(args, "no_residency") and not args.no_residency
+    rules = tuple(placement_rules(args))
     gpu_layers = args.gpu_layers
     if manage and getattr(args, "auto", False):
         from runtime.residency.config_cli import config_from_text  # noqa: PLC0415
@@ -145,12 +246,43 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         gpu_layers = gpu_layers or planned.gpu_layers
     else:
         config = config_from_args(args) if manage else None
+    if config is not None:
+        check_cuda_devices(config)
     return EngineSettings(
         model_path=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
         n_gpu_layers=gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
         seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
         verbose=args.verbose, config=config, flash_attn=args.flash_attn,
-        profile_path=getattr(args, "profile", None) if manage else None)
+        profile_path=getattr(args, "profile", None) if manage else None,
+        route_trace=getattr(args, "route_trace", None),
+        tensor_rules=rules, use_mmap=args.mmap, use_mlock=args.mlock, repack=args.repack)
+
+
+def check_cuda_devices(config) -> None:
+    """A ``cuda:N`` budget on a machine without that GPU is one line and a non-zero exit (on
+    the command line; the engine itself still runs such a device as bookkeeping). A GPU
+    counts when the NVIDIA driver shows it, or llama.cpp lists it where it is loaded already:
+    loading it here would pin this process to the stock library before the engine picks the
+    patched CUDA build."""
+    import glob  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    wanted = sorted(b.device for b in config.devices if b.device.startswith("cuda:"))
+    if not wanted:
+        return
+    listed = 0
+    if "llama_cpp.llama_cpp" in sys.modules:
+        from runtime.engine import llama_lib  # noqa: PLC0415
+
+        listed = sum(1 for d in llama_lib.devices() if d.name.upper().startswith("CUDA"))
+    present = max(listed, len(glob.glob("/proc/driver/nvidia/gpus/*")),
+                  len(glob.glob("/dev/nvidia[0-9]*")))
+    missing = [d for d in wanted if int(d.split(":")[1]) >= present]
+    if missing:
+        have = f"{present} CUDA device{'s' if present != 1 else ''}" if present else \
+            "no CUDA device (no NVIDIA GPU or driver found)"
+        raise UserError(f"{missing[0]}: no such device, this machine has {have}; drop its "
+                        "budget (host RAM is --devices.cpu SIZE)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -160,4 +292,5 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.predict, temperature=args.temp, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty,
-                          seed=getattr(args, "seed", -1), stop=list(args.stop))
+                          seed=getattr(args, "seed", -1), stop=list(args.stop),
+                          ignore_eos=args.ignore_eos)

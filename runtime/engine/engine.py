@@ -13,6 +13,8 @@ hook as ``cb_eval`` when residency is managed or routes are recorded), then the 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 import threading
@@ -29,6 +31,7 @@ from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
+from runtime.engine.imposed_routing import imposed_for
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -79,10 +82,16 @@ class Engine:
         remote_rules = list(self.remote.rules) if self.remote is not None else []
         self._overrides = llama_lib.BuftOverrides(remote_rules + [
             (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
-        repack = settings.repack if settings.repack is not None else not native_cache
+        self.lazy_experts = wiring.lazy_experts(settings, self.config, self.placement, lib_dir)
+        # with lazy experts the RAM tier budgets host memory: dense weights stay in the mapping
+        # (read once) rather than also copied into repacked anonymous buffers
+        repack = settings.repack if settings.repack is not None else \
+            not (native_cache or self.lazy_experts)
+        self._check_memory(has_gpu)
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
-                                            repack=repack, remote=self.remote)
+                                            repack=repack, remote=self.remote,
+                                            lazy_experts=self.lazy_experts)
         try:
             self._init_context()
             if self.remote is not None:     # what llama.cpp really put on each remote
@@ -91,10 +100,27 @@ class Engine:
             self.close()
             raise
 
+    def _check_memory(self, has_gpu: bool) -> None:
+        """Refuse in one line a load that does not fit the memory cgroup / available memory
+        (runtime.engine.memory_check), instead of the OOM killer's silent -9 part way."""
+        from runtime.engine import memory_check  # noqa: PLC0415
+
+        tier = 0          # the RAM tier's experts are page cache the kernel may reclaim ...
+        if self.manager is not None and "cpu" in {b.device for b in self.config.devices}:
+            from runtime.ramtier import RamTierOptions  # noqa: PLC0415
+
+            if RamTierOptions.from_env().mlock:            # ... unless it locks them
+                tier = self.manager.capacity("cpu") or 0
+        on_gpu = (has_gpu or self.remote is not None) and self.settings.n_gpu_layers != 0
+        need = memory_check.load_need(self.settings, self.facts, on_gpu=on_gpu,
+                                      ram_tier_bytes=tier)
+        memory_check.check_fits(self.settings.model_path, need, memory_check.memory_room())
+
     def _init_context(self) -> None:
         settings = self.settings
         self.hook = None
-        if settings.manage_residency or settings.capture_all_tokens:
+        self.imposed = imposed_for(settings.route_trace, self.facts)
+        if settings.manage_residency or settings.capture_all_tokens or self.imposed:
             moe_layers = self.facts.moe_layers
             if self.remote is not None:    # whole layers remote: reading their routing would
                 remote = self.remote.remote_whole_layers()   # cost a round trip each
@@ -103,6 +129,8 @@ class Engine:
                                        self.facts.n_layer)
             assembler.strict = settings.capture_all_tokens
             self.hook = NativeHook(assembler, self.facts.n_layer)
+            if self.imposed is not None:
+                self.hook.impose(self.imposed, self.facts.n_expert)
         params = make_context_params(settings, self.hook)
         try:
             with interrupt.deferred():
@@ -278,6 +306,8 @@ class Engine:
             if self.hook is not None:
                 self.hook.assembler.turn = self._turn
             self._turn += 1
+            if self.imposed is not None:
+                params = self._imposed_params(len(tokens), params)
             before = self._counters()
             t0 = time.perf_counter()
             steps = self._prefill(tokens, cancel, reuse_prefix)
@@ -294,6 +324,8 @@ class Engine:
             max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
             if self.settings.context_shift and params.max_tokens > 0:
                 max_new = params.max_tokens          # the context shifts when it is full
+            if self.imposed is not None:             # no token past the trace's positions
+                max_new = min(max_new, self.imposed.n_positions - len(tokens) + 1)
             sampler = Sampler(params, self.n_vocab, self._vocab)
             stream = TextStream(params.stop)
             generated, finish = 0, "length"
@@ -331,6 +363,16 @@ class Engine:
             if sampler is not None:
                 sampler.close()
             self._busy.release()
+
+    def _imposed_params(self, n_prompt: int, params: SamplingParams) -> SamplingParams:
+        """Imposed routing plays the trace to its end (or -n): the request must fit in the
+        trace's positions, and end-of-generation tokens are suppressed (llama.cpp's
+        --ignore-eos), so a random model's early EOS cannot cut the trace short."""
+        self.imposed.check_request(n_prompt, params.max_tokens if params.max_tokens > 0
+                                   else self.imposed.max_new_tokens)
+        bias = dict(params.logit_bias)
+        bias.update({t: float("-inf") for t in self.eog_tokens() if t >= 0})
+        return dataclasses.replace(params, logit_bias=bias)
 
     def _prefill(self, tokens: list[int], cancel: threading.Event | None,
                  reuse_prefix: bool = True) -> Iterator[PromptProgress]:

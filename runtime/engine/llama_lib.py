@@ -335,13 +335,17 @@ def set_logging(verbose: bool) -> LogControl:
 def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None = None,
                progress: Callable[[float], None] | None = None,
                use_mmap: bool = True, repack: bool = True, devices=None,
-               tensor_split=None) -> int:
+               tensor_split=None, lazy_experts: bool = False,
+               use_mlock: bool = False) -> int:
     """``llama_model_load_from_file`` with default params plus ours; returns the model
     pointer or raises RuntimeError with llama.cpp's last logged complaint. ``repack=False``:
     no extra CPU buffer types (llama.cpp's --no-repack), so CPU weights stay in the mapping.
     ``devices``: a NULL-terminated ctypes array of ``ggml_backend_dev_t`` to offload to (None:
     every GPU-type device); ``tensor_split``: a ctypes ``float[llama_max_devices()]`` of
-    layer proportions per device (None: by free memory). Both as runtime/rpc/setup.py makes them."""
+    layer proportions per device (None: by free memory). Both as runtime/rpc/setup.py makes them.
+    ``lazy_experts``: LLAMA_LAZY_MODE_ON, which our patched build extends to the routed
+    experts' weights (native/patches/0006): they are neither prefetched nor repacked.
+    ``use_mlock``: lock the model's host pages in RAM (llama.cpp's --mlock)."""
     ll = bindings()
     params = ll.llama_model_default_params()
     params.n_gpu_layers = int(n_gpu_layers)
@@ -363,8 +367,13 @@ def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None 
             return not requested()     # Ctrl-C came (interrupt.deferred): cancel the load
         callback = ll.llama_progress_callback(on_progress)
         params.progress_callback = callback
-    if not use_mmap:
-        params.load_mode = 0  # LLAMA_LOAD_MODE_NONE: read into buffers
+    # llama_load_mode: NONE = 0 (read into buffers), MLOCK = 2, MMAP_MLOCK = 3
+    if use_mlock:
+        params.load_mode = 3 if use_mmap else 2
+    elif not use_mmap:
+        params.load_mode = 0
+    if lazy_experts:
+        params.lazy_mode = ll.LLAMA_LAZY_MODE_ON
     model = ll.llama_model_load_from_file(path.encode(), params)
     del callback  # only used during the call
     if not model:

@@ -10,7 +10,8 @@ from runtime.errors import UserError
 
 
 def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverrides, *,
-                       progress: bool = True, repack: bool = True, remote=None) -> int:
+                       progress: bool = True, repack: bool = True, remote=None,
+                       lazy_experts: bool = False) -> int:
     """Load the model (a tqdm bar on stderr while llama.cpp reports progress); returns the
     ``llama_model *``. A file llama.cpp refuses is a UserError naming it. ``remote``: a
     runtime.rpc.setup.RemoteSetup (its devices, tensor_split and n_gpu_layers win)."""
@@ -31,7 +32,8 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
                 ngl = remote.n_gpu_layers
             return llama_lib.load_model(
                 settings.model_path, n_gpu_layers=ngl, overrides=overrides,
-                progress=on_progress, repack=repack,
+                progress=on_progress, repack=repack, lazy_experts=lazy_experts,
+                use_mmap=settings.use_mmap, use_mlock=settings.use_mlock,
                 devices=remote.devices if remote is not None else None,
                 tensor_split=remote.tensor_split if remote is not None else None)
     except RuntimeError as exc:

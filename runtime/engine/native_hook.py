@@ -28,7 +28,7 @@ from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, RoutingHook
 from runtime.residency.types import Phase
 
-RH_FORWARD, RH_NATIVE = 0, 1
+RH_FORWARD, RH_NATIVE, RH_ROUTE_ONLY = 0, 1, 2
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
@@ -90,6 +90,8 @@ class NativeHook(RoutingHook):
         self._tiers: list = []
         self._native_batch = False
         self._in_native_batch = False
+        self._imposed = None                # ImposedRouting (route-only mode when alone)
+        self._route_only = False
         self._phase = Phase.PREFILL
         self._n_tokens = 0
 
@@ -113,6 +115,21 @@ class NativeHook(RoutingHook):
         if self.lib.rh_add_tier(self.handle, tier.native_handle) != 0:
             raise ValueError("too many RAM tiers for the routing hook")
         self._tiers.append(tier)
+
+    def impose(self, routing, n_expert: int) -> None:
+        """Route as ``routing`` (runtime.engine.imposed_routing.ImposedRouting) says."""
+        from runtime.engine import llama_lib  # noqa: PLC0415
+
+        tensor_set = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_set,
+                                 ctypes.c_void_p).value
+        experts = np.ascontiguousarray(routing.experts, dtype=np.int32)
+        logits = np.ascontiguousarray(routing.logits, dtype=np.float32)
+        if self.lib.rh_set_route(self.handle, self.ffi.cast("rh_tensor_set", tensor_set),
+                                 routing.n_positions, n_expert,
+                                 self.ffi.from_buffer("int32_t[]", experts),
+                                 self.ffi.from_buffer("float[]", logits)) != 0:
+            raise ValueError(f"{routing.source}: the routing hook refused the trace")
+        self._imposed = routing
 
     def _own(self) -> list:
         """The observers the hook itself runs natively (or hands to forward mode)."""
@@ -141,6 +158,14 @@ class NativeHook(RoutingHook):
     def begin_batch(self, phase, first_step: int, n_tokens: int, n_outputs: int) -> None:
         self.error = None
         self._phase, self._n_tokens = Phase(phase), n_tokens
+        if self._imposed is not None:
+            self.lib.rh_route_batch(self.handle, first_step)
+        # imposed routing and nothing to feed: the hook only sets the router's logits
+        self._route_only = self._imposed is not None and not self._own() and \
+            not self.assembler.observers and not self.watchers
+        if self._route_only:
+            self.lib.rh_set_mode(self.handle, RH_ROUTE_ONLY)
+            return
         self._native_batch = self._can_run_native()
         observers = self.assembler.observers
         own = self._own()
@@ -166,7 +191,19 @@ class NativeHook(RoutingHook):
             self._in_native_batch = False
         super().abort_batch()
 
+    def _check_route(self) -> None:
+        if self._imposed is None:
+            return
+        why = self.lib.rh_route_error(self.handle)
+        if why != self.ffi.NULL:
+            if not self._route_only:
+                self.abort_batch()
+            raise RouteCaptureError(self.ffi.string(why).decode())
+
     def end_batch(self) -> None:
+        self._check_route()
+        if self._route_only:
+            return
         if not self._native_batch:
             super().end_batch()
             return

@@ -8,6 +8,11 @@ Pure (no llama.cpp): the engine turns each rule's target into a buffer-type poin
   statically (the ``--n-cpu-moe`` idea, sized from bytes instead of a layer count). The
   manager decides which (``ExpertResidencyManager.plan_static``) and pins them, so its
   telemetry for the GPU is the real static residency.
+Static rules from llama.cpp's flags (``-ot``, ``--n-cpu-moe``, ``--cpu-moe``:
+runtime/engine/llama_flags.py) come first in both cases: llama.cpp's meaning with residency
+off; with it on they may keep experts on the CPU (the GPU's static layers then start after
+them) and place any other tensor, but routed experts reach a GPU only through its budget.
+A rule's target is "cpu", "gpu" (the first GPU) or a ggml buffer type name ("CUDA0").
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ _LAYER_EXPERTS = r"^blk\.({layers})\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
 @dataclass(frozen=True)
 class Placement:
-    """Override rules, first match wins: (regex over tensor names, "cpu" | "gpu")."""
+    """Override rules, first match wins: (regex over tensor names, "cpu" | "gpu" | a buffer
+    type name)."""
 
     rules: tuple[tuple[str, str], ...]
     gpu_expert_layers: tuple[int, ...] = ()   # layers whose experts sit on the GPU statically
@@ -48,13 +54,15 @@ def cpu_moe_placement(n_cpu_moe: int | None) -> Placement:
     return Placement(rules=((_LAYER_EXPERTS.format(layers=layers), "cpu"),))
 
 
-def plan_placement(*, manage_residency: bool, static: StaticPlan | None = None) -> Placement:
+def plan_placement(*, manage_residency: bool, static: StaticPlan | None = None,
+                   user_rules: tuple[tuple[str, str], ...] = ()) -> Placement:
     """The load-time placement for these settings (see the module docstring). ``static``:
     the manager's plan for the GPU (``ExpertResidencyManager.plan_static``), None when the
-    GPU is not a static device (no budget, or the native device cache manages it)."""
+    GPU is not a static device (no budget, or the native device cache manages it);
+    ``user_rules``: llama.cpp's static rules, ahead of everything."""
     if not manage_residency:
-        return Placement(rules=())
-    rules: list[tuple[str, str]] = []
+        return Placement(rules=tuple(user_rules))
+    rules: list[tuple[str, str]] = list(user_rules)
     layers: tuple[int, ...] = static.layers if static is not None else ()
     if layers:
         rules.append((_LAYER_EXPERTS.format(layers="|".join(map(str, layers))), "gpu"))

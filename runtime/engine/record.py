@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from runtime.atomic_write import scratch_path
 from runtime.engine.routing_hook import RouteEvent
 from runtime.engine.stats_file import add_stats_json_arg, check_stats_json_path, write_stats_json
 from runtime.errors import UserError
@@ -62,7 +63,9 @@ class ProfileCapture:
         self.target = Path(target)
         if not self.target.parent.is_dir():
             raise UserError(f"{self.target}: directory {self.target.parent} does not exist")
-        self._scratch = self.target.with_name(f"{self.target.name}.routing.rtb")
+        # the routing trace the profile is built from; named as the profile's temp files, so
+        # a killed server's scratch trace is removed by the profile's next writer
+        self._scratch = scratch_path(self.target, "routing.rtb")
         self._writer = None
         self.recorder: TraceRecorder | None = None
 
@@ -99,21 +102,23 @@ class ProfileCapture:
 
 def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     """Add ``record`` under ``moe-offload trace``."""
-    from runtime.engine.cli_args import HelpFormatter, add_engine_args, add_sampling_args  # noqa: PLC0415
+    from runtime.engine.cli_args import (HelpFormatter, add_engine_args,  # noqa: PLC0415
+                                         add_route_trace_arg, add_sampling_args)
 
     p = trace_subparsers.add_parser(
         "record", help="run a model and record its routing to a trace",
         formatter_class=HelpFormatter,
         description="Run MODEL on a prompt and write every routed (token, layer, slot) with "
                     "its phase, step and turn to OUT (.csv: route_trace v1 CSV, else binary).")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("-p", "--prompt", help="prompt text")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text (required unless --route-trace)")
     src.add_argument("-f", "--file", metavar="FILE",
                      help="prompt file (with --chat: one user turn per non-empty line)")
     p.add_argument("-o", "--output", required=True, metavar="OUT", help="trace file to write")
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt(s) in the model's chat template")
     add_engine_args(p, residency=True)
+    add_route_trace_arg(p)
     add_sampling_args(p, predict_default=64)
     add_stats_json_arg(p)
     p.add_argument("--write-profile", metavar="PROFILE", default=None,
@@ -122,9 +127,13 @@ def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_record)
 
 
-def _turns(args: argparse.Namespace) -> list[str]:
+def _turns(args: argparse.Namespace) -> list[str | None]:
     if args.prompt is not None:
         return [args.prompt]
+    if args.file is None:
+        if args.route_trace is None:
+            raise UserError("give a prompt: -p TEXT or -f FILE (or --route-trace TRACE)")
+        return [None]                   # the trace's own prompt length
     try:
         text = Path(args.file).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -138,7 +147,8 @@ def _turns(args: argparse.Namespace) -> list[str]:
 
 
 def run_record(args: argparse.Namespace) -> int:
-    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.cli_args import (imposed_request, sampling_from_args,  # noqa: PLC0415
+                                         settings_from_args)
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.traces.model_header import header_from_model  # noqa: PLC0415
     from runtime.traces.writer import TraceWriter  # noqa: PLC0415
@@ -146,7 +156,9 @@ def run_record(args: argparse.Namespace) -> int:
     turns = _turns(args)
     params = sampling_from_args(args)
     settings = settings_from_args(args)
-    settings.capture_all_tokens = True
+    # every prompt token of every layer, unless an imposed trace itself holds only the
+    # prompt's outputs at the last MoE layer (llama.cpp's default): then as that trace did
+    settings.capture_all_tokens = _imposed_prompt_rows(settings)
     out = Path(args.output)
     if not out.parent.is_dir():
         raise UserError(f"{out}: directory {out.parent} does not exist")
@@ -159,18 +171,20 @@ def run_record(args: argparse.Namespace) -> int:
             engine.add_route_observer(recorder)
             messages: list[dict[str, str]] = []
             for text in turns:
-                if args.chat:
+                if args.chat and text is not None:
                     messages.append({"role": "user", "content": text})
                     prompt = engine.chat_prompt(messages)
                 else:
                     prompt = text
-                reply = "".join(chunk.text for chunk in engine.generate(prompt, params))
+                prompt, turn_params = imposed_request(engine, prompt, params, args)
+                reply = "".join(chunk.text for chunk in engine.generate(prompt, turn_params))
                 messages.append({"role": "assistant", "content": reply})
             rows = writer.rows_written
         write_stats_json(args.stats_json, engine)
+    note = f"; {engine.imposed.note()}" if engine.imposed is not None else ""
     sys.stderr.write(f"recorded {rows} routing rows ({recorder.tokens[Phase.PREFILL]} prompt + "
                      f"{recorder.tokens[Phase.DECODE]} generated tokens, {len(turns)} turn(s)) "
-                     f"to {out}\n")
+                     f"to {out}{note}\n")
     if args.write_profile:
         from runtime.residency.profile import build_profile, write_profile  # noqa: PLC0415
         from runtime.traces.files import read_trace  # noqa: PLC0415
@@ -178,6 +192,18 @@ def run_record(args: argparse.Namespace) -> int:
         write_profile(args.write_profile, build_profile([read_trace(out)], names=[str(out)]))
         sys.stderr.write(f"profile of its decode tokens -> {args.write_profile}\n")
     return 0
+
+
+def _imposed_prompt_rows(settings) -> bool:
+    if settings.route_trace is None:
+        return True
+    from gguf_tools.facts import read_model_facts  # noqa: PLC0415
+    from runtime.engine.imposed_routing import imposed_for  # noqa: PLC0415
+
+    from runtime.engine.engine import check_model_path  # noqa: PLC0415
+
+    check_model_path(settings.model_path)
+    return imposed_for(settings.route_trace, read_model_facts(settings.model_path)).all_prompt_rows
 
 
 def with_recorded_pools(header, engine):

@@ -3,10 +3,13 @@ tiers that attach to a loaded engine (see contracts.md, Engine)."""
 from __future__ import annotations
 
 import os
+import re
+import sys
 
 from runtime.engine import llama_lib
 from runtime.engine.placement import Placement, plan_placement
 from runtime.engine.types import EngineSettings
+from runtime.errors import UserError
 
 _DEVICE_ORDER = ("cuda", "vulkan", "rpc", "cpu-slots", "cpu")   # fastest tier first: the hit
 # rate shown
@@ -95,7 +98,31 @@ def library_dir(settings: EngineSettings, config) -> str | None:
         from runtime.rpc.server import rpc_library_dir  # noqa: PLC0415
 
         return rpc_library_dir()
-    return cache_library_dir(_cache_devices(config))
+    devices = _cache_devices(config)
+    if not devices and _has_ram_tier(settings, config):
+        # the RAM tier wants the patched build's lazy routed experts (bounded load, see
+        # lazy_experts); a process that already loaded another libllama keeps it
+        if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
+            return None
+        devices = {"cpu-slots"}                       # any current CPU build
+    return cache_library_dir(devices)
+
+
+def _has_ram_tier(settings: EngineSettings, config) -> bool:
+    return settings.manage_residency and config is not None and \
+        any(b.device == "cpu" for b in config.devices)
+
+
+def lazy_experts(settings: EngineSettings, config, placement, lib_dir: str | None) -> bool:
+    """Load the routed experts lazily (llama.cpp's LLAMA_LAZY_MODE_ON, which our build's
+    native/patches/0006 extends to them): no prefetch of the whole file at load, no repacked
+    copy, experts left in the mapping for the RAM tier to page. Only with a RAM tier, our
+    patched library, and no expert placed on a GPU by a static rule (a lazy tensor stays on
+    the host)."""
+    lib = lib_dir or os.environ.get(llama_lib.LIB_PATH_ENV)
+    return (_has_ram_tier(settings, config) and lib is not None
+            and os.path.isfile(os.path.join(lib, "libmoe_cache.so"))
+            and all(target == "cpu" for _, target in placement.rules))
 
 
 def cache_library_dir(devices: set[str]) -> str | None:
@@ -134,19 +161,56 @@ def plan(settings: EngineSettings, config, facts, manager, *, has_gpu: bool,
     ``native_cache_ready``), the manager plans which layers' experts stay on the GPU and pins
     them there (bookkeeping only: the model loads after)."""
     configured = {b.device for b in config.devices} if config is not None else set()
+    user_rules = tuple(settings.tensor_rules)
+    cpu_layers: tuple[int, ...] = ()
+    if user_rules and settings.manage_residency:
+        cpu_layers = _check_user_rules(user_rules, facts)
     static = None
     if (settings.manage_residency and has_gpu and manager is not None
             and "cuda:0" in configured and not native_cache):
-        static = manager.plan_static("cuda:0")
+        static = manager.plan_static("cuda:0", skip=cpu_layers)
         manager.pin_static("cuda:0", static)
-    return plan_placement(manage_residency=settings.manage_residency, static=static)
+    return plan_placement(manage_residency=settings.manage_residency, static=static,
+                          user_rules=user_rules)
+
+
+def _check_user_rules(rules: tuple[tuple[str, str], ...], facts) -> tuple[int, ...]:
+    """With the manager on: the MoE layers the rules keep on the CPU; a UserError (one line)
+    when a rule would send routed experts to another device (the manager owns those)."""
+    from runtime.engine.llama_flags import cpu_expert_layers, gpu_expert_tensors  # noqa: PLC0415
+
+    by_layer: dict[int, list[str]] = {}
+    pattern = re.compile(r"^blk\.(\d+)" + llama_lib.EXPERT_PATTERN)
+    for name in facts.tensor_types:
+        match = pattern.match(name)
+        if match:
+            by_layer.setdefault(int(match.group(1)), []).append(name)
+    off_cpu = gpu_expert_tensors(list(rules), [n for names in by_layer.values() for n in names])
+    if off_cpu:
+        name, buft = off_cpu[0]
+        raise UserError(f"-ot: a rule sends routed experts ({name}) to {buft}; with the "
+                        "residency manager the GPU's experts come from its budget "
+                        "(--devices.cuda:0 SIZE), or give --no-residency for llama.cpp's "
+                        "placement")
+    return cpu_expert_layers(list(rules), by_layer)
 
 
 def buffer_type(target: str) -> int:
-    """A placement target ("cpu" | "gpu") as a ggml buffer type."""
+    """A placement target ("cpu" | "gpu" | a buffer type name, as llama.cpp's ``-ot`` takes
+    it: "CPU", "CUDA0", ...) as a ggml buffer type; UserError naming the known ones."""
     if target == "cpu":
         return llama_lib.cpu_buffer_type()
-    return llama_lib.device_buffer_type(gpu_devices()[0])
+    if target == "gpu":
+        return llama_lib.device_buffer_type(gpu_devices()[0])
+    known = {"CPU": llama_lib.cpu_buffer_type()}
+    for dev in llama_lib.devices():
+        if dev.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+            buft = llama_lib.device_buffer_type(dev)
+            known[llama_lib.buffer_type_name(buft)] = buft
+    for name, buft in known.items():
+        if name.lower() == target.lower():
+            return buft
+    raise UserError(f"-ot: unknown buffer type {target!r} (here: {', '.join(known)})")
 
 
 def attach_tiers(engine) -> list[object]:

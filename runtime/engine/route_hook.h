@@ -28,8 +28,10 @@
 typedef struct rh_hook rh_hook;
 typedef bool (*rh_eval_cb)(void *tensor, bool ask, void *user_data);
 typedef void (*rh_tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
+typedef void (*rh_tensor_set)(void *tensor, const void *data, size_t offset, size_t size);
 
-enum { RH_FORWARD = 0, RH_NATIVE = 1 };
+/* RH_ROUTE_ONLY: imposed routing (rh_set_route) and nothing else */
+enum { RH_FORWARD = 0, RH_NATIVE = 1, RH_ROUTE_ONLY = 2 };
 
 rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used,
                    rh_tensor_get tensor_get, size_t type_off, size_t ne_off, size_t nb_off,
@@ -50,6 +52,21 @@ int rh_add_cache(rh_hook *h, void *cache);
 /* native mode: RAM tiers (runtime/ramtier/tier_io.h) stepped with every event, before the
  * layer's expert matmul runs; their lease ends at batch end */
 int rh_add_tier(rh_hook *h, void *tier);
+
+/* imposed routing (--route-trace), either mode: at every MoE layer the router's logits
+ * (ffn_moe_logits, then ffn_moe_logits_biased where the router has a bias) are overwritten so
+ * that llama.cpp's own top-k selects `experts` for each token position; `logits` holds the
+ * values the selected experts get (descending in slot order), all others get -1e4.
+ * experts, logits: (n_pos, n_layer, n_expert_used), indexed by context position; rows of a
+ * non-MoE layer are ignored. n_pos 0 turns it off (no cost: one pointer test per node).
+ * 0, or -1 (bad arguments, an expert id >= n_expert, no memory). Before each decode call,
+ * rh_route_batch gives the position of the batch's first token; after it, rh_route_error
+ * says what went wrong (NULL: nothing; a position past n_pos, an unexpected logits tensor),
+ * and the graph stopped at that node (llama_decode may still return 0). */
+int rh_set_route(rh_hook *h, rh_tensor_set tensor_set, int64_t n_pos, int32_t n_expert,
+                 const int32_t *experts, const float *logits);
+void rh_route_batch(rh_hook *h, int64_t first_step);
+const char *rh_route_error(const rh_hook *h);
 
 void rh_begin_batch(rh_hook *h, int32_t phase, int64_t first_step, int32_t n_tokens,
                     int32_t n_outputs, int32_t turn, int32_t strict);

@@ -39,6 +39,7 @@ class SamplingParams:
     # post_sampling_probs) instead of the raw model's
     post_sampling: bool = False
     n_keep: int = 0                    # context shift: tokens kept at the start (-1: the prompt)
+    ignore_eos: bool = False           # end-of-generation tokens never sampled (--ignore-eos)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,15 +88,20 @@ class Sampler:
         add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
         add(ll.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty,
                                             params.frequency_penalty, params.presence_penalty))
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if not 0 <= int(t) < n_vocab]
+        bias = dict(params.logit_bias)
+        if params.ignore_eos and vocab is not None:   # llama.cpp: EOG tokens biased to -inf
+            for token in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)):
+                if token >= 0:
+                    bias[int(token)] = float("-inf")
+        if bias:
+            bad = [t for t in bias if not 0 <= int(t) < n_vocab]
             if bad:
                 self.close()
                 raise UserError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
                                 f"(0..{n_vocab - 1})")
-            items = (ll.llama_logit_bias * len(params.logit_bias))(
-                *[ll.llama_logit_bias(int(t), float(b)) for t, b in params.logit_bias.items()])
-            add(ll.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), items))
+            items = (ll.llama_logit_bias * len(bias))(
+                *[ll.llama_logit_bias(int(t), float(b)) for t, b in bias.items()])
+            add(ll.llama_sampler_init_logit_bias(n_vocab, len(bias), items))
         if params.grammar is not None:
             grammar = ll.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"),
                                                     b"root")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.atomic_write import AtomicTarget
 from runtime.engine.types import check_token_ids
 from runtime.errors import UserError
 
@@ -47,14 +48,24 @@ def on_slot(engine: Any, seq: int, action: SlotAction) -> Any:
 
 
 def save(engine: Any, seq: int, path: str) -> SlotFile:
+    """Save sequence ``seq`` to ``path`` atomically (llama.cpp writes a temp file beside it,
+    renamed into place): a failed or killed save keeps the previous file."""
     ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
 
     def action(seq: int, tokens: list[int]) -> tuple[SlotFile, list[int]]:
         t0 = time.perf_counter()
         ids = (ll.llama_token * max(1, len(tokens)))(*tokens)
-        n = ll.llama_state_seq_save_file(ctx, path.encode(), seq, ids, len(tokens))
+        target = AtomicTarget(path)
+        try:
+            n = ll.llama_state_seq_save_file(ctx, str(target.tmp).encode(), seq, ids,
+                                             len(tokens))
+        except BaseException:
+            target.discard()
+            raise
         if n == 0:
+            target.discard()
             raise UserError(f"cannot save the slot's state to {path}")
+        target.publish()
         return SlotFile(len(tokens), int(n), time.perf_counter() - t0), tokens
     return on_slot(engine, seq, action)
 

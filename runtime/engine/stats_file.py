@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from pathlib import Path
 
+from runtime.atomic_write import write_text
 from runtime.errors import UserError
 
 
@@ -27,13 +26,4 @@ def write_stats_json(path: str | None, engine) -> None:
         return
     text = (engine.manager.snapshot().to_json(indent=1) if engine.manager is not None
             else '{"devices": {}}')
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.resolve().parent, prefix=".stats-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text(path, text + "\n")

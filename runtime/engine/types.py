@@ -40,11 +40,16 @@ class EngineSettings:
     context_shift: bool = False        # a full context drops its oldest half and goes on
     embeddings: bool = False           # a context for embeddings (runtime.engine.embedding)
     pooling: str | None = None         # none | mean | cls | last | rank; None: the model's
+    route_trace: str | None = None     # impose a routing trace's routing (imposed_routing.py)
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
     #                                    None: off when a native device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),
     #                                    else llama.cpp's default (on)
                                        # (same logits as plain Llama(), hence the parity)
+    tensor_rules: tuple[tuple[str, str], ...] = ()   # llama.cpp's static placement (-ot,
+    #                                    --n-cpu-moe): (regex, buffer type), ahead of ours
+    use_mmap: bool = True              # False: read the weights into buffers (--no-mmap)
+    use_mlock: bool = False            # lock the model's pages in RAM (--mlock)
 
     def __post_init__(self) -> None:
         problems = []

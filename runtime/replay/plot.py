@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from runtime.errors import UserError
+from runtime.atomic_write import atomic_write
 from runtime.replay.harness import CellResult
 
 GIB = float(1 << 30)
@@ -42,13 +42,8 @@ def plot_matrix(cells: list[CellResult], path: str | os.PathLike) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        with atomic_write(path, "wb") as f:
+            fig.savefig(f, dpi=110, format=os.path.splitext(str(path))[1][1:] or "png")
     finally:
         plt.close(fig)

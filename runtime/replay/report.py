@@ -26,15 +26,16 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:,.0f}"
 
 
-def matrix_markdown(cells: list[CellResult]) -> str:
-    """Markdown for every trace in ``cells`` (in first-seen order)."""
+def matrix_markdown(cells: list[CellResult], *, html: bool = True) -> str:
+    """Markdown for every trace in ``cells`` (in first-seen order); ``html=False``: the
+    detail table under a plain heading instead of a ``<details>`` fold (for a terminal)."""
     out = []
     for trace in _ordered(c.trace for c in cells):
-        out.append(trace_markdown([c for c in cells if c.trace == trace]))
+        out.append(trace_markdown([c for c in cells if c.trace == trace], html=html))
     return "\n".join(out)
 
 
-def trace_markdown(cells: list[CellResult]) -> str:
+def trace_markdown(cells: list[CellResult], *, html: bool = True) -> str:
     """Headline and detail tables of one trace's cells."""
     first = cells[0]
     caps = _ordered((c.capacity_bytes, c.capacity_label) for c in cells)
@@ -65,7 +66,7 @@ def trace_markdown(cells: list[CellResult]) -> str:
             "-" if ceilings.get(b) is None else f"{ceilings[b] / MIB / tokens:,.1f} (1.00x)"
             for b, _ in caps]
         lines.append("| " + " | ".join(cols) + " |")
-    lines += ["", "<details><summary>all counters</summary>", "",
+    lines += ["", "<details><summary>all counters</summary>" if html else "All counters:", "",
               "| policy | capacity | prefill MiB | decode MiB | decode hit rate | "
               "prefetch issued / used / late / wasted MiB | moved MiB | transient uses | "
               "Belady MiB | est TTFT s | est TPOT ms |",
@@ -83,5 +84,5 @@ def trace_markdown(cells: list[CellResult]) -> str:
             f"{c.prefill.transient_uses + c.decode.transient_uses:,} | "
             f"{_mib(c.belady_demand_miss_bytes)} | {c.est_ttft_s:.3f} | "
             f"{c.est_tpot_s * 1e3:.2f} |")
-    lines += ["", "</details>", ""]
+    lines += ["", "</details>", ""] if html else [""]
     return "\n".join(lines)

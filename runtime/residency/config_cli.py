@@ -15,6 +15,7 @@ from runtime.residency.policies.factory import ROLES, param_defaults, param_name
 
 MAX_CUDA_FLAGS = 16
 _DEST_PREFIX = "residency_cfg__"
+SHORT_HELP_KEYS = ("devices.cpu", "devices.cuda:0")   # in --help; the rest in --help-all
 
 
 def config_keys() -> dict[str, str]:
@@ -39,10 +40,14 @@ def _dest(key: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, *, config_file_flag: bool = True) -> None:
-    """Add ``--config FILE`` (optional) and one flag per config key to ``parser``."""
+    """Add ``--config FILE`` (optional) and one flag per config key to ``parser``; the keys
+    past ``SHORT_HELP_KEYS`` are listed by ``--help-all`` only (``advanced_help``)."""
+    n_more = len([k for k in config_keys() if k not in SHORT_HELP_KEYS and not _hidden(k)])
     group = parser.add_argument_group(
         "residency config", "any key of the residency TOML, as a flag of the same dotted name; "
-        "flags override the file")
+        f"flags override the file. --help-all lists {n_more} more (policies, costs, devices)")
+    parser.add_argument("--help-all", action=HelpAll,
+                        help="show every flag, the advanced residency keys too, and exit")
     if config_file_flag:
         group.add_argument("--config", metavar="FILE", default=None,
                            help="residency config TOML (default: built-in defaults)")
@@ -56,10 +61,33 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, config_file_flag: b
             helptext, metavar = ", ".join(policy_names(role)), "NAME"
         else:
             helptext, metavar = "number", "X"
-        hide = (key.startswith(("devices.cuda:", "devices.vulkan:"))
-                and key not in ("devices.cuda:0", "devices.vulkan:0"))
-        group.add_argument(f"--{key}", dest=_dest(key), metavar=metavar, default=None,
-                           help=argparse.SUPPRESS if hide else helptext)
+        advanced = key not in SHORT_HELP_KEYS and not _hidden(key)
+        action = group.add_argument(f"--{key}", dest=_dest(key), metavar=metavar, default=None,
+                                    help=argparse.SUPPRESS if advanced or _hidden(key)
+                                    else helptext)
+        if advanced:
+            action.advanced_help = helptext
+
+
+def _hidden(key: str) -> bool:
+    """cuda:1.. and vulkan:1..: taken, never listed (the config file is the place for them)."""
+    return (key.startswith(("devices.cuda:", "devices.vulkan:"))
+            and key not in ("devices.cuda:0", "devices.vulkan:0"))
+
+
+class HelpAll(argparse.Action):
+    """``--help-all``: ``--help`` with the advanced residency keys listed too."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:  # noqa: SLF001 - argparse has no public accessor
+            advanced = getattr(action, "advanced_help", None)
+            if advanced is not None:
+                action.help = advanced
+        parser.print_help()
+        parser.exit(0)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, str]:

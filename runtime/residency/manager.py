@@ -45,8 +45,8 @@ from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.core import RESIDENT_MAX, CorePolicy, make_core
-from runtime.residency.telemetry import (DeviceSnapshot, PhaseCounters, PoolSnapshot,
-                                         ResidencySnapshot)
+from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap,
+                                         PhaseCounters, PoolSnapshot, ResidencySnapshot)
 from runtime.residency.transport import SimulatedTransport, Transport
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
@@ -513,9 +513,10 @@ class ExpertResidencyManager:
             return self._cond.wait_for(done, timeout)
 
     # ---- static devices ------------------------------------------------------------------
-    def plan_static(self, device: str) -> static_plan.StaticPlan:
-        """The static plan for ``device`` at its resolved capacity (changes nothing)."""
-        return static_plan.plan(self, device)
+    def plan_static(self, device: str, skip: tuple[int, ...] = ()) -> static_plan.StaticPlan:
+        """The static plan for ``device`` at its resolved capacity (changes nothing); layers
+        in ``skip`` stay off it."""
+        return static_plan.plan(self, device, skip)
 
     def pin_static(self, device: str, plan: static_plan.StaticPlan) -> None:
         """Make ``plan``'s experts resident on ``device`` for good and mark it static."""
@@ -594,11 +595,30 @@ class ExpertResidencyManager:
                 pending = sum(1 for t in self._tickets.values() if t.device == dev.name)
                 assert pending == dev.core.n_pending, f"{dev.name}: tickets disagree"
 
-    def snapshot(self) -> ResidencySnapshot:
-        """Counters and occupancy of every device and pool, frozen."""
+    def snapshot(self, experts: bool = False) -> ResidencySnapshot:
+        """Counters and occupancy of every device and pool, frozen; with ``experts`` also
+        each device's ExpertMap (O(layers x experts); only the copies are made under the
+        lock)."""
         with self._lock:
-            return ResidencySnapshot(tuple(self._device_snapshot(d)
-                                           for d in self._devices.values()))
+            taken = [(self._device_snapshot(d),
+                      (d.core.states(), d.core.use_counts()) if experts else None)
+                     for d in self._devices.values()]
+        return ResidencySnapshot(tuple(snap if raw is None else
+                                       replace(snap, experts=self._expert_map(*raw))
+                                       for snap, raw in taken))
+
+    def _expert_map(self, states: np.ndarray, uses: np.ndarray) -> ExpertMap:
+        """states (n_layer, n_expert) uint8 and uses (3, n_layer, n_expert) int64 of a core
+        as an ExpertMap of the MoE layers."""
+        layers = list(self._moe_layers)
+        states = states[layers]                                  # (n_moe, n_expert)
+        routed = uses.sum(axis=0)[layers]                        # (n_moe, n_expert)
+        chars = np.full(states.shape, ord(STATE_CHARS["absent"]), dtype=np.uint8)
+        chars[states <= RESIDENT_MAX] = ord(STATE_CHARS["resident"])
+        chars[states == core_api.PENDING] = ord(STATE_CHARS["loading"])
+        chars[states == core_api.EVICTING] = ord(STATE_CHARS["evicting"])
+        return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
+                         tuple(tuple(row) for row in routed.tolist()))
 
     def _device_snapshot(self, dev: _Device) -> DeviceSnapshot:
         pools = []

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.atomic_write import atomic_write
 from runtime.errors import UserError
 from runtime.residency.core import AFFINITY_SOURCES, NEIGHBOUR_HISTORY, history_ok
 
@@ -145,12 +146,9 @@ def write_profile(path: str | Path, prof: RoutingProfile) -> None:
               "n_expert_used": prof.n_expert_used, "expert_bytes": list(prof.expert_bytes),
               "decode_tokens": prof.decode_tokens, "traces": list(prof.traces)}
     raw = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    try:
-        with open(path, "wb") as f:
-            np.savez_compressed(f, header=raw, frequency=prof.frequency, pair=prof.pair,
-                                count=prof.count, history=prof.history)
-    except OSError as err:
-        raise UserError(f"{path}: cannot write ({err.strerror})") from None
+    with atomic_write(path, "wb") as f:     # a killed or failed write keeps the old file
+        np.savez_compressed(f, header=raw, frequency=prof.frequency, pair=prof.pair,
+                            count=prof.count, history=prof.history)
 
 
 def read_profile(path: str | Path) -> RoutingProfile:

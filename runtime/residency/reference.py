@@ -594,6 +594,9 @@ class ReferenceCore:
     def state(self, flat: int) -> int:
         return self.state[flat] if 0 <= flat < len(self.state) else -1
 
+    def use_counts(self) -> np.ndarray:
+        return np.array(self.uses, dtype=np.int64).reshape(3, self.n_layer, self.n_expert)
+
     def pool_stats(self, pool: int) -> tuple[int, int, int, int, int]:
         p = self.pools[pool]
         return (p.capacity, p.resident_bytes, p.resident_count, p.pending_bytes,

@@ -21,20 +21,24 @@ class StaticPlan:
     """Which layers' experts stay on ``device`` for good (all ``n_expert`` of each layer)."""
 
     device: str
-    layers: tuple[int, ...]   # MoE layers, ascending: one contiguous run from the first
+    layers: tuple[int, ...]   # MoE layers, ascending: one contiguous run from the first not
+    #                           skipped (first_fitting_layers)
     keys: int                 # experts pinned: len(layers) * n_expert
     bytes: int                # bytes those experts take
 
 
 def first_fitting_layers(expert_bytes: Sequence[int], n_expert: int,
-                         capacity_bytes: int) -> tuple[tuple[int, ...], int]:
+                         capacity_bytes: int, skip: Sequence[int] = ()
+                         ) -> tuple[tuple[int, ...], int]:
     """The first MoE layers (expert bytes > 0) whose whole expert sets fit ``capacity_bytes``
     together, in order, stopping at the first that does not fit; and the bytes they take.
+    ``skip``: layers passed over (their experts are kept on the CPU by a static rule, e.g.
+    ``--n-cpu-moe``).
 
     expert_bytes: (n_layer,) bytes of one expert per layer (0: dense layer)."""
     chosen, used = [], 0
     for layer, one in enumerate(expert_bytes):
-        if one <= 0:
+        if one <= 0 or layer in skip:
             continue
         size = int(one) * n_expert
         if used + size > capacity_bytes:
@@ -44,8 +48,9 @@ def first_fitting_layers(expert_bytes: Sequence[int], n_expert: int,
     return tuple(chosen), used
 
 
-def plan(manager, device: str) -> StaticPlan:
-    """The static plan for ``device`` at its resolved capacity (changes nothing).
+def plan(manager, device: str, skip: Sequence[int] = ()) -> StaticPlan:
+    """The static plan for ``device`` at its resolved capacity (changes nothing); ``skip``:
+    layers that stay off it (``first_fitting_layers``).
     UserError before bind_model / resolve_device or for an unknown device."""
     with manager._lock:
         manager._device(device)
@@ -53,7 +58,7 @@ def plan(manager, device: str) -> StaticPlan:
     if capacity is None:
         raise UserError(f"{device}: plan_static needs a resolved capacity (resolve_device)")
     layers, used = first_fitting_layers(manager._expert_bytes.tolist(), manager.n_expert,
-                                        capacity)
+                                        capacity, skip)
     return StaticPlan(device, layers, len(layers) * manager.n_expert, used)
 
 

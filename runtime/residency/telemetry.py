@@ -3,7 +3,8 @@
 A snapshot renders as a dict, JSON, or Prometheus text exposition format (``moe_expert_*``
 families; counters carry ``device`` and ``phase`` labels, gauges ``device``; the pool
 families ``moe_expert_pool_*`` carry ``device`` and ``pool``). ``hits`` is derived
-(accesses - misses: every access is a hit or a distinct-key miss).
+(accesses - misses: every access is a hit or a distinct-key miss). ``snapshot(experts=True)``
+adds each device's ``ExpertMap``: every expert's state and access count.
 """
 from __future__ import annotations
 
@@ -74,6 +75,26 @@ class PoolSnapshot:
                 "phases": {p.label: asdict(self.phases[p]) for p in Phase}}
 
 
+# ExpertMap.state: one character per expert (an evicting expert is still resident; a loading
+# one is not yet)
+STATE_CHARS = {"resident": "R", "loading": "P", "evicting": "E", "absent": "-"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertMap:
+    """Where each routed expert stands on one device and how often it was routed: the
+    (layer, expert) view behind the chat page's heat map, compact as JSON (a string of state
+    characters and a list of counts per MoE layer)."""
+
+    layers: tuple[int, ...]               # the model's MoE layers, in row order
+    state: tuple[str, ...]                # per layer one char per expert (STATE_CHARS)
+    routed: tuple[tuple[int, ...], ...]   # (n_moe_layers, n_expert) accesses, every phase
+
+    def to_dict(self) -> dict:
+        return {"layers": list(self.layers), "state": list(self.state),
+                "routed": [list(row) for row in self.routed]}
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceSnapshot:
     device: str
@@ -86,6 +107,7 @@ class DeviceSnapshot:
     note: str = ""
     static_bytes: int | None = None  # pinned by pin_static (static device); None: not static
     pools: tuple[PoolSnapshot, ...] = ()
+    experts: ExpertMap | None = None  # only in snapshot(experts=True)
 
     def phase(self, phase: Phase) -> PhaseCounters:
         return self.phases[int(phase)]
@@ -122,6 +144,8 @@ class ResidencySnapshot:
                 "phases": {p.label: asdict(d.phases[p]) for p in Phase},
                 "pools": [pool.to_dict() for pool in d.pools],
             }
+            if d.experts is not None:
+                out[d.device]["experts"] = d.experts.to_dict()
         return {"devices": out}
 
     def to_json(self, indent: int | None = None) -> str:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``create_app`` builds the FastAPI application.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (completions.py),
+``POST /v1/messages`` (anthropic_api.py), ``POST /v1/responses`` (responses_api.py),
 ``GET /v1/models``, ``GET /v1/residency`` (the manager's snapshot as JSON), ``GET /metrics``
 (Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready),
 the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/health``,
@@ -25,21 +26,26 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
+from runtime.server.anthropic_api import ANTHROPIC_PATHS
+from runtime.server.anthropic_api import router as anthropic_router
 from runtime.server.body_guard import BodyGuard
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
 from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.embeddings import router as embeddings_router
 from runtime.server.native import router as native_router
+from runtime.server.responses_api import router as responses_router
 from runtime.server.slot_routes import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
 from runtime.server.stream_sessions import router as stream_router
 from runtime.server.unsupported import router as unsupported_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
-from runtime.server.errors import APIError, error_body, install_error_handlers
+from runtime.server.errors import (APIError, anthropic_response, error_body,
+                                   install_error_handlers)
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
+from runtime.server.request_log import JsonBody, RequestLog
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.limits import Limits
 from runtime.server.queue import RequestQueue
@@ -119,6 +125,8 @@ class ApiKeyGuard:
         error = self._check(headers.get("authorization", ""), headers.get("x-api-key"))
         if error is None:
             await self.app(scope, receive, send)
+        elif scope.get("path") in ANTHROPIC_PATHS:        # Anthropic clients read their shape
+            await anthropic_response(error)(scope, receive, send)
         else:
             await error.response()(scope, receive, send)
 
@@ -153,14 +161,15 @@ async def list_models(request: Request) -> dict:
 
 @info_router.get("/v1/residency")
 async def residency(request: Request) -> Response:
-    """The residency manager's snapshot as JSON."""
+    """The residency manager's snapshot as JSON, with every device's expert map."""
     engine = request.app.state.host.engine()
     manager = getattr(engine, "manager", None)
     remote = getattr(engine, "remote", None)
     if manager is None and remote is None:
         raise APIError(404, "Residency management is off for this model, so there is no "
                             "snapshot.", code="residency_disabled")
-    payload = manager.snapshot().to_json() if manager is not None else {}
+    # experts: each expert's state and access count (the chat page's heat map)
+    payload = manager.snapshot(experts=True).to_json() if manager is not None else {}
     if remote is not None:              # the remote plan and each remote's link state
         if isinstance(payload, str):
             payload = json.loads(payload)
@@ -268,6 +277,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
 
     app.include_router(info_router)
     app.include_router(completions_router)
+    app.include_router(anthropic_router)       # /v1/messages: translated to chat completions
+    app.include_router(responses_router)       # /v1/responses: likewise
     app.include_router(native_router)
     app.include_router(embeddings_router)
     app.include_router(slot_router)
@@ -281,5 +292,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key
         app.add_middleware(CorsMiddleware, origins=settings.cors_origins)
-    app.add_middleware(RequestCounter, metrics=app.state.metrics)   # outermost: counts 401s too
+    app.add_middleware(JsonBody)         # a body without a Content-Type is JSON (llama-server)
+    app.add_middleware(RequestCounter, metrics=app.state.metrics)   # counts 401s too
+    app.add_middleware(RequestLog)       # outermost: one line per request, 401s included
     return app

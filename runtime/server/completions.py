@@ -32,6 +32,7 @@ from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.reasoning import split_reasoning
+from runtime.server.request_log import record_for
 from runtime.server.stream_sessions import resumable
 
 log = logging.getLogger("moe_offload.server")
@@ -41,10 +42,11 @@ router = APIRouter()
 
 
 def _generation(engine: Any, prep: Prepared, metrics: Any,
-                llamacpp: Any = None) -> Callable[[threading.Event], Iterator[Any]]:
+                llamacpp: Any = None, record: Any = None
+                ) -> Callable[[threading.Event], Iterator[Any]]:
     """The job run on the worker thread: ``(choice index, chunk)`` for each of the ``n``
     choices in turn (one KV sequence: each choice reuses the prompt's cached prefix), with
-    metrics kept on the way."""
+    metrics and the request log's ``record`` (request_log.GenerationRecord) kept on the way."""
     def work(cancel: threading.Event) -> Iterator[Any]:
         t0 = time.perf_counter()
         generated = 0
@@ -69,7 +71,10 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
                     llamacpp.observe(chunk.timings, prep.prompt_tokens)
                 yield index, chunk
         finally:
-            metrics.observe_generation(prep.prompt_tokens, generated, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            metrics.observe_generation(prep.prompt_tokens, generated, seconds)
+            if record is not None:
+                record.add(prep.prompt_tokens, generated, seconds)
     return work
 
 
@@ -111,7 +116,8 @@ async def _submit(request: Request, prepare: Callable[[Any], Prepared],
         raise _engine_failure(exc) from exc
     try:
         job = state.queue.submit(_generation(engine, prep, state.metrics,
-                                             getattr(state, "llamacpp", None)))
+                                             getattr(state, "llamacpp", None),
+                                             record_for(request)))
     except QueueClosed as exc:
         raise APIError(503, "The server is shutting down.", code="server_shutdown") from exc
     except QueueFull as exc:
@@ -170,43 +176,56 @@ def _sse(payload: dict) -> str:
 SHUTDOWN_GRACE_S = 2.0   # a stream's time to end cleanly on shutdown (< uvicorn's 3 s drain)
 
 
-async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
-                  shutdown: anyio.Event) -> AsyncIterator[str]:
-    """SSE payloads: the framer's opening frames, its frames per chunk and per finished
-    choice, an optional usage frame, ``[DONE]``. An engine error, or a server shutdown that
-    cuts the answer short, becomes an OpenAI error frame instead of the end."""
+async def chat_frames(job: Job, prep: Prepared, include_usage: bool, framer: Any,
+                      shutdown: anyio.Event) -> AsyncIterator[dict]:
+    """The frames of a streamed answer as dicts: the framer's opening frames, its frames per
+    chunk and per finished choice, an optional usage frame. An engine error, or a server
+    shutdown that cuts the answer short, is raised as an ``APIError`` once the frames before
+    it are out. The Anthropic and Responses streams translate these same frames."""
     generated = 0
     finished = 0
     timings = None
     extra = {"usage": None} if include_usage else {}
     try:
         for frame in framer.opening():
-            yield _sse(frame | extra)
+            yield frame | extra
         async for index, chunk in job:
             if shutdown.is_set():
                 job.cancel.set()      # the worker stops this generation
             generated += chunk.token is not None
             timings = chunk.timings or timings
             for frame in framer.chunk(index, chunk):
-                yield _sse(frame | extra)
+                yield frame | extra
             if chunk.finish_reason not in (None, CANCELLED):
                 finished += 1
-        if finished < prep.n:
-            # cancelled while the client is still here: only a shutdown does that
-            yield _sse(APIError(503, "The server is shutting down; the answer was cut short.",
-                                code="server_shutdown").body())
-            return
-        if include_usage:
-            frame = framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
-                                                                        generated)}
-            if getattr(framer, "timings", False) and timings is not None:
-                frame["timings"] = shapes.llama_timings(timings, prep.prompt_tokens)
-            yield _sse(frame)
-        yield "[DONE]"
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, end the stream
-        yield _sse(_engine_failure(exc).body())
+    except Exception as exc:  # noqa: BLE001 - reported in-band by the caller
+        raise _engine_failure(exc) from exc
     finally:
         job.cancel.set()          # the client left (or we are done): free the engine
+    if finished < prep.n:
+        # cancelled while the client is still here: only a shutdown does that
+        raise APIError(503, "The server is shutting down; the answer was cut short.",
+                       code="server_shutdown")
+    if include_usage:
+        frame = framer.base | {"choices": [], "usage": shapes.usage(prep.prompt_tokens,
+                                                                    generated)}
+        if getattr(framer, "timings", False) and timings is not None:
+            frame["timings"] = shapes.llama_timings(timings, prep.prompt_tokens)
+        yield frame
+
+
+async def _stream(job: Job, prep: Prepared, include_usage: bool, framer: Any,
+                  shutdown: anyio.Event) -> AsyncIterator[str]:
+    """SSE payloads: the frames, then ``[DONE]``; an error becomes an OpenAI error frame
+    instead of the end."""
+    try:
+        async for frame in chat_frames(job, prep, include_usage, framer, shutdown):
+            yield _sse(frame)
+        yield "[DONE]"
+    except APIError as err:   # headers are sent: report in-band, end the stream
+        yield _sse(err.body())
+    finally:
+        job.cancel.set()
 
 
 def _event_source(request: Request, job: Job, prep: Prepared, include_usage: bool,
@@ -225,20 +244,39 @@ def fingerprint(request: Request) -> str:
     return request.app.state.fingerprint
 
 
+async def submit_chat(request: Request, body: ChatCompletionRequest) -> tuple[Prepared, Job]:
+    """Prepare and queue a chat request (the Anthropic and Responses routes come here too)."""
+    defaults, settings = request.app.state.defaults, request.app.state.settings
+    return await _submit(request, lambda e: prepare_chat(
+        e, body, defaults, settings.reasoning, settings.reasoning_format,
+        limits=settings.limits), body)
+
+
+def chat_base(request: Request) -> dict:
+    """The fields every chunk and answer of one chat completion carries."""
+    cid, created = _ids("chatcmpl")
+    return {"id": cid, "object": "chat.completion.chunk", "created": created,
+            "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
+
+
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions", include_in_schema=False)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion, streamed or not (``n`` choices, logprobs, tools)."""
-    defaults, settings = request.app.state.defaults, request.app.state.settings
-    prep, job = await _submit(request, lambda e: prepare_chat(
-        e, body, defaults, settings.reasoning, settings.reasoning_format,
-        limits=settings.limits), body)
-    cid, created = _ids("chatcmpl")
-    base = {"id": cid, "object": "chat.completion.chunk", "created": created,
-            "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}
+    prep, job = await submit_chat(request, body)
+    base = chat_base(request)
     if body.stream:
         return _event_source(request, job, prep, body.include_usage_in_stream(),
                              ChatFramer(base, prep, timings=body.timings_per_token))
+    answer = await chat_answer(request, body, prep, job, base)
+    if request.app.state.settings.verbose or body.verbose:   # llama-server's: the prompt too
+        answer["__verbose"] = {"prompt": prep.prompt}
+    return JSONResponse(answer)
+
+
+async def chat_answer(request: Request, body: ChatCompletionRequest, prep: Prepared, job: Job,
+                      base: dict) -> dict:
+    """The whole ``chat.completion`` answer of a queued request."""
     results = await _collect(request, job, prep)
     choices = []
     for r in results:
@@ -262,9 +300,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                      "usage": _usage_with_cache(prep, results)}
     if results and results[0].timings is not None:        # llama-server's, always there
         answer["timings"] = shapes.llama_timings(results[0].timings, prep.prompt_tokens)
-    if request.app.state.settings.verbose or body.verbose:   # llama-server's: the prompt too
-        answer["__verbose"] = {"prompt": prep.prompt}
-    return JSONResponse(answer)
+    return answer
 
 
 def _usage_with_cache(prep: Prepared, results: list) -> dict:

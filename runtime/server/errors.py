@@ -55,6 +55,23 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# Anthropic's error types by HTTP status (the Messages API's own shape)
+_ANTHROPIC_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
+                             403: "permission_error", 404: "not_found_error",
+                             413: "request_too_large", 429: "rate_limit_error",
+                             503: "overloaded_error"}
+
+
+def anthropic_error_body(err: APIError) -> dict:
+    """``{"type": "error", "error": {"type", "message"}}``, as Anthropic's API answers."""
+    kind = _ANTHROPIC_TYPE_BY_STATUS.get(err.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def anthropic_response(err: APIError) -> JSONResponse:
+    return JSONResponse(anthropic_error_body(err), status_code=err.status, headers=err.headers)
+
+
 def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
@@ -100,10 +117,13 @@ def pydantic_error(exc: ValidationError) -> APIError:
 
 
 def route_response(path: str, err: APIError) -> JSONResponse:
-    """``err`` in the shape of the API ``path`` belongs to: llama-server's on its own routes,
-    OpenAI's everywhere else."""
+    """``err`` in the shape of the API ``path`` belongs to: Anthropic's on its Messages
+    routes, llama-server's on its own, OpenAI's everywhere else."""
+    from runtime.server.anthropic_api import ANTHROPIC_PATHS  # noqa: PLC0415
     from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
 
+    if path in ANTHROPIC_PATHS:
+        return anthropic_response(err)
     if path in NATIVE_PATHS or path.startswith("/slots/"):      # llama-server's own shape there
         return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
     return err.response()

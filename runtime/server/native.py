@@ -287,7 +287,7 @@ async def apply_template(request: Request) -> dict:
                        code="invalid_value", param="add_generation_prompt")
     tools = req.tool_dicts() if structured.template_knows_tools(template.source) else None
     variables = template_variables(request.app.state.settings.reasoning,
-                                   req.chat_template_kwargs)
+                                   req.template_kwargs())
     try:                            # off the event loop: a long chat takes a while to render
         return {"prompt": await anyio.to_thread.run_sync(lambda: engine.chat_prompt(
             messages, tools=tools, add_generation_prompt=add, variables=variables))}

@@ -96,7 +96,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | Non
     fields: dict[str, Any] = {"max_tokens": max_tokens, "stop": req.stop_list(),
                               "logit_bias": req.logit_bias_ids(), "grammar": grammar,
                               "logprobs": logprobs, "post_sampling": post_sampling,
-                              "n_keep": n_keep}
+                              "n_keep": n_keep,
+                              "ignore_eos": defaults is not None and defaults.ignore_eos}
     for name in SAMPLER_FIELDS:
         value = getattr(req, name)
         if value is None and defaults is not None:
@@ -167,7 +168,7 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
         prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
                                     add_generation_prompt=add_prompt and not prefill,
                                     variables=template_variables(reasoning,
-                                                                 req.chat_template_kwargs))
+                                                                 req.template_kwargs()))
         if prefill:     # templates close every turn; the prefill must stay open
             end = prompt.rfind(messages[-1]["content"])
             if messages[-1]["content"] and end >= 0:

@@ -1,9 +1,12 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic models).
 
 Every field is either honoured or refused: an unknown field is a 400 naming it (it would
-otherwise be silently ignored). ``user`` and ``metadata`` are accepted as labels, and
-``cache_prompt`` (llama-server's: false evaluates the whole prompt instead of reusing the KV
-prefix).
+otherwise be silently ignored). Fields OpenAI clients send that change nothing for one local
+model are accepted (``IGNORED_FIELDS``: ``user``, ``metadata``, ``store``, ``service_tier``,
+``safety_identifier``, ``prompt_cache_key``); ``reasoning_effort`` turns the template's
+thinking off ("none", "minimal") or on (the others) unless ``chat_template_kwargs`` sets
+``enable_thinking``; and ``cache_prompt`` (llama-server's: false evaluates the whole prompt
+instead of reusing the KV prefix).
 """
 from __future__ import annotations
 
@@ -12,6 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_CHOICES = 16        # n
+# accepted, and change nothing here (README: "Request fields")
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier",
+                  "prompt_cache_key")
+REASONING_OFF = ("none", "minimal")     # reasoning_effort values that turn thinking off
 
 
 class StreamOptions(BaseModel):
@@ -39,6 +46,10 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     user: str | None = None                       # a label; changes nothing
     metadata: dict[str, str] | None = None        # a label; changes nothing
+    store: bool | None = None                     # OpenAI keeps answers; nothing is stored here
+    service_tier: str | None = None               # one tier here
+    safety_identifier: str | None = None          # a label; changes nothing
+    prompt_cache_key: str | None = None           # the KV prefix is reused by itself here
     # llama.cpp server extensions
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -117,6 +128,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallItem] | None = None     # assistant turns that called tools
     tool_call_id: str | None = None                  # tool turns: which call this answers
     refusal: str | None = None
+    reasoning_content: str | None = None             # an earlier answer's thinking (templates
+                                                     # that render it, e.g. between tool calls)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -183,6 +196,15 @@ class ChatCompletionRequest(_SamplingFields):
     return_progress: bool = False                  # stream the prompt's progress
     # the thinking split off into reasoning_content (auto/deepseek) or left in (none)
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` as ``enable_thinking`` (the
+        request's own kwargs win); templates without thinking ignore the variable."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"enable_thinking": self.reasoning_effort not in REASONING_OFF} | \
+            (self.chat_template_kwargs or {})
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
@@ -218,6 +240,8 @@ class ChatCompletionRequest(_SamplingFields):
                 d["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 d["name"] = m.name
+            if m.reasoning_content is not None:
+                d["reasoning_content"] = m.reasoning_content
             out.append(d)
         return out
 

@@ -15,11 +15,6 @@ UNSUPPORTED = {
     ("POST", "/models/load"): ROUTER_MODE,
     ("POST", "/models/unload"): ROUTER_MODE,
     ("GET", "/models/sse"): ROUTER_MODE,
-    **{("POST", p): "the OpenAI Responses API is not served here; use /v1/chat/completions"
-       for p in ("/v1/responses", "/responses", "/v1/responses/input_tokens",
-                 "/responses/input_tokens")},
-    **{("POST", p): "the Anthropic Messages API is not served here; use /v1/chat/completions"
-       for p in ("/v1/messages", "/v1/messages/count_tokens")},
     **{("POST", p): "audio transcription needs a multimodal projector (llama-server's "
                     "--mmproj), which this text-only server does not load"
        for p in ("/v1/audio/transcriptions", "/audio/transcriptions")},

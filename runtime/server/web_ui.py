@@ -1,9 +1,11 @@
 """The chat page at ``/`` (llama-server serves its web UI there; ``--no-ui`` turns ours off).
 
-A single static page (webui/index.html) that streams ``/v1/chat/completions``, plus the
-files a browser asks an installable page for: ``/manifest.webmanifest``, ``/sw.js`` and
-``/_app/version.json`` (the path where llama.cpp's UI reads its build). They are public, as
-llama-server's static assets are: the page asks for the API key and sends it with each call.
+A static page (webui/index.html and style.css; app.js streams ``/v1/chat/completions`` and
+renders with markdown.js; experts.js polls ``/v1/residency`` for the expert map), nothing
+fetched from elsewhere, plus the files a browser asks an installable page for:
+``/manifest.webmanifest``, ``/sw.js`` and ``/_app/version.json`` (the path where llama.cpp's
+UI reads its build). They are public, as llama-server's static assets are: the page asks for
+the API key and sends it with each call.
 """
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ ASSETS = {
     "/index.html": ("index.html", "text/html; charset=utf-8"),
     "/manifest.webmanifest": ("manifest.webmanifest", "application/manifest+json"),
     "/sw.js": ("sw.js", "text/javascript; charset=utf-8"),
+    "/app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
+    "/experts.js": ("experts.js", "text/javascript; charset=utf-8"),
+    "/style.css": ("style.css", "text/css; charset=utf-8"),
 }
 PUBLIC_PATHS = frozenset([*ASSETS, "/_app/version.json"])   # no API key needed
 

@@ -5,7 +5,8 @@ import os
 from pathlib import Path
 
 from runtime.errors import UserError
-from runtime.traces.route_bin import looks_like_route_bin, read_route_bin, write_route_bin
+from runtime.traces.route_bin import integrity, looks_like_route_bin, read_route_bin, \
+    write_route_bin
 from runtime.traces.route_csv import read_route_csv, write_route_csv
 from runtime.traces.trace import RouteTrace
 
@@ -22,6 +23,14 @@ def read_trace(path: str | os.PathLike) -> RouteTrace:
     if looks_like_route_bin(p):
         return read_route_bin(p)
     return read_route_csv(p)
+
+
+def trace_integrity(path: str | os.PathLike) -> str:
+    """Whether the file is known intact: "intact (...)" (a verified checksum) or "no checksum
+    (...)"; UserError for a checksum that does not match."""
+    if looks_like_route_bin(path):
+        return integrity(path)
+    return "no checksum (CSV)"
 
 
 def is_csv_path(path: str | os.PathLike) -> bool:

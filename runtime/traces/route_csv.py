@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.atomic_write import atomic_write
 from runtime.errors import UserError
 from runtime.traces.trace import RouteTrace, TraceHeader, check_rows
 
@@ -132,20 +133,32 @@ def _parse_preamble(name: str, lines: list[str]) -> tuple[TraceHeader, int]:
 
 
 def _parse_rows(name: str, body: list[str], first_line: int) -> dict[str, np.ndarray]:
-    dtype = np.dtype([(col, dt) for col, dt in _CSV_COLUMNS])
-    try:
-        rows = np.loadtxt(io.StringIO("\n".join(body)), delimiter=",", dtype=dtype, ndmin=1,
-                          comments=None)
-    except ValueError:
+    rows = _loadtxt(body)
+    if rows is None:
         _raise_first_bad_line(name, body, first_line)
-        raise  # unreachable: the scan always finds the line numpy tripped over
     if len(rows) != len(body):  # numpy skips blank lines; a blank line inside is malformed
         _raise_first_bad_line(name, body, first_line)
     return {col: rows[col] for col, _ in _CSV_COLUMNS}
 
 
+_DTYPE = np.dtype([(col, dt) for col, dt in _CSV_COLUMNS])
+_INT_FIELD = re.compile(r"\s*[+-]?[0-9]+\s*", re.ASCII)
+_FLOAT_FIELD = re.compile(r"\s*[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+                          r"|inf|infinity|nan)\s*", re.ASCII | re.IGNORECASE)
+_INT_FIELDS = {0, 1, 2, 3, 4, 5, 7, 8}
+
+
+def _loadtxt(lines: list[str]) -> np.ndarray | None:
+    """The rows parsed by numpy, or None when it refuses them."""
+    try:
+        return np.loadtxt(io.StringIO("\n".join(lines)), delimiter=",", dtype=_DTYPE, ndmin=1,
+                          comments=None)
+    except (ValueError, OverflowError):
+        return None
+
+
 def _raise_first_bad_line(name: str, body: list[str], first_line: int) -> None:
-    ints = {0, 1, 2, 3, 4, 5, 7, 8}
+    """Raise a UserError naming the first line numpy cannot parse, and why."""
     for i, line in enumerate(body):
         fields = line.rstrip("\r").split(",")
         where = f"{name}: line {first_line + i}"
@@ -154,12 +167,23 @@ def _raise_first_bad_line(name: str, body: list[str], first_line: int) -> None:
                             f"got {len(fields)}")
         for j, field in enumerate(fields):
             col = _CSV_COLUMNS[j][0]
-            try:
-                int(field) if j in ints else float(field)
-            except ValueError:
-                kind = "an integer" if j in ints else "a number"
-                raise UserError(f"{where}: {col} '{field[:30]}' is not {kind}") from None
-    raise UserError(f"{name}: rows could not be parsed")
+            if j in _INT_FIELDS:
+                if not _INT_FIELD.fullmatch(field):
+                    raise UserError(f"{where}: {col} {field[:30]!r} is not an integer")
+                if not -2**63 <= int(field) < 2**63:
+                    raise UserError(f"{where}: {col} {field.strip()[:30]} is out of range (more than 64 bits)")
+            elif not _FLOAT_FIELD.fullmatch(field):
+                raise UserError(f"{where}: {col} {field[:30]!r} is not a number")
+    # every field looks right, yet numpy refused: halve until one line is left
+    lo, hi = 0, len(body)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _loadtxt(body[lo:mid]) is None or len(_loadtxt(body[lo:mid])) != mid - lo:
+            hi = mid
+        else:
+            lo = mid
+    raise UserError(f"{name}: line {first_line + lo}: not a row of numbers "
+                    f"({body[lo][:60]!r})")
 
 
 def format_rows(trace: RouteTrace, start: int = 0, stop: int | None = None) -> str:
@@ -190,15 +214,9 @@ def format_preamble(header: TraceHeader) -> str:
 
 
 def write_route_csv(trace: RouteTrace, path: str | os.PathLike) -> None:
-    """Write ``trace`` as ``route_trace v1`` CSV (atomically: a temp file renamed into place)."""
-    tmp = Path(f"{path}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(format_preamble(trace.header))
-            chunk = 1 << 16
-            for start in range(0, len(trace), chunk):
-                f.write(format_rows(trace, start, start + chunk))
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    """Write ``trace`` as ``route_trace v1`` CSV (atomically: runtime.atomic_write)."""
+    with atomic_write(path, "w") as f:
+        f.write(format_preamble(trace.header))
+        chunk = 1 << 16
+        for start in range(0, len(trace), chunk):
+            f.write(format_rows(trace, start, start + chunk))

@@ -9,8 +9,9 @@
 
 Rows must be appended in execution order (the order replay runs them). Memory stays bounded:
 CSV rows stream to the output, binary columns stream to per-column spill files that are joined
-into the final file on ``close()``. Output appears atomically (temp file, then rename), so a
-crashed capture never leaves a half-written trace behind.
+into the final file on ``close()``. Output appears atomically (runtime.atomic_write: a temp
+file, fsync, rename), so a crashed capture never leaves a half-written trace behind, and the
+next writer of the same path removes a killed capture's temp and spill files.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.atomic_write import AtomicTarget, write_error
 from runtime.errors import UserError
 from runtime.traces import route_bin, route_csv
 from runtime.traces.files import is_csv_path
@@ -36,7 +38,8 @@ class TraceWriter:
         self.csv = is_csv_path(path) if csv is None else csv
         self.rows_written = 0
         self._closed = False
-        self._tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+        self._target = AtomicTarget(self.path)    # removes the stale temps of killed writers
+        self._tmp = self._target.tmp
         self._spills: dict[str, Path] = {}
         self._files = {}
         try:
@@ -45,12 +48,12 @@ class TraceWriter:
                 self._files["csv"].write(route_csv.format_preamble(header))
             else:
                 for col in COLUMNS:
-                    spill = self._tmp.with_name(f"{self._tmp.name}.{col}")
+                    spill = self._target.extra(col)
                     self._spills[col] = spill
                     self._files[col] = open(spill, "wb")
         except OSError as exc:
             self._cleanup()
-            raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+            raise write_error(self.path, exc) from None
 
     # -- appending -------------------------------------------------------------------------
 
@@ -113,7 +116,7 @@ class TraceWriter:
                     self._files[col].write(np.ascontiguousarray(cols[col], dtype=dtype).tobytes())
         except OSError as exc:
             self.abort()
-            raise UserError(f"{self.path}: cannot write ({exc.strerror or exc})") from None
+            raise write_error(self.path, exc) from None
         self.rows_written += n
 
     # -- finishing -------------------------------------------------------------------------
@@ -130,12 +133,11 @@ class TraceWriter:
                 f.close()
             if not self.csv:
                 self._join_spills()
-            os.replace(self._tmp, self.path)
         except OSError as exc:
             self.abort()
-            raise UserError(f"{self.path}: cannot write ({exc.strerror or exc})") from None
-        finally:
-            self._cleanup(keep_tmp=False)
+            raise write_error(self.path, exc) from None
+        self._target.publish()          # fsync, rename, fsync the directory; or UserError
+        self._cleanup()
         self._closed = True
         return self.path
 
@@ -155,19 +157,17 @@ class TraceWriter:
 
     def _join_spills(self) -> None:
         head, layout = route_bin.encode_header(self.header, self.rows_written)
-        with open(self._tmp, "wb") as out:
+        with open(self._tmp, "w+b") as out:
             out.write(head)
             for col in COLUMNS:
                 out.seek(layout[col]["offset"])
                 with open(self._spills[col], "rb") as spill:
                     shutil.copyfileobj(spill, out, 1 << 20)
             out.truncate(route_bin._align(out.tell()))
+            route_bin.seal(out)
 
-    def _cleanup(self, keep_tmp: bool = False) -> None:
+    def _cleanup(self) -> None:
         for f in self._files.values():
             if not f.closed:
                 f.close()
-        for spill in self._spills.values():
-            spill.unlink(missing_ok=True)
-        if not keep_tmp:
-            self._tmp.unlink(missing_ok=True)
+        self._target.discard()          # the temp file and the spills (none after publish)

@@ -110,7 +110,7 @@ def test_skew_makes_popularity_uneven_and_different_per_layer(tmp_path: Path) ->
     assert len({int(np.argmax(s)) for s in skew_pop}) > 1   # the favourite differs per layer
 
 
-@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K"])
 def test_random_blocks_dequantize_to_the_requested_spread(qtype_name: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -124,6 +124,24 @@ def test_random_blocks_dequantize_to_the_requested_spread(qtype_name: str) -> No
     assert np.all(w[0] == 0.0)                            # row 0 (output channel 0) is exactly 0
     assert abs(float(w[1:].mean())) < 0.005
     assert 0.035 < float(w[1:].std()) < 0.065             # MXFP4 scales are powers of two
+
+
+def test_q4_k_embedding_blocks_keep_the_bias_channel() -> None:
+    """An embedding table in Q4_K (token_embd of a Q4_K_M preset): column 0 is one constant
+    ~1.0 in every row (the bias channel), the rest spreads like N(0, 1)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from gguf_tools.synth_blocks import random_blocks
+
+    q4_k = GGMLQuantizationType.Q4_K
+    w = dequantize(random_blocks(np.random.default_rng(2), q4_k, 300, 512, std=1.0,
+                                 unit_col0=True), q4_k)   # (300, 512)
+    assert np.all(w[:, 0] == w[0, 0]) and abs(float(w[0, 0]) - 1.0) < 1e-3
+    assert abs(float(w[:, 1:].mean())) < 0.02 and 0.9 < float(w[:, 1:].std()) < 1.1
+    with pytest.raises(ValueError, match="unit_col0 needs Q4_K"):
+        random_blocks(np.random.default_rng(2), GGMLQuantizationType.Q6_K, 1, 256, std=1.0,
+                      unit_col0=True)
 
 
 def test_streaming_write_keeps_memory_bounded(tmp_path: Path) -> None:

@@ -26,8 +26,10 @@ def native_build():
     GGML_RPC=ON is the same libllama plus libggml-rpc."""
     from runtime.native.build import BuildRequest, build
 
-    def say(line: str) -> None:          # past pytest's capture: a build takes minutes
-        print(f"\n[tests/native, once per cache] {line}", file=sys.__stderr__, flush=True)
+    from tests.conftest import terminal_notice
+
+    def say(line: str) -> None:          # on pytest's terminal: a build takes minutes
+        terminal_notice(f"[tests/native, once per cache] {line}")
 
     return build(BuildRequest(backend="cpu", rpc=True), log=say)
 

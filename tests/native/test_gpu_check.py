@@ -47,7 +47,9 @@ def test_dry_run(native_build, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (tmp_path / "bench-dry-run.md").read_text()
     print(table)
-    for row in ("| lru ", "| phase-specific ", "pp32", "tg8"):
+    # the real Qwen3-30B-A3B routing trace, played: its 28-token prompt and 128 decode rows
+    for row in ("| lru ", "| phase-specific ", "pp28@trace", "tg129@trace",
+                "routing imposed from qwen3-30b-a3b.route.csv"):
         assert row in table
     assert "cpu-slots" in table and re.search(r"gpu_check \[\d+ s\]: libraries:", proc.stderr)
     assert "installing from" in proc.stderr     # the wheels path ran (the bare interpreter)

@@ -234,6 +234,12 @@ class NativeCore:
     def state(self, flat: int) -> int:
         return self.lib.rc_state(self._c, flat)
 
+    def use_counts(self) -> np.ndarray:
+        """(3, n_layer, n_expert) int64 accesses per phase and key, a copy."""
+        n = 3 * self.n_layer * self.n_expert
+        buf = self.ffi.buffer(self.lib.rc_uses(self._c), n * 8)
+        return np.frombuffer(buf, dtype=np.int64).reshape(3, self.n_layer, self.n_expert).copy()
+
     def pool_stats(self, pool: int) -> tuple[int, int, int, int, int]:
         """(capacity or -1, resident bytes, resident experts, pending bytes, pending tickets)."""
         lib, c = self.lib, self._c

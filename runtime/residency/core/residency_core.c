@@ -1158,6 +1158,7 @@ int32_t rc_state(const rc_core *c, int32_t f) {
     return f >= 0 && f < c->n_flat ? c->state[f] : -1;
 }
 const uint8_t *rc_states(const rc_core *c) { return c->state; }
+const int64_t *rc_uses(const rc_core *c) { return c->uses; }
 int64_t rc_pool_capacity(const rc_core *c, int32_t p) { return c->pools[p].capacity; }
 int64_t rc_pool_resident_bytes(const rc_core *c, int32_t p) { return c->pools[p].resident_bytes; }
 int64_t rc_pool_resident_count(const rc_core *c, int32_t p) { return c->pools[p].resident_count; }

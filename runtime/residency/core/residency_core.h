@@ -161,6 +161,8 @@ int rc_pin_static(rc_core *c, const int32_t *flats, int32_t n);
 int32_t rc_state(const rc_core *c, int32_t flat);           /* 0..2 resident, 8 absent,
                                                                 9 pending, 10 evicting */
 const uint8_t *rc_states(const rc_core *c);                  /* n_flat bytes */
+const int64_t *rc_uses(const rc_core *c);                    /* (3, n_flat): accesses per
+                                                                phase and key */
 int64_t rc_pool_capacity(const rc_core *c, int32_t pool);    /* -1 unresolved */
 int64_t rc_pool_resident_bytes(const rc_core *c, int32_t pool);
 int64_t rc_pool_resident_count(const rc_core *c, int32_t pool);

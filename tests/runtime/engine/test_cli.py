@@ -79,7 +79,12 @@ def test_chat_answers_help_and_unknown_commands_itself(tiny_model, cli):
 
 
 def test_help_shows_residency_defaults_not_none(cli):
-    proc = cli("complete", "--help")
+    short = cli("complete", "--help")
+    assert short.returncode == 0
+    assert "--devices.cuda:0" in short.stdout and "--help-all" in short.stdout
+    assert "--policy.decode.eviction" not in short.stdout      # advanced: --help-all
+    assert len(short.stdout.splitlines()) < 130
+    proc = cli("complete", "--help-all")
     assert proc.returncode == 0
     assert "(default: None)" not in proc.stdout
     text = " ".join(proc.stdout.split())
@@ -90,11 +95,13 @@ def test_help_shows_residency_defaults_not_none(cli):
 
 
 @pytest.mark.parametrize("command", [("chat",), ("trace", "record"), ("bench",), ("serve",),
-                                     ("replay",), ("plan",)])
+                                     ("replay",), ("plan",), ("demo",), ("synth",),
+                                     ("trace", "synth"), ("inspect",), ("profile",)])
 def test_no_help_shows_a_none_or_false_default(cli, command):
     proc = cli(*command, "--help")
     assert proc.returncode == 0, proc.stderr
     assert "(default: None)" not in proc.stdout and "(default: False)" not in proc.stdout
+    assert "(default: [])" not in proc.stdout and "``" not in proc.stdout   # no RST markup
 
 
 def test_model_directory_is_named_as_such(cli, tmp_path):

@@ -18,6 +18,7 @@ def test_demo_main_job(cli, tmp_path):
     rate = re.search(r"expert hit rate: ([0-9.]+)%", line)
     assert rate and 0 <= float(rate.group(1)) <= 100
     assert re.search(r"decode +accesses +\d+", out)
+    assert "weights are random" in out and "moe-offload complete -hf" in out   # what next
     mtime = models[0].stat().st_mtime_ns
     second = cli(*args, timeout=300)
     assert second.returncode == 0, second.stderr

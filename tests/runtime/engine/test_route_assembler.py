@@ -160,3 +160,37 @@ def test_native_cache_ready_follows_the_library_actually_loaded(tmp_path, monkey
     assert ready(None, gpu)
     monkeypatch.setenv("LLAMA_CPP_LIB_PATH", str(stock))
     assert not ready(None, gpu)
+
+
+def test_static_rules_come_first_and_the_gpu_layers_start_after_the_cpu_ones():
+    """llama.cpp's --n-cpu-moe with a cuda:0 budget: its rules lead, the layers it keeps on
+    the CPU are skipped by the static GPU plan; -ot sending experts to a GPU is refused."""
+    from runtime.engine.llama_flags import parse_override_tensor, placement_rules
+    from runtime.errors import UserError
+
+    eb = (0, 100, 50, 100)
+    names = {f"blk.{i}.ffn_{p}_exps.weight": "f32" for i in (1, 2, 3)
+             for p in ("gate", "up", "down")}
+    facts = SimpleNamespace(expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3),
+                            tensor_types=names | {"blk.1.attn_q.weight": "f32"})
+    rules = tuple(placement_rules(SimpleNamespace(override_tensor=[], cpu_moe=False,
+                                                  n_cpu_moe=2)))
+    settings = EngineSettings(model_path="unused.gguf", tensor_rules=rules)
+    manager = _gpu_manager(eb, "700B")
+    placement = residency_setup.plan(settings, manager.config, facts, manager, has_gpu=True,
+                                     native_cache=False)
+    assert placement.gpu_expert_layers == (2, 3) and placement.gpu_expert_bytes == 600
+    assert placement.rules[:2] == rules and [t for _, t in placement.rules[2:]] == ["gpu", "cpu"]
+    plain = _gpu_manager(eb, "700B")             # without the flag: from the first MoE layer
+    assert residency_setup.plan(EngineSettings(model_path="unused.gguf"), plain.config, facts,
+                                plain, has_gpu=True, native_cache=False
+                                ).gpu_expert_layers == (1, 2)
+    to_gpu = EngineSettings(model_path="unused.gguf",
+                            tensor_rules=tuple(parse_override_tensor([r"blk\.3\.=CUDA0"])))
+    with pytest.raises(UserError, match="blk.3.ffn_.*CUDA0.*--devices.cuda:0"):
+        residency_setup.plan(to_gpu, manager.config, facts, _gpu_manager(eb, "700B"),
+                             has_gpu=True, native_cache=False)
+    other = EngineSettings(model_path="unused.gguf", manage_residency=False,
+                           tensor_rules=tuple(parse_override_tensor([r"blk\.3\.=CUDA0"])))
+    assert residency_setup.plan(other, None, facts, None, has_gpu=True,
+                                native_cache=False).rules == ((r"blk\.3\.", "CUDA0"),)

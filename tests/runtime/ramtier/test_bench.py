@@ -19,12 +19,31 @@ SPEC = SynthSpec(arch="qwen3moe", layers=2, experts=8, top_k=2, embd=64, ff=64, 
 
 def test_default_configs_parse_and_share_one_budget():
     configs = bench.default_configs(100 << 20, 30 << 20, ("lru", "lfu-decay"))
-    assert [c.name for c in configs] == ["mmap", "read-ahead", "lru", "lfu-decay"]
+    assert [c.name for c in configs] == ["mmap", "read-ahead", "lru", "lfu-decay",
+                                         "best-replay"]
     for c in configs[1:]:
         cfg = parse_config(c.config, source=c.name)
         assert cfg.budget("cpu").bytes >= (30 << 20)
     assert parse_config(configs[3].config, source="x").decode.eviction.name == "lfu-decay"
+    best = parse_config(configs[4].config, source="best")
+    assert best.decode.eviction.name == "next-visit" and best.decode.prefetch.name == "affinity"
     assert {c.budget_label for c in configs[2:]} == {"30 MiB"}
+
+
+def test_default_rows_include_next_visit_and_the_best_config():
+    names = [c.name for c in bench.default_configs(100 << 20, 30 << 20)]
+    assert "next-visit" in names and names[-1] == "best-replay"
+    help_text = subprocess.run([sys.executable, "-m", "runtime.cli", "bench", "--help"],
+                               capture_output=True, text=True, timeout=60).stdout
+    assert "next-visit" in " ".join(help_text.split())
+
+
+def test_pressure_note_names_mem_limit_only_without_pressure():
+    note = bench.pressure_note(100 << 20, 8 << 30, None)
+    assert "fits in free memory" in note and "--mem-limit" in note
+    assert "no managed tier can gain without memory pressure" in note
+    assert bench.pressure_note(100 << 20, 8 << 30, 64 << 20) == ""      # a limit is set
+    assert bench.pressure_note(16 << 30, 8 << 30, None) == ""           # it does not fit
 
 
 def _row(config, test, seconds, tps=10.0):
@@ -47,17 +66,33 @@ def test_bench_cli_runs_every_config_and_prints_json(synth_model_factory, capsys
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     got = {(r["config"], r["test"]) for r in out["rows"]}
-    assert got == {(c, t) for c in ("mmap", "read-ahead", "lru") for t in ("pp16", "tg4", "cold4")}
+    assert got == {(c, t) for c in ("mmap", "read-ahead", "lru", "best-replay")
+                   for t in ("pp16", "tg4", "cold4")}
     for r in out["rows"]:
         assert r["tps"] > 0 and r["seconds"] > 0
         assert (r["hit_pct"] is None) == (r["config"] == "mmap")
-    assert set(out["cold_start_ratio_vs_mmap"]) == {"read-ahead", "lru"}
+    assert set(out["cold_start_ratio_vs_mmap"]) == {"read-ahead", "lru", "best-replay"}
+    assert "--mem-limit" in out["meta"]["memory_pressure_note"]      # it fits in memory
     truth = out["details"]["lru"]["tier"]["truth"]
     assert truth["manager_resident_bytes"] <= truth["budget_bytes"]
 
 
+def test_bench_table_says_when_no_tier_can_gain(synth_model_factory, capsys):
+    model = str(synth_model_factory(SPEC))
+    rc = main(["bench", "-m", model, "-p", "8", "-n", "2", "-r", "1", "--cold", "2", "-t", "1",
+               "--policies", "lru", "--budget", "96KiB", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| best-replay" in out                   # the best config is a default row
+    assert "no managed tier can gain without memory pressure" in out and "--mem-limit" in out
+    cold = next(line for line in out.splitlines() if line.startswith("cold start"))
+    assert "slower than" not in cold and "faster than" not in cold
+    assert cold.count("x (") == 3                  # read-ahead, lru, best-replay
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "lots"], "--budget: not a size"),
+    (["--polic", "lru"], "unrecognized arguments: --polic"),
     (["--policies", "belady"], "--policies: 'belady' is not a live eviction policy"),
     (["-r", "0"], "-r: must be >= 1"),
     (["--config", "/nonexistent.toml"], "/nonexistent.toml: no such file"),
@@ -100,6 +135,7 @@ def test_cold_line_never_calls_a_slowdown_faster():
             _row("fifo", "cold8", 2.0)]
     result = bench.BenchResult(rows, bench.cold_ratios(rows, 8), [], {})
     line = bench.cold_line(result, 8)
-    assert "lru 1.00 s (2.00x faster than mmap)" in line
-    assert "lfu 4.00 s (2.00x slower than mmap)" in line
-    assert "fifo 2.00 s (as fast as mmap)" in line
+    assert "lru 1.00 s, 2.00x (faster)" in line
+    assert "lfu 4.00 s, 0.50x (slower)" in line          # never "2.00x slower than"
+    assert "fifo 2.00 s, 1.00x (as fast)" in line
+    assert "slower than" not in line and "faster than" not in line

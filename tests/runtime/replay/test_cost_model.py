@@ -71,3 +71,23 @@ def test_calibrate_prints_a_snippet_the_config_accepts(capsys):
 def test_calibrate_bad_size(capsys):
     assert main(["calibrate", "--size", "1KiB"]) == 2
     assert "--size: 1KiB is outside 1MiB..8GiB" in capsys.readouterr().err
+
+
+def test_calibrate_measures_cold_reads_of_a_file(capsys, tmp_path):
+    data = tmp_path / "blob.bin"
+    data.write_bytes(np.random.default_rng(0).bytes(24 << 20))
+    before = data.read_bytes()
+    assert main(["calibrate", "--size", "4MiB", "--repeats", "1", "--storage", str(data)]) == 0
+    out = capsys.readouterr().out
+    cost = parse_config(tomllib.loads(out[out.index("[cost]"):]), source="calibrate").cost
+    assert cost.storage_gbps > 0 and "storage cold reads" in out
+    assert data.read_bytes() == before                # opened read-only, untouched
+
+
+def test_calibrate_storage_refuses_a_missing_or_tiny_file(capsys, tmp_path):
+    assert main(["calibrate", "--storage", str(tmp_path / "none")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 1000)
+    assert main(["calibrate", "--storage", str(small)]) == 2
+    assert "too small to measure" in capsys.readouterr().err

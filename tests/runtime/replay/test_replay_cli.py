@@ -74,6 +74,40 @@ def test_markdown_matrix_and_plot(capsys, synth_trace, tmp_path):
             if line.startswith("| ") and "x) |" in line]
     assert rows == ["lru", "lfu", "belady (ceiling)"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"plot written to {png}" in err
+    assert "<details>" in out                        # not a terminal: markdown for a file
+
+
+def test_default_policies_and_plain_text_on_a_terminal(synth_trace):
+    """Without --policy the default rows; on a terminal no HTML (a real pseudo-terminal)."""
+    import os
+    import pty
+
+    from runtime.commands.replay import DEFAULT_POLICIES
+
+    leader, follower = pty.openpty()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "replay", str(synth_trace),
+                             "--capacity", "20%"], stdout=follower, stderr=subprocess.PIPE,
+                            env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:                     # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    proc.stderr.close()
+    out = b"".join(chunks).decode()
+    rows = [line.split(" | ")[0].lstrip("| ") for line in out.splitlines()
+            if line.startswith("| ") and "x) |" in line]
+    assert rows == [*DEFAULT_POLICIES, "belady (ceiling)"]
+    assert "<details>" not in out and "</details>" not in out and "All counters:" in out
 
 
 def test_phase_specific_config(capsys, synth_trace, tmp_path):
@@ -100,8 +134,8 @@ def _bad_trace(tmp_path):
     return path, header_at + 4
 
 
-@pytest.mark.parametrize("case", ["bad-row", "empty", "capacity", "policy", "no-policy",
-                                  "missing", "config"])
+@pytest.mark.parametrize("case", ["bad-row", "empty", "capacity", "policy", "missing",
+                                  "config"])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, case):
     argv = ["replay", REAL_TRACES[0], "--capacity", "20%", "--policy", "lru"]
     if case == "bad-row":
@@ -118,9 +152,6 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, case):
     elif case == "policy":
         argv[5] = "fifo"
         expect = "unknown policy 'fifo'"
-    elif case == "no-policy":
-        argv = argv[:4]
-        expect = "give --policy NAME or --config FILE"
     elif case == "missing":
         argv[1] = tmp_path / "nope.csv"
         expect = f"{argv[1]}: no such file"

@@ -42,3 +42,24 @@ def test_snapshot_formats():
             assert line.split("{")[0] in families
     assert {"moe_expert_demand_miss_bytes_total", "moe_expert_transition_hits_total",
             "moe_expert_prefetch_wasted_bytes_total"} <= families
+
+
+@pytest.mark.parametrize("core", ["native", "reference"])
+def test_expert_map(core):
+    """snapshot(experts=True): per MoE layer each expert's state and access count; the C
+    core and its Python reference agree."""
+    m = ExpertResidencyManager.create_simulated(expert_bytes=[10, 0, 10], n_expert=4,
+                                                capacity_bytes=30, policy="lru", core=core)
+    for layer, ids, phase in [(0, [0, 1], Phase.PREFILL), (2, [3], Phase.DECODE),
+                              (0, [0], Phase.DECODE), (2, [2], Phase.DECODE)]:
+        m.release(m.access_layer("sim", layer, np.array(ids), phase))
+    assert m.snapshot().device("sim").experts is None          # off by default
+    experts = m.snapshot(experts=True).device("sim").experts
+    assert experts.layers == (0, 2)                              # the dense layer 1 left out
+    # capacity 3: (0, 1) was the least recently used when (2, 2) came in
+    assert experts.state == ("R---", "--RR")
+    assert experts.routed == ((2, 1, 0, 0), (0, 0, 1, 1))
+    data = json.loads(m.snapshot(experts=True).to_json())["devices"]["sim"]["experts"]
+    assert data == {"layers": [0, 2], "state": ["R---", "--RR"],
+                    "routed": [[2, 1, 0, 0], [0, 0, 1, 1]]}
+    assert "experts" not in json.loads(m.snapshot().to_json())["devices"]["sim"]

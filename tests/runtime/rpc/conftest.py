@@ -32,8 +32,10 @@ def rpc_build():
     from runtime.errors import UserError
     from runtime.native.build import BuildRequest, build
 
-    def say(line: str) -> None:
-        print(f"\n[tests/runtime/rpc, once per cache] {line}", file=sys.__stderr__, flush=True)
+    from tests.conftest import terminal_notice
+
+    def say(line: str) -> None:          # on pytest's terminal: a build takes minutes
+        terminal_notice(f"[tests/runtime/rpc, once per cache] {line}")
 
     try:
         return build(BuildRequest(backend="cpu", rpc=True), log=say)

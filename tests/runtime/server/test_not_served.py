@@ -1,5 +1,5 @@
 """What the server does not serve answers so, on the real server: llama-server's routes for
-router mode, the Responses / Anthropic APIs, audio, reranking, LoRA and built-in tools are 501
+router mode, audio, reranking, LoRA and built-in tools are 501
 naming the feature; media content parts and multimodal_data are 400 naming the projector."""
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""The chat page at ``/`` on the real server: public static files (no API key), the chat
-route it calls still guarded, and ``--no-ui`` answering 404."""
+"""The chat page at ``/`` on the real server: public static files (no API key, nothing from
+elsewhere), the chat route it calls still guarded, and ``--no-ui`` answering 404. The page in
+a browser: test_chat_page.py."""
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
@@ -25,6 +28,12 @@ def test_page_and_its_files_are_public(server):
         assert manifest.status_code == 200 and manifest.json()["start_url"] == "/"
         worker = http.get("/sw.js")
         assert worker.status_code == 200 and "javascript" in worker.headers["content-type"]
+        # the page's own scripts and style, all from the package: nothing from a CDN
+        for path in ("/app.js", "/markdown.js", "/experts.js", "/style.css"):
+            asset = http.get(path)
+            assert asset.status_code == 200, path
+            assert path[1:] in page.text
+        assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.text)
         version = http.get("/_app/version.json")
         assert version.status_code == 200 and version.json()["version"].startswith("b")
         # the API behind the page still wants the key
@@ -39,6 +48,7 @@ def test_page_and_its_files_are_public(server):
 def test_no_ui_answers_404(start_server, tiny_model):
     server = start_server(tiny_model, "--no-ui")
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        for path in ("/", "/index.html", "/sw.js", "/manifest.webmanifest", "/_app/version.json"):
+        for path in ("/", "/index.html", "/sw.js", "/manifest.webmanifest", "/_app/version.json",
+                     "/app.js", "/style.css"):
             assert http.get(path).status_code == 404, path
         assert http.get("/health").status_code == 200

@@ -65,6 +65,16 @@ BAD_ROWS = [
     (15, "0,1,2,1,1,99999,0.2,0,2000", "line 15: expert=99999 out of range"),
     (6, "0,0,0,0,0,1,nan,0,1000", "line 6: weight is not a finite number"),
     (8, "", "line 8: expected 9 comma-separated fields, got 1"),
+    # fields Python's int() takes and numpy does not: each was "rows could not be parsed"
+    (7, "99999999999999999999,0,0,0,1,2,0.4,0,1000",
+     "line 7: turn 99999999999999999999 is out of range (more than 64 bits)"),
+    (7, "0,0,0,0,1,2,0.4,0,1_000", "line 7: recorded_bytes '1_000' is not an integer"),
+    (7, "0,0,0,0,1,\u0662,0.4,0,1000", "line 7: expert '\u0662' is not an integer"),
+    (7, "0,0,0,0,1,2,0.4,0,1000\x00", "line 7: recorded_bytes '1000\\x00' is not an integer"),
+    (9, "0,0,1,0,1,3,0.3,0,18446744073709551616", "line 9: recorded_bytes 18446744073709551616"
+                                                 " is out of range"),
+    (9, "0,0,1,0,1,3,0_1.5,0,1000", "line 9: weight '0_1.5' is not a number"),
+    (9, "0,0,1,0,1,3,0.3,0,1000 # c", "line 9: recorded_bytes '1000 # c' is not an integer"),
 ]
 
 

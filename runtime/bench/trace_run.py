@@ -1,0 +1,158 @@
+"""One row of the real-scale benchmark, measured in this process: load a model, then play a
+routing trace (``--route-trace``: the trace's prompt, then every decode row) from a cold page
+cache, and report what a user waits for.
+
+``python -m runtime.bench.trace_run`` reads a JSON job on stdin (model, trace, row, threads) and
+writes one JSON object on stdout: load seconds, time to first token, decode t/s over the
+trace's decode tokens, bytes read from storage during the decode, and, for managed rows, the
+manager's decode counters (hits, accesses, demand-miss bytes, prefetches). The parent
+(scripts/bench_realscale.py) runs each row in a fresh process, under a memory limit where
+asked, and watches its memory from outside (runtime/bench/memwatch.py).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One row of the table: how the model is loaded and run."""
+
+    name: str                       # the table's "row" cell
+    kind: str                       # "llama.cpp" (residency off) | "managed"
+    repack: bool | None = None      # llama.cpp's CPU weight repacking (None: its default)
+    config: dict | None = None      # residency TOML as a dict (managed)
+    config_path: str | None = None  # or a file (managed); its [devices] replaced by budget
+    budget_bytes: int | None = None  # the cpu budget of a managed row
+    note: str = ""
+    env: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _residency_config(row: TraceRow):
+    from runtime.residency.config import load_config, parse_config  # noqa: PLC0415
+
+    if row.kind != "managed":
+        return None
+    if row.config_path:
+        import dataclasses  # noqa: PLC0415
+
+        base = load_config(row.config_path)
+        devices = parse_config({"devices": {"cpu": int(row.budget_bytes)}},
+                               source=row.name).devices
+        return dataclasses.replace(base, devices=devices)
+    return parse_config({**(row.config or {}), "devices": {"cpu": int(row.budget_bytes)}},
+                        source=row.name)
+
+
+def progress(**fields) -> None:
+    """One ``@@ {json}`` line on stderr: the parent reads how far a row got (a row it stops at
+    its time limit still reports its load, first token and decode rate so far)."""
+    sys.stderr.write("@@ " + json.dumps(fields) + "\n")
+    sys.stderr.flush()
+
+
+def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int = 512,
+            report=progress) -> dict:
+    """Load, play the trace once, and measure (see the module docstring)."""
+    from runtime.bench.memwatch import process_read_bytes  # noqa: PLC0415
+    from runtime.engine.cli_args import imposed_request  # noqa: PLC0415
+    from runtime.engine.engine import Engine, EngineSettings  # noqa: PLC0415
+    from runtime.engine.sampling import SamplingParams  # noqa: PLC0415
+    from runtime.residency.types import Phase  # noqa: PLC0415
+
+    settings = EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
+                              n_threads_batch=threads, manage_residency=row.kind == "managed",
+                              config=_residency_config(row), repack=row.repack,
+                              route_trace=trace)
+    pid = __import__("os").getpid()
+    t0 = time.perf_counter()
+    engine = Engine(settings, progress=False)
+    load_s = time.perf_counter() - t0
+    report(load_s=load_s)
+    try:
+        prompt, params = imposed_request(engine, None, SamplingParams(temperature=0.0),
+                                         _NoArgs())
+        before = _decode_counters(engine, Phase.DECODE)
+        t1 = time.perf_counter()
+        first_at, io_first, last = None, 0, None
+        n = 0
+        for chunk in engine.generate(prompt, params):
+            if chunk.token is not None:
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    io_first = process_read_bytes(pid)
+                    report(load_s=load_s, ttft_s=first_at - t1, read=io_first)
+                else:
+                    n += 1
+                    report(load_s=load_s, ttft_s=first_at - t1, decoded=n,
+                           decode_s=now - first_at, read=process_read_bytes(pid) - io_first)
+            last = chunk
+        t2 = time.perf_counter()
+        io_end = process_read_bytes(pid)
+        after = _decode_counters(engine, Phase.DECODE)
+        timings = last.timings
+        decode_tokens = max(timings.completion_tokens - 1, 0)   # tokens that were decoded
+        decode_s = t2 - first_at if first_at is not None else 0.0
+        out = {
+            "load_s": load_s,
+            "ttft_s": (first_at - t1) if first_at is not None else None,
+            "prompt_tokens": timings.prompt_tokens,
+            "decode_tokens": decode_tokens,
+            "decode_tps": decode_tokens / decode_s if decode_s > 0 else 0.0,
+            "read_bytes_per_decode_token": (io_end - io_first) / decode_tokens
+            if decode_tokens else None,
+            "lazy_experts": bool(getattr(engine, "lazy_experts", False)),
+            "imposed": engine.imposed.note() if engine.imposed is not None else None,
+        }
+        if before is not None:
+            out["decode"] = {k: after[k] - before[k] for k in after}
+        tier = next((t for t in engine.tiers if type(t).__name__ == "RamTier"), None)
+        if tier is not None:
+            out["tier_notices"] = list(tier.notices)
+        return out
+    finally:
+        engine.close()
+
+
+class _NoArgs:
+    """No -p and no -n: the trace's own prompt and every decode row."""
+
+    predict_given = False
+
+
+def _decode_counters(engine, phase) -> dict | None:
+    manager, devices = engine.manager, engine.residency_devices
+    if manager is None or not devices:
+        return None
+    c = manager.snapshot().device(devices[0]).phase(phase)
+    return {name: int(getattr(c, name)) for name in (
+        "accesses", "hits", "demand_miss_bytes", "prefetch_issued_bytes",
+        "prefetch_used_bytes", "prefetch_wasted_bytes")}
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    import os  # noqa: PLC0415
+
+    row = TraceRow(**job["row"])
+    os.environ.update(row.env)
+    from runtime.errors import UserError  # noqa: PLC0415
+
+    try:
+        result = run_row(job["model"], job["trace"], row, threads=job["threads"])
+    except UserError as err:
+        sys.stdout.write(json.dumps({"error": str(err)}) + "\n")
+        return 2
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
