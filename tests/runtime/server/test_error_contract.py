@@ -56,6 +56,15 @@ CORPUS = [
     ("/completion", '{"prompt": "hi", "n_predict": 1e999}', "finite"),
     ("/completion", '[1, 2]', ""),
     ("/v1/chat/completions", '"just a string"', "JSON object"),
+    ("/v1/messages", '{"max_tokens":2,"messages":[{"role":"user","content":"a\\ud800b"}]}',
+     "surrogate"),
+    ("/v1/messages", json.dumps({"max_tokens": 2, "messages": USER, "tools": [
+        {"name": "f", "input_schema": LOOP}], "tool_choice": {"type": "any"}}),
+     "recursive $ref"),
+    ("/v1/responses", '{"input":"hi","temperature":1e999}', "finite"),
+    ("/v1/responses", json.dumps({"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "string",
+                                                       "minLength": 10**8}}}}), "minLength"),
     ("/detokenize", '{"tokens": "abc"}', "tokens"),
     ("/detokenize", '{"tokens": [1.5]}', "tokens"),
 ]

@@ -1,5 +1,5 @@
-"""Property-based fuzzing of every generating, token and embedding route's request schema
-(hypothesis):
+"""Property-based fuzzing of every generating, token and embedding route's request schema,
+the Anthropic Messages and OpenAI Responses APIs included (hypothesis):
 whatever the body, the answer is a 2xx, or a 4xx in the route's error shape; never a 5xx, a
 stream never carries a server error, and the server still answers /health afterwards.
 
@@ -102,6 +102,30 @@ FIELDS = {
                      "input_extra": maybe(st.lists(any_json, max_size=1))}),
     "/v1/chat/completions/input_tokens": ({"messages": messages}, {"tools": maybe(tools)}),
 }
+blocks = st.one_of(text, st.lists(st.fixed_dictionaries(
+    {"type": maybe(st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"])),
+     "text": maybe(text)}), max_size=2))
+FIELDS |= {
+    "/v1/messages": ({"messages": st.lists(st.fixed_dictionaries(
+        {"role": maybe(st.sampled_from(["user", "assistant"])), "content": maybe(blocks)}),
+        max_size=3)}, {"max_tokens": maybe(small), "system": maybe(blocks),
+                       "stream": maybe(st.booleans()), "temperature": maybe(st.floats(0, 2)),
+                       "stop_sequences": maybe(st.lists(text, max_size=2)),
+                       "tools": maybe(st.lists(st.fixed_dictionaries(
+                           {"name": maybe(st.just("f")), "input_schema": schema}), max_size=1)),
+                       "tool_choice": maybe(st.fixed_dictionaries(
+                           {"type": st.sampled_from(["auto", "any", "tool", "none"])}))}),
+    "/v1/responses": ({"input": maybe(st.one_of(text, st.lists(st.fixed_dictionaries(
+        {"role": maybe(st.just("user")), "content": maybe(text)}), max_size=2)))},
+        {"instructions": maybe(text), "max_output_tokens": maybe(small),
+         "stream": maybe(st.booleans()), "temperature": maybe(st.floats(0, 2)),
+         "text": maybe(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+             {"type": st.sampled_from(["text", "json_object", "json_schema"]),
+              "schema": schema})})),
+         "tools": maybe(st.lists(st.fixed_dictionaries(
+             {"type": maybe(st.just("function")), "name": maybe(st.just("f")),
+              "parameters": schema}), max_size=1))}),
+}
 embed_input = maybe(st.one_of(text, prompt_ids, st.lists(st.one_of(text, prompt_ids),
                                                           max_size=3)))
 EMBEDDING_FIELDS = {       # served by a second server, started with --embedding
@@ -139,7 +163,7 @@ def check_answer(path: str, r: httpx.Response) -> None:
         for line in r.text.splitlines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 event = json.loads(line[6:])
-                if isinstance(event, dict) and "error" in event:
+                if isinstance(event, dict) and isinstance(event.get("error"), dict):
                     err = event["error"]
                     assert err.get("type") != "server_error" and err.get("code", 400) != 500, err
     else:
