@@ -113,6 +113,8 @@ def translate(argv: list[str]) -> list[str]:
             sys.exit(2)
     if "--metrics" not in argv:           # llama-server serves /metrics only when asked
         out.append("--no-metrics")
+    if "--ui-mcp-proxy" in out:         # llama-server's proxy reaches loopback, and its tests
+        out += ["--ui-mcp-proxy-allow", "127.0.0.0/8,::1,localhost"]   # proxy to 127.0.0.1
     if "--embedding" in out and "--pooling" not in out:
         out += ["--pooling", "mean"]      # the stand-in model has none; the tests' models mean
     if model is None or not Path(model).is_file():

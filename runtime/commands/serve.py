@@ -94,8 +94,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="answer GET /slots with 501")
     group.add_argument("--cors-origin", "--cors-origins", dest="cors_origin", default="*",
                        metavar="ORIGINS",
-                       help="comma-separated browser origins allowed by CORS ('*' = any; "
-                            "'' = no CORS headers)")
+                       help="comma-separated browser origins allowed by CORS: a listed "
+                            "origin (or 'localhost': any port on localhost, 127.0.0.1, [::1]) "
+                            "is echoed with credentials allowed; '*' (the default) answers "
+                            "any origin with '*' and no credentials; '' = no CORS headers")
     group.add_argument("--metrics", dest="metrics", action="store_true", default=True,
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
@@ -113,7 +115,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET|POST /cors-proxy?url=URL: the server calls URL for a "
                             "browser page (llama.cpp's web UI uses it for MCP servers); it "
                             "reaches any URL the server can, so keep it off on untrusted "
-                            "networks (off: 403)")
+                            "networks (off: 403); it refuses loopback, private, link-local, "
+                            "multicast and metadata addresses unless --ui-mcp-proxy-allow "
+                            "names them")
+    group.add_argument("--ui-mcp-proxy-allow", default="", metavar="HOSTS",
+                       help="comma-separated host names, addresses or networks (CIDR) that "
+                            "/cors-proxy may reach although they are internal (e.g. "
+                            "127.0.0.1 for an MCP server on this machine)")
+    limits = parser.add_argument_group("request limits (a request over one is a 400 naming it)")
+    limits.add_argument("--max-body-mib", type=int, default=16, metavar="MiB",
+                        help="largest request body (413 beyond)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                        help="most prompt tokens per request (default: the context decides)")
+    limits.add_argument("--max-grammar-kib", type=int, default=256, metavar="KiB",
+                        help="largest grammar or JSON schema")
+    limits.add_argument("--max-grammar-repeat", type=int, default=1000, metavar="N",
+                        help="largest repetition count in a grammar or schema (minLength, "
+                             "maxItems, x{m,n} ...); all of them together: 16x this")
     group.add_argument("--tags", default=None, metavar="A,B",
                        help="the model's tags, listed by /v1/models")
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
@@ -181,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.engine.cli_args import sampling_from_args, settings_from_args
     from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
+    from runtime.server.cors_proxy import proxy_allow_list
+    from runtime.server.exposure import exposure_warning
+    from runtime.server.limits import Limits
 
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
@@ -210,6 +231,14 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--slot-save-path {slot_dir}: cannot create it "
                             f"({exc.strerror})") from None
     origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
+    try:
+        limits = Limits(max_body_bytes=args.max_body_mib << 20,
+                        max_prompt_tokens=args.max_prompt_tokens,
+                        max_grammar_bytes=args.max_grammar_kib << 10,
+                        max_repeat=args.max_grammar_repeat)
+        proxy_allow = proxy_allow_list(args.ui_mcp_proxy_allow)
+    except ValueError as exc:
+        raise UserError(f"serve: {exc}") from None
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key: must not be empty")
@@ -229,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
             s.close()
         raise
     shown = ", ".join(_url(s) for s in socks)
+    warning = exposure_warning([s.getsockname()[0] for s in socks], api_key is not None,
+                               args.cors_proxy)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     load_errors: list[str] = []
     t0 = time.perf_counter()
 
@@ -287,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
                                     metrics_endpoint=args.metrics, embedding=args.embedding,
                                     slot_save_path=slot_dir, web_ui=args.web_ui,
                                     cors_proxy=args.cors_proxy,
+                                    cors_proxy_allow=proxy_allow, limits=limits,
                                     tags=tuple(t.strip() for t in (args.tags or "").split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure,

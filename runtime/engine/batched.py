@@ -31,7 +31,7 @@ from runtime.engine.logprobs import sample_token
 from runtime.engine.prompt_cache import PromptCache, common_prefix
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
-                                  PromptProgress, Timings, Usage)
+                                  PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -117,6 +117,9 @@ class BatchScheduler:
             raise UserError(f"id_slot: {id_slot} is not a slot (0..{self.n_slots - 1})")
         out: queue.SimpleQueue = queue.SimpleQueue()
         for index, (tokens, params) in enumerate(requests):
+            if not tokens:
+                raise UserError("prompt: no tokens")
+            check_token_ids(tokens, self.engine.n_vocab, "prompt")
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
             self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel,

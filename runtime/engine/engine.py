@@ -36,7 +36,7 @@ from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, PromptProgress, Timings, Usage)
+                                  GenerationChunk, PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -171,7 +171,11 @@ class Engine:
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are parsed as such.
         A BOS the text already starts with is not doubled."""
-        raw = text.encode("utf-8")
+        try:
+            raw = text.encode("utf-8")
+        except UnicodeEncodeError as exc:      # a lone surrogate ("\ud800") from JSON
+            raise UserError(f"text: not valid Unicode ({exc.reason} at character "
+                            f"{exc.start})") from None
         cap = len(raw) + 8
         buf = (self._ll.llama_token * cap)()
         n = self._ll.llama_tokenize(self._vocab, raw, len(raw), buf, cap, add_special, True)
@@ -187,6 +191,9 @@ class Engine:
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The bytes one token renders as (control tokens: b"" unless ``special``)."""
+        # llama.cpp indexes its vocabulary unchecked here: a bad id throws std::out_of_range
+        # through the C API, which no caller can catch (the process terminates)
+        check_token_ids((token,), self.n_vocab, "token")
         buf = ctypes_buffer(64)
         n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -255,10 +262,7 @@ class Engine:
             if bos < 0:
                 raise UserError("prompt: empty, and the model has no BOS token")
             tokens = [bos]
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise UserError(f"prompt: token id {bad[0]} is outside the vocabulary "
-                            f"(0..{self.n_vocab - 1})")
+        check_token_ids(tokens, self.n_vocab, "prompt")
         if len(tokens) >= self.n_ctx:
             raise ContextLengthError(len(tokens), self.n_ctx)
         return self._run(tokens, params, cancel, progress, reuse_prefix)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.atomic_write import AtomicTarget
+from runtime.engine.types import check_token_ids
 from runtime.errors import UserError
 
 SlotAction = Callable[[int, list[int]], tuple[Any, list[int]]]  # (seq, its tokens) -> (result, tokens after)
@@ -37,7 +38,11 @@ def on_slot(engine: Any, seq: int, action: SlotAction) -> Any:
     if seq != 0:
         raise UserError("Invalid slot ID")
     with engine._busy:  # noqa: SLF001 - the engine's own lock: no generation meanwhile
-        result, tokens = action(0, list(engine._kv))  # noqa: SLF001
+        try:
+            result, tokens = action(0, list(engine._kv))  # noqa: SLF001
+        except BaseException:
+            engine._kv[:] = []  # noqa: SLF001 - a failed action leaves the KV empty (as batched)
+            raise
         engine._kv[:] = tokens  # noqa: SLF001
         return result
 
@@ -81,7 +86,13 @@ def restore(engine: Any, seq: int, path: str) -> SlotFile:
             ll.llama_memory_seq_rm(memory, seq, -1, -1)
             raise UserError("Unable to restore slot, no available space in KV cache or "
                             "invalid slot save file")
-        return SlotFile(count.value, int(n), time.perf_counter() - t0), list(ids[:count.value])
+        restored = list(ids[:count.value])
+        try:        # a file from another model (or edited) must not carry ids past its vocab
+            check_token_ids(restored, int(engine.n_vocab), "slot file")
+        except UserError:
+            ll.llama_memory_seq_rm(memory, seq, -1, -1)
+            raise
+        return SlotFile(count.value, int(n), time.perf_counter() - t0), restored
     return on_slot(engine, seq, action)
 
 

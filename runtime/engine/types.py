@@ -167,3 +167,12 @@ class KVCacheFullError(RuntimeError):
 
 class EngineBusyError(RuntimeError):
     """``generate`` was called while another generation is running on this engine."""
+
+
+def check_token_ids(tokens, n_vocab: int, what: str) -> None:
+    """UserError naming the first id of ``tokens`` outside ``[0, n_vocab)``: the engine's
+    own guard, under the server's (llama.cpp checks none of them and aborts on a bad one)."""
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+            raise UserError(f"{what}: token id {t} is outside the vocabulary (n_vocab "
+                            f"{n_vocab}: ids 0..{n_vocab - 1})")

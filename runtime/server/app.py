@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from runtime.engine.sampling import SamplingParams
 from runtime.server.anthropic_api import ANTHROPIC_PATHS
 from runtime.server.anthropic_api import router as anthropic_router
+from runtime.server.body_guard import BodyGuard
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
 from runtime.server.cors_proxy import router as cors_proxy_router
@@ -46,6 +47,7 @@ from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.request_log import JsonBody, RequestLog
 from runtime.server.model_host import LoadState, ModelHost
+from runtime.server.limits import Limits
 from runtime.server.queue import RequestQueue
 from runtime.server.reasoning import FORMATS
 
@@ -84,6 +86,9 @@ class ServerSettings:
     slot_save_path: Any = None         # Path: where /slots/{id}?action=save|restore files go
     web_ui: bool = True                # the chat page at / (llama-server's --no-ui: 404)
     cors_proxy: bool = False           # GET|POST /cors-proxy?url= (--ui-mcp-proxy); else 403
+    # hosts / addresses / networks /cors-proxy may reach although internal (--ui-mcp-proxy-allow)
+    cors_proxy_allow: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)   # what one request may ask (limits.py)
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -282,6 +287,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(unsupported_router)     # 501s naming what is not served
     if settings.web_ui:
         app.include_router(web_ui_router)
+    app.add_middleware(BodyGuard, limits=settings.limits)     # inside the key guard
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
     if settings.cors_origins:            # outside the key guard: preflights need no key

@@ -26,6 +26,7 @@ from runtime.engine.types import CANCELLED, ContextLengthError, KVCacheFullError
 from runtime.errors import UserError
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError
+from runtime.server.limits import check_request
 from runtime.server.prepare import Prepared, context_error, prepare_chat, prepare_completion
 from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -49,7 +50,6 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
     def work(cancel: threading.Event) -> Iterator[Any]:
         t0 = time.perf_counter()
         generated = 0
-        finished = 0
         batcher = getattr(engine, "batcher", None)
         if batcher is not None:          # -np > 1: the choices decode side by side
             tokens = prep.prompt if isinstance(prep.prompt, list) else \
@@ -67,15 +67,12 @@ def _generation(engine: Any, prep: Prepared, metrics: Any,
             for index, chunk in items:
                 if chunk.token is not None:
                     generated += 1
-                if chunk.finish_reason not in (None, CANCELLED):
-                    finished += 1
                 if chunk.timings is not None and llamacpp is not None:
                     llamacpp.observe(chunk.timings, prep.prompt_tokens)
                 yield index, chunk
         finally:
             seconds = time.perf_counter() - t0
-            metrics.observe_generation(prep.prompt_tokens, generated, seconds,
-                                       cancelled=cancel.is_set() and finished < prep.n)
+            metrics.observe_generation(prep.prompt_tokens, generated, seconds)
             if record is not None:
                 record.add(prep.prompt_tokens, generated, seconds)
     return work
@@ -99,15 +96,18 @@ def _engine_failure(exc: BaseException) -> APIError:
     return APIError(500, f"Generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-async def _submit(request: Request,
-                  prepare: Callable[[Any], Prepared]) -> tuple[Prepared, Job]:
-    """Prepare the request off the event loop, then queue its generation (429 when full)."""
+async def _submit(request: Request, prepare: Callable[[Any], Prepared],
+                  body: Any = None) -> tuple[Prepared, Job]:
+    """Check ``body``'s grammars and schemas against the limits, prepare the request off the
+    event loop, then queue its generation (429 when full)."""
     state = request.app.state
     if state.settings.embedding:
         raise APIError(501, "This server does not support completions. Start it without "
                             "`--embeddings`", code="not_supported",
                        error_type="not_supported_error")
     engine = state.host.engine()                      # 503 while loading
+    if body is not None:
+        check_request(body, state.settings.limits)
     try:
         prep = await anyio.to_thread.run_sync(prepare, engine)
     except APIError:
@@ -247,8 +247,9 @@ def fingerprint(request: Request) -> str:
 async def submit_chat(request: Request, body: ChatCompletionRequest) -> tuple[Prepared, Job]:
     """Prepare and queue a chat request (the Anthropic and Responses routes come here too)."""
     defaults, settings = request.app.state.defaults, request.app.state.settings
-    return await _submit(request, lambda e: prepare_chat(e, body, defaults, settings.reasoning,
-                                                         settings.reasoning_format))
+    return await _submit(request, lambda e: prepare_chat(
+        e, body, defaults, settings.reasoning, settings.reasoning_format,
+        limits=settings.limits), body)
 
 
 def chat_base(request: Request) -> dict:
@@ -317,6 +318,7 @@ def _usage_with_cache(prep: Prepared, results: list) -> dict:
 async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
     """How many prompt tokens the request would take (llama-server's)."""
     engine = request.app.state.host.engine()
+    check_request(body, request.app.state.settings.limits)
     prep = await anyio.to_thread.run_sync(prepare_chat, engine, body, None,
                                           request.app.state.settings.reasoning)
     return {"input_tokens": prep.prompt_tokens}
@@ -325,8 +327,9 @@ async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> di
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion, streamed or not (``n`` choices, logprobs, echo)."""
-    defaults = request.app.state.defaults
-    prep, job = await _submit(request, lambda e: prepare_completion(e, body, defaults))
+    defaults, limits = request.app.state.defaults, request.app.state.settings.limits
+    prep, job = await _submit(request, lambda e: prepare_completion(e, body, defaults,
+                                                                    limits=limits), body)
     cid, created = _ids("cmpl")
     base = {"id": cid, "object": "text_completion", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}

@@ -1,10 +1,13 @@
 """CORS as llama-server answers it (tools/server/server-http.cpp).
 
-``--cors-origin`` lists the browser origins allowed: ``*`` (the default) reflects any origin,
-``localhost`` allows http(s) origins on localhost / 127.0.0.1 / [::1] (any port), and exact
-origins allow themselves. An allowed origin is reflected in ``Access-Control-Allow-Origin``
-with credentials allowed; a preflight (``OPTIONS``) is answered 200 here, before the API key
-is checked, with the methods and headers llama-server allows.
+``--cors-origin`` lists the browser origins allowed: exact origins allow themselves and
+``localhost`` allows http(s) origins on localhost / 127.0.0.1 / [::1] (any port); a listed
+origin is echoed in ``Access-Control-Allow-Origin`` with credentials allowed. ``*`` (the
+default) lets any page read answers, but as ``Access-Control-Allow-Origin: *`` without
+credentials: a page the user happens to open cannot ride on the browser's cookies or
+credentials (llama-server echoes every origin with credentials). A preflight (``OPTIONS``) is
+answered 200 here, before the API key is checked, with the methods and headers llama-server
+allows.
 """
 from __future__ import annotations
 
@@ -18,13 +21,30 @@ LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
 
 
-def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
-    if "*" in allowed or origin in allowed:
+def origin_listed(origin: str, allowed: tuple[str, ...]) -> bool:
+    """The origin is named by the list (exactly, or through ``localhost``): credentials ok."""
+    if origin in allowed:
         return True
     if "localhost" in allowed:
-        parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and parts.hostname in LOCAL_HOSTS
+        try:
+            parts = urlsplit(origin)
+            return parts.scheme in ("http", "https") and parts.hostname in LOCAL_HOSTS
+        except ValueError:         # "http://[x" and the like: not an origin
+            return False
     return False
+
+
+def cors_headers(origin: str | None, allowed: tuple[str, ...]) -> dict[str, str]:
+    if origin is None:
+        return {}
+    if origin_listed(origin, allowed):
+        return {"Access-Control-Allow-Origin": origin, "Access-Control-Allow-Credentials":
+                "true", "Access-Control-Allow-Methods": ALLOW_METHODS,
+                "Access-Control-Allow-Headers": "*", "Vary": "Origin"}
+    if "*" in allowed:
+        return {"Access-Control-Allow-Origin": "*", "Access-Control-Allow-Methods":
+                ALLOW_METHODS, "Access-Control-Allow-Headers": "*"}
+    return {}
 
 
 class CorsMiddleware:
@@ -35,11 +55,7 @@ class CorsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        origin = Headers(scope=scope).get("origin")
-        allow = origin is not None and origin_allowed(origin, self.origins)
-        headers = {"Access-Control-Allow-Origin": origin, "Access-Control-Allow-Credentials":
-                   "true", "Access-Control-Allow-Methods": ALLOW_METHODS,
-                   "Access-Control-Allow-Headers": "*"} if allow else {}
+        headers = cors_headers(Headers(scope=scope).get("origin"), self.origins)
         # raw, in llama-server's casing: Starlette would lowercase them, and some clients
         # (llama.cpp's own tests among them) read the names case-sensitively
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]

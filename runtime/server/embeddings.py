@@ -18,6 +18,7 @@ from runtime.engine.embedding import embed, pooled
 from runtime.engine.types import Timings
 from runtime.errors import UserError
 from runtime.server.errors import APIError
+from runtime.server.token_ids import checked_ids, engine_vocab
 from runtime.server.queue import QueueClosed, QueueFull
 
 router = APIRouter()
@@ -96,10 +97,8 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
     if oai and not pooled(engine):
         raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different "
                             "pooling type", code="invalid_value")
-    tokens = [_tokens(engine, x, i) for i, x in enumerate(items)]
-    if any(not 0 <= t < engine.n_vocab for ids in tokens for t in ids):
-        raise APIError(400, f"input: token ids must be in [0, {engine.n_vocab})",
-                       code="invalid_value", param="input")
+    tokens = [checked_ids(_tokens(engine, x, i), engine_vocab(engine), "input")
+              for i, x in enumerate(items)]
     results = []
     for ids in tokens:                # one after another: the engine holds one sequence
         def work(_cancel, ids=ids):

@@ -11,6 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("moe_offload.server")
@@ -110,18 +111,33 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, message, code=code, param=param)
 
 
+def pydantic_error(exc: ValidationError) -> APIError:
+    """A pydantic model validated by hand (not by FastAPI) failed: the same 400."""
+    return validation_error(RequestValidationError(exc.errors(include_url=False)))
+
+
+def route_response(path: str, err: APIError) -> JSONResponse:
+    """``err`` in the shape of the API ``path`` belongs to: Anthropic's on its Messages
+    routes, llama-server's on its own, OpenAI's everywhere else."""
+    from runtime.server.anthropic_api import ANTHROPIC_PATHS  # noqa: PLC0415
+    from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
+
+    if path in ANTHROPIC_PATHS:
+        return anthropic_response(err)
+    if path in NATIVE_PATHS or path.startswith("/slots/"):      # llama-server's own shape there
+        return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every error path of the app through the OpenAI error shape."""
 
     def answer(request: Request, err: APIError) -> JSONResponse:
-        from runtime.server.anthropic_api import ANTHROPIC_PATHS  # noqa: PLC0415
-        from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
+        return route_response(request.url.path, err)
 
-        if request.url.path in ANTHROPIC_PATHS:
-            return anthropic_response(err)
-        if request.url.path in NATIVE_PATHS or request.url.path.startswith("/slots/"):      # llama-server's own shape there
-            return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
-        return err.response()
+    @app.exception_handler(ValidationError)
+    async def _invalid_model(request: Request, exc: ValidationError) -> JSONResponse:
+        return answer(request, pydantic_error(exc))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -44,13 +44,18 @@ class ServerMetrics:
         with self._lock:
             self._requests[(label, status)] += 1
 
-    def observe_generation(self, prompt_tokens: int, completion_tokens: int, seconds: float,
-                           *, cancelled: bool) -> None:
+    def observe_generation(self, prompt_tokens: int, completion_tokens: int,
+                           seconds: float) -> None:
         with self._lock:
             self._prompt_tokens += prompt_tokens
             self._completion_tokens += completion_tokens
             self._generation_seconds += seconds
-            self._cancelled += int(cancelled)
+
+    def observe_client_gone(self) -> None:
+        """A request whose client disconnected before its answer ended (waiting in the
+        queue, generating, or streaming)."""
+        with self._lock:
+            self._cancelled += 1
 
     def observe_queue_full(self) -> None:
         with self._lock:
@@ -75,7 +80,8 @@ class ServerMetrics:
         lines += _family("moe_server_generation_seconds_total", "counter",
                          "Wall-clock seconds spent generating.", [("", round(seconds, 6))])
         lines += _family("moe_server_requests_cancelled_total", "counter",
-                         "Generations stopped early because the client disconnected.",
+                         "Requests whose client disconnected before the answer ended "
+                         "(in the queue or mid-answer; not errors).",
                          [("", cancelled)])
         lines += _family("moe_server_requests_rejected_total", "counter",
                          "Requests refused with 429 because the queue was full.",
@@ -105,9 +111,16 @@ def _family(name: str, kind: str, help_text: str,
     return out
 
 
-class RequestCounter:
-    """ASGI middleware: counts every HTTP response by path and status into ``ServerMetrics``.
+CLIENT_CLOSED = 499     # nginx's "client closed request": the client left before any status
 
+
+class RequestCounter:
+    """ASGI middleware: counts every HTTP request once, by path and status, into
+    ``ServerMetrics``.
+
+    A client that disconnects before its answer ended is a cancellation, not a server error:
+    it counts under the status already sent, or ``499`` when none was (whatever the app then
+    tries to send to nobody), and once in ``moe_server_requests_cancelled_total``.
     Pure ASGI (not ``BaseHTTPMiddleware``) so streaming responses and client disconnects pass
     through untouched.
     """
@@ -121,14 +134,27 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         status = 500   # if the app dies before starting a response, that is what the client sees
+        started = ended = gone = False
+
+        async def watching_receive() -> Message:
+            nonlocal gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and not ended:
+                gone = True
+            return message
 
         async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
+            nonlocal status, started, ended
+            if message["type"] == "http.response.start" and not gone:
+                status, started = int(message["status"]), True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = not gone
             await send(message)
 
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
         finally:
-            self.metrics.observe_request(scope.get("path", ""), status)
+            if gone:
+                self.metrics.observe_client_gone()
+            self.metrics.observe_request(scope.get("path", ""),
+                                         status if started or not gone else CLIENT_CLOSED)

@@ -16,6 +16,7 @@ import math
 import time
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
@@ -23,10 +24,12 @@ from sse_starlette import EventSourceResponse
 from runtime.server import shapes, structured
 from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
 from runtime.server.errors import APIError
+from runtime.server.limits import Limits, check_prompt_tokens
 from runtime.server.stream_sessions import resumable
 from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.prepare import (Prepared, _checked_grammar, check_context, checked_slot,
                                     sampling_params, template_variables)
+from runtime.server.token_ids import checked_id, checked_ids, engine_vocab
 
 router = APIRouter()
 
@@ -68,8 +71,12 @@ def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> 
             "adaptive_target": 0.0, "adaptive_decay": 0.0}
 
 
-def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepared:
+def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
+             limits: Limits | None = None) -> Prepared:
     prompt = req.prompt_tokens_or_text(engine)
+    if isinstance(prompt, list):
+        check_prompt_tokens(len(prompt), limits, "prompt")
+        prompt = checked_ids(prompt, engine_vocab(engine), "prompt")
     n_prompt = len(prompt) if isinstance(prompt, list) else \
         len(engine.tokenize(prompt, add_special=True))
     n_predict = req.n_predict_value()
@@ -77,14 +84,12 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any) -> Prepar
         n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None   # default only
     # None: up to the end of the context (-1)
     max_tokens = check_context(engine, n_prompt, n_predict if n_predict else None,
-                               None, "prompt") if n_predict != 0 else 0
+                               None, "prompt", limits) if n_predict != 0 else 0
     grammar = structured.grammar_for_output(None, req.json_schema, req.grammar)
     fields = req.as_fields(defaults, engine.eog_tokens(),
                            lambda text: engine.tokenize(text, add_special=False))
-    bad = [t for t in fields.bias if not 0 <= t < engine.n_vocab]
-    if bad:
-        raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                            f"(0..{engine.n_vocab - 1})", code="invalid_value", param="logit_bias")
+    for token in fields.bias:
+        checked_id(token, engine_vocab(engine), "logit_bias")
     params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
                              post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
@@ -126,8 +131,8 @@ def pick_fields(answer: dict, fields: list[str]) -> dict:
 
 
 async def _answer(body: NativeCompletionRequest, request: Request, index: int = 0):
-    defaults = request.app.state.defaults
-    prep, job = await _submit(request, lambda e: _prepare(e, body, defaults))
+    defaults, limits = request.app.state.defaults, request.app.state.settings.limits
+    prep, job = await _submit(request, lambda e: _prepare(e, body, defaults, limits), body)
     engine = request.app.state.host.engine()
     model = request.app.state.host.model_id
     prompt_text = prep.prompt if isinstance(prep.prompt, str) else engine.detokenize(prep.prompt)
@@ -233,18 +238,21 @@ def llama_error(err: APIError) -> dict:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = request.app.state.host.engine()
-    tokens = engine.tokenize(body.content, add_special=body.add_special)
-    if not body.with_pieces:
-        return {"tokens": tokens}
-    out = []
-    for t in tokens:
-        piece = engine.token_bytes(t, special=True)
-        try:
-            shown: Any = piece.decode("utf-8")
-        except UnicodeDecodeError:
-            shown = list(piece)            # llama-server: bytes when not valid UTF-8
-        out.append({"id": t, "piece": shown})
-    return {"tokens": out}
+
+    def work() -> dict:             # off the event loop: a long text takes a while
+        tokens = engine.tokenize(body.content, add_special=body.add_special)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        out = []
+        for t in tokens:
+            piece = engine.token_bytes(t, special=True)
+            try:
+                shown: Any = piece.decode("utf-8")
+            except UnicodeDecodeError:
+                shown = list(piece)            # llama-server: bytes when not valid UTF-8
+            out.append({"id": t, "piece": shown})
+        return {"tokens": out}
+    return await anyio.to_thread.run_sync(work)
 
 
 @router.post("/detokenize")
@@ -252,11 +260,11 @@ async def detokenize(request: Request) -> dict:
     body = await _json_object(request)
     tokens = body.get("tokens", [])
     engine = request.app.state.host.engine()
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < engine.n_vocab
-                                               for t in tokens):
-        raise APIError(400, f"tokens: must be a list of token ids in [0, {engine.n_vocab})",
-                       code="invalid_value", param="tokens")
-    return {"content": engine.detokenize(tokens)}
+    if not isinstance(tokens, list):
+        raise APIError(400, "tokens: must be a list of token ids", code="invalid_value",
+                       param="tokens")
+    ids = checked_ids(tokens, engine_vocab(engine), "tokens")
+    return {"content": await anyio.to_thread.run_sync(engine.detokenize, ids)}
 
 
 @router.post("/apply-template")
@@ -277,13 +285,12 @@ async def apply_template(request: Request) -> dict:
     if not isinstance(add, bool):
         raise APIError(400, "add_generation_prompt: must be true or false",
                        code="invalid_value", param="add_generation_prompt")
-    try:
-        return {"prompt": engine.chat_prompt(messages, tools=req.tool_dicts()
-                                             if structured.template_knows_tools(template.source)
-                                             else None, add_generation_prompt=add,
-                                             variables=template_variables(
-                                                 request.app.state.settings.reasoning,
-                                                 req.template_kwargs()))}
+    tools = req.tool_dicts() if structured.template_knows_tools(template.source) else None
+    variables = template_variables(request.app.state.settings.reasoning,
+                                   req.template_kwargs())
+    try:                            # off the event loop: a long chat takes a while to render
+        return {"prompt": await anyio.to_thread.run_sync(lambda: engine.chat_prompt(
+            messages, tools=tools, add_generation_prompt=add, variables=variables))}
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc

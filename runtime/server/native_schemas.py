@@ -111,6 +111,9 @@ class NativeCompletionRequest(BaseModel):
             return self.prompt["prompt_string"]
         if isinstance(self.prompt, str):
             return self.prompt
+        if not self.prompt:
+            raise APIError(400, "prompt: an empty list is no prompt (send a string, or token "
+                                "ids)", code="invalid_value", param="prompt")
         if len(self.prompt) == 1 and isinstance(self.prompt[0], str):
             return self.prompt[0]
         tokens: list[int] = []

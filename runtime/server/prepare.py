@@ -10,8 +10,10 @@ from runtime.engine.sampling import SamplingParams, check_grammar
 from runtime.errors import UserError
 from runtime.server import structured
 from runtime.server.errors import APIError
+from runtime.server.limits import Limits, check_prompt_tokens
 from runtime.server.reasoning import thinking_forced_open
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from runtime.server.token_ids import checked_id, checked_ids, engine_vocab
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
@@ -67,9 +69,10 @@ def context_error(n_prompt: int, n_ctx: int, what: str, n_predict: int | None = 
 
 
 def check_context(engine: Any, n_prompt: int, max_tokens: int | None, default: int | None,
-                  param: str) -> int:
+                  param: str, limits: Limits | None = None) -> int:
     """Resolve max_tokens (tokens), at most what is left of the context after the prompt;
-    refuse a prompt that does not fit the context window."""
+    refuse a prompt that does not fit the context window or ``limits``."""
+    check_prompt_tokens(n_prompt, limits, "messages" if param == "messages" else "prompt")
     n_ctx = int(engine.n_ctx)
     if n_prompt >= n_ctx:
         raise context_error(n_prompt, n_ctx, "messages" if param == "messages" else "prompt")
@@ -117,16 +120,15 @@ def _checked_grammar(engine: Any, grammar: str | None, param: str) -> str | None
         try:
             check_grammar(vocab, grammar)
         except UserError as exc:
-            raise APIError(400, f"{param}: {exc}", code="invalid_value", param=param) from exc
+            reason = str(exc).removeprefix("grammar: ")
+            raise APIError(400, f"{param}: {reason}", code="invalid_value", param=param) from exc
     return grammar
 
 
 def _check_bias(engine: Any, req: _SamplingFields) -> None:
-    n_vocab = getattr(engine, "n_vocab", None)
+    n_vocab = engine_vocab(engine)
     for token in req.logit_bias_ids():
-        if n_vocab is not None and not 0 <= token < n_vocab:
-            raise APIError(400, f"logit_bias: token id {token} is outside the vocabulary "
-                                f"(0..{n_vocab - 1})", code="invalid_value", param="logit_bias")
+        checked_id(token, n_vocab, "logit_bias")
 
 
 def template_variables(reasoning: str, kwargs: dict | None) -> dict:
@@ -137,8 +139,10 @@ def template_variables(reasoning: str, kwargs: dict | None) -> dict:
 
 def prepare_chat(engine: Any, req: ChatCompletionRequest,
                  defaults: SamplingParams | None = None, reasoning: str = "auto",
-                 reasoning_format: str = "auto") -> Prepared:
+                 reasoning_format: str = "auto", *, limits: Limits | None = None) -> Prepared:
     tools = req.tool_dicts()
+    if tools:
+        structured.check_tool_schemas(tools)
     choice = req.tool_choice_value()
     if choice == "none":
         tools = None
@@ -173,7 +177,8 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc
     n_prompt = len(engine.tokenize(prompt, add_special=True))
-    max_tokens = check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages")
+    max_tokens = check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages",
+                               limits)
     _check_bias(engine, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
@@ -186,18 +191,17 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
 
 
 def prepare_completion(engine: Any, req: CompletionRequest,
-                       defaults: SamplingParams | None = None) -> Prepared:
+                       defaults: SamplingParams | None = None, *,
+                       limits: Limits | None = None) -> Prepared:
     prompt = req.prompt_input()
     if isinstance(prompt, list):
-        n_vocab = getattr(engine, "n_vocab", None)
-        if n_vocab is not None and any(not 0 <= t < n_vocab for t in prompt):
-            raise APIError(400, f"prompt: token ids must be in [0, {n_vocab})",
-                           code="invalid_value", param="prompt")
+        check_prompt_tokens(len(prompt), limits, "prompt")
+        prompt = checked_ids(prompt, engine_vocab(engine), "prompt")
         n_prompt = len(prompt)
     else:
         n_prompt = len(engine.tokenize(prompt, add_special=True))
     max_tokens = check_context(engine, n_prompt, req.max_tokens,
-                               DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+                               DEFAULT_COMPLETION_MAX_TOKENS, "prompt", limits)
     _check_bias(engine, req)
     grammar = structured.grammar_for_output(req.response_format, req.json_schema, req.grammar)
     params = sampling_params(req, max_tokens, logprobs=req.logprobs, defaults=defaults,

@@ -8,7 +8,10 @@ worker stop pulling items from it — and the engine, which gets the same event,
 — so the next job starts at once. A job cancelled while still waiting never runs.
 
 Bound: at most ``max_waiting`` jobs wait behind the running one; ``submit`` raises
-``QueueFull`` beyond that (the server answers 429).
+``QueueFull`` beyond that (the server answers 429). A waiting job whose cancel event is set
+(its client went away) leaves the queue at once: it holds no place against that bound and is
+not counted as waiting (invariant: every job in ``_waiting`` has its cancel event clear, as
+far as the last ``_drop_cancelled`` saw).
 """
 from __future__ import annotations
 
@@ -109,6 +112,7 @@ class RequestQueue:
 
     def stats(self) -> QueueStats:
         with self._lock:
+            self._drop_cancelled()
             return QueueStats(running=len(self._running),
                               waiting=len(self._waiting), max_waiting=self.max_waiting)
 
@@ -121,6 +125,7 @@ class RequestQueue:
         with self._lock:
             if self._closed:
                 raise QueueClosed("the server is shutting down")
+            self._drop_cancelled()
             if not self._has_room():
                 raise QueueFull(f"queue full: {len(self._waiting)} waiting")
             self._waiting.append(job)
@@ -142,6 +147,19 @@ class RequestQueue:
         for thread in self._threads:
             thread.join(timeout)
 
+    def _drop_cancelled(self) -> None:
+        """Take waiting jobs whose client left out of the queue (lock held); each gets its
+        end, so a consumer still listening (a shutdown's cancel) finishes."""
+        if not any(job.cancel.is_set() for job in self._waiting):
+            return
+        kept: collections.deque[Job] = collections.deque()
+        for job in self._waiting:
+            if job.cancel.is_set():
+                job._deliver(_End(None))
+            else:
+                kept.append(job)
+        self._waiting = kept
+
     def _has_room(self) -> bool:
         # Jobs that idle workers are about to take are not really waiting (a worker may not
         # have woken up yet): only those beyond the idle workers count.
@@ -151,7 +169,10 @@ class RequestQueue:
 
     def _next(self) -> Job | None:
         with self._lock:
-            while not self._waiting and not self._closed:
+            while True:
+                self._drop_cancelled()
+                if self._waiting or self._closed:
+                    break
                 self._ready.wait()
             if self._closed:
                 for job in self._waiting:

@@ -1,7 +1,7 @@
 """Structured output and tool calls: request fields in, a GBNF grammar (enforced by llama.cpp's
 grammar sampler) and a parser of the model's tool calls out.
 
-JSON schemas become GBNF through llama-cpp-python's converter (``json_schema_to_gbnf``).
+JSON schemas become GBNF through llama-cpp-python's converter (schema_grammar.py).
 Tool calls follow the format the model's chat template teaches (``ToolFormat``): Hermes / Qwen
 ``<tool_call>{json}</tool_call>``, Mistral ``[TOOL_CALLS][{...}]``, Llama 3.x bare
 ``{"name": ..., "parameters": ...}``. A template that knows no tools (ChatML, our synthetic
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.server.errors import APIError
+from runtime.server.schema_grammar import schema_to_gbnf
 
 
 class ToolFormat(enum.Enum):
@@ -42,17 +43,7 @@ class ToolCall:
 
 
 def _gbnf(schema: Any, param: str) -> str:
-    from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415
-
-    if not isinstance(schema, dict):
-        raise APIError(400, f"{param}: must be a JSON schema object", code="invalid_value",
-                       param=param)
-    try:
-        grammar = json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # noqa: BLE001 - the converter raises plain exceptions
-        raise APIError(400, f"{param}: this JSON schema cannot be turned into a grammar "
-                            f"({type(exc).__name__}: {exc})", code="invalid_value",
-                       param=param) from exc
+    grammar = schema_to_gbnf(schema, param)
     # JSON strings hold no raw control characters; the converter's [^"\\] lets them through
     # (llama.cpp's own converter excludes them the same way)
     return grammar.replace('char ::= [^"\\\\]', 'char ::= [^"\\\\\\x7F\\x00-\\x1F]', 1)
@@ -116,6 +107,16 @@ def tools_system_text(tools: list[dict]) -> str:
             "function name and arguments within <tool_call></tool_call> XML tags:\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
             "</tool_call>")
+
+
+def check_tool_schemas(tools: list[dict]) -> None:
+    """400 for a tool whose parameters are no JSON schema the grammar converter takes, even
+    when no call is forced (``auto``): it would be accepted silently, and a later forced call
+    with it would fail."""
+    for i, tool in enumerate(tools):
+        params = tool.get("function", {}).get("parameters")
+        if params is not None:
+            _gbnf(params, f"tools.{i}.function.parameters")
 
 
 def selected_functions(tools: list[dict], tool_choice: Any) -> list[dict] | None:

@@ -61,6 +61,23 @@ def test_context_limits(engine):
         assert last.usage.completion_tokens == n_ctx - n_prompt
 
 
+def test_bad_ids_and_text_are_errors_at_the_engine_boundary(engine):
+    """llama.cpp indexes its vocabulary unchecked (std::out_of_range through C would end the
+    process) and ctypes overflows past int32: the engine refuses both as a UserError."""
+    from runtime.errors import UserError
+    for token in (-1, engine.n_vocab, 2**31, 2**64, True):
+        with pytest.raises(UserError, match="outside the vocabulary"):
+            engine.token_bytes(token)
+        with pytest.raises(UserError, match="outside the vocabulary"):
+            engine.detokenize([1, token])
+        if token is not True:         # generate takes anything int() takes
+            with pytest.raises(UserError, match="outside the vocabulary"):
+                engine.generate([1, token], GREEDY)
+    with pytest.raises(UserError, match="not valid Unicode"):
+        engine.tokenize("a\ud800b")
+    assert engine.detokenize([1, engine.n_vocab - 1]) is not None     # the edges are fine
+
+
 def test_prefix_reuse_and_usage(engine, prompt):
     engine.reset()
     a = list(engine.generate(prompt, GREEDY))[-1]

@@ -46,7 +46,8 @@ def target():
 
 
 def test_proxy_forwards_only_named_headers(start_server, tiny_model, target):
-    server = start_server(tiny_model, "--api-key", KEY, "--ui-mcp-proxy")
+    server = start_server(tiny_model, "--api-key", KEY, "--ui-mcp-proxy",
+                          "--ui-mcp-proxy-allow", "127.0.0.1")
     base = f"http://127.0.0.1:{target.server_port}"
     auth = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
@@ -81,3 +82,49 @@ def test_proxy_is_403_without_the_flag(start_server, tiny_model, target):
     r = httpx.get(f"{server.base_url}/cors-proxy",
                   params={"url": f"http://127.0.0.1:{target.server_port}/"}, timeout=30)
     assert r.status_code == 403 and "--ui-mcp-proxy" in r.json()["error"]["message"]
+
+
+# Internal targets in the spellings a page could use; none is connected to: the proxy
+# resolves the host (literals and /etc/hosts' localhost, no DNS query) and refuses first.
+INTERNAL = ["http://127.0.0.1:{port}/", "http://localhost:{port}/", "http://[::1]:{port}/",
+            "http://2130706433:{port}/", "http://0177.0.0.1:{port}/", "http://0x7f.1:{port}/",
+            "http://127.1:{port}/", "http://0:{port}/", "http://0.0.0.0:{port}/",
+            "http://[::]:{port}/", "http://[::ffff:127.0.0.1]:{port}/",
+            "http://[::ffff:7f00:1]:{port}/", "http://[2002:7f00:1::]:{port}/",
+            "http://[64:ff9b::7f00:1]:{port}/", "http://10.1.2.3/", "http://172.16.0.1/",
+            "http://192.168.1.1/", "http://169.254.169.254/latest/meta-data/",
+            "http://[fd00:ec2::254]/", "http://100.100.100.200/", "http://[fe80::1]/",
+            "http://224.0.0.1/", "http://[ff02::1]/", "https://127.0.0.1:{port}/",
+            "http://LOCALHOST:{port}/"]
+MALFORMED = ["", "file:///etc/passwd", "gopher://x/", "http://", "http://[::1", "http:///x",
+             "http://a:99999/", "http://a:x/", "http://a b/", "http://a\tb/", "http://a/\n",
+             "http://u:p@127.0.0.1/", "http://ex%41mple.com/", "http://a:0/", "javascript:x"]
+
+
+def test_proxy_refuses_internal_targets_and_malformed_urls(start_server, tiny_model, target):
+    server = start_server(tiny_model, "--ui-mcp-proxy")
+    before = len(target.seen)
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for url in INTERNAL:
+            url = url.format(port=target.server_port)
+            r = http.get("/cors-proxy", params={"url": url})
+            assert r.status_code == 403, (url, r.text)
+            assert "internal" in r.json()["error"]["message"], r.text
+            assert "--ui-mcp-proxy-allow" in r.json()["error"]["message"]
+        for url in MALFORMED:
+            r = http.post("/cors-proxy", params={"url": url}, content=b"{}")
+            assert r.status_code == 400, (url, r.text)
+    assert len(target.seen) == before, "a refused target was reached"
+    server.assert_alive()
+
+
+def test_proxy_allow_list_by_network_and_by_name(start_server, tiny_model, target):
+    server = start_server(tiny_model, "--ui-mcp-proxy", "--ui-mcp-proxy-allow",
+                          "127.0.0.0/8,localhost")
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for host in ("127.0.0.1", "localhost", "2130706433"):
+            r = http.get("/cors-proxy",
+                         params={"url": f"http://{host}:{target.server_port}/ok"})
+            assert r.status_code == 200 and r.json()["path"] == "/ok", (host, r.text)
+        r = http.get("/cors-proxy", params={"url": "http://10.0.0.1/"})
+        assert r.status_code == 403         # only what the list names

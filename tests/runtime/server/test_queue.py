@@ -136,3 +136,38 @@ def test_a_failing_job_raises_in_its_consumer_and_the_queue_goes_on() -> None:
             queue.submit(fine)
 
     _run(main())
+
+
+def test_a_waiting_job_whose_client_left_leaves_the_queue_at_once() -> None:
+    release = threading.Event()
+    ran: list[str] = []
+
+    def blocking(cancel: threading.Event):
+        yield "started"
+        release.wait(10)
+
+    def waiter(name: str):
+        def run(cancel: threading.Event):
+            ran.append(name)
+            yield name
+        return run
+
+    async def main():
+        queue = RequestQueue(max_waiting=2)
+        running = queue.submit(blocking).__aiter__()
+        assert await running.__anext__() == "started"
+        left_a, left_b = queue.submit(waiter("a")), queue.submit(waiter("b"))
+        with pytest.raises(QueueFull):
+            queue.submit(waiter("x"))
+        left_a.cancel.set()                 # both clients disconnect while waiting
+        left_b.cancel.set()
+        assert queue.stats().waiting == 0   # at once, not when the running job ends
+        stays = [queue.submit(waiter("c")), queue.submit(waiter("d"))]
+        assert queue.stats().waiting == 2
+        release.set()
+        assert [await _drain(j) for j in stays] == [["c"], ["d"]]
+        assert await _drain(left_a) == [] and await _drain(left_b) == []
+        queue.close()
+
+    _run(main())
+    assert ran == ["c", "d"]

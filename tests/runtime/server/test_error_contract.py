@@ -1,0 +1,170 @@
+"""One error contract: malformed, out-of-range, non-finite, surrogate-bearing or wrongly typed
+input is a 4xx in the route's API shape, never a 5xx, and the server stays up. Each case here
+once answered 500 (or was accepted silently); the limits (runtime/server/limits.py) refuse a
+request that would hold the server, fast, naming the limit."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.runtime.server.error_shapes import error_of
+
+USER = [{"role": "user", "content": "hi"}]
+LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"},
+                                       "b": {"anyOf": [{"$ref": "#/$defs/a"}]}}}
+TREE = {"$ref": "#/$defs/node", "$defs": {"node": {
+    "type": "object", "properties": {"v": {"type": "integer"},
+                                     "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+    "required": ["v"]}}}
+
+# (path, raw JSON body, a word the message must hold)
+CORPUS = [
+    ("/v1/chat/completions",
+     '{"messages":[{"role":"user","content":"a\\ud800b"}],"max_tokens":2}', "surrogate"),
+    ("/v1/completions", '{"prompt":"a\\ud800b","max_tokens":2}', "surrogate"),
+    ("/completion", '{"prompt":"a\\ud800b","n_predict":2}', "surrogate"),
+    ("/tokenize", '{"content":"a\\ud800b"}', "surrogate"),
+    ("/apply-template", '{"messages":[{"role":"user","content":"a\\udfffb"}]}', "surrogate"),
+    ("/v1/chat/completions",
+     '{"messages":[{"role":"user","content":"hi"}],"stop":["\\ud800"]}', "surrogate"),
+    ("/completion", '{"prompt":"hi","temperature":1e999,"n_predict":2}', "finite"),
+    ("/completion", '{"prompt":"hi","logit_bias":[[1,1e999]],"n_predict":2}', "finite"),
+    ("/completion", '{"prompt":"hi","top_p":NaN,"n_predict":2}', "finite"),
+    ("/v1/chat/completions",
+     '{"messages":[{"role":"user","content":"hi"}],"temperature":-Infinity}', "finite"),
+    ("/completion", '{"prompt":[]}', "empty"),
+    ("/completion", '{"prompt":[[]]}', "empty"),
+    ("/v1/completions", '{"prompt":[]}', "empty"),
+    ("/completion", '{"prompt":[18446744073709551616]}', "18446744073709551616"),
+    ("/apply-template", "{}", "messages"),
+    ("/apply-template", '{"messages":"hi"}', "messages"),
+    ("/apply-template", '{"messages":[{"role":"user","content":"hi"}],'
+                        '"add_generation_prompt":"yes"}', "add_generation_prompt"),
+    ("/v1/chat/completions", json.dumps({"messages": USER, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+        "tool_choice": "auto"}), "tools.0.function.parameters"),
+    ("/v1/chat/completions", json.dumps({"messages": USER, "max_tokens": 2,
+                                         "response_format": {"type": "json_schema",
+                                                             "json_schema": {"schema": LOOP}}}),
+     "recursive $ref"),
+    ("/completion", json.dumps({"prompt": "hi", "json_schema": LOOP}), "recursive $ref"),
+    ("/completion", json.dumps({"prompt": "hi", "json_schema": {"$ref": "#/$defs/zz"}}),
+     "points to nothing"),
+    ("/completion", '{"prompt": "hi", "n_predict": 1e999}', "finite"),
+    ("/completion", '[1, 2]', ""),
+    ("/v1/chat/completions", '"just a string"', "JSON object"),
+    ("/v1/messages", '{"max_tokens":2,"messages":[{"role":"user","content":"a\\ud800b"}]}',
+     "surrogate"),
+    ("/v1/messages", json.dumps({"max_tokens": 2, "messages": USER, "tools": [
+        {"name": "f", "input_schema": LOOP}], "tool_choice": {"type": "any"}}),
+     "recursive $ref"),
+    ("/v1/responses", '{"input":"hi","temperature":1e999}', "finite"),
+    ("/v1/responses", json.dumps({"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {"type": "string",
+                                                       "minLength": 10**8}}}}), "minLength"),
+    ("/detokenize", '{"tokens": "abc"}', "tokens"),
+    ("/detokenize", '{"tokens": [1.5]}', "tokens"),
+]
+
+# (path, body, the limit's words in the message): refused at once
+LIMITS = [
+    ("/completion", {"prompt": "hi", "json_schema": {"type": "string", "minLength": 100_000_000}},
+     "minLength 100000000"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {
+            "type": "array", "items": {"type": "string"}, "maxItems": 10**9}}}}, "maxItems"),
+    ("/v1/completions", {"prompt": "hi", "json_schema": {"type": "string",
+                                                         "pattern": "(a{1000}){1000}"}},
+     "pattern repetition"),
+    ("/completion", {"prompt": "hi", "grammar": 'root ::= "a"{100000000}'}, "repetition"),
+    ("/completion", {"prompt": "hi", "json_schema": {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "maxLength": 900} for i in range(20)}}}, "adding up to"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "minLength": 10**7}}}}}]},
+     "minLength"),
+    ("/completion", {"prompt": "word " * 1200}, "--max-prompt-tokens"),
+    ("/v1/completions", {"prompt": list(range(1100)), "max_tokens": 1}, "--max-prompt-tokens"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model):
+    return start_server(tiny_model, "--max-prompt-tokens", "1000", "--max-body-mib", "1")
+
+
+def _post(server, path: str, raw: str | bytes) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", content=raw,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("path,raw,word", CORPUS, ids=[f"{p} {r[:40]}" for p, r, _ in CORPUS])
+def test_bad_input_is_a_4xx_in_the_routes_shape(server, path, raw, word):
+    err = error_of(_post(server, path, raw), path)
+    assert word in err["message"], err
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path,body,words", LIMITS, ids=[w for _, _, w in LIMITS])
+def test_limits_refuse_fast_and_name_themselves(server, path, body, words):
+    t0 = time.monotonic()
+    err = error_of(_post(server, path, json.dumps(body)), path)
+    assert time.monotonic() - t0 < 5, "a refused request must not do the work first"
+    assert words in err["message"] and "limit" in err["message"], err
+
+
+def test_a_body_over_the_limit_is_a_413(server):
+    big = json.dumps({"prompt": "x" * (2 << 20)})
+    for path in ("/completion", "/v1/completions"):
+        r = _post(server, path, big)
+        assert r.status_code == 413 and "--max-body-mib" in error_of(r, path)["message"]
+
+    def chunks():                       # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"x" * (64 << 10)
+        yield b'"}'
+    r = httpx.post(f"{server.base_url}/v1/completions", content=chunks(),
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413, r.text
+    server.assert_alive()
+
+
+def test_what_the_limits_and_checks_let_through(server):
+    """A recursive schema llama.cpp's converter supports is accepted (it answered a bare
+    KeyError before), as are valid surrogate pairs, big finite numbers, and the counts at
+    the limit."""
+    base = server.base_url
+    r = httpx.post(f"{base}/completion", json={"prompt": "hi", "n_predict": 8,
+                                                "json_schema": TREE, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "t", "schema": TREE}}}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = _post(server, "/tokenize", '{"content":"smile \\ud83d\\ude00 1e5"}')
+    assert r.status_code == 200, r.text
+    r = _post(server, "/completion", '{"prompt":"hi","n_predict":1,"temperature":1e-300,'
+                                     '"seed":12345678901234}')
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/completion", json={"prompt": "hi", "n_predict": 2, "json_schema": {
+        "type": "string", "maxLength": 1000}}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/completion", json={"prompt": "hi", "n_predict": 2, "grammar":
+                   'root ::= "{99999}" [{}0-9]{0,8}'}, timeout=60)   # braces in literals
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": USER, "max_tokens": 2,
+                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                       "type": "object", "properties": {"a": {"type": "string"}}}}}]},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_the_cases_left_the_log_clean(server):
+    """No request above made the server print a traceback or a 500."""
+    page = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert 'status="500"' not in page
+    assert "Traceback" not in server.log()
