@@ -73,3 +73,19 @@ def tiny_spec() -> SynthSpec:
 def tiny_model(synth_model_factory: Callable[[SynthSpec], Path]) -> Path:
     """Path to a small qwen3moe f32 model with skewed routing (session-wide, read-only)."""
     return synth_model_factory(TINY_SPEC)
+
+
+def write_dense_gguf(path: Path) -> Path:
+    """A one-layer GGUF with no routed experts (a dense model's layout, not loadable)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(path, "llama")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+

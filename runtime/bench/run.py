@@ -8,6 +8,7 @@ fresh random prompt, so the engine's KV prefix reuse never applies.
 """
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -52,14 +53,10 @@ class Sample:
 
 
 def _read_bytes() -> int:
-    try:
-        with open("/proc/self/io", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    """Bytes this process has read from storage."""
+    from runtime.bench.memwatch import process_read_bytes  # noqa: PLC0415
+
+    return process_read_bytes(os.getpid())
 
 
 class ConfigRunner:

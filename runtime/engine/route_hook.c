@@ -425,16 +425,21 @@ void rh_abort_batch(rh_hook *h) {
 
 /* ---- reading a tensor ---------------------------------------------------------------------- */
 
-/* the tensor's elements in (ne3, ne2, ne1, ne0) order as int32 or float; the count, or -1 */
-static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) {
+/* a ggml_tensor's type, ne and nb, read through the offsets the hook was given */
+static int32_t tensor_meta(const rh_hook *h, const void *t, int64_t ne[4], size_t nb[4]) {
     const char *base = (const char *) t;
     int32_t type;
+    memcpy(&type, base + h->type_off, sizeof type);
+    memcpy(ne, base + h->ne_off, 4 * sizeof *ne);
+    memcpy(nb, base + h->nb_off, 4 * sizeof *nb);
+    return type;
+}
+
+/* the tensor's elements in (ne3, ne2, ne1, ne0) order as int32 or float; the count, or -1 */
+static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) {
     int64_t ne[4];
     size_t nb[4];
-    memcpy(&type, base + h->type_off, sizeof type);
-    memcpy(ne, base + h->ne_off, sizeof ne);
-    memcpy(nb, base + h->nb_off, sizeof nb);
-    if (type != want_type) return -1;
+    if (tensor_meta(h, t, ne, nb) != want_type) return -1;
     int64_t n = ne[0] * ne[1] * ne[2] * ne[3];
     if (n <= 0) { *out = want_type == 26 ? (void *) h->tmp_i : (void *) h->tmp_f; return 0; }
     size_t span = 4;
@@ -562,13 +567,9 @@ static int32_t logits_layer(const rh_hook *h, const char *name, int *biased) {
  * new ubatch starts when the layers start over; rows trimmed to the outputs (the last layer)
  * are the ubatch's final tokens. */
 static bool impose(rh_hook *h, void *tensor, int32_t layer, int biased) {
-    const char *base = (const char *) tensor;
-    int32_t type;
     int64_t ne[4];
     size_t nb[4];
-    memcpy(&type, base + h->type_off, sizeof type);
-    memcpy(ne, base + h->ne_off, sizeof ne);
-    memcpy(nb, base + h->nb_off, sizeof nb);
+    const int32_t type = tensor_meta(h, tensor, ne, nb);
     if (type != 0 || ne[0] != h->route_n_expert || nb[0] != 4 || nb[1] != 4 * (size_t) ne[0] ||
         ne[2] != 1 || ne[3] != 1) {
         char msg[128];

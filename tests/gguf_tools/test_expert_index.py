@@ -15,6 +15,7 @@ from gguf_tools.expert_view import ExpertView
 from gguf_tools.facts import EXPERT_TENSOR_RE, read_model_facts
 from gguf_tools.synth import SynthSpec, _slab_values, tensor_plans, write_synthetic_model
 from runtime.errors import UserError
+from tests.conftest import write_dense_gguf
 
 
 def assert_index_matches_reader(path: Path) -> ExpertIndex:
@@ -177,14 +178,7 @@ def test_expert_view_is_zero_copy_read_only_and_dequantizes(synth_model_factory,
 
 
 def test_dense_model_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "dense.gguf"
-    w = GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_dense_gguf(tmp_path / "dense.gguf")
     with pytest.raises(UserError, match="not a mixture-of-experts model"):
         read_model_facts(path)
     assert read_model_facts(path, require_moe=False).moe_layers == ()

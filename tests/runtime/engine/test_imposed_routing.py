@@ -13,6 +13,7 @@ import pytest
 
 from gguf_tools.synth import SynthSpec
 from runtime.traces.files import read_trace, write_trace
+from tests.conftest import write_dense_gguf
 
 REAL = Path(__file__).parents[1] / "traces" / "data"
 ARGS = ["-c", "512", "-t", "1", "--temp", "0"]
@@ -116,15 +117,6 @@ def test_bad_traces_are_refused_in_one_line(tiny_model, small_trace, cli, tmp_pa
     cut.write_bytes(small_trace.read_bytes()[:-100])
     _one_line_error(run(cut))
     # a dense model
-    from gguf import GGUFWriter
-
-    dense = tmp_path / "dense.gguf"
-    w = GGUFWriter(dense, "llama")
-    w.add_block_count(1)
-    w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    dense = write_dense_gguf(tmp_path / "dense.gguf")
     _one_line_error(cli("complete", "-m", str(dense), "--route-trace", str(small_trace), *ARGS),
                     "not a mixture-of-experts model")
