@@ -46,7 +46,7 @@ from runtime.bench.memwatch import MemoryWatch  # noqa: E402
 from runtime.bench.trace_run import TraceRow  # noqa: E402
 from runtime.ramtier.cgroup import MemoryLimit  # noqa: E402
 from runtime.ramtier.pager import drop_file_cache  # noqa: E402
-from runtime.units import format_size, parse_size  # noqa: E402
+from runtime.units import format_size  # noqa: E402
 
 TRACES = ROOT / "tests" / "runtime" / "traces" / "data"
 GIB = 1 << 30

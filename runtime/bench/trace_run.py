@@ -138,20 +138,11 @@ def _decode_counters(engine, phase) -> dict | None:
 
 
 def main() -> int:
-    job = json.loads(sys.stdin.read())
-    import os  # noqa: PLC0415
+    from runtime.bench.worker import serve_job  # noqa: PLC0415
 
-    row = TraceRow(**job["row"])
-    os.environ.update(row.env)
-    from runtime.errors import UserError  # noqa: PLC0415
-
-    try:
-        result = run_row(job["model"], job["trace"], row, threads=job["threads"])
-    except UserError as err:
-        sys.stdout.write(json.dumps({"error": str(err)}) + "\n")
-        return 2
-    sys.stdout.write(json.dumps(result) + "\n")
-    return 0
+    return serve_job(lambda job: run_row(job["model"], job["trace"], TraceRow(**job["row"]),
+                                         threads=job["threads"]),
+                     lambda job: job["row"].get("env"))
 
 
 if __name__ == "__main__":

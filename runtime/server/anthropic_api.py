@@ -21,16 +21,15 @@ from typing import Any, Literal
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
 from runtime.server.completions import chat_answer, chat_base, submit_chat
-from runtime.server.errors import APIError, anthropic_error_body, validation_error
+from runtime.server.errors import APIError, anthropic_error_body
 from runtime.server.prepare import prepare_chat
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
-from runtime.server.translated_stream import event_source
+from runtime.server.translated_stream import chat_request, event_source
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
@@ -241,11 +240,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences or None,
              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
              "stream": body.stream}
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in chat.items() if v is not None})
-    except ValidationError as exc:
-        raise validation_error(RequestValidationError(exc.errors())) from exc
+    return chat_request(chat)
 
 
 def message_of(answer: dict, model: str) -> dict:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.server.chat_deltas import ChatDeltas
+
 # chat finish_reason -> Anthropic stop_reason (a stop string and the end-of-generation token
 # are both "stop" here: end_turn)
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
@@ -16,17 +18,15 @@ def stop_reason(finish_reason: str | None) -> str:
     return _STOP_REASONS.get(finish_reason or "stop", "end_turn")
 
 
-class AnthropicEvents:
+class AnthropicEvents(ChatDeltas):
     """One answer's events. ``opening()`` first, ``feed(frame)`` for each chat chunk frame,
     ``closing()`` once the frames are done."""
 
     def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
-        self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+        super().__init__(prompt_tokens)
+        self.message_id, self.model = message_id, model
         self._index = -1              # index of the last block started
         self._open: str | None = None  # type of the open block: thinking | text | tool_use
-        self._finish: str | None = None
-        self._output_tokens = 0
-        self._cached = 0              # prompt tokens served from the KV cache
 
     def opening(self) -> list[dict]:
         return [{"type": "message_start", "message": {
@@ -35,31 +35,19 @@ class AnthropicEvents:
             "usage": {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0, "output_tokens": 0}}}]
 
-    def feed(self, frame: dict) -> list[dict]:
-        if frame.get("usage"):                     # the usage frame at the end
-            self._output_tokens = frame["usage"]["completion_tokens"]
-            self._cached = (frame.get("timings") or {}).get("cache_n", 0)
-        events: list[dict] = []
-        for choice in frame.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._delta("thinking", {"type": "thinking_delta",
-                                                   "thinking": delta["reasoning_content"]})
-            if delta.get("content"):
-                events += self._delta("text", {"type": "text_delta", "text": delta["content"]})
-            for call in delta.get("tool_calls") or []:
-                if call.get("id"):                 # a call begins: its own block
-                    events += self._start("tool_use", {
-                        "type": "tool_use", "id": call["id"],
-                        "name": call["function"]["name"], "input": {}})
-                arguments = (call.get("function") or {}).get("arguments")
-                if arguments:
-                    events.append({"type": "content_block_delta", "index": self._index,
-                                   "delta": {"type": "input_json_delta",
-                                             "partial_json": arguments}})
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-        return events
+    def on_reasoning(self, text: str) -> list[dict]:
+        return self._delta("thinking", {"type": "thinking_delta", "thinking": text})
+
+    def on_text(self, text: str) -> list[dict]:
+        return self._delta("text", {"type": "text_delta", "text": text})
+
+    def on_call(self, call_id: str, name: str) -> list[dict]:      # its own block
+        return self._start("tool_use", {"type": "tool_use", "id": call_id, "name": name,
+                                        "input": {}})
+
+    def on_arguments(self, text: str) -> list[dict]:
+        return [{"type": "content_block_delta", "index": self._index,
+                 "delta": {"type": "input_json_delta", "partial_json": text}}]
 
     def closing(self) -> list[dict]:
         return self._stop() + [

@@ -16,18 +16,17 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server.completions import chat_answer, chat_base, submit_chat
-from runtime.server.errors import APIError, validation_error
+from runtime.server.errors import APIError
 from runtime.server.prepare import prepare_chat
 from runtime.server.responses_stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
-from runtime.server.translated_stream import event_source
+from runtime.server.translated_stream import chat_request, event_source
 
 router = APIRouter()
 
@@ -206,11 +205,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     chat |= {"max_tokens": body.max_output_tokens, "temperature": body.temperature,
              "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed,
              "stream": body.stream}
-    try:
-        return ChatCompletionRequest.model_validate(
-            {k: v for k, v in chat.items() if v is not None})
-    except ValidationError as exc:
-        raise validation_error(RequestValidationError(exc.errors())) from exc
+    return chat_request(chat)
 
 
 def _echo(body: ResponsesRequest, model: str) -> dict:

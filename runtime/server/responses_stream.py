@@ -9,6 +9,8 @@ import time
 import uuid
 from typing import Any
 
+from runtime.server.chat_deltas import ChatDeltas
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
@@ -52,48 +54,36 @@ def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-class ResponsesEvents:
+class ResponsesEvents(ChatDeltas):
     """One answer's events. ``opening()`` first, ``feed(frame)`` for each chat chunk frame,
     ``closing()`` once the frames are done; each event carries its ``sequence_number``."""
 
     def __init__(self, response_id: str, echo: dict, prompt_tokens: int) -> None:
-        self.response_id, self.echo, self.prompt_tokens = response_id, echo, prompt_tokens
+        super().__init__(prompt_tokens)
+        self.response_id, self.echo = response_id, echo
         self.created_at = int(time.time())
         self.output: list[dict] = []        # finished items
         self._item: dict | None = None      # the open item (its text so far in "_text")
         self._text = ""
         self._seq = -1
-        self._finish: str | None = None
-        self._output_tokens = 0
-        self._cached = 0
 
     def opening(self) -> list[dict]:
         return [self.event("response.created", response=self._response("in_progress")),
                 self.event("response.in_progress", response=self._response("in_progress"))]
 
-    def feed(self, frame: dict) -> list[dict]:
-        if frame.get("usage"):                     # the usage frame at the end
-            self._output_tokens = frame["usage"]["completion_tokens"]
-            self._cached = (frame.get("timings") or {}).get("cache_n", 0)
-        events: list[dict] = []
-        for choice in frame.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._text_delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                events += self._text_delta("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                if call.get("id"):                 # a call begins: its own item
-                    events += self._open(function_call_item(
-                        new_id("fc"), call["id"], call["function"]["name"], "", "in_progress"))
-                arguments = (call.get("function") or {}).get("arguments")
-                if arguments:
-                    self._text += arguments
-                    events.append(self.event("response.function_call_arguments.delta",
-                                              **self._where(), delta=arguments))
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-        return events
+    def on_reasoning(self, text: str) -> list[dict]:
+        return self._text_delta("reasoning", text)
+
+    def on_text(self, text: str) -> list[dict]:
+        return self._text_delta("message", text)
+
+    def on_call(self, call_id: str, name: str) -> list[dict]:      # its own item
+        return self._open(function_call_item(new_id("fc"), call_id, name, "", "in_progress"))
+
+    def on_arguments(self, text: str) -> list[dict]:
+        self._text += text
+        return [self.event("response.function_call_arguments.delta", **self._where(),
+                           delta=text)]
 
     def closing(self) -> list[dict]:
         events = [] if self.output or self._item is not None else \

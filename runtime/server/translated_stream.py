@@ -10,13 +10,26 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.completions import SHUTDOWN_GRACE_S, chat_frames
-from runtime.server.errors import APIError
+from runtime.server.errors import APIError, validation_error
 from runtime.server.prepare import Prepared
 from runtime.server.queue import Job
+from runtime.server.schemas import ChatCompletionRequest
+
+
+def chat_request(fields: dict) -> ChatCompletionRequest:
+    """The chat request a translated one becomes (its unset fields left out); a field the chat
+    schema refuses is the 400 it would be on /v1/chat/completions."""
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        raise validation_error(RequestValidationError(exc.errors())) from exc
 
 
 async def translated(frames: AsyncIterator[dict], translator: Any,

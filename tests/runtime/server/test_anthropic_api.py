@@ -14,15 +14,8 @@ import pytest
 
 anthropic = pytest.importorskip("anthropic")   # the test extra (pyproject)
 
-N_CTX = 2048
-SYSTEM = "You are terse."
-TURNS = [{"role": "user", "content": "Hello"},
-         {"role": "assistant", "content": "Hi there!"},
-         {"role": "user", "content": "How are you?"}]
-WEATHER_SCHEMA = {"type": "object",
-                  "properties": {"city": {"type": "string", "maxLength": 16},
-                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
-                  "required": ["city", "unit"]}
+from tests.runtime.server.api_fixtures import N_CTX, SYSTEM, TURNS, WEATHER_SCHEMA
+
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": WEATHER_SCHEMA}
 FORCE_WEATHER = {"type": "tool", "name": "get_weather"}

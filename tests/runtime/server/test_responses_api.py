@@ -11,15 +11,9 @@ import jsonschema
 import openai
 import pytest
 
-N_CTX = 2048
-INSTRUCTIONS = "You are terse."
-TURNS = [{"role": "user", "content": "Hello"},
-         {"role": "assistant", "content": "Hi there!"},
-         {"role": "user", "content": "How are you?"}]
-WEATHER_SCHEMA = {"type": "object",
-                  "properties": {"city": {"type": "string", "maxLength": 16},
-                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
-                  "required": ["city", "unit"]}
+from tests.runtime.server.api_fixtures import N_CTX, TURNS, WEATHER_SCHEMA
+from tests.runtime.server.api_fixtures import SYSTEM as INSTRUCTIONS
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
            "parameters": WEATHER_SCHEMA}
 CHAT_WEATHER = {"type": "function", "function": {
