@@ -100,12 +100,26 @@ def library_dir(settings: EngineSettings, config) -> str | None:
         return rpc_library_dir()
     devices = _cache_devices(config)
     if not devices and _has_ram_tier(settings, config):
-        # the RAM tier wants the patched build's lazy routed experts (bounded load, see
-        # lazy_experts); a process that already loaded another libllama keeps it
-        if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
-            return None
-        devices = {"cpu-slots"}                       # any current CPU build
+        return _ram_tier_library_dir(settings)
     return cache_library_dir(devices)
+
+
+def _ram_tier_library_dir(settings: EngineSettings) -> str | None:
+    """The patched build for a RAM tier's lazy routed experts (bounded load, see
+    lazy_experts): a CPU build when no layer goes to a GPU, else a CUDA or Vulkan build (a CPU
+    build would lose the GPU); None (the stock library) without one, with
+    MOE_OFFLOAD_NATIVE=off, or in a process that already loaded another libllama."""
+    if os.environ.get("MOE_OFFLOAD_NATIVE", "").lower() in ("off", "0", "no"):
+        return None
+    if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
+        return None
+    from runtime.native.build import find_build  # noqa: PLC0415
+
+    if settings.n_gpu_layers == 0:
+        build = find_build("cpu") or find_build()
+    else:
+        build = find_build("cuda") or find_build("vulkan")
+    return build.lib_dir if build is not None else None
 
 
 def _has_ram_tier(settings: EngineSettings, config) -> bool:
