@@ -129,15 +129,14 @@ class _CheckedReader(GGUFReader):
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type == GGUFValueType.ARRAY:
-            item = int(self._get(orig_offs, np.uint32)[0])
-            count = int(self._get(orig_offs + 4, np.uint64)[0])
-            if count > _BIG_ARRAY:
-                return self._skim_array(orig_offs, GGUFValueType(item), count)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            if int(alen[0]) > _BIG_ARRAY:
+                return self._skim_array(orig_offs, raw_itype, alen)
         return super()._get_field_parts(orig_offs, raw_type)
 
-    def _skim_array(self, orig_offs: int, item: GGUFValueType, count: int):
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
+    def _skim_array(self, orig_offs: int, raw_itype, alen):
+        item, count = GGUFValueType(int(raw_itype[0])), int(alen[0])
         offs = orig_offs + 12
         nptype = self.gguf_scalar_to_np.get(item)
         if nptype is not None:

@@ -27,6 +27,7 @@ budget. A row that dies says how (OOM, error, timeout). The table is printed and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -152,7 +153,7 @@ def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None, threa
     group = MemoryLimit(limit, name=f"realscale-{os.getpid()}") if limit else None
     started = time.perf_counter()
     last: dict = {}
-    with (group if group is not None else _Null()), \
+    with (group if group is not None else contextlib.nullcontext()), \
             MemoryWatch(model, interval=1.0,
                         cgroup_dir=group.path if group is not None else None) as watch:
         proc = subprocess.Popen([sys.executable, "-m", "runtime.bench.trace_run"], cwd=ROOT,
@@ -210,14 +211,6 @@ def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None, threa
     else:
         result.update(json.loads(out.strip().splitlines()[-1]))
     return result
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def replay_prediction(trace: Path, row: TraceRow, budget: int, cost: Path | None) -> int | None:

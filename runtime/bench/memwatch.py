@@ -151,8 +151,3 @@ class MemoryWatch:
     def peak(self, field: str) -> int:
         values = [getattr(s, field) or 0 for s in self.samples]
         return max(values) if values else 0
-
-    def max_interval(self) -> float:
-        """The longest gap between two samples (seconds)."""
-        t = np.array([s.t for s in self.samples])
-        return float(np.diff(t).max()) if len(t) > 1 else 0.0

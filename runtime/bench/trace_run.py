@@ -12,6 +12,7 @@ asked, and watches its memory from outside (runtime/bench/memwatch.py).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -70,7 +71,7 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
                               n_threads_batch=threads, manage_residency=row.kind == "managed",
                               config=_residency_config(row), repack=row.repack,
                               route_trace=trace)
-    pid = __import__("os").getpid()
+    pid = os.getpid()
     t0 = time.perf_counter()
     engine = Engine(settings, progress=False)
     load_s = time.perf_counter() - t0

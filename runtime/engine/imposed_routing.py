@@ -9,8 +9,9 @@ experts, in the trace's slot order, with the trace's weights as far as the model
 reproduces them (softmax over the selected logits); the expert matmuls then run on those
 experts as if the router had chosen them.
 
-The trace must be one turn: prefill steps 0..P-1 then decode steps P..P+D-1, every MoE layer
-routing every token once with the model's top-k. A model of another shape is refused in one
+The trace's first turn plays: prefill steps 0..P-1 then decode steps P..P+D-1, every MoE
+layer routing every token once with the model's top-k (the last MoE layer may hold only the
+prompt's output token, as llama.cpp routes a prefill by default). A model of another shape is refused in one
 line naming both shapes.
 """
 from __future__ import annotations
@@ -160,11 +161,12 @@ def _slot_logits(weights: np.ndarray) -> np.ndarray:
     return logits.astype(np.float32)
 
 
-def imposed_for(path: str | os.PathLike | None, facts) -> ImposedRouting | None:
+def imposed_for(path: str | os.PathLike | ImposedRouting | None, facts
+                ) -> ImposedRouting | None:
     """``ImposedRouting.load`` for a model's facts (gguf_tools.facts.ModelFacts); None for
-    no path."""
-    if path is None:
-        return None
+    no path; a routing already loaded (for these facts) as it is."""
+    if path is None or isinstance(path, ImposedRouting):
+        return path
     return ImposedRouting.load(path, arch=facts.arch, n_layer=facts.n_layer,
                                n_expert=facts.n_expert, n_expert_used=facts.n_expert_used,
                                moe_layers=tuple(facts.moe_layers))

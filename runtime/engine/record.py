@@ -158,7 +158,9 @@ def run_record(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     # every prompt token of every layer, unless an imposed trace itself holds only the
     # prompt's outputs at the last MoE layer (llama.cpp's default): then as that trace did
-    settings.capture_all_tokens = _imposed_prompt_rows(settings)
+    settings.route_trace = _imposed(settings)          # read once; the engine takes it as is
+    settings.capture_all_tokens = settings.route_trace is None or \
+        settings.route_trace.all_prompt_rows
     out = Path(args.output)
     if not out.parent.is_dir():
         raise UserError(f"{out}: directory {out.parent} does not exist")
@@ -194,16 +196,16 @@ def run_record(args: argparse.Namespace) -> int:
     return 0
 
 
-def _imposed_prompt_rows(settings) -> bool:
+def _imposed(settings):
+    """The settings' imposed routing, loaded (None without --route-trace)."""
     if settings.route_trace is None:
-        return True
+        return None
     from gguf_tools.facts import read_model_facts  # noqa: PLC0415
+    from runtime.engine.engine import check_model_path  # noqa: PLC0415
     from runtime.engine.imposed_routing import imposed_for  # noqa: PLC0415
 
-    from runtime.engine.engine import check_model_path  # noqa: PLC0415
-
     check_model_path(settings.model_path)
-    return imposed_for(settings.route_trace, read_model_facts(settings.model_path)).all_prompt_rows
+    return imposed_for(settings.route_trace, read_model_facts(settings.model_path))
 
 
 def with_recorded_pools(header, engine):

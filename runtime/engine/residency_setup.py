@@ -109,17 +109,11 @@ def _ram_tier_library_dir(settings: EngineSettings) -> str | None:
     lazy_experts): a CPU build when no layer goes to a GPU, else a CUDA or Vulkan build (a CPU
     build would lose the GPU); None (the stock library) without one, with
     MOE_OFFLOAD_NATIVE=off, or in a process that already loaded another libllama."""
-    if os.environ.get("MOE_OFFLOAD_NATIVE", "").lower() in ("off", "0", "no"):
-        return None
     if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
         return None
-    from runtime.native.build import find_build  # noqa: PLC0415
-
     if settings.n_gpu_layers == 0:
-        build = find_build("cpu") or find_build()
-    else:
-        build = find_build("cuda") or find_build("vulkan")
-    return build.lib_dir if build is not None else None
+        return cache_library_dir({"cpu-slots"})
+    return cache_library_dir({"cuda:0"}) or cache_library_dir({"vulkan:0"})
 
 
 def _has_ram_tier(settings: EngineSettings, config) -> bool:

@@ -43,6 +43,26 @@ typedef struct {
     int32_t *experts; float *weights; int32_t cap;   /* (rows * k) */
 } pending;
 
+/* the ubatches of one decode call, as a node seen once per layer and ubatch frames them: the
+ * layers starting over begin the next ubatch; rows trimmed to the outputs (the last layer)
+ * are the ubatch's last tokens */
+typedef struct { int32_t prev, offset, rows; } ub_frame;   /* prev: the last node's key */
+
+static void frame_reset(ub_frame *f) { f->prev = -1; f->offset = f->rows = 0; }
+
+/* the node with graph-order key `key` has `rows` rows */
+static void frame_node(ub_frame *f, int32_t key, int32_t rows) {
+    const int next = key <= f->prev;               /* the next ubatch of the same call */
+    if (next) f->offset += f->rows;
+    if (next || f->prev < 0) f->rows = rows;
+    f->prev = key;
+}
+
+/* the position of a `rows`-row node's row 0, counted from the call's first token */
+static int64_t frame_first(const ub_frame *f, int32_t rows) {
+    return f->offset + (f->rows > rows ? f->rows - rows : 0);
+}
+
 typedef struct {
     int32_t layer, phase, first_step, turn, n_rows;
     int64_t at;                                     /* offset into the event arrays */
@@ -64,7 +84,8 @@ struct rh_hook {
     int32_t *rows;                                  /* (n_layer,) rows routed this batch */
     /* batch framing */
     int in_batch, strict;
-    int32_t phase, turn, n_tokens, n_outputs, ub_offset, ub_rows, prev_layer;
+    int32_t phase, turn, n_tokens, n_outputs;
+    ub_frame frame;                                 /* the events' ubatches (by topk node) */
     int64_t batch_start;
     /* residency cores fed in native mode, and the lease each holds */
     rc_core *cores[MAX_CORES];
@@ -95,7 +116,7 @@ struct rh_hook {
     int64_t route_start;                            /* position of the batch's first token */
     int route_error;                                /* this batch's: route_msg says which */
     char route_msg[160];
-    int32_t ov_prev_layer, ov_ub_offset, ov_ub_rows;   /* prev: 2 * layer + biased */
+    ub_frame route_frame;                           /* by logits node: 2 * layer + biased */
     int error;
     char msg[256];
 };
@@ -159,8 +180,7 @@ void rh_set_mode(rh_hook *h, int32_t mode) { h->mode = mode; }
 
 void rh_route_batch(rh_hook *h, int64_t first_step) {
     h->route_start = first_step;
-    h->ov_prev_layer = -1;
-    h->ov_ub_offset = h->ov_ub_rows = 0;
+    frame_reset(&h->route_frame);
     h->route_error = 0;
 }
 
@@ -329,8 +349,7 @@ static void flush(rh_hook *h, int32_t layer) {
     h->rows[layer] += p->rows;
     if (p->rows == 0) return;
     /* rows trimmed to the outputs (the last layer) are the ubatch's final tokens */
-    const int32_t skip = h->ub_rows - p->rows;
-    emit(h, layer, p, (int32_t) (h->batch_start + h->ub_offset + (skip > 0 ? skip : 0)));
+    emit(h, layer, p, (int32_t) (h->batch_start + frame_first(&h->frame, p->rows)));
 }
 
 static void flush_pending(rh_hook *h) {
@@ -356,13 +375,11 @@ static int set_pending(pending *p, const int32_t *experts, int32_t rows, int32_t
 }
 
 static void on_topk(rh_hook *h, int32_t layer, const int32_t *experts, int32_t rows) {
-    if (layer <= h->prev_layer) {                   /* the next ubatch of the same decode */
-        flush_pending(h);
-        h->ub_offset += h->ub_rows;
+    if (layer <= h->frame.prev) {                   /* the next ubatch of the same decode */
+        flush_pending(h);                           /* (framed in this ubatch) */
         for (int32_t l = 0; l < h->n_layer; l++) h->pend[l].present = 0;
     }
-    if (layer <= h->prev_layer || h->prev_layer < 0) h->ub_rows = rows;
-    h->prev_layer = layer;
+    frame_node(&h->frame, layer, rows);
     if (set_pending(&h->pend[layer], experts, rows, h->k) < 0) fail(h, "out of memory");
 }
 
@@ -384,8 +401,7 @@ void rh_begin_batch(rh_hook *h, int32_t phase, int64_t first_step, int32_t n_tok
                     int32_t n_outputs, int32_t turn, int32_t strict) {
     h->phase = phase; h->batch_start = first_step; h->n_tokens = n_tokens;
     h->n_outputs = n_outputs; h->turn = turn; h->strict = strict;
-    h->ub_offset = h->ub_rows = 0;
-    h->prev_layer = -1;
+    frame_reset(&h->frame);
     for (int32_t l = 0; l < h->n_layer; l++) {
         h->pend[l].present = 0;
         h->rows[l] = 0;
@@ -563,9 +579,8 @@ static int32_t logits_layer(const rh_hook *h, const char *name, int *biased) {
 
 /* Write the imposed logits of layer `layer` into `tensor` ((n_expert, rows) f32, contiguous):
  * the trace's experts get their log-weights (descending in slot order), every other expert a
- * floor no softmax, sigmoid or top-k lets through. Rows map to positions as the events do: a
- * new ubatch starts when the layers start over; rows trimmed to the outputs (the last layer)
- * are the ubatch's final tokens. */
+ * floor no softmax, sigmoid or top-k lets through. Rows map to positions as the events do
+ * (ub_frame). */
 static bool impose(rh_hook *h, void *tensor, int32_t layer, int biased) {
     int64_t ne[4];
     size_t nb[4];
@@ -579,18 +594,14 @@ static bool impose(rh_hook *h, void *tensor, int32_t layer, int biased) {
         return false;
     }
     const int32_t rows = (int32_t) ne[1];
-    const int32_t node = 2 * layer + biased;        /* graph order within a ubatch */
-    if (node <= h->ov_prev_layer) h->ov_ub_offset += h->ov_ub_rows;
-    if (node <= h->ov_prev_layer || h->ov_prev_layer < 0) h->ov_ub_rows = rows;
-    h->ov_prev_layer = node;
+    frame_node(&h->route_frame, 2 * layer + biased, rows);   /* graph order in a ubatch */
     if (rows == 0) return true;
     const int64_t n = (int64_t) rows * ne[0];
     if (array_grow((void **) &h->route_row, &h->cap_route_row, n, sizeof(float))) {
         route_fail(h, "route trace: out of memory");
         return false;
     }
-    const int32_t skip = h->ov_ub_rows > rows ? h->ov_ub_rows - rows : 0;
-    const int64_t first = h->route_start + h->ov_ub_offset + skip;
+    const int64_t first = h->route_start + frame_first(&h->route_frame, rows);
     for (int32_t r = 0; r < rows; r++) {
         const int64_t pos = first + r;
         if (pos < 0 || pos >= h->route_n_pos) {

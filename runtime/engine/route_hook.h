@@ -1,7 +1,7 @@
 /* route_hook: llama.cpp's eval callback (cb_eval) in C, built into the residency core's
  * library (runtime/residency/core/build.py) so that it calls the core directly.
  *
- * Two modes, switched between decode calls:
+ * Modes, switched between decode calls (and RH_ROUTE_ONLY, below: imposed routing alone):
  *   forward  only nodes whose names start with one of the prefixes reach the Python callback
  *            (runtime/engine/routing_hook.py, which assembles RouteEvents for observers that
  *            must run between a layer's router and its experts: the RAM tier, the device cache);

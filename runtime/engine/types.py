@@ -40,7 +40,8 @@ class EngineSettings:
     context_shift: bool = False        # a full context drops its oldest half and goes on
     embeddings: bool = False           # a context for embeddings (runtime.engine.embedding)
     pooling: str | None = None         # none | mean | cls | last | rank; None: the model's
-    route_trace: str | None = None     # impose a routing trace's routing (imposed_routing.py)
+    route_trace: Any = None            # a routing trace's path, or its ImposedRouting, whose
+    #                                    routing the model takes (imposed_routing.py)
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
     #                                    None: off when a native device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),

@@ -8,6 +8,7 @@ llama.cpp's mmap neither prefetches the whole file nor repacks them); the stock 
 breaking the same bound, so the check can fail."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def _run(model, config, *, limit: int | None, native: bool):
            "-c", "256", "--temp", "0"]
     drop_file_cache(str(model))
     group = MemoryLimit(limit) if limit else None
-    with (group if group else _nothing()), MemoryWatch(
+    with (group if group else contextlib.nullcontext()), MemoryWatch(
             model, interval=INTERVAL, cgroup_dir=group.path if group else None) as watch:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=group.join if group else None)
@@ -60,14 +61,6 @@ def _run(model, config, *, limit: int | None, native: bool):
         out, err = proc.communicate(timeout=300)
         time.sleep(2 * INTERVAL)
     return proc.returncode, out, err, watch
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 @pytest.mark.skipif(not MemoryLimit.supported(), reason="no cgroup v1 memory controller here")
