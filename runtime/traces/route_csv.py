@@ -1,4 +1,4 @@
-"""Read and write the ``route_trace v1`` long CSV (format: ``/work/shared/traces/README.md``).
+"""Read and write the ``route_trace v1`` long CSV (format: ``tests/runtime/traces/data/README.md``).
 
     # route_trace v1
     # model=PATH arch=ARCH n_layer=N n_expert=E n_expert_used=K

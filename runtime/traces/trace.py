@@ -1,7 +1,7 @@
 """RouteTrace: a routing trace held in memory as columns, plus the model facts replay needs.
 
 One row per routed (token, layer, slot): the expert a token's router picked at one MoE layer.
-Rows are in execution order (see ``/work/shared/traces/README.md``): prefill routes a whole
+Rows are in execution order (see ``tests/runtime/traces/data/README.md``): prefill routes a whole
 chunk per layer (layers ascending, steps ascending inside a layer, slots ascending), decode
 routes one step at a time (layers ascending, slots ascending).
 

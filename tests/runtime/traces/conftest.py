@@ -1,4 +1,4 @@
-"""Fixtures for trace tests: the two real traces (copies of /work/shared/traces, see data/)."""
+"""Fixtures for trace tests: the two real traces (see data/README.md)."""
 from __future__ import annotations
 
 from pathlib import Path
