@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The replay matrix of the README: policy rows x (trace, capacity) columns, decode demand-miss
+"""The replay matrix of docs/replay-matrix.md: policy rows x (trace, capacity) columns, decode demand-miss
 bytes as a ratio to the cell's Belady ceiling, their geometric means (also against
 forced-admission Belady, the issue's yardstick for eviction), and the worst cell's total bytes
 moved against lru's.

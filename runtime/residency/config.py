@@ -81,7 +81,7 @@ class ResidencyConfig:
     devices: tuple[DeviceBudget, ...] = ()
     phase_specific: bool = True
     prefill: PhasePolicies = PhasePolicies(prefetch=PolicySpec("chunk-plan", (("depth", 1.0),)))
-    # decode: eviction next-visit (beats lru in every cell of the real traces: README, replay)
+    # decode: eviction next-visit (beats lru in every cell of the real traces: docs/replay-matrix.md)
     decode: PhasePolicies = PhasePolicies(eviction=make_spec("eviction", "next-visit"))
     cost: CostParams = field(default_factory=CostParams)
     source: str = "<defaults>"

@@ -66,7 +66,7 @@ class Plan:
             lines += ["", "[rpc]", "# whole remote layers or expert tensors only, by the link "
                       "cost model at load", 'mode = "auto"']
         lines += ["", "[policy.decode]",
-                  "# learned next-use estimate (README, replay): fewer demand misses than lru",
+                  "# learned next-use estimate (docs/replay-matrix.md): fewer demand misses than lru",
                   'eviction = "next-visit"',
                   "# cross-layer prefetch of the likeliest followers not resident (calibrated q >= "
                   "min_precision), only while the link carries them in time",

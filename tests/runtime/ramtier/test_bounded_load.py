@@ -1,5 +1,5 @@
 """Bounded memory from the first byte: with a ``cpu`` budget, the experts' bytes in RAM (page
-cache, as mincore sees it, and no anonymous copy) stay within the budget plus the README's bound
+cache, as mincore sees it, and no anonymous copy) stay within the budget plus docs/ramtier.md's bound
 at every moment from process start to exit, load included, for a model larger than the cgroup
 memory limit it runs under. Sampled from outside every <= 50 ms (runtime/bench/memwatch.py).
 
@@ -28,7 +28,7 @@ SPEC = SynthSpec(arch="qwen3moe", layers=16, experts=32, top_k=4, embd=512, ff=5
                  dtype="q8_0", seed=3, skew=1.0)
 LIMIT = 320 * MiB
 BUDGET = 48 * MiB
-INFLIGHT = 16 * MiB          # README: reads in flight (the background refill's at most)
+INFLIGHT = 16 * MiB          # docs/ramtier.md: reads in flight (the background refill's at most)
 INTERVAL = 0.02              # seconds between samples (the bound asks for <= 50 ms)
 
 
