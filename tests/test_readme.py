@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -104,6 +105,8 @@ EXPECTED = (
 def test_readme_shell_block_runs(block: Block, workdir: Path):
     if block.skip is not None:
         pytest.skip(f"README line {block.line}: {block.skip}")
+    if "curl " in block.text and shutil.which("curl") is None:
+        pytest.skip(f"README line {block.line}: curl is not installed here")
     script = block.text.replace("8080", str(_free_port()))
     proc = subprocess.Popen(["bash", "-eu", "-c", script], cwd=workdir, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
