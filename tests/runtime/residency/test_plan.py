@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from runtime.residency.planner import RAM_RESERVE, DeviceMemory, plan
+from runtime.commands.planner import RAM_RESERVE, DeviceMemory, plan
 from tests.runtime.engine.conftest import run_cli
 
 GIB = 1 << 30

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf_tools.facts import kv_bytes_per_token
 from runtime.errors import UserError
 from runtime.units import format_size
 
@@ -72,27 +73,6 @@ class Plan:
                   "min_precision), only while the link carries them in time",
                   'prefetch = "affinity"', ""]
         return "\n".join(lines)
-
-
-def kv_bytes_per_token(path: str) -> int:
-    """K and V bytes per context token over all layers (f16 cache), from the GGUF metadata."""
-    from gguf_tools.facts import field_value, open_gguf  # noqa: PLC0415
-
-    reader = open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-
-    def num(key: str, default: int = 0) -> int:
-        v = field_value(reader, f"{arch}.{key}")
-        if isinstance(v, list):
-            v = max(v) if v else default
-        return int(v) if v is not None else default
-
-    n_layer, embd = num("block_count"), num("embedding_length")
-    heads = num("attention.head_count", 1) or 1
-    heads_kv = num("attention.head_count_kv", heads) or heads
-    k_len = num("attention.key_length", embd // heads) or embd // heads
-    v_len = num("attention.value_length", k_len) or k_len
-    return n_layer * heads_kv * (k_len + v_len) * 2
 
 
 def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> Plan:
