@@ -2,11 +2,13 @@
 fingerprint)."""
 from __future__ import annotations
 
-from importlib import metadata
-
 
 def package_version(dist: str) -> str | None:
     """``dist``'s installed version, or None when it is not installed."""
+    # imported here: the CLI imports this module before its Ctrl-C handling is in place, and
+    # importlib.metadata takes a while to import (email, zipfile ...)
+    from importlib import metadata  # noqa: PLC0415
+
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
