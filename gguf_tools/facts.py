@@ -263,3 +263,22 @@ def _n_ff_exp(reader: GGUFReader, arch: str, experts: tuple[ExpertTensor, ...]) 
 def read_model_facts(path: str | os.PathLike[str], *, require_moe: bool = True) -> ModelFacts:
     """Facts of the GGUF model at ``path``; ``UserError`` (one line) on bad or non-MoE input."""
     return scan_model(open_gguf(path), path, require_moe=require_moe)[0]
+
+
+def kv_bytes_per_token(path: str) -> int:
+    """K and V bytes per context token over all layers (f16 cache), from the GGUF metadata."""
+    reader = open_gguf(path)
+    arch = field_value(reader, "general.architecture")
+
+    def num(key: str, default: int = 0) -> int:
+        v = field_value(reader, f"{arch}.{key}")
+        if isinstance(v, list):
+            v = max(v) if v else default
+        return int(v) if v is not None else default
+
+    n_layer, embd = num("block_count"), num("embedding_length")
+    heads = num("attention.head_count", 1) or 1
+    heads_kv = num("attention.head_count_kv", heads) or heads
+    k_len = num("attention.key_length", embd // heads) or embd // heads
+    v_len = num("attention.value_length", k_len) or k_len
+    return n_layer * heads_kv * (k_len + v_len) * 2

@@ -19,7 +19,6 @@ import math
 import os
 import tempfile
 import zlib
-from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,140 +28,16 @@ from gguf.constants import GGML_QUANT_VERSION
 from gguf.quants import quantize
 
 from gguf_tools import synth_vocab
-from gguf_tools.quant_rules import RULE_DTYPES, llama_quantize_type, more_bits
-from gguf_tools.synth_spec import (DTYPES, TYPE_RULES, SynthSpec,  # noqa: F401 - re-exported
+from gguf_tools.synth_spec import (ARCHS, DTYPES, SynthSpec,  # noqa: F401 - re-exported
                                    SynthSpecError)
 from runtime.atomic_write import AtomicTarget, write_error
-from gguf_tools.synth_layouts import (DENSE_LEAD_ARCHS, EMBED, LAYOUTS, MERGED_GATE_UP_ARCHS,
-                                      NORMAL, ONES, ROUTER, SHARED_EXPERT_ARCHS, UNIFORM, ZEROS,
-                                      TensorPlan, Types, deepseek2_dims)
+from gguf_tools.synth_layouts import (EMBED, LAYOUTS, NORMAL, ONES, ROUTER, SIMPLE_DTYPES, UNIFORM,
+                                      ZEROS, TensorPlan, tensor_plans)
 from gguf_tools.synth_blocks import BLOCK_TYPES, UNIT_COL0_TYPES, random_blocks
 
-# --dtype name -> (expert type, dense 2D type). "q4_k_m" is resolved per layer (see _types).
-SIMPLE_DTYPES: dict[str, tuple[Q, Q]] = {
-    "f32": (Q.F32, Q.F32),
-    "f16": (Q.F16, Q.F16),
-    "bf16": (Q.BF16, Q.BF16),
-    "q8_0": (Q.Q8_0, Q.Q8_0),
-    "q5_0": (Q.Q5_0, Q.Q5_0),
-    "q5_1": (Q.Q5_1, Q.Q5_1),
-    "q4_0": (Q.Q4_0, Q.Q4_0),
-    "q4_1": (Q.Q4_1, Q.Q4_1),
-    "mxfp4": (Q.MXFP4, Q.Q8_0),   # gpt-oss style: MXFP4 experts, 8-bit everything else
-}
 assert DTYPES == (*SIMPLE_DTYPES, "q4_k", "q6_k", "q4_k_m"), "synth_spec.DTYPES is stale"
+assert tuple(LAYOUTS) == ARCHS, "synth_spec.ARCHS is stale"
 VOCAB = synth_vocab.build_vocab()
-_MAX_EXPERTS = 1024  # LLAMA_MAX_EXPERTS in llama-hparams.h
-
-
-def spec_problem(spec: SynthSpec) -> str | None:
-    """The first reason ``spec`` cannot be written (one line), or None."""
-    if spec.arch not in LAYOUTS:
-        return f"unknown arch {spec.arch!r} (choose from {', '.join(LAYOUTS)})"
-    if spec.dtype not in DTYPES:
-        return f"unknown dtype {spec.dtype!r} (choose from {', '.join(DTYPES)})"
-    if spec.expert_dtype and spec.expert_dtype not in DTYPES:
-        return f"unknown expert dtype {spec.expert_dtype!r} (choose from {', '.join(DTYPES)})"
-    if spec.type_rules not in TYPE_RULES:
-        return f"unknown type rules {spec.type_rules!r} (choose from {', '.join(TYPE_RULES)})"
-    if spec.type_rules == "llama-quantize" and spec.dtype not in RULE_DTYPES:
-        return (f"--dtype {spec.dtype}: llama-quantize's per-tensor types are transcribed for "
-                f"{', '.join(RULE_DTYPES)} only")
-    for label, value, low in (("layers", spec.layers, 1), ("experts", spec.experts, 1),
-                              ("top-k", spec.top_k, 1), ("embd", spec.embd, 2), ("ff", spec.ff, 1),
-                              ("heads", spec.heads, 1), ("heads-kv", spec.heads_kv, 1),
-                              ("context-length", spec.context_length, 1)):
-        if value < low:
-            return f"--{label} must be at least {low}, got {value}"
-    if spec.head_dim < 0 or spec.seed < 0:
-        return "--head-dim and --seed must not be negative"
-    mla = {"kv_lora_rank": spec.kv_lora_rank, "rope_dim": spec.rope_dim,
-           "value_dim": spec.value_dim, "dense_ff": spec.dense_ff}
-    if spec.n_vocab < 0 or min(mla.values()) < 0:
-        return "--n-vocab and the deepseek2 sizes must not be negative"
-    if spec.n_vocab and spec.n_vocab < VOCAB.size:
-        return (f"--n-vocab {spec.n_vocab} is less than the synthetic vocabulary's "
-                f"{VOCAB.size} tokens")
-    if any(mla.values()) and spec.arch != "deepseek2":
-        return f"{', '.join(k for k, v in mla.items() if v)}: only --arch deepseek2 has them"
-    if spec.top_k > spec.experts:
-        return f"--top-k {spec.top_k} is more than --experts {spec.experts}"
-    if spec.experts > _MAX_EXPERTS:
-        return f"--experts {spec.experts} is more than llama.cpp's maximum of {_MAX_EXPERTS}"
-    if spec.layers > 512:
-        return f"--layers {spec.layers} is more than llama.cpp's maximum of 512"
-    if spec.heads % spec.heads_kv:
-        return f"--heads {spec.heads} is not a multiple of --heads-kv {spec.heads_kv}"
-    if not spec.head_dim and spec.embd % spec.heads:
-        return f"--embd {spec.embd} is not a multiple of --heads {spec.heads} (or give --head-dim)"
-    if spec.arch == "olmoe" and spec.n_head_dim * spec.heads != spec.embd:
-        return "--arch olmoe needs --heads x head dimension == --embd (leave --head-dim 0)"
-    if spec.n_head_dim % 2:
-        return f"head dimension {spec.n_head_dim} must be even (RoPE rotates pairs)"
-    if spec.arch == "deepseek2":
-        rope = deepseek2_dims(spec)["rope"]
-        if rope % 2 or not 0 < rope < spec.n_head_dim:
-            return (f"deepseek2 rope_dim {rope} must be even and less than the head dimension "
-                    f"{spec.n_head_dim}")
-    if spec.dense_layers and spec.arch not in DENSE_LEAD_ARCHS:
-        return f"--arch {spec.arch} has no leading dense layers (--dense-layers needs deepseek2)"
-    if not 0 <= spec.dense_layers < spec.layers:
-        return f"--dense-layers must be in 0..{spec.layers - 1} (at least one MoE layer)"
-    if spec.arch in SHARED_EXPERT_ARCHS and spec.shared_experts < 1:
-        return f"--arch {spec.arch} needs --shared-experts of at least 1"
-    if spec.shared_experts and spec.arch not in SHARED_EXPERT_ARCHS:
-        return f"--arch {spec.arch} has no shared experts (--shared-experts needs deepseek2)"
-    if spec.gate_up_merged and spec.arch not in MERGED_GATE_UP_ARCHS:
-        return f"--arch {spec.arch} cannot load a merged ffn_gate_up_exps (needs deepseek2)"
-    if spec.gate_up_merged and spec.expert_scales:
-        return "--expert-scales needs separate gate and up tensors (llama.cpp loads no " \
-               "ffn_gate_up_exps.scale)"
-    if not math.isfinite(spec.skew) or spec.skew < 0:
-        return f"--skew must be a finite number >= 0, got {spec.skew}"
-    for plan in tensor_plans(spec):
-        block = GGML_QUANT_SIZES[plan.qtype][0]
-        if plan.shape[0] % block:
-            return (f"--dtype {spec.dtype}: {plan.qtype.name} packs rows in blocks of {block}, "
-                    f"but {plan.name} has rows of {plan.shape[0]} (--embd/--ff/--head-dim must be "
-                    f"multiples of {block})")
-    return None
-
-
-def _dtype_types(dtype: str, n: int) -> Types:
-    if dtype in SIMPLE_DTYPES:
-        expert, dense = SIMPLE_DTYPES[dtype]
-        return Types(dense=dense, gate_up=(expert,) * n, down=(expert,) * n)
-    if dtype == "q4_k":
-        return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=(Q.Q4_K,) * n)
-    if dtype == "q6_k":
-        return Types(dense=Q.Q8_0, gate_up=(Q.Q6_K,) * n, down=(Q.Q6_K,) * n)
-    # q4_k_m: Q4_K gate/up, Q6_K down on the "more bits" layers, as llama-quantize does
-    down = tuple(Q.Q6_K if more_bits(i, n) else Q.Q4_K for i in range(n))
-    return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=down)
-
-
-def _types(spec: SynthSpec) -> Types:
-    types = _dtype_types(spec.dtype, spec.layers)
-    if spec.expert_dtype:
-        experts = _dtype_types(spec.expert_dtype, spec.layers)
-        types = Types(dense=types.dense, gate_up=experts.gate_up, down=experts.down)
-    return types
-
-
-def tensor_plans(spec: SynthSpec) -> list[TensorPlan]:
-    """Every tensor the model will contain, in file order."""
-    plans = LAYOUTS[spec.arch].tensors(spec, _types(spec))
-    if spec.type_rules == "llama-quantize":
-        plans = [_llama_quantize(spec, plan) for plan in plans]
-    return plans
-
-
-def _llama_quantize(spec: SynthSpec, plan: TensorPlan) -> TensorPlan:
-    if spec.expert_dtype and "_exps.weight" in plan.name:
-        return plan   # routed experts kept in their own type (gpt-oss ships them in MXFP4)
-    qtype = llama_quantize_type(plan.name, plan.shape, spec.dtype, n_layer=spec.layers,
-                                n_expert=spec.experts)
-    return plan if qtype is None else replace(plan, qtype=qtype)
 
 
 def tensor_nbytes(plan: TensorPlan) -> int:

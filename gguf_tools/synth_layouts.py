@@ -10,20 +10,24 @@ row 0 zeroed — so the router's column 0 acts as a per-expert bias. ``skew`` pu
 bias there (``-skew * log(rank + 1)``, rank drawn per layer), which makes expert popularity
 uneven and different per layer while the random remaining columns still pick different experts
 for different tokens.
+
+``tensor_plans(spec)`` is a spec's whole tensor list, with the ggml types its dtype picks (the
+--dtype table ``SIMPLE_DTYPES``, or llama-quantize's per-tensor rules). This module does not
+import synth_spec (the spec is only a type here): SynthSpec's validation imports it for
+``block_problem``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
-from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from gguf_tools import synth_vocab
-from gguf_tools.synth_spec import (ARCHS, DENSE_LEAD_ARCHS, MERGED_GATE_UP_ARCHS,  # noqa: F401
-                                   SHARED_EXPERT_ARCHS)
+from gguf_tools.quant_rules import llama_quantize_type, more_bits
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gguf_tools.synth import SynthSpec
+    from gguf_tools.synth_spec import SynthSpec
 
 # init kinds
 NORMAL = "normal"      # N(0, std), optionally with row 0 (output channel 0) zeroed
@@ -71,10 +75,6 @@ class Types:
     down: tuple[Q, ...]            # per layer
 
 
-def _head_dim(spec: SynthSpec) -> int:
-    return spec.head_dim or spec.embd // spec.heads
-
-
 def _common_top(spec: SynthSpec, t: Types) -> list[TensorPlan]:
     vocab = spec.vocab_size
     live = synth_vocab.build_vocab().size
@@ -91,7 +91,7 @@ def _common_top(spec: SynthSpec, t: Types) -> list[TensorPlan]:
 
 def _attention(spec: SynthSpec, t: Types, i: int, *, qk_norm: int = 0, biases: bool = False,
                kv_heads: int = 0) -> list[TensorPlan]:
-    hd = _head_dim(spec)
+    hd = spec.n_head_dim
     q_dim, kv_dim = spec.heads * hd, (kv_heads or spec.heads_kv) * hd
     p = f"blk.{i}."
     plans = [
@@ -144,7 +144,7 @@ def _experts(spec: SynthSpec, t: Types, i: int, *, biases: bool = False) -> list
 def _qwen3moe(spec: SynthSpec, t: Types) -> list[TensorPlan]:
     plans = _common_top(spec, t)
     for i in range(spec.layers):
-        plans += _attention(spec, t, i, qk_norm=_head_dim(spec))
+        plans += _attention(spec, t, i, qk_norm=spec.n_head_dim)
         plans.append(TensorPlan(f"blk.{i}.ffn_norm.weight", (spec.embd,), Q.F32, ONES))
         plans += _experts(spec, t, i)
     return plans
@@ -193,18 +193,8 @@ def _dense_ffn(spec: SynthSpec, t: Types, i: int, ff: int, suffix: str = "") -> 
     ]
 
 
-def deepseek2_dims(spec: SynthSpec) -> dict[str, int]:
-    """Attention sizes of the synthetic deepseek2 (plain, non-MLA-split KV projection).
-
-    The head dimension is the query/key one (nope + rope: DeepSeek-V2-Lite 128 + 64 = 192)."""
-    hd = _head_dim(spec)
-    rope = spec.rope_dim or hd // 2
-    return {"rope": rope, "nope": hd - rope, "v": spec.value_dim or hd,
-            "kv_lora": spec.kv_lora_rank or spec.embd, "dense_ff": spec.dense_ff or 4 * spec.ff}
-
-
 def _deepseek2(spec: SynthSpec, t: Types) -> list[TensorPlan]:
-    dims = deepseek2_dims(spec)
+    dims = spec.deepseek2_dims
     h, d, kv = spec.heads, spec.embd, dims["kv_lora"]
     plans = _common_top(spec, t)
     for i in range(spec.layers):
@@ -231,7 +221,7 @@ def _deepseek2(spec: SynthSpec, t: Types) -> list[TensorPlan]:
 
 
 def _deepseek2_kv(spec: SynthSpec) -> dict[str, int | float]:
-    dims = deepseek2_dims(spec)
+    dims = spec.deepseek2_dims
     return {"leading_dense_block_count": spec.dense_layers,
             "expert_shared_count": spec.shared_experts,
             "attention.q_lora_rank": 0, "attention.kv_lora_rank": dims["kv_lora"],
@@ -257,5 +247,68 @@ LAYOUTS: dict[str, ArchLayout] = {
     "deepseek2": ArchLayout("deepseek2", "DeepSeek-V2-Lite", _deepseek2, True, _deepseek2_kv),
     "olmoe": ArchLayout("olmoe", "OLMoE-1B-7B", _olmoe, False, _olmoe_kv),
 }
-# what each arch allows beyond the common shape (checked by synth.spec_problem)
-assert tuple(LAYOUTS) == ARCHS, "synth_spec.ARCHS is stale"
+
+
+# --dtype name -> (expert type, dense 2D type). "q4_k_m" is resolved per layer (see _types).
+SIMPLE_DTYPES: dict[str, tuple[Q, Q]] = {
+    "f32": (Q.F32, Q.F32),
+    "f16": (Q.F16, Q.F16),
+    "bf16": (Q.BF16, Q.BF16),
+    "q8_0": (Q.Q8_0, Q.Q8_0),
+    "q5_0": (Q.Q5_0, Q.Q5_0),
+    "q5_1": (Q.Q5_1, Q.Q5_1),
+    "q4_0": (Q.Q4_0, Q.Q4_0),
+    "q4_1": (Q.Q4_1, Q.Q4_1),
+    "mxfp4": (Q.MXFP4, Q.Q8_0),   # gpt-oss style: MXFP4 experts, 8-bit everything else
+}
+
+
+def _dtype_types(dtype: str, n: int) -> Types:
+    if dtype in SIMPLE_DTYPES:
+        expert, dense = SIMPLE_DTYPES[dtype]
+        return Types(dense=dense, gate_up=(expert,) * n, down=(expert,) * n)
+    if dtype == "q4_k":
+        return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=(Q.Q4_K,) * n)
+    if dtype == "q6_k":
+        return Types(dense=Q.Q8_0, gate_up=(Q.Q6_K,) * n, down=(Q.Q6_K,) * n)
+    # q4_k_m: Q4_K gate/up, Q6_K down on the "more bits" layers, as llama-quantize does
+    down = tuple(Q.Q6_K if more_bits(i, n) else Q.Q4_K for i in range(n))
+    return Types(dense=Q.Q8_0, gate_up=(Q.Q4_K,) * n, down=down)
+
+
+def _types(spec: SynthSpec) -> Types:
+    types = _dtype_types(spec.dtype, spec.layers)
+    if spec.expert_dtype:
+        experts = _dtype_types(spec.expert_dtype, spec.layers)
+        types = Types(dense=types.dense, gate_up=experts.gate_up, down=experts.down)
+    return types
+
+
+def tensor_plans(spec: SynthSpec) -> list[TensorPlan]:
+    """Every tensor the model will contain, in file order."""
+    plans = LAYOUTS[spec.arch].tensors(spec, _types(spec))
+    if spec.type_rules == "llama-quantize":
+        plans = [_llama_quantize(spec, plan) for plan in plans]
+    return plans
+
+
+def _llama_quantize(spec: SynthSpec, plan: TensorPlan) -> TensorPlan:
+    if spec.expert_dtype and "_exps.weight" in plan.name:
+        return plan   # routed experts kept in their own type (gpt-oss ships them in MXFP4)
+    qtype = llama_quantize_type(plan.name, plan.shape, spec.dtype, n_layer=spec.layers,
+                                n_expert=spec.experts)
+    return plan if qtype is None else replace(plan, qtype=qtype)
+
+
+def block_problem(spec: SynthSpec) -> str | None:
+    """Why ``spec``'s planned tensors do not fit their types' blocks (one line), or None.
+
+    The last of ``synth_spec.spec_problem``'s checks (the one that needs gguf-py): it plans
+    the tensors of a spec whose shape has passed the others."""
+    for plan in tensor_plans(spec):
+        block = GGML_QUANT_SIZES[plan.qtype][0]
+        if plan.shape[0] % block:
+            return (f"--dtype {spec.dtype}: {plan.qtype.name} packs rows in blocks of {block}, "
+                    f"but {plan.name} has rows of {plan.shape[0]} (--embd/--ff/--head-dim must be "
+                    f"multiples of {block})")
+    return None

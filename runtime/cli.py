@@ -14,6 +14,7 @@ import signal
 import sys
 
 from runtime.errors import UserError
+from runtime.version import version_line
 
 COMMAND_MODULES = [
     "runtime.commands.inspect",
@@ -38,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
     a llama.cpp flag this command does not take is named with our equivalent."""
 
     def __init__(self, *args, **kwargs) -> None:
-        from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
+        from runtime.commands.engine_args import HelpFormatter  # noqa: PLC0415
 
         kwargs["allow_abbrev"] = False
         if kwargs.get("formatter_class") in (None, argparse.HelpFormatter,
@@ -107,19 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(sub)
     return parser
-
-
-def version_line() -> str:
-    """``moe-offload --version``: ours, and the llama.cpp bindings underneath."""
-    from importlib import metadata  # noqa: PLC0415
-
-    def of(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    return f"moe-offload {of('moe-offload')} (llama-cpp-python {of('llama-cpp-python')})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ class PlainLlama:
 
     def __init__(self, model: str, n_ctx: int, threads: int):
         import llama_cpp
-        from runtime.engine.llama_lib import bindings
+        from runtime.native.llama_lib import bindings
         bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
         self.ll = llama_cpp.llama_cpp
@@ -74,7 +74,7 @@ class Ours:
         self.engine = Engine(EngineSettings(model_path=model, n_ctx=n_ctx, n_threads=threads,
                                             n_threads_batch=threads, **kw), progress=False)
         if kw.get("capture_all_tokens"):
-            from runtime.engine.record import TraceRecorder
+            from runtime.commands.trace_record import TraceRecorder
 
             self.engine.add_route_observer(TraceRecorder(_NullWriter()))
 

@@ -63,7 +63,7 @@ def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: i
 def _library(configs) -> str | None:
     """One libllama for every run (a process loads one): the environment's, else the patched
     build serving the configs' cache devices (None: the stock wheel)."""
-    from runtime.engine.llama_lib import LIB_PATH_ENV  # noqa: PLC0415
+    from runtime.native.llama_lib import LIB_PATH_ENV  # noqa: PLC0415
     from runtime.engine.residency_setup import cache_library_dir  # noqa: PLC0415
     from runtime.residency.config import is_cache_device  # noqa: PLC0415
 

@@ -88,7 +88,7 @@ class ConfigRunner:
 
     def backend(self) -> str:
         """"CPU", or "<GPU>+CPU" when layers are offloaded to a GPU."""
-        from runtime.engine import llama_lib
+        from runtime.native import llama_lib
         gpus = [d.name for d in llama_lib.devices()
                 if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
         on_gpu = self.cfg.kind == "static" or self.gpu_layers != 0
@@ -149,7 +149,7 @@ class ConfigRunner:
         """The imposed trace played from its first position: its prompt, then every decode
         row. (prompt, generation) samples, or the whole play's when ``cold`` (page cache
         dropped first)."""
-        from runtime.engine.cli_args import imposed_request
+        from runtime.engine.imposed_routing import imposed_request
         from runtime.engine.sampling import SamplingParams
 
         if cold:

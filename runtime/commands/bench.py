@@ -24,7 +24,7 @@ from runtime.units import parse_size_arg
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from runtime.bench.offload import POLICIES  # noqa: PLC0415
-    from runtime.engine.cli_args import HelpFormatter  # noqa: PLC0415
+    from runtime.commands.engine_args import HelpFormatter  # noqa: PLC0415
 
     parser = subparsers.add_parser(
         "bench", help="benchmark expert offload: mmap vs static placement vs managed policies",
@@ -156,5 +156,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has_gpu() -> bool:
-    from runtime.engine import llama_lib
+    from runtime.native import llama_lib
     return any(d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU for d in llama_lib.devices())

@@ -22,9 +22,9 @@ from runtime.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.engine.cli_args import HelpFormatter as _FMT  # noqa: PLC0415
-    from runtime.engine.cli_args import (add_engine_args, add_route_trace_arg,  # noqa: PLC0415
-                                         add_sampling_args)
+    from runtime.commands.engine_args import HelpFormatter as _FMT  # noqa: PLC0415
+    from runtime.commands.engine_args import (add_engine_args, add_route_trace_arg,  # noqa: PLC0415
+                                              add_sampling_args)
     from runtime.engine.stats_file import add_stats_json_arg  # noqa: PLC0415
 
     comp = subparsers.add_parser(
@@ -88,8 +88,8 @@ def _write(text: str) -> None:
 
 def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; the timings line to stderr."""
-    from runtime.engine.cli_args import (imposed_request, sampling_from_args,  # noqa: PLC0415
-                                         settings_from_args)
+    from runtime.commands.engine_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.imposed_routing import imposed_request  # noqa: PLC0415
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.engine.stats_file import check_stats_json_path, write_stats_json  # noqa: PLC0415
 
@@ -180,7 +180,7 @@ def _chat_command(line: str) -> str | None:
 
 def run_chat(args: argparse.Namespace) -> int:
     """The chat loop: history, /exit, /reset, Ctrl-C stops a reply."""
-    from runtime.engine.cli_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.commands.engine_args import sampling_from_args, settings_from_args  # noqa: PLC0415
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.engine.types import ContextLengthError, Timings  # noqa: PLC0415
 

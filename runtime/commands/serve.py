@@ -23,7 +23,7 @@ log = logging.getLogger("moe_offload.server")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.engine.cli_args import HelpFormatter, add_engine_args, add_sampling_args
+    from runtime.commands.engine_args import HelpFormatter, add_engine_args, add_sampling_args
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gguf_tools.facts import read_model_facts
-    from runtime.engine.cli_args import sampling_from_args, settings_from_args
+    from runtime.commands.engine_args import sampling_from_args, settings_from_args
     from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
     from runtime.server.cors_proxy import proxy_allow_list
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
                       "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)")
     capture = None
     if args.write_profile is not None:
-        from runtime.engine.record import ProfileCapture  # noqa: PLC0415
+        from runtime.commands.trace_record import ProfileCapture  # noqa: PLC0415
 
         capture = ProfileCapture(args.write_profile)
 

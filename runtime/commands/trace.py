@@ -3,7 +3,7 @@
     moe-offload trace convert IN OUT        # CSV <-> binary (.rtb), format chosen by OUT's suffix
     moe-offload trace synth -o OUT [...]    # a synthetic trace (skewed popularity, reuse)
     moe-offload trace info TRACE [...]      # shape and counts of a trace
-    moe-offload trace record ...            # live capture (runtime.engine.record), when built
+    moe-offload trace record ...            # live capture (runtime.commands.trace_record), when built
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from runtime.traces.trace import PHASE_DECODE, PHASE_PREFILL
 from runtime.units import format_size, parse_size_arg
 
 try:  # the live-capture subcommand lives with the engine; absent until that module exists
-    _record = importlib.import_module("runtime.engine.record")
+    _record = importlib.import_module("runtime.commands.trace_record")
 except ModuleNotFoundError as exc:
-    if exc.name != "runtime.engine.record":
+    if exc.name != "runtime.commands.trace_record":
         raise
     _record = None
 

@@ -11,7 +11,7 @@ class _Batch:
     """``llama_batch_init(capacity, 0, 1)`` and numpy views of its per-row arrays."""
 
     def __init__(self, capacity: int):
-        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+        from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
         self._ll = bindings()
         self.capacity = int(capacity)

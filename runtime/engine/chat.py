@@ -81,7 +81,7 @@ class ChatTemplate:
 
 def model_template_source(model: int) -> str | None:
     """``tokenizer.chat_template`` of a loaded model, or None."""
-    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+    from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
     raw = bindings().llama_model_chat_template(model, None)
     return raw.decode("utf-8") if raw else None
@@ -104,7 +104,7 @@ class BuiltinChatTemplate:
         """``variables``: none of the built-in templates has any; they change nothing."""
         import ctypes  # noqa: PLC0415
 
-        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+        from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
         ll = bindings()
         for i, m in enumerate(messages):
@@ -131,7 +131,7 @@ def builtin_template_names() -> list[str]:
     """The names llama.cpp knows (llama_chat_builtin_templates)."""
     import ctypes  # noqa: PLC0415
 
-    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+    from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
     ll = bindings()
     n = ll.llama_chat_builtin_templates(None, 0)

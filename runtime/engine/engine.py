@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 from gguf_tools.facts import read_model_facts
-from runtime.engine import interrupt, llama_lib
+from runtime.native import interrupt, llama_lib
 from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
@@ -138,7 +138,7 @@ class Engine:
         except RuntimeError as exc:
             raise UserError(f"{settings.model_path}: cannot create a context ({exc})") from None
         # Ctrl-C inside a decode stops the graph at the next node (see interrupt.py)
-        self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback())
+        self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback(self._ll))
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
         # tokens one sequence can hold (the whole context unless it is split into slots; a

@@ -16,11 +16,14 @@ line naming both shapes.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.engine.sampling import SamplingParams
 from runtime.errors import UserError
 
 # what a non-selected expert's logit becomes (route_hook.c writes it): far below any
@@ -170,3 +173,23 @@ def imposed_for(path: str | os.PathLike | ImposedRouting | None, facts
     return ImposedRouting.load(path, arch=facts.arch, n_layer=facts.n_layer,
                                n_expert=facts.n_expert, n_expert_used=facts.n_expert_used,
                                moe_layers=tuple(facts.moe_layers))
+
+
+def imposed_request(engine, prompt: str | list[int] | None, params: SamplingParams,
+                    args: argparse.Namespace) -> tuple[str | list[int], SamplingParams]:
+    """The prompt and sampling a run under ``--route-trace`` takes: no prompt given = as many
+    tokens as the trace's prefill; -n not given = every position the trace has left."""
+    routing = engine.imposed
+    if routing is None:
+        if prompt is None:
+            raise UserError("give a prompt: -p TEXT or -f FILE")
+        return prompt, params
+    if prompt is None:
+        filler = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 64,
+                                 add_special=True)
+        prompt = (filler * (routing.n_prompt // max(len(filler), 1) + 1))[:routing.n_prompt]
+    if not getattr(args, "predict_given", False):
+        n_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenize(prompt))
+        params = dataclasses.replace(params, max_tokens=max(
+            1, routing.n_positions - n_prompt + 1))
+    return prompt, params

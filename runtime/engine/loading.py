@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
-from runtime.engine import interrupt, llama_lib
+from runtime.native import interrupt, llama_lib
 from runtime.engine.types import FLASH_ATTN, EngineSettings
 from runtime.errors import UserError
 

@@ -63,7 +63,7 @@ class Room:
 
 def load_need(settings, facts, *, on_gpu: bool, ram_tier_bytes: int) -> LoadNeed:
     """What loading ``facts``' model with ``settings`` holds in host RAM."""
-    from runtime.residency.planner import kv_bytes_per_token  # noqa: PLC0415
+    from gguf_tools.facts import kv_bytes_per_token  # noqa: PLC0415
 
     n_ctx = settings.n_ctx or facts.context_length
     ubatch = min(settings.n_ubatch, settings.n_batch, n_ctx or settings.n_ubatch)

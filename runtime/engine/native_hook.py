@@ -60,7 +60,7 @@ class NativeHook(RoutingHook):
     ResidencyObserver would feed."""
 
     def __init__(self, assembler: RouteAssembler, n_layer: int):
-        from runtime.engine import llama_lib  # noqa: PLC0415
+        from runtime.native import llama_lib  # noqa: PLC0415
         from runtime.engine.routing_hook import _FILTER_PREFIXES  # noqa: PLC0415
         from runtime.residency.core.build import load_core  # noqa: PLC0415
 
@@ -118,7 +118,7 @@ class NativeHook(RoutingHook):
 
     def impose(self, routing, n_expert: int) -> None:
         """Route as ``routing`` (runtime.engine.imposed_routing.ImposedRouting) says."""
-        from runtime.engine import llama_lib  # noqa: PLC0415
+        from runtime.native import llama_lib  # noqa: PLC0415
 
         tensor_set = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_set,
                                  ctypes.c_void_p).value

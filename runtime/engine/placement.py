@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.engine.llama_lib import EXPERT_PATTERN
+from runtime.native.llama_lib import EXPERT_PATTERN
 from runtime.residency.static import StaticPlan
 
 _LAYER_EXPERTS = r"^blk\.({layers})\.ffn_(up|down|gate|gate_up)_(ch|)exps"

@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-from runtime.engine import llama_lib
+from runtime.native import llama_lib
 from runtime.engine.placement import Placement, plan_placement
 from runtime.engine.types import EngineSettings
 from runtime.errors import UserError

@@ -193,7 +193,7 @@ class RoutingHook:
     name filter forwards. Keep the hook alive as long as the context."""
 
     def __init__(self, assembler: RouteAssembler):
-        from runtime.engine import llama_lib  # noqa: PLC0415 - loads llama.cpp
+        from runtime.native import llama_lib  # noqa: PLC0415 - loads llama.cpp
 
         self._lib = llama_lib
         self.assembler = assembler

@@ -80,7 +80,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int, vocab: int | None = None):
         """``vocab``: the model's ``llama_vocab *`` (needed by a grammar)."""
-        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+        from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
         ll = self._ll = bindings()
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
@@ -207,7 +207,7 @@ class TextStream:
 
 def check_grammar(vocab: int, grammar: str) -> None:
     """UserError unless llama.cpp's grammar sampler accepts ``grammar`` (built and freed)."""
-    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+    from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
     ll = bindings()
     sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.native.pools import ggml_device_name, pools_of
 from runtime.native.shim import (PROJ_BY_TENSOR, ShimCache, ShimError, check_same_libllama, ffi,
                                  load_shim)
 from runtime.residency.config import is_cache_device
@@ -38,7 +39,6 @@ COPY_WORKERS = 4            # copies in flight per device
 # expert this small is copied inside its layer-step (and computed from its slot at once)
 # instead of waking a worker; device slots always copy on the workers (DMA runs beside compute)
 HOST_INLINE_COPY_BYTES = 256 << 10
-_GGML_NAMES = {"cuda": "CUDA", "vulkan": "Vulkan"}
 _notified: set[str] = set()
 
 
@@ -47,18 +47,6 @@ def notice(message: str) -> None:
     if message not in _notified:
         _notified.add(message)
         print(f"moe-offload: {message}", file=sys.stderr)
-
-
-def ggml_device_name(device: str) -> str:
-    """Residency device -> ggml device name: "cpu-slots" -> "CPU", "cuda:1" -> "CUDA1",
-    "vulkan:0" -> "Vulkan0"."""
-    if device == "cpu-slots":
-        return "CPU"
-    kind, _, index = device.partition(":")
-    if kind in _GGML_NAMES and index.isdigit():
-        return f"{_GGML_NAMES[kind]}{int(index)}"
-    raise ValueError(f"{device}: not a device the native cache serves (cuda:N, vulkan:N, "
-                     "cpu-slots)")
 
 
 class ExpertSource:
@@ -219,8 +207,6 @@ class DeviceCache:
 
     def pools(self) -> list:
         """The manager's pools for this cache (runtime/native/pools.py)."""
-        from runtime.native.pools import pools_of  # noqa: PLC0415
-
         return pools_of(self.cache, self.manager.moe_layers)
 
     # -- lifetime ------------------------------------------------------------------------------

@@ -10,6 +10,20 @@ from dataclasses import dataclass
 
 from runtime.residency.manager import PoolSpec
 
+_GGML_NAMES = {"cuda": "CUDA", "vulkan": "Vulkan"}
+
+
+def ggml_device_name(device: str) -> str:
+    """Residency device -> ggml device name: "cpu-slots" -> "CPU", "cuda:1" -> "CUDA1",
+    "vulkan:0" -> "Vulkan0"."""
+    if device == "cpu-slots":
+        return "CPU"
+    kind, _, index = device.partition(":")
+    if kind in _GGML_NAMES and index.isdigit():
+        return f"{_GGML_NAMES[kind]}{int(index)}"
+    raise ValueError(f"{device}: not a device the native cache serves (cuda:N, vulkan:N, "
+                     "cpu-slots)")
+
 
 @dataclass(frozen=True)
 class PoolInfo:
@@ -58,9 +72,8 @@ def probe_pools(model_path: str, device: str, capacity: int, moe_layers) -> Pool
     """Load the model (mapped, nothing computed) with the patched library, let the cache
     allocate ``capacity`` bytes on ``device``, read its pools, free everything. Must run in a
     process that has not loaded llama.cpp yet (``config check``)."""
-    from runtime.engine import llama_lib  # noqa: PLC0415
+    from runtime.native import llama_lib  # noqa: PLC0415
     from runtime.native import preferred_lib_dir  # noqa: PLC0415
-    from runtime.native.device_cache import ggml_device_name  # noqa: PLC0415
     from runtime.native.shim import ShimCache, ShimError, load_shim  # noqa: PLC0415
 
     lib_dir = preferred_lib_dir({device})

@@ -5,6 +5,7 @@ names the file (or the command line) and the key: ``"cfg.toml: devices.cuda:0: n
 """
 from __future__ import annotations
 
+import copy
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Mapping
 
 from runtime.errors import UserError
-from runtime.residency.policies.factory import ROLES, PolicySpec, make_spec
+from runtime.residency.policies.factory import (ROLES, PolicySpec, make_spec, param_defaults,
+                                               param_names, policy_names)
 from runtime.residency.types import Phase
 from runtime.units import parse_percent, parse_size
 
@@ -238,7 +240,6 @@ def load_config(path: str | Path | None, *,
     data = read_toml(path) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
     if overrides:
-        from runtime.residency.config_cli import apply_overrides
         data = apply_overrides(data, overrides)
         source = f"{source} + command line" if path is not None else "command line"
     return parse_config(data, source=source)
@@ -263,3 +264,75 @@ def preset_config(policy: str) -> ResidencyConfig:
                                                  param_defaults("eviction", policy)))
     return ResidencyConfig(phase_specific=False, prefill=phase, decode=phase,
                            source=f"--policy {policy}")
+
+
+# -- dotted-key overrides (the command line's config flags) -------------------------------
+MAX_CUDA_FLAGS = 16
+
+
+def config_keys() -> dict[str, str]:
+    """Every settable dotted key -> its kind ("size", "bool", "name:<role>", "number")."""
+    keys: dict[str, str] = {}
+    for device in ("cpu", "cpu-slots", *(f"{kind}:{i}" for kind in ("cuda", "vulkan")
+                                         for i in range(MAX_CUDA_FLAGS))):
+        keys[f"devices.{device}"] = "size"
+    keys["policy.phase_specific"] = "bool"
+    for phase in ("prefill", "decode"):
+        for role in ROLES:
+            keys[f"policy.{phase}.{role}"] = f"name:{role}"
+            for param in param_names(role):
+                keys[f"policy.{phase}.{role}_params.{param}"] = "number"
+    for key in COST_KEYS:
+        keys[f"cost.{key}"] = "number"
+    return keys
+
+
+def _convert(key: str, kind: str, value: str) -> object:
+    if kind == "bool":
+        low = value.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise UserError(f"--{key}: must be true or false, got {value!r}")
+    if kind == "number":
+        try:
+            return float(value)
+        except ValueError:
+            raise UserError(f"--{key}: must be a number, got {value!r}") from None
+    return value
+
+
+def apply_overrides(data: Mapping, overrides: Mapping[str, str]) -> dict:
+    """A copy of parsed TOML ``data`` with dotted-key string ``overrides`` set (typed)."""
+    known = config_keys()
+    out = copy.deepcopy(dict(data))
+    for key, value in overrides.items():
+        kind = known.get(key)
+        if kind is None:
+            raise UserError(f"--{key}: unknown config key")
+        parts = key.split(".")
+        if parts[0] == "devices":
+            parts = ["devices", key[len("devices."):]]
+        node = out
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = dict(child) if isinstance(child, Mapping) else {}
+                node[part] = child
+            node = child
+        node[parts[-1]] = _convert(key, kind, value)
+    # a policy renamed on the command line drops the file's parameters it does not take
+    for key, kind in known.items():
+        if not kind.startswith("name:") or key not in overrides:
+            continue
+        _, phase, role = key.split(".")
+        table = out.get("policy", {}).get(phase, {})
+        params = table.get(f"{role}_params")
+        name = table.get(role)
+        if isinstance(params, Mapping) and name in policy_names(role):
+            accepted = param_defaults(role, name)
+            table[f"{role}_params"] = {
+                p: v for p, v in params.items()
+                if p in accepted or f"{key}_params.{p}" in overrides}
+    return out

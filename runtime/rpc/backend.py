@@ -1,7 +1,7 @@
 """The RPC backend of our patched build, through ctypes: remote devices for llama.cpp, their
 failure state, and the server loop.
 
-Opened BY SONAME after libllama is loaded (see runtime/engine/llama_lib.py): the same copy of
+Opened BY SONAME after libllama is loaded (see runtime/native/llama_lib.py): the same copy of
 ggml's registry libllama uses. Only a build made with ``native build --rpc`` has it.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RemoteHandle:
 
 class _RpcLib:
     def __init__(self) -> None:
-        from runtime.engine import llama_lib  # noqa: PLC0415
+        from runtime.native import llama_lib  # noqa: PLC0415
 
         llama_lib.ggml()                      # libllama (and its ggml) first
         try:

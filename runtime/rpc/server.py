@@ -83,7 +83,7 @@ def _wait_listening(host: str, port: int, done: threading.Event, timeout: float 
 
 def rpc_library_dir() -> str:
     """The patched build with the RPC backend; UserError (saying how to build it) otherwise."""
-    from runtime.engine import llama_lib  # noqa: PLC0415
+    from runtime.native import llama_lib  # noqa: PLC0415
     from runtime.native.build import find_build  # noqa: PLC0415
 
     env = os.environ.get(llama_lib.LIB_PATH_ENV)
@@ -98,7 +98,7 @@ def rpc_library_dir() -> str:
 
 def run_server(settings: ServerSettings) -> int:
     """Serve until Ctrl-C (then one line, status 130) or until ggml's loop gives up (1)."""
-    from runtime.engine import llama_lib  # noqa: PLC0415
+    from runtime.native import llama_lib  # noqa: PLC0415
     from runtime.rpc import backend  # noqa: PLC0415
 
     host = check_host(settings.host)

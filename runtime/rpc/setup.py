@@ -234,7 +234,7 @@ def plan_for(config, facts, settings, resolved) -> RemotePlan:
 def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.stderr)
                   ) -> RemoteSetup:
     """Probe, plan and register the config's remotes; see the module docstring."""
-    from runtime.engine import llama_lib  # noqa: PLC0415
+    from runtime.native import llama_lib  # noqa: PLC0415
 
     backend.set_link_timeout(getattr(config, "rpc_timeout_s", None))
     local_gpus = [d.name for d in llama_lib.devices()          # RPCn: registered remotes

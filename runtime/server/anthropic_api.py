@@ -26,12 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
 from runtime.server.completions import chat_answer, chat_base, submit_chat
-from runtime.server.errors import APIError, anthropic_error_body
-from runtime.server.prepare import prepare_chat
+from runtime.server.errors import APIError, anthropic_error_body, register_route_shape
+from runtime.server.requests import prepare_chat
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
 from runtime.server.translated_stream import chat_request, event_source
 
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+register_route_shape("anthropic", ANTHROPIC_PATHS)          # Anthropic clients read their shape
 
 router = APIRouter()
 

@@ -26,14 +26,14 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
-from runtime.server.anthropic_api import ANTHROPIC_PATHS
+from runtime.version import package_version
 from runtime.server.anthropic_api import router as anthropic_router
 from runtime.server.body_guard import BodyGuard
 from runtime.server.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
 from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.embeddings import router as embeddings_router
-from runtime.server.native import router as native_router
+from runtime.server.llama_routes import router as llama_router
 from runtime.server.responses_api import router as responses_router
 from runtime.server.slot_routes import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
@@ -41,7 +41,7 @@ from runtime.server.stream_sessions import router as stream_router
 from runtime.server.unsupported import router as unsupported_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
-from runtime.server.errors import (APIError, anthropic_response, error_body,
+from runtime.server.errors import (APIError, error_body, route_response,
                                    install_error_handlers)
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
@@ -53,13 +53,8 @@ from runtime.server.reasoning import FORMATS
 
 
 def _fingerprint() -> str:
-    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
-
-    try:
-        # llama-server's form is "b<build>-<commit>": clients test the leading "b"
-        return f"b{version('moe-offload')}-moe-offload"
-    except PackageNotFoundError:
-        return "b0-moe-offload"
+    # llama-server's form is "b<build>-<commit>": clients test the leading "b"
+    return f"b{package_version('moe-offload') or 0}-moe-offload"
 
 
 FINGERPRINT = _fingerprint()   # system_fingerprint: this server's build
@@ -125,10 +120,8 @@ class ApiKeyGuard:
         error = self._check(headers.get("authorization", ""), headers.get("x-api-key"))
         if error is None:
             await self.app(scope, receive, send)
-        elif scope.get("path") in ANTHROPIC_PATHS:        # Anthropic clients read their shape
-            await anthropic_response(error)(scope, receive, send)
-        else:
-            await error.response()(scope, receive, send)
+        else:                                   # in the shape of the route's API
+            await route_response(scope.get("path", ""), error)(scope, receive, send)
 
     def _check(self, header: str, x_api_key: str | None) -> APIError | None:
         scheme, _, token = header.partition(" ")
@@ -279,7 +272,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(completions_router)
     app.include_router(anthropic_router)       # /v1/messages: translated to chat completions
     app.include_router(responses_router)       # /v1/responses: likewise
-    app.include_router(native_router)
+    app.include_router(llama_router)
     app.include_router(embeddings_router)
     app.include_router(slot_router)
     app.include_router(stream_router)

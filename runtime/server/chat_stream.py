@@ -7,7 +7,7 @@ from typing import Any
 
 from runtime.engine.types import CANCELLED
 from runtime.server import shapes
-from runtime.server.prepare import Prepared
+from runtime.server.requests import Prepared
 from runtime.server.reasoning import ReasoningStream
 from runtime.server.tool_stream import ToolCallStream
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -18,6 +18,7 @@ from runtime.engine.embedding import embed, pooled
 from runtime.engine.types import Timings
 from runtime.errors import UserError
 from runtime.server.errors import APIError
+from runtime.server.requests import json_object
 from runtime.server.token_ids import checked_ids, engine_vocab
 from runtime.server.queue import QueueClosed, QueueFull
 
@@ -102,7 +103,6 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
     results = []
     for ids in tokens:                # one after another: the engine holds one sequence
         def work(_cancel, ids=ids):
-            import time  # noqa: PLC0415
 
             t0 = time.perf_counter()
             vectors = embed(engine, ids, norm)
@@ -130,9 +130,8 @@ def _b64(vector: list[float]) -> str:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> JSONResponse:
     """OpenAI's embeddings (``content`` instead of ``input`` answers llama-server's shape)."""
-    from runtime.server.native import _json_object  # noqa: PLC0415
 
-    results, oai, fmt = await _embed_all(request, await _json_object(request))
+    results, oai, fmt = await _embed_all(request, await json_object(request))
     if not oai:
         return JSONResponse([{"index": i, "embedding": v} for i, (_, v) in enumerate(results)])
     n = sum(len(ids) for ids, _ in results)
@@ -148,7 +147,6 @@ async def embeddings(request: Request) -> JSONResponse:
 @router.post("/embeddings")
 async def embedding(request: Request) -> JSONResponse:
     """llama-server's native embeddings: ``[{"index", "embedding": [[...], ...]}]``."""
-    from runtime.server.native import _json_object  # noqa: PLC0415
 
-    results, _, _ = await _embed_all(request, await _json_object(request), oai=False)
+    results, _, _ = await _embed_all(request, await json_object(request), oai=False)
     return JSONResponse([{"index": i, "embedding": v} for i, (_, v) in enumerate(results)])

@@ -116,17 +116,46 @@ def pydantic_error(exc: ValidationError) -> APIError:
     return validation_error(RequestValidationError(exc.errors(include_url=False)))
 
 
+def llama_error(err: APIError) -> dict:
+    """llama-server's error object: the HTTP status as ``code``."""
+    return {"error": {"code": err.status, "message": err.message, "type": err.error_type}
+            | err.extra}
+
+
+def _llama_response(err: APIError) -> JSONResponse:
+    return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
+
+
+# The error shape of each API other than OpenAI's: the route modules register their paths here
+# (at import) with the shape their clients read; every other path answers OpenAI's shape.
+_SHAPES = {"anthropic": anthropic_response, "llama": _llama_response}
+_PATH_SHAPES: dict[str, str] = {}
+_PREFIX_SHAPES: dict[str, str] = {}
+
+
+def register_route_shape(shape: str, paths: frozenset[str] = frozenset(),
+                         prefixes: tuple[str, ...] = ()) -> None:
+    """Errors on ``paths`` (and on paths under ``prefixes``) take ``shape``'s form
+    ("anthropic" or "llama")."""
+    if shape not in _SHAPES:
+        raise ValueError(f"unknown error shape {shape!r} (known: {', '.join(_SHAPES)})")
+    _PATH_SHAPES.update(dict.fromkeys(paths, shape))
+    _PREFIX_SHAPES.update(dict.fromkeys(prefixes, shape))
+
+
+def route_shape(path: str) -> str:
+    """The error shape of the API ``path`` belongs to ("openai" when none registered it)."""
+    shape = _PATH_SHAPES.get(path)
+    if shape is None:
+        shape = next((s for p, s in _PREFIX_SHAPES.items() if path.startswith(p)), "openai")
+    return shape
+
+
 def route_response(path: str, err: APIError) -> JSONResponse:
     """``err`` in the shape of the API ``path`` belongs to: Anthropic's on its Messages
     routes, llama-server's on its own, OpenAI's everywhere else."""
-    from runtime.server.anthropic_api import ANTHROPIC_PATHS  # noqa: PLC0415
-    from runtime.server.native import NATIVE_PATHS, llama_error  # noqa: PLC0415
-
-    if path in ANTHROPIC_PATHS:
-        return anthropic_response(err)
-    if path in NATIVE_PATHS or path.startswith("/slots/"):      # llama-server's own shape there
-        return JSONResponse(llama_error(err), status_code=err.status, headers=err.headers)
-    return err.response()
+    shape = route_shape(path)
+    return err.response() if shape == "openai" else _SHAPES[shape](err)
 
 
 def install_error_handlers(app: FastAPI) -> None:

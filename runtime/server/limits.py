@@ -9,6 +9,7 @@ expands each ``{m,n}`` into rules; both run while other slots wait.
 from __future__ import annotations
 
 import re
+from json import dumps
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,6 @@ def _walk(node: Any, path: str, depth: int = 0) -> Iterator[tuple[str, Any, int]
 def check_schema(schema: Any, limits: Limits, param: str) -> None:
     """400 when a JSON schema is too big, too deep, or repeats too much (each count and
     each ``pattern`` repetition against ``max_repeat``, their sum against 16x that)."""
-    from json import dumps  # noqa: PLC0415
 
     size = len(dumps(schema))
     if size > limits.max_grammar_bytes:

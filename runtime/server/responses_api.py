@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server.completions import chat_answer, chat_base, submit_chat
 from runtime.server.errors import APIError
-from runtime.server.prepare import prepare_chat
+from runtime.server.requests import prepare_chat
 from runtime.server.responses_stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from runtime.engine import slot_state
 from runtime.errors import UserError
 from runtime.server.errors import APIError
+from runtime.server.requests import json_object
 
 router = APIRouter()
 
@@ -24,7 +25,6 @@ def _filename(body: dict) -> str:
 
 @router.post("/slots/{id_slot}")
 async def slot_action(id_slot: str, request: Request, action: str = "") -> dict:
-    from runtime.server.native import _json_object  # noqa: PLC0415
 
     state = request.app.state
     root = state.settings.slot_save_path
@@ -39,7 +39,7 @@ async def slot_action(id_slot: str, request: Request, action: str = "") -> dict:
     if action not in ("save", "restore", "erase"):
         raise APIError(400, "Invalid action", code="invalid_value", param="action")
     engine = state.host.engine()
-    body = await _json_object(request) if action != "erase" else {}
+    body = await json_object(request) if action != "erase" else {}
     try:
         if action == "erase":
             n = await anyio.to_thread.run_sync(slot_state.erase, engine, seq)

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.server.errors import APIError
+from runtime.server.requests import json_object
 
 HEADER = "x-conversation-id"
 MAX_BYTES = 4 << 20          # bytes of a session kept for readers (the oldest are dropped)
@@ -188,9 +189,8 @@ async def replay(request: Request) -> StreamingResponse:
 @router.post("/v1/streams/lookup")
 async def lookup(request: Request) -> JSONResponse:
     """The sessions of the ids asked for (only those: live ids are never listed)."""
-    from runtime.server.native import _json_object  # noqa: PLC0415
 
-    body = await _json_object(request)
+    body = await json_object(request)
     extra = sorted(set(body) - {"conversation_ids"})
     if extra:
         raise APIError(400, f"Unknown field {extra[0]!r}: the lookup takes conversation_ids",

@@ -15,9 +15,9 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
 from runtime.server.chat_stream import ChatFramer
-from runtime.server.completions import SHUTDOWN_GRACE_S, chat_frames
+from runtime.server.jobs import SHUTDOWN_GRACE_S, chat_frames
 from runtime.server.errors import APIError, validation_error
-from runtime.server.prepare import Prepared
+from runtime.server.requests import Prepared
 from runtime.server.queue import Job
 from runtime.server.schemas import ChatCompletionRequest
 

@@ -104,7 +104,7 @@ _SMALL_EXTRA = {"deepseek-v2-lite": {"layers": 2, "dense_ff": 512},
                                   "mixtral-8x7b"])
 def test_small_variant_writes_what_was_planned_and_loads(tmp_path: Path, name: str) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
-    from runtime.engine.llama_lib import bindings  # noqa: PLC0415
+    from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
     bindings()        # AMX-safe model defaults on a stock libllama
     spec = PRESETS[name].spec("q4_k_m", **{**_SMALL, **_SMALL_EXTRA.get(name, {})})

@@ -5,7 +5,7 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from runtime.engine.llama_lib import bindings  # noqa: E402
+from runtime.native.llama_lib import bindings  # noqa: E402
 
 bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 

@@ -63,7 +63,7 @@ def _load(ll, path, ngl: int = 0, experts_on_cpu: bool = False, extra_bufts: boo
     if not extra_bufts:
         mp.use_extra_bufts = False
     if experts_on_cpu:
-        from runtime.engine import llama_lib
+        from runtime.native import llama_lib
         overrides = llama_lib.BuftOverrides([(llama_lib.EXPERT_PATTERN,
                                               llama_lib.cpu_buffer_type())])
         _KEEP.append(overrides)
@@ -94,7 +94,7 @@ def _prompt_and_greedy(ll, ctx, model, tokens, n_greedy):
 
 
 def mode_logits(args):
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     model = _load(ll, args["model"], args.get("ngl", 0), args.get("experts_on_cpu", False),
                   args.get("extra_bufts", True))
@@ -147,7 +147,7 @@ def mode_logits(args):
 
 
 def mode_capi(args):
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from runtime.native.shim import ShimCache, ShimError, ffi, load_shim
     model = _load(ll, args["model"])
@@ -243,7 +243,7 @@ def mode_engine(args):
 def mode_placement(args):
     """Where each MoE layer's expert tensors were loaded: {"buffers": [buft name per layer]}
     for the Engine with ``placement`` ("cpu-moe:N" static, or "planned" with a cache device)."""
-    from runtime.engine import llama_lib
+    from runtime.native import llama_lib
     from runtime.engine.engine import Engine, EngineSettings
     from runtime.engine.placement import cpu_moe_placement
     from runtime.residency.config import parse_config
@@ -269,9 +269,9 @@ def mode_placement(args):
 
 
 def mode_ids(args):
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
-    from runtime.engine import llama_lib
+    from runtime.native import llama_lib
     from runtime.native.shim import ShimCache, load_shim
 
     model = _load(ll, args["model"])
@@ -314,9 +314,9 @@ def mode_ids(args):
 
 def mode_nodes(args):
     import re
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
-    from runtime.engine import llama_lib
+    from runtime.native import llama_lib
     from runtime.native.shim import ShimCache, load_shim
 
     model = _load(ll, args["model"])
@@ -373,7 +373,7 @@ def mode_nodes(args):
 
 
 def mode_churn(args):
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from types import SimpleNamespace
     from gguf_tools.expert_index import ExpertIndex

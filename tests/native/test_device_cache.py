@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.native.device_cache import ggml_device_name
+from runtime.native.pools import ggml_device_name
 from tests.native.conftest import run_child
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then"

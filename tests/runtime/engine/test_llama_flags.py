@@ -201,7 +201,7 @@ def test_cuda_budget_without_the_device_is_one_line(tiny_model, prompt, cli):
 
 
 def test_serve_ignore_eos_is_the_default_of_requests():
-    from runtime.server.prepare import sampling_params
+    from runtime.server.requests import sampling_params
     from runtime.server.schemas import CompletionRequest
 
     req = CompletionRequest(prompt="A")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 PROBE = r"""
 import json, sys
-from runtime.engine import llama_lib
+from runtime.native import llama_lib
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
@@ -56,7 +56,7 @@ def test_one_copy_of_ggml_and_a_chosen_library_dir(tiny_model, tmp_path):
 
 def test_select_library_dir_rules(tmp_path):
     code = (
-        "from runtime.engine import llama_lib\n"
+        "from runtime.native import llama_lib\n"
         "import os, sys\n"
         "try:\n"
         f"    llama_lib.select_library_dir({str(tmp_path)!r})\n"

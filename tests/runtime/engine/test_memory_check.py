@@ -104,7 +104,7 @@ def test_a_sliding_window_counts_half_the_layers_at_the_window(synth_model_facto
     """gpt-oss alternates full and 128-token sliding-window layers: llama.cpp's KV cache for
     the window layers holds the window, so counting every layer at n_ctx would refuse loads
     that fit."""
-    from runtime.residency.planner import kv_bytes_per_token
+    from gguf_tools.facts import kv_bytes_per_token
     path = synth_model_factory(SynthSpec(arch="gpt-oss", layers=2, experts=4, top_k=2, embd=64,
                                          ff=32, heads=4, heads_kv=2))
     facts = read_model_facts(str(path))

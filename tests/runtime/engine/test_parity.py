@@ -28,7 +28,7 @@ RESIDENCY = [
 @pytest.fixture(scope="module")
 def llama(tiny_model):
     import llama_cpp
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     llm = llama_cpp.Llama(model_path=str(tiny_model), n_ctx=N_CTX, verbose=False)

@@ -8,7 +8,7 @@ import ctypes
 
 import pytest
 
-from runtime.engine import llama_lib
+from runtime.native import llama_lib
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler
 

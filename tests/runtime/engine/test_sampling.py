@@ -19,7 +19,7 @@ from runtime.errors import UserError
 ], ids=["defaults", "top-p-only", "repeat-penalty"])
 def test_seeded_sampling_matches_llama_cpp_python(tiny_model, make_settings, prompt, kw):
     import llama_cpp
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     n = 40

@@ -116,7 +116,7 @@ def test_model_loaded_without_mmap_gets_a_message_and_no_tier(model, caplog):
     # llama.cpp reading the file into its own buffers (what it does on a filesystem without
     # mmap): no mapping to govern, attach declines and says so
     from gguf_tools.facts import read_model_facts
-    from runtime.engine import llama_lib
+    from runtime.native import llama_lib
 
     caplog.set_level(logging.WARNING, logger="moe_offload.ramtier")
     facts = read_model_facts(model)

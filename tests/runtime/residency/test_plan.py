@@ -2,11 +2,13 @@
 that passes ``config check`` and runs, and a one-line error when the dense part cannot fit."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 
 import pytest
 
-from runtime.residency.planner import RAM_RESERVE, DeviceMemory, plan
+from runtime.commands.planner import RAM_RESERVE, DeviceMemory, plan
 from tests.runtime.engine.conftest import run_cli
 
 GIB = 1 << 30
@@ -82,3 +84,20 @@ def test_complete_auto_plans_at_load(tiny_model, cli, tmp_path):
     assert both.stderr.strip().splitlines()[-1] == (
         "moe-offload: error: --auto plans the residency config itself: give --auto or "
         "--config, not both")
+
+
+def test_auto_leaves_the_library_choice_to_the_engine(tiny_model):
+    """`--auto` plans before the engine loads: measuring the GPUs must not load llama.cpp in
+    this process (that would fix the library before the engine picks the patched build its
+    budgets need: the RAM tier's lazy experts, the device cache)."""
+    code = ("import argparse, sys\n"
+            "from runtime.commands.engine_args import add_engine_args, settings_from_args\n"
+            "p = argparse.ArgumentParser(); add_engine_args(p)\n"
+            f"s = settings_from_args(p.parse_args(['-m', {str(tiny_model)!r}, '--auto',"
+            " '-c', '512']))\n"
+            "assert s.config is not None, s\n"
+            "print('llama_cpp' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False"

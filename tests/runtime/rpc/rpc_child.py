@@ -10,7 +10,7 @@ import sys
 def main() -> None:
     args = json.loads(sys.argv[1])
     from runtime.engine.engine import Engine
-    from runtime.engine.llama_lib import set_logging
+    from runtime.native.llama_lib import set_logging
     from runtime.engine.sampling import SamplingParams
     from runtime.engine.types import EngineSettings
 

@@ -8,7 +8,7 @@ from runtime.engine.types import GenerationChunk
 from runtime.server.anthropic_api import message_of
 from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
 from runtime.server.chat_stream import ChatFramer
-from runtime.server.prepare import Prepared
+from runtime.server.requests import Prepared
 from runtime.server.responses_api import output_of
 from runtime.server.responses_stream import ResponsesEvents
 from runtime.server.structured import ToolFormat

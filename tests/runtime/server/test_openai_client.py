@@ -26,7 +26,7 @@ def client(server) -> openai.OpenAI:
 def vocab(tiny_model: Path):
     """The model's tokenizer through plain llama-cpp-python (vocab only), to count tokens."""
     import llama_cpp
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     return llama_cpp.Llama(str(tiny_model), vocab_only=True, verbose=False)
@@ -46,7 +46,7 @@ def test_model_list_names_the_served_model(client: openai.OpenAI) -> None:
 
 def test_completion_matches_plain_llama_cpp_greedy(client: openai.OpenAI, tiny_model: Path) -> None:
     import llama_cpp
-    from runtime.engine.llama_lib import bindings
+    from runtime.native.llama_lib import bindings
     bindings()          # AMX-safe model defaults on a stock libllama (llama_lib._guard_amx)
 
     llm = llama_cpp.Llama(str(tiny_model), n_ctx=N_CTX, verbose=False)

@@ -10,11 +10,11 @@ record), and their translation into ``EngineSettings`` / ``SamplingParams``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
 from runtime.errors import UserError
+from runtime.version import version_line
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = True,
@@ -79,8 +79,6 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
 
 
 def _version() -> str:
-    from runtime.cli import version_line  # noqa: PLC0415
-
     return version_line()
 
 
@@ -91,7 +89,7 @@ class _ListDevices(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from runtime.engine import llama_lib  # noqa: PLC0415
+        from runtime.native import llama_lib  # noqa: PLC0415
 
         print("Available devices:")
         for dev in llama_lib.devices():
@@ -203,26 +201,6 @@ def add_route_trace_arg(parser: argparse.ArgumentParser) -> None:
              "rest of the trace; end-of-text is suppressed so the whole trace plays")
 
 
-def imposed_request(engine, prompt: str | list[int] | None, params: SamplingParams,
-                    args: argparse.Namespace) -> tuple[str | list[int], SamplingParams]:
-    """The prompt and sampling a run under ``--route-trace`` takes: no prompt given = as many
-    tokens as the trace's prefill; -n not given = every position the trace has left."""
-    routing = engine.imposed
-    if routing is None:
-        if prompt is None:
-            raise UserError("give a prompt: -p TEXT or -f FILE")
-        return prompt, params
-    if prompt is None:
-        filler = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 64,
-                                 add_special=True)
-        prompt = (filler * (routing.n_prompt // max(len(filler), 1) + 1))[:routing.n_prompt]
-    if not getattr(args, "predict_given", False):
-        n_prompt = len(prompt) if isinstance(prompt, list) else len(engine.tokenize(prompt))
-        params = dataclasses.replace(params, max_tokens=max(
-            1, routing.n_positions - n_prompt + 1))
-    return prompt, params
-
-
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     """``EngineSettings`` from parsed ``add_engine_args`` flags (UserError on bad values)."""
     from runtime.residency.config_cli import config_from_args  # noqa: PLC0415
@@ -236,7 +214,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     gpu_layers = args.gpu_layers
     if manage and getattr(args, "auto", False):
         from runtime.residency.config_cli import config_from_text  # noqa: PLC0415
-        from runtime.residency.planner import plan_model  # noqa: PLC0415
+        from runtime.commands.planner import plan_model  # noqa: PLC0415
 
         if getattr(args, "config", None):
             raise UserError("--auto plans the residency config itself: give --auto or "
@@ -272,7 +250,7 @@ def check_cuda_devices(config) -> None:
         return
     listed = 0
     if "llama_cpp.llama_cpp" in sys.modules:
-        from runtime.engine import llama_lib  # noqa: PLC0415
+        from runtime.native import llama_lib  # noqa: PLC0415
 
         listed = sum(1 for d in llama_lib.devices() if d.name.upper().startswith("CUDA"))
     present = max(listed, len(glob.glob("/proc/driver/nvidia/gpus/*")),

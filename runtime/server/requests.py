@@ -3,8 +3,11 @@ length checked against the context, tool handling decided. Runs off the event lo
 tokenizes and renders templates)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any
+
+from fastapi import Request
 
 from runtime.engine.sampling import SamplingParams, check_grammar
 from runtime.errors import UserError
@@ -112,7 +115,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | Non
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
-def _checked_grammar(engine: Any, grammar: str | None, param: str) -> str | None:
+def checked_grammar(engine: Any, grammar: str | None, param: str) -> str | None:
     if grammar is None:
         return None
     vocab = getattr(engine, "vocab_ptr", None)
@@ -182,7 +185,7 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     _check_bias(engine, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
-                             grammar=_checked_grammar(engine, grammar, "grammar"))
+                             grammar=checked_grammar(engine, grammar, "grammar"))
     split = (req.reasoning_format or reasoning_format) != "none"
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
@@ -205,9 +208,21 @@ def prepare_completion(engine: Any, req: CompletionRequest,
     _check_bias(engine, req)
     grammar = structured.grammar_for_output(req.response_format, req.json_schema, req.grammar)
     params = sampling_params(req, max_tokens, logprobs=req.logprobs, defaults=defaults,
-                             grammar=_checked_grammar(engine, grammar, "grammar"))
+                             grammar=checked_grammar(engine, grammar, "grammar"))
     echo = "" if not req.echo else (prompt if isinstance(prompt, str)
                                     else engine.detokenize(prompt))
     return Prepared(prompt, n_prompt, params, req.n, echo_text=echo,
                     cache_prompt=req.cache_prompt is not False,
                     id_slot=checked_slot(engine, req.id_slot))
+
+
+async def json_object(request: Request) -> dict:
+    """The request's body as a JSON object (an empty body is ``{}``), or a 400."""
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise APIError(400, f"We could not parse the JSON body of your request ({exc}).",
+                       code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body

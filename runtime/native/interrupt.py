@@ -71,14 +71,13 @@ def deferred() -> Iterator[None]:
                 raise KeyboardInterrupt   # replaces an error the abort itself caused
 
 
-def abort_callback() -> tuple[object, int]:
-    """(callback, user data) for ``llama_set_abort_callback``: true once Ctrl-C came inside
-    a deferred block. Keep nothing alive: both live as long as this module."""
+def abort_callback(bindings: object) -> tuple[object, int]:
+    """(callback, user data) for ``llama_set_abort_callback`` of the llama.cpp ``bindings``:
+    true once Ctrl-C came inside a deferred block. Keep nothing alive: both live as long as
+    this module."""
     global _abort_fn
     if _abort_fn is None:
-        from runtime.engine.llama_lib import bindings  # noqa: PLC0415
-
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         address = ctypes.cast(libc.strlen, ctypes.c_void_p).value
-        _abort_fn = bindings().ggml_abort_callback(address)
+        _abort_fn = bindings.ggml_abort_callback(address)
     return _abort_fn, ctypes.addressof(_FLAG)

@@ -21,20 +21,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from runtime.engine.types import CANCELLED, Timings
 from runtime.server import shapes, structured
-from runtime.server.completions import CANCELLED, _collect, _engine_failure, _submit
-from runtime.server.errors import APIError
+from runtime.server.errors import APIError, llama_error, register_route_shape
+from runtime.server.jobs import collect, engine_failure, submit
 from runtime.server.limits import Limits, check_prompt_tokens
+from runtime.server.llama_schemas import NativeCompletionRequest, TokenizeRequest
+from runtime.server.schemas import ChatCompletionRequest
+from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_slot,
+                                     json_object, sampling_params, template_variables)
 from runtime.server.stream_sessions import resumable
-from runtime.server.native_schemas import NativeCompletionRequest, TokenizeRequest
-from runtime.server.prepare import (Prepared, _checked_grammar, check_context, checked_slot,
-                                    sampling_params, template_variables)
 from runtime.server.token_ids import checked_id, checked_ids, engine_vocab
 
 router = APIRouter()
 
-NATIVE_PATHS = frozenset({"/completion", "/completions", "/tokenize", "/detokenize",
-                          "/apply-template", "/props", "/slots", "/infill", "/embedding"})
+LLAMA_PATHS = frozenset({"/completion", "/completions", "/tokenize", "/detokenize",
+                         "/apply-template", "/props", "/slots", "/infill", "/embedding"})
+register_route_shape("llama", LLAMA_PATHS, prefixes=("/slots/",))   # llama-server's shape
 
 
 def _stop_type(finish: str | None, stopping_word: str) -> str:
@@ -93,7 +96,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
     params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
                              post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
-                             grammar=_checked_grammar(engine, grammar, "grammar"))
+                             grammar=checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
                     id_slot=checked_slot(engine, req.id_slot))
@@ -132,7 +135,7 @@ def pick_fields(answer: dict, fields: list[str]) -> dict:
 
 async def _answer(body: NativeCompletionRequest, request: Request, index: int = 0):
     defaults, limits = request.app.state.defaults, request.app.state.settings.limits
-    prep, job = await _submit(request, lambda e: _prepare(e, body, defaults, limits), body)
+    prep, job = await submit(request, lambda e: _prepare(e, body, defaults, limits), body)
     engine = request.app.state.host.engine()
     model = request.app.state.host.model_id
     prompt_text = prep.prompt if isinstance(prep.prompt, str) else engine.detokenize(prep.prompt)
@@ -195,13 +198,13 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                 last = final("", [], finish, timings, n, None)
                 yield json.dumps(last)
             except Exception as exc:  # noqa: BLE001 - in-band, as llama-server does
-                yield json.dumps(llama_error(_engine_failure(exc)))
+                yield json.dumps(llama_error(engine_failure(exc)))
             finally:
                 job.cancel.set()
         payloads = events()
         return resumable(request, payloads) or EventSourceResponse(payloads)
 
-    results = await _collect(request, job, prep)
+    results = await collect(request, job, prep)
     r = results[0]
     tokens = [lp.token for lp in r.logprobs]
     answer = final(r.text, tokens or r.tokens, r.finish_reason, r.timings, r.completion_tokens,
@@ -219,7 +222,6 @@ class _RunningTimings:
         self.n_prompt, self.prompt, self._t_first = n_prompt, None, None
 
     def now(self, n: int) -> dict:
-        from runtime.engine.types import Timings  # noqa: PLC0415
 
         t = time.perf_counter()
         self._t_first = self._t_first or t
@@ -227,12 +229,6 @@ class _RunningTimings:
         return shapes.llama_timings(Timings(
             prompt_tokens=p.processed - p.cached if p else 0, prompt_s=p.elapsed_s if p else 0.0,
             completion_tokens=n, generation_s=t - self._t_first), self.n_prompt)
-
-
-def llama_error(err: APIError) -> dict:
-    """llama-server's error object: the HTTP status as ``code``."""
-    return {"error": {"code": err.status, "message": err.message, "type": err.error_type}
-            | err.extra}
 
 
 @router.post("/tokenize")
@@ -257,7 +253,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict:
-    body = await _json_object(request)
+    body = await json_object(request)
     tokens = body.get("tokens", [])
     engine = request.app.state.host.engine()
     if not isinstance(tokens, list):
@@ -269,9 +265,8 @@ async def detokenize(request: Request) -> dict:
 
 @router.post("/apply-template")
 async def apply_template(request: Request) -> dict:
-    from runtime.server.schemas import ChatCompletionRequest  # noqa: PLC0415
 
-    body = await _json_object(request)
+    body = await json_object(request)
     req = ChatCompletionRequest.model_validate({"messages": body.get("messages"),
                                                 "tools": body.get("tools"),
                                                 "chat_template_kwargs":
@@ -294,17 +289,6 @@ async def apply_template(request: Request) -> dict:
     except Exception as exc:  # noqa: BLE001
         raise APIError(400, f"messages: the chat template rejected them: {exc}",
                        code="invalid_value", param="messages") from exc
-
-
-async def _json_object(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
-        raise APIError(400, f"We could not parse the JSON body of your request ({exc}).",
-                       code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-    return body
 
 
 @router.get("/props")
@@ -338,7 +322,7 @@ async def slots(request: Request):
 async def infill(request: Request):
     """Fill in the middle: ``input_prefix`` + ``input_suffix`` (+ ``prompt``, the start of the
     middle) in the model's FIM tokens, then a native completion. 400 without FIM tokens."""
-    body = await _json_object(request)
+    body = await json_object(request)
     engine = request.app.state.host.engine()
     fim = engine.fim_tokens()
     if fim is None:

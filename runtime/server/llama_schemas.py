@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from runtime.server.errors import APIError
+
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -99,7 +101,6 @@ class NativeCompletionRequest(BaseModel):
     def prompt_tokens_or_text(self, engine: Any) -> str | list[int]:
         """llama-server's prompt forms: a string, token ids, or a mix of both, or
         ``{"prompt_string": ...}`` (multimodal data is refused: text only)."""
-        from runtime.server.errors import APIError  # noqa: PLC0415
 
         if isinstance(self.prompt, dict):
             extra = set(self.prompt) - {"prompt_string"}
@@ -130,7 +131,6 @@ class NativeCompletionRequest(BaseModel):
     def as_fields(self, defaults: Any, eog: list[int] = (), tokenize=None) -> _Fields:
         """``tokenize(text) -> ids``: llama-server's string keys bias every token of the
         string."""
-        from runtime.server.errors import APIError  # noqa: PLC0415
 
         bias: dict[int, float] = {}
         items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \

@@ -22,10 +22,18 @@ policies (next-visit eviction, affinity prefetch in decode).
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from gguf_tools.facts import kv_bytes_per_token
 from runtime.errors import UserError
 from runtime.units import format_size
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])   # the package's root, for the child
 
 GIB = 1 << 30
 RAM_RESERVE = GIB          # bytes: the OS, Python, llama.cpp's host buffers
@@ -72,27 +80,6 @@ class Plan:
                   "min_precision), only while the link carries them in time",
                   'prefetch = "affinity"', ""]
         return "\n".join(lines)
-
-
-def kv_bytes_per_token(path: str) -> int:
-    """K and V bytes per context token over all layers (f16 cache), from the GGUF metadata."""
-    from gguf_tools.facts import field_value, open_gguf  # noqa: PLC0415
-
-    reader = open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-
-    def num(key: str, default: int = 0) -> int:
-        v = field_value(reader, f"{arch}.{key}")
-        if isinstance(v, list):
-            v = max(v) if v else default
-        return int(v) if v is not None else default
-
-    n_layer, embd = num("block_count"), num("embedding_length")
-    heads = num("attention.head_count", 1) or 1
-    heads_kv = num("attention.head_count_kv", heads) or heads
-    k_len = num("attention.key_length", embd // heads) or embd // heads
-    v_len = num("attention.value_length", k_len) or k_len
-    return n_layer * heads_kv * (k_len + v_len) * 2
 
 
 def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> Plan:
@@ -147,6 +134,33 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
                 notes=tuple(notes))
 
 
+# In a child: which GPUs ggml sees, with the library a GPU would be used through (a CUDA or
+# Vulkan native build when one is built, else the wheel's). Printed as JSON.
+_GPU_PROBE = """
+import json
+from runtime.native import llama_lib, preferred_lib_dir
+llama_lib.select_library_dir(preferred_lib_dir({"cuda:0"}) or preferred_lib_dir({"vulkan:0"}))
+print(json.dumps([(d.name, d.free_bytes, d.total_bytes) for d in llama_lib.devices()
+                  if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]))
+"""
+GPU_PROBE_TIMEOUT_S = 120
+
+
+def probe_gpus() -> list[tuple[str, int, int]]:
+    """(ggml name, free, total bytes) of every GPU, [] when none can be used. Probed in a child
+    process: loading llama.cpp here would fix this process's library before the engine picks
+    its own (the patched build the budgets need: `--auto` plans, then loads)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True,
+                              text=True, timeout=GPU_PROBE_TIMEOUT_S,
+                              env=os.environ | {"PYTHONPATH": _REPO_ROOT + os.pathsep
+                                                + os.environ.get("PYTHONPATH", "")})
+        return [tuple(d) for d in json.loads(done.stdout.strip().splitlines()[-1])] \
+            if done.returncode == 0 else []
+    except (subprocess.TimeoutExpired, ValueError, IndexError, OSError):
+        return []               # no usable ggml library: plan for RAM and storage
+
+
 def measured_memory(stated: dict[str, int]) -> list:
     """Every device's (free, total) memory, GPUs first; ``stated`` wins over measurement."""
     from runtime.residency.capacity import probe_device_memory  # noqa: PLC0415
@@ -154,14 +168,8 @@ def measured_memory(stated: dict[str, int]) -> list:
     out = []
     gpus = [d for d in stated if d != "cpu"]
     if not gpus and "cpu" not in stated:
-        try:
-            from runtime.engine.residency_setup import gpu_devices  # noqa: PLC0415
-
-            found = gpu_devices()
-        except Exception:           # no usable ggml library: plan for RAM and storage
-            found = []
-        out += [DeviceMemory(f"cuda:{i}" if "CUDA" in d.name.upper() else f"vulkan:{i}",
-                             d.free_bytes, d.total_bytes) for i, d in enumerate(found)]
+        out += [DeviceMemory(f"cuda:{i}" if "CUDA" in name.upper() else f"vulkan:{i}",
+                             free, total) for i, (name, free, total) in enumerate(probe_gpus())]
     out += [DeviceMemory(d, stated[d], stated[d]) for d in gpus]
     if "cpu" in stated:
         out.append(DeviceMemory("cpu", stated["cpu"], stated["cpu"]))

@@ -30,6 +30,8 @@ from types import ModuleType
 
 import numpy as np
 
+from runtime.native.interrupt import requested
+
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 
 # Routed-expert weight tensors (llama.cpp's own --cpu-moe pattern, plus merged gate_up).
@@ -363,7 +365,6 @@ def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None 
                 progress(float(fraction))
             except Exception:  # a progress bar must never abort a load
                 pass
-            from runtime.engine.interrupt import requested  # noqa: PLC0415
             return not requested()     # Ctrl-C came (interrupt.deferred): cancel the load
         callback = ll.llama_progress_callback(on_progress)
         params.progress_callback = callback

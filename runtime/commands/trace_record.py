@@ -102,8 +102,8 @@ class ProfileCapture:
 
 def register_record(trace_subparsers: argparse._SubParsersAction) -> None:
     """Add ``record`` under ``moe-offload trace``."""
-    from runtime.engine.cli_args import (HelpFormatter, add_engine_args,  # noqa: PLC0415
-                                         add_route_trace_arg, add_sampling_args)
+    from runtime.commands.engine_args import (HelpFormatter, add_engine_args,  # noqa: PLC0415
+                                              add_route_trace_arg, add_sampling_args)
 
     p = trace_subparsers.add_parser(
         "record", help="run a model and record its routing to a trace",
@@ -147,8 +147,8 @@ def _turns(args: argparse.Namespace) -> list[str | None]:
 
 
 def run_record(args: argparse.Namespace) -> int:
-    from runtime.engine.cli_args import (imposed_request, sampling_from_args,  # noqa: PLC0415
-                                         settings_from_args)
+    from runtime.commands.engine_args import sampling_from_args, settings_from_args  # noqa: PLC0415
+    from runtime.engine.imposed_routing import imposed_request  # noqa: PLC0415
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.traces.model_header import header_from_model  # noqa: PLC0415
     from runtime.traces.writer import TraceWriter  # noqa: PLC0415

@@ -1,0 +1,169 @@
+"""Every module imports only downward: the layers of the tree, from the table below, read from
+every import statement of every module (function-level imports included: they hide arrows
+as well as any), and no import circle between the files of a package."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (layer, the units in it): a unit may import units of lower layers and itself, nothing else.
+# A unit is a package (its subpackages included) or a top-level module.
+LAYERS: list[tuple[str, ...]] = [
+    ("runtime.errors",),                         # (and the bare `runtime` package, empty)
+    ("runtime.units", "runtime.version", "runtime.atomic_write",
+     "runtime.rpc.endpoint"),                    # parses `rpc:HOST:PORT` (device names)
+    ("gguf_tools",),                             # GGUF reading, writing, model facts
+    ("runtime.cache", "runtime.traces"),
+    ("runtime.residency",),                      # the manager, its core and policies
+    ("runtime.native", "runtime.ramtier", "runtime.replay"),
+    ("runtime.rpc",),
+    ("runtime.engine",),                         # llama.cpp under residency
+    ("runtime.bench", "runtime.server"),
+    ("runtime.commands",),                       # the CLI's commands, the planner
+    ("runtime.cli",),
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units} | {"runtime": 0}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def unit_of(module: str) -> str | None:
+    """The table's unit holding ``module`` (the longest matching prefix), None outside."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANK:
+            return ".".join(parts[:n])
+    return None
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path``; ``from P import name`` counts as
+    ``P.name`` (a submodule, when it is one)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def _sources() -> list[Path]:
+    return sorted(p for top in ("runtime", "gguf_tools") for p in (REPO / top).rglob("*.py"))
+
+
+def test_every_unit_of_the_tree_is_in_the_table():
+    units = {unit_of(_module_name(p)) for p in _sources()}
+    assert None not in units, [str(p) for p in _sources() if unit_of(_module_name(p)) is None]
+
+
+def test_imports_go_down_the_layers():
+    upward = []
+    for path in _sources():
+        here = unit_of(_module_name(path))
+        for line, target in imported_modules(path):
+            there = unit_of(target)
+            if there is None or there == here:
+                continue
+            if RANK[there] >= RANK[here]:
+                upward.append(f"{path.relative_to(REPO)}:{line}: {here} -> {there}")
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_circle_between_files():
+    """Among the files of the tree (module level and function level alike)."""
+    modules = {_module_name(p): p for p in _sources()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for _, target in imported_modules(path):
+            while target and target not in modules:      # `from pkg import name` -> pkg
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):
+                deps.add(target)                         # a package's own __init__ aside
+        graph[name] = deps
+    circles = [c for c in _strongly_connected(graph) if len(c) > 1]
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in circles)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components, iteratively (the tree is deeper than the recursion limit likes)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(component)
+    return components
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The reader finds function-level and relative imports (the check can fail)."""
+    source = REPO / "runtime" / "residency" / "_probe_for_test.py"
+    source.write_text("def f():\n    from runtime.engine import engine\n"
+                      "    from ..server import app\n")
+    try:
+        found = imported_modules(source)
+    finally:
+        source.unlink()
+    assert sorted(unit_of(m) for _, m in found) == ["runtime.engine", "runtime.server"]
+    assert all(RANK[unit_of(m)] > RANK["runtime.residency"] for _, m in found)
