@@ -29,7 +29,7 @@ from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.loading import thread_counts
 from runtime.engine.logprobs import sample_token
 from runtime.engine.prompt_cache import PromptCache, common_prefix
-from runtime.engine.sampling import Sampler, SamplingParams, TextStream
+from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
                                   PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
@@ -358,7 +358,14 @@ class BatchScheduler:
         engine = self.engine
         if slot.generated == 0 and slot.t_prefill == 0.0:
             slot.t_prefill = time.perf_counter()
-        token, lp = sample_token(engine, slot.sampler, index, slot.params)
+        try:
+            token, lp = sample_token(engine, slot.sampler, index, slot.params)
+        except GrammarDeadEnd as exc:          # this request's own: the others go on
+            slot.out.put(exc)
+            slot.out.put(_END)
+            self._release(slot)
+            self._active.remove(slot)
+            return
         if self._ll.llama_vocab_is_eog(engine.vocab_ptr, token):
             self._finish(slot, "stop")
             return
