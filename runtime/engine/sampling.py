@@ -11,6 +11,7 @@ import codecs
 import re
 from dataclasses import dataclass, field
 
+from runtime.engine.types import check_token_ids
 from runtime.errors import UserError
 
 PENALTY_LAST_N = 64          # tokens the repeat penalty looks back over (llama-cpp-python's)
@@ -112,11 +113,11 @@ class Sampler:
                 if token >= 0:
                     bias[int(token)] = float("-inf")
         if bias:
-            bad = [t for t in bias if not 0 <= int(t) < n_vocab]
-            if bad:
+            try:
+                check_token_ids(bias, n_vocab, "logit_bias")
+            except UserError:
                 self.close()
-                raise UserError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                                f"(0..{n_vocab - 1})")
+                raise
             items = (ll.llama_logit_bias * len(bias))(
                 *[ll.llama_logit_bias(int(t), float(b)) for t, b in bias.items()])
             add(ll.llama_sampler_init_logit_bias(n_vocab, len(bias), items))
