@@ -124,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "127.0.0.1 for an MCP server on this machine)")
     limits = parser.add_argument_group("request limits (a request over one is a 400 naming it)")
     limits.add_argument("--max-body-mib", type=int, default=16, metavar="MiB",
-                        help="largest request body (413 beyond)")
+                        help="largest request body (a 400 beyond)")
     limits.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
                         help="most prompt tokens per request (default: the context decides)")
     limits.add_argument("--max-grammar-kib", type=int, default=256, metavar="KiB",

@@ -4,7 +4,8 @@ One scheduler thread owns the engine's context (created with ``n_parallel`` sequ
 KV sequence per slot, llama.cpp's per-sequence KV streams so a slot's attention sees only its
 own tokens). Each step it builds one batch: the next prompt chunk of every slot still in
 prefill, and one token of every slot generating; a request that arrives joins at the next
-step. The routing hook sees the whole batch's routing (phase PREFILL, DECODE, or MIXED when
+step. While some slot generates, the prompt chunks are paced (prefill_pace.py: a step costs
+about two decode steps), so a long prompt does not hold the others for its whole prefill. The routing hook sees the whole batch's routing (phase PREFILL, DECODE, or MIXED when
 the batch holds both). After the decode each slot samples from its own output row with its
 own sampler chain, exactly as ``Engine.generate`` does for one sequence.
 
@@ -28,8 +29,9 @@ from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.loading import thread_counts
 from runtime.engine.logprobs import sample_token
+from runtime.engine.prefill_pace import PrefillPacer
 from runtime.engine.prompt_cache import PromptCache, common_prefix
-from runtime.engine.sampling import Sampler, SamplingParams, TextStream
+from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams, TextStream
 from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
                                   PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
@@ -82,6 +84,7 @@ class BatchScheduler:
         self.n_ctx_slot = int(engine.n_ctx)        # the engine reports the per-slot context
         self._ll = engine._ll  # noqa: SLF001 - the scheduler is the engine's other driver
         self._batch = MultiBatch(engine.n_batch)
+        self._pacer = PrefillPacer()              # prompt tokens per step beside generation
         self._threads = thread_counts(engine.settings)      # (decode, prompt) as the context's
         self._threads_now = self._threads[1]
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,15 +119,20 @@ class BatchScheduler:
         if not -1 <= id_slot < self.n_slots:
             raise UserError(f"id_slot: {id_slot} is not a slot (0..{self.n_slots - 1})")
         out: queue.SimpleQueue = queue.SimpleQueue()
+        slots = []
         for index, (tokens, params) in enumerate(requests):
             if not tokens:
                 raise UserError("prompt: no tokens")
             check_token_ids(tokens, self.engine.n_vocab, "prompt")
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
-            self._waiting.put(_Slot(-1, list(tokens), params, out, index, cancel,
-                                    progress=progress, reuse_prefix=reuse_prefix,
-                                    want_seq=id_slot))
+            # the sampler (a grammar's parse: milliseconds) is built here, not on the
+            # scheduler thread, where it would hold every slot's next step
+            slots.append(_Slot(-1, list(tokens), params, out, index, cancel,
+                               Sampler(params, self.engine.n_vocab, self.engine.vocab_ptr),
+                               progress=progress, reuse_prefix=reuse_prefix, want_seq=id_slot))
+        for slot in slots:
+            self._waiting.put(slot)
         self._wake.set()
         remaining = len(requests)
         while remaining:
@@ -223,7 +231,6 @@ class BatchScheduler:
             self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
         self._cached[slot.seq] = []    # known again once the request ends
         slot.fed = slot.pos = slot.reused = keep
-        slot.sampler = Sampler(slot.params, self.engine.n_vocab, self.engine.vocab_ptr)
         slot.stream = TextStream(slot.params.stop)
         room = self.n_ctx_slot - len(slot.tokens)
         slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
@@ -275,12 +282,16 @@ class BatchScheduler:
         rows: list[tuple[_Slot, int]] = []        # (slot, output index) for slots to sample
         prefilled: list[_Slot] = []
         kinds = set()
+        generating = sum(1 for s in self._active if s.next_token is not None)
+        budget = self._pacer.budget(generating > 0, batch.room - generating)
+        prompt_rows = 0
         for slot in list(self._active):
             if slot.cancel is not None and slot.cancel.is_set():
                 self._finish(slot, "cancelled")
                 continue
             if slot.prefilling:
-                take = min(len(slot.tokens) - slot.fed, batch.room)
+                take = min(len(slot.tokens) - slot.fed, batch.room, budget - prompt_rows)
+                prompt_rows += max(take, 0)
                 if take <= 0:
                     continue
                 for j in range(take):
@@ -306,7 +317,9 @@ class BatchScheduler:
         if batch.n == 0:
             return
         phase = kinds.pop() if len(kinds) == 1 else Phase.MIXED
+        t0 = time.perf_counter()
         self._decode(phase)
+        self._pacer.observe(time.perf_counter() - t0, prompt_rows, batch.n - prompt_rows)
         self.steps += 1
         busy = len({s.seq for s, _ in rows})
         self._rows_total += busy
@@ -358,7 +371,14 @@ class BatchScheduler:
         engine = self.engine
         if slot.generated == 0 and slot.t_prefill == 0.0:
             slot.t_prefill = time.perf_counter()
-        token, lp = sample_token(engine, slot.sampler, index, slot.params)
+        try:
+            token, lp = sample_token(engine, slot.sampler, index, slot.params)
+        except GrammarDeadEnd as exc:          # this request's own: the others go on
+            slot.out.put(exc)
+            slot.out.put(_END)
+            self._release(slot)
+            self._active.remove(slot)
+            return
         if self._ll.llama_vocab_is_eog(engine.vocab_ptr, token):
             self._finish(slot, "stop")
             return

@@ -8,14 +8,20 @@ start of a stop string is held back until it is known not to be.
 from __future__ import annotations
 
 import codecs
+import re
 from dataclasses import dataclass, field
 
+from runtime.engine.types import check_token_ids
 from runtime.errors import UserError
 
 PENALTY_LAST_N = 64          # tokens the repeat penalty looks back over (llama-cpp-python's)
 DEFAULT_SEED = 0xFFFFFFFF    # LLAMA_DEFAULT_SEED: llama.cpp picks a random seed
 MAX_TOP_LOGPROBS = 20        # OpenAI's limit on top_logprobs
 TOKEN_DATA = [("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]   # llama_token_data's layout
+# llama.cpp's GBNF parser recurses once per "(" (about 450 bytes of C stack a level: 20000
+# levels overflowed an 8 MiB thread stack and the process died of SIGSEGV)
+MAX_GRAMMAR_NESTING = 1000
+_GBNF_LITERAL = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]')
 
 
 @dataclass
@@ -75,8 +81,19 @@ class SamplingParams:
         return DEFAULT_SEED if self.seed < 0 else self.seed & 0xFFFFFFFF
 
 
+class GrammarDeadEnd(UserError):
+    """No token the sampler chain left can continue the grammar (the grammar asks for text
+    the vocabulary cannot spell, or ``logit_bias`` removed every token it allows)."""
+
+
 class Sampler:
-    """A ``llama_sampler`` chain built from ``SamplingParams``; ``close()`` frees it."""
+    """A ``llama_sampler`` chain built from ``SamplingParams``; ``close()`` frees it.
+
+    With a grammar, a token is checked against it before the chain accepts it: llama.cpp's
+    grammar sampler throws a C++ exception (``Unexpected empty grammar stack``) or aborts
+    (an end-of-generation token the grammar does not allow) when it accepts a token it
+    rejects, and that happens when the chain leaves only rejected candidates (every logit
+    -inf); through ctypes either ends the process. Such a token is a ``GrammarDeadEnd``."""
 
     def __init__(self, params: SamplingParams, n_vocab: int, vocab: int | None = None):
         """``vocab``: the model's ``llama_vocab *`` (needed by a grammar)."""
@@ -85,6 +102,8 @@ class Sampler:
         ll = self._ll = bindings()
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         self._chain = chain
+        self._n_vocab = n_vocab
+        self._grammar = None          # the chain's grammar sampler (owned by the chain)
         add = lambda s: ll.llama_sampler_chain_add(chain, s)  # noqa: E731
         add(ll.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, params.repeat_penalty,
                                             params.frequency_penalty, params.presence_penalty))
@@ -94,21 +113,27 @@ class Sampler:
                 if token >= 0:
                     bias[int(token)] = float("-inf")
         if bias:
-            bad = [t for t in bias if not 0 <= int(t) < n_vocab]
-            if bad:
+            try:
+                check_token_ids(bias, n_vocab, "logit_bias")
+            except UserError:
                 self.close()
-                raise UserError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                                f"(0..{n_vocab - 1})")
+                raise
             items = (ll.llama_logit_bias * len(bias))(
                 *[ll.llama_logit_bias(int(t), float(b)) for t, b in bias.items()])
             add(ll.llama_sampler_init_logit_bias(n_vocab, len(bias), items))
         if params.grammar is not None:
+            try:
+                check_grammar_nesting(params.grammar)
+            except UserError:
+                self.close()
+                raise
             grammar = ll.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"),
                                                     b"root")
             if not grammar:
                 self.close()
                 raise UserError("grammar: llama.cpp cannot parse it (GBNF with a 'root' rule)")
             add(grammar)
+            self._grammar = grammar
         if params.greedy:
             add(ll.llama_sampler_init_greedy())
         else:
@@ -120,7 +145,31 @@ class Sampler:
 
     def sample(self, ctx: int, idx: int = -1) -> int:
         """Pick a token from the logits of output ``idx`` (-1: the last) and accept it."""
-        return int(self._ll.llama_sampler_sample(self._chain, ctx, idx))
+        if self._grammar is None:
+            return int(self._ll.llama_sampler_sample(self._chain, ctx, idx))
+        import numpy as np  # noqa: PLC0415
+
+        ptr = self._ll.llama_get_logits_ith(ctx, idx)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp has no logits for output {idx}")
+        return self.sample_candidates(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), 1)[0]
+
+    def _accept(self, token: int) -> None:
+        """Accept ``token`` into the chain; with a grammar, only a token the grammar allows
+        (applied alone to a one-candidate array: -inf means rejected; apply changes no
+        state), else ``GrammarDeadEnd``."""
+        import ctypes  # noqa: PLC0415
+
+        ll = self._ll
+        if self._grammar is not None:
+            one = ll.llama_token_data(token, 0.0, 0.0)
+            cur = ll.llama_token_data_array(ctypes.pointer(one), 1, -1, False)
+            ll.llama_sampler_apply(self._grammar, ctypes.byref(cur))
+            if one.logit == float("-inf"):
+                raise GrammarDeadEnd("grammar: no token can continue it (the vocabulary "
+                                     "cannot spell what it asks for here, or logit_bias "
+                                     "removed every token it allows)")
+        ll.llama_sampler_accept(self._chain, token)
 
     def sample_candidates(self, logits,
                           k: int) -> tuple[int, float, list[tuple[int, float]]]:
@@ -142,8 +191,10 @@ class Sampler:
         ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
         left = np.frombuffer((ll.llama_token_data * cur.size).from_address(
             ctypes.addressof(cur.data.contents)), dtype=TOKEN_DATA)   # (size,) after the chain
+        if not 0 <= cur.selected < cur.size:
+            raise RuntimeError("llama.cpp's sampler chain selected no token")
         token = int(left["id"][cur.selected])
-        ll.llama_sampler_accept(self._chain, token)
+        self._accept(token)
         if not left["p"].any():                # greedy: no distribution was computed
             return token, 1.0, [(token, 1.0)]
         order = np.argsort(-left["p"], kind="stable")[:max(k, 1)]
@@ -205,10 +256,31 @@ class TextStream:
         return best
 
 
+def outside_literals(grammar: str) -> str:
+    """GBNF text with its quoted strings and character classes blanked (their braces and
+    parentheses are characters, not syntax)."""
+    return _GBNF_LITERAL.sub('""', grammar)
+
+
+def check_grammar_nesting(grammar: str) -> None:
+    """UserError when ``grammar`` nests groups deeper than llama.cpp's parser can recurse."""
+    depth = deepest = 0
+    for ch in outside_literals(grammar):
+        if ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth -= 1
+    if deepest > MAX_GRAMMAR_NESTING:
+        raise UserError(f"grammar: groups nested {deepest} deep are over the limit of "
+                        f"{MAX_GRAMMAR_NESTING} (llama.cpp's parser recurses per level)")
+
+
 def check_grammar(vocab: int, grammar: str) -> None:
     """UserError unless llama.cpp's grammar sampler accepts ``grammar`` (built and freed)."""
     from runtime.native.llama_lib import bindings  # noqa: PLC0415
 
+    check_grammar_nesting(grammar)
     ll = bindings()
     sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
     if not sampler:

@@ -1,8 +1,9 @@
 """ASGI middleware: a request body is bounded in size and is JSON the rest of the server can
 hold, before any route parses it.
 
-- Over ``Limits.max_body_bytes`` (by ``Content-Length`` or as it arrives): 413 naming the
-  limit, without reading the rest.
+- Over ``Limits.max_body_bytes`` (by ``Content-Length`` or as it arrives): 400
+  ``limit_exceeded`` naming the limit and its flag, without reading the rest (a 400 like
+  every other limit's, so a client handles one kind of refusal).
 - A JSON body holding a lone UTF-16 surrogate (``"a\\ud800b"``: Python's JSON parser lets it
   through, UTF-8 cannot encode it) or a non-finite number (``1e999``, ``NaN``, ``Infinity``:
   JSON has none, and an answer that echoes one cannot be written): 400 naming the field.
@@ -87,8 +88,8 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         path, limit = scope.get("path", ""), self.limits.max_body_bytes
-        too_big = APIError(413, f"The request body is over this server's limit of {limit} "
-                                "bytes (--max-body-mib).", code="body_too_large")
+        too_big = APIError(400, f"request body: over this server's limit of {limit} bytes "
+                                "(request body size, --max-body-mib)", code="limit_exceeded")
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             await route_response(path, too_big)(scope, receive, send)

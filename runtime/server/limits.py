@@ -1,7 +1,8 @@
 """What one request may ask of the server: body size, prompt tokens, grammar and schema size.
 
-Each limit is checked before the work it bounds starts, and a request over one is a 400 (413
-for the body) that names the limit and the flag that raises it. Why these: llama-cpp-python's
+Each limit is checked before the work it bounds starts, and a request over one is a 400
+``limit_exceeded`` that names the limit and the flag that raises it (the body's size is
+checked by body_guard.py). Why these: llama-cpp-python's
 JSON-schema converter writes a repetition out in full (``minLength: 100000000`` is a 100-million
 element rule: 20 s and 3 GB before llama.cpp sees it), and llama.cpp's grammar parser then
 expands each ``{m,n}`` into rules; both run while other slots wait.
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.engine.sampling import outside_literals
 from runtime.server.errors import APIError
 
 # JSON-schema keywords that count repetitions (the converter writes each out in full)
@@ -115,12 +117,6 @@ def check_schema(schema: Any, limits: Limits, param: str) -> None:
                     "16x --max-grammar-repeat")
 
 
-def _outside_literals(grammar: str) -> str:
-    """GBNF text with its quoted strings and character classes blanked (their braces are
-    characters, not repetitions)."""
-    return re.sub(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]', '""', grammar)
-
-
 def check_grammar(grammar: str, limits: Limits, param: str) -> None:
     """400 when a GBNF grammar is too big or repeats too much (each ``{m,n}``)."""
     size = len(grammar.encode("utf-8", "surrogatepass"))
@@ -128,7 +124,7 @@ def check_grammar(grammar: str, limits: Limits, param: str) -> None:
         raise _over(param, "a grammar of", size, limits.max_grammar_bytes,
                     "bytes, --max-grammar-kib")
     total = 0
-    for n in _repeats(_outside_literals(grammar)):
+    for n in _repeats(outside_literals(grammar)):
         if n > limits.max_repeat:
             raise _over(param, "a repetition of", n, limits.max_repeat,
                         "--max-grammar-repeat")

@@ -1,5 +1,6 @@
 """Property-based fuzzing of every generating, token and embedding route's request schema,
-the Anthropic Messages and OpenAI Responses APIs included (hypothesis):
+the Anthropic Messages and OpenAI Responses APIs included, and of the routes that take their
+input in the URL (slot actions, the CORS proxy, stream sessions; hypothesis):
 whatever the body, the answer is a 2xx, or a 4xx in the route's error shape; never a 5xx, a
 stream never carries a server error, and the server still answers /health afterwards.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from tests.runtime.server.error_shapes import error_of
 
 EXAMPLES = 40                          # per route
+URL_EXAMPLES = 25                      # per route taking its input in the URL
 ODD_TEXT = ["a\ud800b", "\udfff", "\x00", "<|im_start|>", "{{ raise }}", "\u202e", "", " " * 3]
 
 leaf = st.one_of(st.none(), st.booleans(),
@@ -145,8 +148,9 @@ def bodies(path: str) -> st.SearchStrategy:
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model):
-    return start_server(tiny_model, "-c", "512")
+def server(start_server, tiny_model, tmp_path_factory):
+    return start_server(tiny_model, "-c", "512", "--ui-mcp-proxy", "--slot-save-path",
+                        str(tmp_path_factory.mktemp("slots")))
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +188,97 @@ def test_any_body_gets_a_2xx_or_a_4xx_in_the_routes_shape(request, path):
         raw = json.dumps(body, allow_nan=True)           # NaN, Infinity, \ud800 as sent
         check_answer(path, http.post(path, content=raw,
                                      headers={"Content-Type": "application/json"}))
+
+    with http:
+        run()
+        server.assert_alive()
+        assert http.get("/health").status_code == 200
+    assert time.monotonic() - t0 < 30, "one route's fuzzing must stay bounded"
+
+
+# -- routes whose input is in the URL ---------------------------------------------------------
+
+# hosts the proxy must refuse without resolving a name elsewhere (no DNS query leaves the
+# machine): loopback, private, link-local, metadata and multicast in several spellings
+PROXY_HOSTS = ["127.0.0.1", "[::1]", "localhost", "10.0.0.1", "169.254.169.254", "2130706433",
+               "0", "0x7f.1", "0177.0.0.1", "[::ffff:127.0.0.1]", "224.0.0.1", "192.168.1.1",
+               "[fe80::1]", "", "[", "a b", "%zz", "127.0.0.1:99999", "[::1"]
+proxy_url = st.one_of(
+    st.builds(lambda scheme, host, path: f"{scheme}{host}{path}",
+              st.sampled_from(["http://", "https://", "ftp://", "file://", "", "http:/",
+                               "javascript:", "HTTP://"]),
+              st.sampled_from(PROXY_HOSTS), st.sampled_from(["", "/", "/x?y=1", "/../..",
+                                                             "/\u0000", "#f"])),
+    st.sampled_from(["", "not a url", "http://", "://x", "http://[::1]:0/"]))
+query_text = st.one_of(text, st.sampled_from(["0", "1", "-1", "99999999999999999999", "1e3",
+                                              "0x1", "", "%00"]))
+
+
+def _q(value: str) -> str:
+    """``value`` percent-encoded (a lone surrogate as the invalid UTF-8 bytes it makes)."""
+    return quote(value.encode("utf-8", "surrogatepass"), safe="")
+
+
+# (method, path as the error shape knows it, strategy of (URL, raw body or None))
+URL_ROUTES = {
+    "POST /slots/{id}": ("POST", "/slots/0", st.builds(
+        lambda slot, action, body: (f"/slots/{_q(slot)}?action={_q(action)}",
+                                    json.dumps(body, allow_nan=True)),
+        st.one_of(st.sampled_from(["0", "1", "-1", "2", "x", "1e2", "99999999999999999999"]),
+                  text),
+        st.one_of(st.sampled_from(["save", "restore", "erase", "", "SAVE"]), text),
+        st.one_of(st.fixed_dictionaries({"filename": maybe(st.one_of(
+            text, st.sampled_from(["a.bin", "../x", "/etc/passwd", ".", "..", "a/b",
+                                   "x" * 300, " a"])))}), any_json))),
+    "GET /slots": ("GET", "/slots", st.builds(
+        lambda v: (f"/slots?fail_on_no_slot={_q(v)}", None), query_text)),
+    "GET /cors-proxy": ("GET", "/cors-proxy", st.builds(
+        lambda url: (f"/cors-proxy?url={_q(url)}", None), proxy_url)),
+    "POST /cors-proxy": ("POST", "/cors-proxy", st.builds(
+        lambda url, body: (f"/cors-proxy?url={_q(url)}", body), proxy_url,
+        st.one_of(st.just(None), text))),
+    "GET /v1/stream": ("GET", "/v1/stream", st.builds(
+        lambda conv, offset: (f"/v1/stream?conv_id={_q(conv)}&from={_q(offset)}", None),
+        query_text, query_text)),
+    "DELETE /v1/stream": ("DELETE", "/v1/stream", st.builds(
+        lambda conv: (f"/v1/stream?conv_id={_q(conv)}", None), query_text)),
+    "POST /v1/streams/lookup": ("POST", "/v1/streams/lookup", st.builds(
+        lambda body: ("/v1/streams/lookup", json.dumps(body, allow_nan=True)),
+        st.one_of(st.fixed_dictionaries({"conversation_ids": maybe(st.lists(text,
+                                                                             max_size=3))}),
+                  any_json))),
+    "POST /v1/messages/count_tokens": ("POST", "/v1/messages/count_tokens", st.builds(
+        lambda body: ("/v1/messages/count_tokens", json.dumps(body, allow_nan=True)),
+        st.one_of(st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries(
+            {"role": maybe(st.sampled_from(["user", "assistant"])),
+             "content": maybe(blocks)}), max_size=2)}), any_json))),
+    "POST /v1/responses/input_tokens": ("POST", "/v1/responses/input_tokens", st.builds(
+        lambda body: ("/v1/responses/input_tokens", json.dumps(body, allow_nan=True)),
+        st.one_of(st.fixed_dictionaries({"input": maybe(text)}), any_json))),
+}
+
+
+@pytest.mark.parametrize("route", list(URL_ROUTES))
+def test_any_url_gets_a_2xx_or_a_4xx_in_the_routes_shape(server, route):
+    method, path, requests = URL_ROUTES[route]
+    http = httpx.Client(base_url=server.base_url, timeout=60)
+    t0 = time.monotonic()
+
+    @settings(max_examples=URL_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=requests)
+    def run(request):
+        url, raw = request
+        headers = {"Content-Type": "application/json"} if raw is not None else {}
+        content = raw.encode("utf-8", "surrogatepass") if raw is not None else None
+        r = http.request(method, url, content=content, headers=headers)
+        if r.status_code == 307:     # /slots/?...: Starlette's slash redirect, nothing else
+            assert r.headers["location"].split("?")[0].endswith(url.split("?")[0].rstrip("/"))
+            return
+        if r.status_code == 204:     # DELETE /v1/stream: stopped (or nothing to stop)
+            assert r.content == b""
+            return
+        check_answer(path, r)
 
     with http:
         run()
