@@ -12,12 +12,11 @@ The rules (also the header comment of residency_core.c):
      protected from eviction.
   3. The call's lease is taken; the layer's prefetch pins end; prefetched keys hit now count
      as used.
-  4. Misses, once per distinct key in routing order: a key in flight joins its ticket; an
-     unresolved pool or an evicting key is used transiently; otherwise victims are the
-     lowest (score, last seq, flat) unprotected resident keys of the key's pool (protected:
-     touched by this call, leased, pinned) until the key fits; the admission policy may
-     refuse (transient). Inline: the victims are evicted and the key is resident at once;
-     otherwise a ticket reserves them (victims evicting, key pending) until commit or abort.
+  4. Misses, once per distinct key in routing order: an unresolved pool means a transient
+     use; otherwise victims are the lowest (score, last seq, flat) unprotected resident keys
+     of the key's pool (protected: touched by this call, leased, pinned) until the key fits;
+     the admission policy may refuse (transient). The victims are evicted and the key is
+     resident at once.
   5. Prefetch (never in MIXED): the phase's policy names keys; each absent one is touched,
      then brought in while victims rank strictly below it.
 """
@@ -27,10 +26,10 @@ import math
 
 import numpy as np
 
-from runtime.residency.core import (ABSENT, COUNTERS, ERR_EXPERT, ERR_LAYER, ERR_NEXT_USE,
-                                    ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
-                                    ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
-                                    RESIDENT_MAX, CorePolicy)
+from runtime.residency.core import (ABSENT, COUNTERS, ERR_CHARGED, ERR_EXPERT, ERR_LAYER,
+                                    ERR_NEXT_USE, ERR_NEXT_USE_LEN, ERR_POOL, ERR_STATE,
+                                    ERR_UPCOMING, NEVER, RESIDENT_MAX, CoreAccess, CoreError,
+                                    CorePolicy, PoolStats)
 from runtime.residency.reference_affinity import AffinityModel
 from runtime.residency.reference_next_visit import NextVisitModel
 
@@ -42,20 +41,16 @@ class _Pool:
         self.capacity = capacity          # -1: unresolved
         self.resident_bytes = 0
         self.resident_count = 0
-        self.pending_bytes = 0
-        self.pending_tickets = 0
         self.counters = [[0] * len(C) for _ in range(3)]
 
 
 class ReferenceCore:
     """Same interface as runtime.residency.core.native.NativeCore."""
 
-    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy, *,
-                 inline: bool):
+    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
         self.n_layer, self.n_expert = n_layer, n_expert
         n = n_layer * n_expert
         self.policy = policy
-        self.inline = bool(inline)
         self.nbytes = [int(expert_bytes[f // n_expert]) for f in range(n)]
         self.pool_layer = [0 if int(b) > 0 else -1 for b in expert_bytes]
         self.moe_layers = [i for i, b in enumerate(expert_bytes) if int(b) > 0]
@@ -77,22 +72,16 @@ class ReferenceCore:
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
         self.leases: dict[int, tuple[int, list[int]]] = {}
-        self.tickets: dict[int, dict] = {}
         self.history: dict[tuple[int, int], list[int]] = {}
         self.seq = 0
-        self.next_ticket = 1
         self.is_static = False
-        self.last_bad = 0
         self.pf_event_of: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------
-    def set_inline(self, inline: bool) -> None:
-        self.inline = bool(inline)
-
     def set_pools(self, pool_of_layer, capacities) -> int:
         if not capacities:
             return ERR_POOL
-        if any(p.resident_count or p.pending_tickets for p in self.pools) or self.leases:
+        if any(p.resident_count for p in self.pools) or self.leases:
             return ERR_STATE
         for layer, pool in enumerate(pool_of_layer):
             moe = self.nbytes[layer * self.n_expert] > 0
@@ -111,9 +100,7 @@ class ReferenceCore:
         if not 0 <= pool < len(self.pools):
             return ERR_POOL
         p = self.pools[pool]
-        if p.pending_tickets:
-            return ERR_PENDING
-        if capacity >= 0 and capacity < p.resident_bytes + p.pending_bytes:
+        if capacity >= 0 and capacity < p.resident_bytes:
             return ERR_CHARGED
         p.capacity = capacity
         return 0
@@ -198,31 +185,6 @@ class ReferenceCore:
             self.pf_unused.discard(f)
             t[C["prefetch_wasted_bytes"]] += b
 
-    def _begin(self, f: int, phase: int, prefetch: bool, victims: list[int]) -> int:
-        p = self._pool(f)
-        vb = sum(self.nbytes[v] for v in victims)
-        before = [self.state[v] for v in victims]
-        for v in victims:
-            self.state[v] = EVICTING
-            p.resident_count -= 1
-        p.resident_bytes -= vb
-        tid = self.next_ticket
-        self.next_ticket += 1
-        claim = max(self.nbytes[f], vb)
-        self.tickets[tid] = dict(flat=f, phase=phase, prefetch=prefetch, bytes=self.nbytes[f],
-                                 claim=claim, victims=list(victims), before=before)
-        p.pending_bytes += claim
-        p.pending_tickets += 1
-        self.state[f] = PENDING
-        return tid
-
-    def _finish(self, tid: int) -> dict:
-        t = self.tickets.pop(tid)
-        p = self._pool(t["flat"])
-        p.pending_bytes -= t["claim"]
-        p.pending_tickets -= 1
-        return t
-
     # -- decisions -----------------------------------------------------------------------
     def access(self, layer: int, experts, phase: int, next_use=None, upcoming=None,
                lease_id: int = 0, release_id: int = 0):
@@ -230,24 +192,22 @@ class ReferenceCore:
             self.release(release_id)
         el = [int(e) for e in np.asarray(experts).reshape(-1).tolist()]
         if not 0 <= layer < self.n_layer or self.pool_layer[layer] < 0:
-            self.last_bad = layer
-            return (ERR_LAYER,)
+            raise CoreError(ERR_LAYER, layer)
         for e in el:
             if not 0 <= e < self.n_expert:
-                self.last_bad = e
-                return (ERR_EXPERT,)
+                raise CoreError(ERR_EXPERT, e)
         if next_use is not None:
             nul = [int(x) for x in np.asarray(next_use).reshape(-1).tolist()]
             if len(nul) != len(el):
-                return (ERR_NEXT_USE_LEN,)
+                raise CoreError(ERR_NEXT_USE_LEN)
         else:
             nul = None
         if self.is_static:
             return self._access_static(layer, el, phase, lease_id)
         if self.policy.needs_upcoming(phase) and upcoming is None:
-            return (ERR_UPCOMING,)
+            raise CoreError(ERR_UPCOMING)
         if self.policy.track_next_use and nul is None:
-            return (ERR_NEXT_USE,)
+            raise CoreError(ERR_NEXT_USE)
         base = layer * self.n_expert
         seq0 = self.seq
         self.seq += len(el)
@@ -293,20 +253,16 @@ class ReferenceCore:
         if phase != 1:
             tr = 0
         t[C["transition_hits"]] += tr
-        res = dict(admitted=[], evicted=[], transient=[], tickets=[], new=[], prefetched=[])
+        res = dict(admitted=[], evicted=[], transient=[], prefetched=[])
         b = self.nbytes[base]
         t[C["misses"]] += len(missed)
         t[C["demand_miss_bytes"]] += len(missed) * b
         order = self.policy.phase_order[phase]
         for f in missed:
-            s = self.state[f]
-            if s == PENDING:
-                res["tickets"].append(next(i for i, x in self.tickets.items() if x["flat"] == f))
-                continue
-            if pool.capacity < 0 or s == EVICTING:
+            if pool.capacity < 0:
                 res["transient"].append(f)
                 continue
-            free = pool.capacity - pool.resident_bytes - pool.pending_bytes
+            free = pool.capacity - pool.resident_bytes
             victims: list[int] = []
             if free < b:
                 freed = 0
@@ -323,25 +279,20 @@ class ReferenceCore:
                 continue
             res["admitted"].append(f)
             res["evicted"].extend(victims)
-            if self.inline:
-                for v in victims:
-                    self._evict(v, phase)
-                self._make_resident(f, phase, False)
-                t[C["admissions"]] += 1
-                t[C["admitted_bytes"]] += b
-            else:
-                tid = self._begin(f, phase, False, victims)
-                res["tickets"].append(tid)
-                res["new"].append(tid)
+            for v in victims:
+                self._evict(v, phase)
+            self._make_resident(f, phase, False)
+            t[C["admissions"]] += 1
+            t[C["admitted_bytes"]] += b
         if res["transient"]:
             t[C["transient_uses"]] += len(res["transient"])
             t[C["transient_bytes"]] += len(res["transient"]) * b
         if phase != 2 and self.policy.prefetch[phase][0] != "none":
             self._run_prefetch(layer, phase, upcoming, seq0, res, len(el) - len(missed),
                                len(missed))
-        return (0, len(el) - len(missed), len(missed), tr, len(missed) * b,
-                tuple(res["admitted"]), tuple(res["evicted"]), tuple(res["transient"]),
-                tuple(res["tickets"]), tuple(res["new"]), tuple(res["prefetched"]))
+        return CoreAccess(len(el) - len(missed), len(missed), tr, len(missed) * b,
+                          tuple(res["admitted"]), tuple(res["evicted"]),
+                          tuple(res["transient"]), tuple(res["prefetched"]))
 
     def _admit(self, phase: int, f: int, victims: list[int]) -> bool:
         name, param = self.policy.admission[phase]
@@ -366,7 +317,7 @@ class ReferenceCore:
         t[C["demand_miss_bytes"]] += mb
         t[C["transient_uses"]] += m
         t[C["transient_bytes"]] += mb
-        return (0, len(el) - m, m, 0, mb, (), (), tuple(missed), (), (), ())
+        return CoreAccess(len(el) - m, m, 0, mb, (), (), tuple(missed), ())
 
     def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict,
                       n_hits: int, n_misses: int) -> None:
@@ -411,7 +362,7 @@ class ReferenceCore:
             mine = [-(float(self.af.plan_lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
                     for _, q in got]
             self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
-            for _, f, _ in res["prefetched"][before:]:
+            for f, _ in res["prefetched"][before:]:
                 spent = spent - self.af.transfer_cost(self.nbytes[f])
             self.af.refund(spent)
             return
@@ -432,7 +383,7 @@ class ReferenceCore:
             own = self._key(order, f)
             if mine is not None and self.policy.orders[order][0] == "next-visit":
                 own = (mine[i], self.last[f], f)
-            free = pool.capacity - pool.resident_bytes - pool.pending_bytes
+            free = pool.capacity - pool.resident_bytes
             victims: list[int] = []
             freed = 0
             for v in self._candidates(pool, order, seq0):
@@ -447,29 +398,23 @@ class ReferenceCore:
             t[C["prefetch_issued_bytes"]] += b
             self.pinned.add(f)
             self.pins_by_layer.setdefault(f // self.n_expert, []).append(f)
-            if self.inline:
-                for v in victims:
-                    self._evict(v, phase)
-                self._make_resident(f, phase, True)
-                tid = self.next_ticket
-                self.next_ticket += 1
-            else:
-                tid = self._begin(f, phase, True, victims)
-                res["new"].append(tid)
-            res["prefetched"].append((tid, f, tuple(victims)))
+            for v in victims:
+                self._evict(v, phase)
+            self._make_resident(f, phase, True)
+            res["prefetched"].append((f, tuple(victims)))
 
     def release(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
 
     def prefetch(self, flats, phase: int):
-        res = dict(admitted=[], evicted=[], transient=[], tickets=[], new=[], prefetched=[])
+        res = dict(admitted=[], evicted=[], transient=[], prefetched=[])
         if phase != 2 and not self.is_static:
             flats = [int(f) for f in flats]
             for f in flats:
                 if not 0 <= f < len(self.state) or self.pool_layer[f // self.n_expert] < 0:
-                    return (ERR_EXPERT,)
+                    raise CoreError(ERR_EXPERT)
             self._prefetch_flats(flats, phase, self.seq, res)
-        return (0, 0, 0, 0, 0, (), (), (), (), tuple(res["new"]), tuple(res["prefetched"]))
+        return CoreAccess(0, 0, 0, 0, (), (), (), tuple(res["prefetched"]))
 
     def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind,
                pf_event=None):
@@ -484,15 +429,16 @@ class ReferenceCore:
                       else (int(layers[b]), experts[e:e], np.arange(e, e)))
             el = experts[s:e]
             unused = set(self.pf_unused)
-            res = self.access(int(layers[b]), el, int(phases[b]),
-                              None if next_use is None else next_use[s:e], up)
-            if res[0] != 0:
-                return res[0]
-            for _tid, f, _victims in res[10]:
+            try:
+                res = self.access(int(layers[b]), el, int(phases[b]),
+                                  None if next_use is None else next_use[s:e], up)
+            except CoreError as err:
+                return err.status
+            for f, _victims in res.prefetched:
                 self.pf_event_of[f] = len(self.log)
                 self.log.append((b, f))
             miss_kind[s:e] = 0
-            admitted, transient, tickets = set(res[5]), set(res[7]), res[8]
+            admitted, transient = set(res.admitted), set(res.transient)
             base = int(layers[b]) * self.n_expert
             seen = set()
             for i, x in enumerate(el.tolist()):
@@ -500,11 +446,7 @@ class ReferenceCore:
                 if f in seen:
                     continue
                 seen.add(f)
-                kind = 1 if f in admitted else 2 if f in transient else 0
-                if kind == 0 and tickets and any(self.tickets.get(t, {}).get("flat") == f
-                                                 for t in tickets):
-                    kind = 3
-                miss_kind[s + i] = kind
+                miss_kind[s + i] = 1 if f in admitted else 2 if f in transient else 0
                 if f in unused:             # its first use since it was prefetched: a hit
                     miss_kind[s + i] = 4
                     if pf_event is not None:
@@ -527,45 +469,7 @@ class ReferenceCore:
                 and np.asarray(history).size:
             self.af.nb.warm_start(np.asarray(history).tolist())
 
-    # -- tickets -------------------------------------------------------------------------
-    def ticket(self, tid: int):
-        t = self.tickets.get(tid)
-        if t is None:
-            return None
-        return t["flat"], t["phase"], t["prefetch"], t["bytes"], tuple(t["victims"])
-
-    def commit(self, tid: int) -> bool:
-        if tid not in self.tickets:
-            return False
-        t = self._finish(tid)
-        for v in t["victims"]:
-            self._evict(v, t["phase"])
-        self.last[t["flat"]] = self.seq
-        self.seq += 1
-        self._make_resident(t["flat"], t["phase"], t["prefetch"])
-        if not t["prefetch"]:
-            c = self._pool(t["flat"]).counters[t["phase"]]
-            c[C["admissions"]] += 1
-            c[C["admitted_bytes"]] += t["bytes"]
-        return True
-
-    def abort(self, tid: int) -> bool:
-        if tid not in self.tickets:
-            return False
-        t = self._finish(tid)
-        p = self._pool(t["flat"])
-        for v, before in zip(t["victims"], t["before"]):
-            self.state[v] = before
-            p.resident_bytes += self.nbytes[v]
-            p.resident_count += 1
-        self.state[t["flat"]] = ABSENT
-        self.pinned.discard(t["flat"])
-        return True
-
-    @property
-    def n_pending(self) -> int:
-        return len(self.tickets)
-
+    # -- the mechanism ---------------------------------------------------------------------
     def forget(self, f: int) -> int:
         if not 0 <= f < len(self.state) or self.state[f] > RESIDENT_MAX:
             return ERR_STATE
@@ -597,10 +501,12 @@ class ReferenceCore:
     def use_counts(self) -> np.ndarray:
         return np.array(self.uses, dtype=np.int64).reshape(3, self.n_layer, self.n_expert)
 
-    def pool_stats(self, pool: int) -> tuple[int, int, int, int, int]:
+    def pool_stats(self, pool: int) -> PoolStats:
+        if not 0 <= pool < len(self.pools):
+            raise CoreError(ERR_POOL)
         p = self.pools[pool]
-        return (p.capacity, p.resident_bytes, p.resident_count, p.pending_bytes,
-                p.pending_tickets)
+        return PoolStats(p.capacity, p.resident_bytes, p.resident_count,
+                         tuple(tuple(row) for row in p.counters))
 
     def counters(self, pool: int, phase: int) -> tuple[int, ...]:
         return tuple(self.pools[pool].counters[phase])
@@ -616,11 +522,7 @@ class ReferenceCore:
             if p.resident_bytes != sum(self.nbytes[f] for f in res) or \
                     p.resident_count != len(res):
                 return 3
-            claims = sum(t["claim"] for t in self.tickets.values()
-                         if self.pool_layer[t["flat"] // self.n_expert] == pi)
-            if p.pending_bytes != claims:
-                return 4
-            if (p.capacity < 0 and (p.resident_bytes or claims)) or \
-                    (p.capacity >= 0 and p.resident_bytes + claims > p.capacity):
+            if (p.capacity < 0 and p.resident_bytes) or \
+                    (p.capacity >= 0 and p.resident_bytes > p.capacity):
                 return 5
         return 0

@@ -30,11 +30,9 @@ class ExpertKey:
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """One transfer: bring ``key`` (``bytes``) onto ``device``, evicting ``victims`` on commit.
-
-    Victims are reserved while the ticket is pending (no longer hit-able, still charged) and
-    come back untouched on abort.
-    """
+    """A transfer notice: ``key`` (``bytes``) is resident on ``device`` now (its ``victims``
+    are gone); the transport moves its bytes, or calls ``manager.transfer_failed``. ``id``:
+    the manager's, unique per manager."""
 
     id: int
     device: str
@@ -58,10 +56,9 @@ class LayerAccess(NamedTuple):
     hits: int
     misses: int                        # distinct missed keys of the call
     demand_miss_bytes: int             # bytes of those keys
-    admitted: tuple[ExpertKey, ...]    # became resident (inline transport) or in flight
+    admitted: tuple[ExpertKey, ...]    # resident now (the transport moves their bytes)
     evicted: tuple[ExpertKey, ...]     # victims of this call's admissions
     transient: tuple[ExpertKey, ...]   # used once without residency
-    tickets: tuple[Ticket, ...]        # transfers to wait for (empty with inline transport)
     transition_hits: int = 0           # decode hits on experts admitted during prefill
     lease_id: int = 0                  # 0: nothing held (lease=False)
 

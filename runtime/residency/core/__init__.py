@@ -1,5 +1,5 @@
 """The residency core: every per-access decision of one device (hit/miss, admission, victims
-in the policy's total order, leases, prefetch, tickets, per-(pool, phase) counters).
+in the policy's total order, leases, prefetch, per-(pool, phase) counters).
 
 Two implementations of one interface, ``DeviceCore``:
   ``NativeCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
@@ -7,11 +7,13 @@ Two implementations of one interface, ``DeviceCore``:
                     rules, used only by tests, which compare the two on the same streams.
 
 ``CorePolicy`` is what both take: the config's policies for the three phases, resolved.
+Both answer with the records below (``CoreAccess``, ``PoolStats``), never bare tuples.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,13 +53,48 @@ def history_ok(h: np.ndarray, n_moe: int, n_expert: int) -> bool:
     rows = np.sort(h.reshape(-1, h.shape[2]), axis=1)
     return not ((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any()
 
-# key states
-RESIDENT_MAX, ABSENT, PENDING, EVICTING = 2, 8, 9, 10
+# key states: 0..2 resident (the phase that admitted it), else absent
+RESIDENT_MAX, ABSENT = 2, 8
 NEVER = 2**62   # next_use value meaning "not used again"
 
-# access() return codes
+# status codes (residency_core.h)
 OK, ERR_LAYER, ERR_EXPERT, ERR_NEXT_USE, ERR_UPCOMING, ERR_NEXT_USE_LEN = 0, -1, -2, -3, -4, -5
-ERR_POOL, ERR_CHARGED, ERR_PENDING, ERR_STATE, ERR_NOMEM = -6, -7, -8, -9, -10
+ERR_POOL, ERR_CHARGED, ERR_STATE, ERR_NOMEM = -6, -7, -9, -10
+
+
+class CoreError(Exception):
+    """A core call refused (``status``: a code above; ``bad_value``: the offending layer or
+    expert id for ERR_LAYER / ERR_EXPERT). A refused call changed nothing."""
+
+    def __init__(self, status: int, bad_value: int = 0):
+        super().__init__(f"residency core: status {status}")
+        self.status = status
+        self.bad_value = bad_value
+
+
+class CoreAccess(NamedTuple):
+    """What one core access (or prefetch) decided, flat keys (``layer * n_expert + expert``).
+
+    A NamedTuple: built once per layer-step on the hot path (a frozen dataclass costs ~4x)."""
+
+    hits: int
+    misses: int                        # distinct missed keys
+    transition_hits: int               # decode hits on keys admitted during prefill
+    demand_miss_bytes: int
+    admitted: tuple[int, ...]          # resident now, routing order
+    evicted: tuple[int, ...]           # their victims, gone now
+    transient: tuple[int, ...]         # used once without residency
+    prefetched: tuple[tuple[int, tuple[int, ...]], ...]   # (key, its victims), issue order
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One pool of a core at one instant (rc_pool_snapshot: taken under the core's lock)."""
+
+    capacity: int                      # bytes; -1 unresolved
+    resident_bytes: int
+    resident_count: int
+    counters: tuple[tuple[int, ...], ...]   # (3 phases, len(COUNTERS)), the core's order
 
 
 @dataclass(frozen=True)
@@ -135,15 +172,14 @@ class CorePolicy:
         return self.prefetch[phase][0] == "belady"
 
 
-def make_core(kind: str, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy,
-              *, inline: bool):
+def make_core(kind: str, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
     """A DeviceCore: ``kind`` "native" (the C core) or "reference" (the Python one)."""
     if kind == "native":
         from runtime.residency.core.native import NativeCore  # noqa: PLC0415
 
-        return NativeCore(n_layer, n_expert, expert_bytes, policy, inline=inline)
+        return NativeCore(n_layer, n_expert, expert_bytes, policy)
     if kind == "reference":
         from runtime.residency.reference import ReferenceCore  # noqa: PLC0415
 
-        return ReferenceCore(n_layer, n_expert, expert_bytes, policy, inline=inline)
+        return ReferenceCore(n_layer, n_expert, expert_bytes, policy)
     raise ValueError(f"unknown residency core {kind!r} (valid: native, reference)")
