@@ -30,6 +30,8 @@ from runtime.residency.core import (ABSENT, COUNTERS, ERR_CHARGED, ERR_EXPERT, E
                                     ERR_NEXT_USE, ERR_NEXT_USE_LEN, ERR_POOL, ERR_STATE,
                                     ERR_UPCOMING, NEVER, RESIDENT_MAX, CoreAccess, CoreError,
                                     CorePolicy, PoolStats)
+from runtime.residency.policies.factory import policy_entry
+from runtime.residency.policies.prefetch import PlanStep
 from runtime.residency.reference_affinity import AffinityModel
 from runtime.residency.reference_next_visit import NextVisitModel
 
@@ -116,51 +118,22 @@ class ReferenceCore:
     def _pool(self, flat: int) -> _Pool:
         return self.pools[self.pool_layer[flat // self.n_expert]]
 
-    def _score(self, order: int, f: int) -> float:
+    def order_key(self, order: int, f: int) -> tuple:
+        """(priority, last seq, flat) of ``f`` in eviction order ``order``: lowest goes first."""
         name, p1, p2 = self.policy.orders[order]
-        u = self.uses
-        if name == "lru":
-            return float(self.last[f])
-        if name == "lfu":
-            return float(u[0][f] + u[1][f] + u[2][f])
-        if name == "lfu-decay":
-            return self.decay[f]
-        if name == "phase-weighted":
-            return p1 * float(u[0][f]) + p2 * float(u[1][f] + u[2][f])
-        if name == "next-visit":
-            return -self.nv.expected(f)
-        return -float(self.next_use[f])                         # belady
-
-    def _key(self, order: int, f: int) -> tuple:
-        return (self._score(order, f), self.last[f], f)
+        return (policy_entry("eviction", name).reference.priority(self, (p1, p2), f),
+                self.last[f], f)
 
     def _protected(self, f: int, seq0: int) -> bool:
         leased = any(base + e == f for base, el in self.leases.values() for e in el)
         return self.last[f] >= seq0 or leased or f in self.pinned
 
     def _candidates(self, pool: _Pool, order: int, seq0: int) -> list[int]:
-        """The pool's evictable resident keys, lowest (score, last seq, flat) first."""
+        """The pool's evictable resident keys in the order's eviction order."""
         keys = [f for f in range(len(self.state)) if self.state[f] <= RESIDENT_MAX
                 and self._pool(f) is pool and not self._protected(f, seq0)]
-        if self.policy.orders[order][0] != "next-visit":
-            return sorted(keys, key=lambda f: self._key(order, f))
-        # next-visit: each layer's keys by (z, last seq, flat); the next victim is the layer
-        # head lowest in (-expected, z, last seq, flat)
-        by_layer: dict[int, list[int]] = {}
-        for f in sorted(keys, key=lambda f: (self.nv.logit(f), self.last[f], f)):
-            by_layer.setdefault(f // self.n_expert, []).append(f)
-        heads = {layer: 0 for layer in by_layer}
-        out = []
-        while heads:
-            def head_key(layer: int) -> tuple:
-                f = by_layer[layer][heads[layer]]
-                return (self._score(order, f), self.nv.logit(f), self.last[f], f)
-            layer = min(heads, key=head_key)
-            out.append(by_layer[layer][heads[layer]])
-            heads[layer] += 1
-            if heads[layer] == len(by_layer[layer]):
-                del heads[layer]
-        return out
+        name = self.policy.orders[order][0]
+        return policy_entry("eviction", name).reference.victim_order(self, order, keys)
 
     # -- state changes -------------------------------------------------------------------
     def _make_resident(self, f: int, phase: int, prefetched: bool) -> None:
@@ -296,13 +269,7 @@ class ReferenceCore:
 
     def _admit(self, phase: int, f: int, victims: list[int]) -> bool:
         name, param = self.policy.admission[phase]
-        if name == "reuse-threshold":
-            return phase == 0 or self.uses[0][f] + self.uses[1][f] + self.uses[2][f] >= param
-        if name == "transient-on-pressure":
-            return not victims or self.last[f] - self.last[victims[0]] > param
-        if name == "belady-bypass":
-            return not victims or self.next_use[f] < self.next_use[victims[0]]
-        return True
+        return policy_entry("admission", name).reference.admit(self, phase, f, victims, param)
 
     def _access_static(self, layer: int, el: list[int], phase: int, lease_id: int):
         base = layer * self.n_expert
@@ -327,47 +294,16 @@ class ReferenceCore:
             ul, ue, ui = upcoming
             for e, idx in zip(reversed(list(ue)), reversed(list(ui))):
                 self.next_use[int(ul) * ne + int(e)] = int(idx)
-        nxt = [x for x in self.moe_layers if x > layer]
-        plan: list[int] = []
-        if name == "chunk-plan":
-            if phase != 0:
-                return
-            for l in nxt[:int(param)]:
-                prev = self.history.get((0, l))
-                if prev is not None:
-                    plan.extend(l * ne + e for e in sorted(set(prev)))
-        elif name == "popularity":
-            if not nxt or int(param) <= 0:
-                return
-            l = nxt[0]
-            counts = [self.uses[0][l * ne + e] + self.uses[1][l * ne + e] +
-                      self.uses[2][l * ne + e] for e in range(ne)]
-            ranked = sorted(range(ne), key=lambda e: (-counts[e], e))[:min(int(param), ne)]
-            plan = [l * ne + e for e in ranked if counts[e] > 0]
-        elif name == "belady":
-            if upcoming is None:
-                return
-            ul, ue, _ = upcoming
-            plan = list(dict.fromkeys(int(ul) * ne + int(e) for e in ue))
-        elif name == "affinity":
-            if phase != 1:
-                return
-            got = self.af.plan(layer, n_hits, n_misses, lambda f: self.state[f] == ABSENT)
-            if not got:
-                return
-            spent = 0.0                               # every planned key is absent
-            for f, _ in got:
-                spent = spent + self.af.transfer_cost(self.nbytes[f])
-            before = len(res["prefetched"])
-            mine = [-(float(self.af.plan_lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
-                    for _, q in got]
-            self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
-            for f, _ in res["prefetched"][before:]:
-                spent = spent - self.af.transfer_cost(self.nbytes[f])
-            self.af.refund(spent)
+        planner = policy_entry("prefetch", name).reference
+        step = PlanStep(layer, phase, param, upcoming, n_hits, n_misses,
+                        tuple(x for x in self.moe_layers if x > layer))
+        plan, mine = planner.plan(self, step)
+        if not plan:
             return
-        if plan:
-            self._prefetch_flats(plan, phase, seq0, res)
+        before = len(res["prefetched"])
+        self._prefetch_flats(plan, phase, seq0, res, mine)
+        if hasattr(planner, "after"):
+            planner.after(self, plan, [f for f, _ in res["prefetched"][before:]])
 
     def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict, mine=None) -> None:
         order = self.policy.phase_order[phase]
@@ -380,14 +316,14 @@ class ReferenceCore:
             b = self.nbytes[f]
             self.last[f] = self.seq
             self.seq += 1
-            own = self._key(order, f)
+            own = self.order_key(order, f)
             if mine is not None and self.policy.orders[order][0] == "next-visit":
                 own = (mine[i], self.last[f], f)
             free = pool.capacity - pool.resident_bytes
             victims: list[int] = []
             freed = 0
             for v in self._candidates(pool, order, seq0):
-                if free + freed >= b or self._key(order, v) >= own:
+                if free + freed >= b or self.order_key(order, v) >= own:
                     break
                 victims.append(v)
                 freed += self.nbytes[v]

@@ -17,16 +17,21 @@ from typing import NamedTuple
 
 import numpy as np
 
+from runtime.residency.policies.factory import c_kinds, policy_entry
 from runtime.residency.types import Phase
 
-EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4,
-                  "next-visit": 5}
-ADMISSION_KINDS = {"always": 0, "reuse-threshold": 1, "transient-on-pressure": 2,
-                   "belady-bypass": 3}
-PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3, "affinity": 4}
-# the one parameter of each admission / prefetch policy the core reads
-_ADMISSION_PARAM = {"reuse-threshold": "break_even", "transient-on-pressure": "window"}
-_PREFETCH_PARAM = {"chunk-plan": "depth", "popularity": "top_n"}
+# the core's kind of each policy name (the registry's: runtime/residency/policies/factory.py)
+EVICTION_KINDS = c_kinds("eviction")
+ADMISSION_KINDS = c_kinds("admission")
+PREFETCH_KINDS = c_kinds("prefetch")
+
+
+def _c_params(role: str, spec, n: int) -> tuple[float, ...]:
+    """The parameters a policy's registry line names for the core's p1 / p2 slots (0.0 in
+    the slots it leaves)."""
+    kw = spec.kwargs()
+    named = [kw[p] for p in policy_entry(role, spec.name).c_params]
+    return tuple(named + [0.0] * (n - len(named)))
 
 # counter order of the core (telemetry.PhaseCounters' fields, hits left out: derived)
 COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
@@ -137,19 +142,16 @@ class CorePolicy:
                 rates.add(math.log(2.0) / kw["half_life"])
             if spec.name == "next-visit":
                 nv_rates.add(kw["learning_rate"])
-            orders.append((spec.name, kw.get("w_prefill", 0.0), kw.get("w_decode", 0.0)))
+            orders.append((spec.name, *_c_params("eviction", spec, 2)))
         if len(rates) > 1:
             raise UserError(f"{config.source}: lfu-decay half_life must be the same in every "
                             "phase")
         if len(nv_rates) > 1:
             raise UserError(f"{config.source}: next-visit learning_rate must be the same in "
                             "every phase")
-        admission = tuple((pp.admission.name,
-                           pp.admission.kwargs().get(_ADMISSION_PARAM.get(pp.admission.name, ""),
-                                                     0.0)) for pp in phases)
-        prefetch = [(pp.prefetch.name,
-                     pp.prefetch.kwargs().get(_PREFETCH_PARAM.get(pp.prefetch.name, ""), 0.0))
-                    for pp in phases]
+        admission = tuple((pp.admission.name, *_c_params("admission", pp.admission, 1))
+                          for pp in phases)
+        prefetch = [(pp.prefetch.name, *_c_params("prefetch", pp.prefetch, 1)) for pp in phases]
         prefetch[Phase.MIXED] = ("none", 0.0)
         affinity = {(kw["top_n"], kw["min_precision"],
                      config.cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6)

@@ -62,3 +62,18 @@ def test_header_usage_example_compiles_and_runs(tmp_path):
     assert done.returncode == 0, done.stderr
     assert re.search(r"rc_free\(c\);", body)
     assert subprocess.run([str(exe)]).returncode == 0
+
+
+def test_registry_kinds_are_the_cores():
+    """The one registry (policies/factory.py) names each policy's C kind: the core's enums
+    (core/core_impl.h) agree, row for row."""
+    import re
+
+    from runtime.residency.policies.factory import c_kinds
+
+    impl = (REPO / "runtime/residency/core/core_impl.h").read_text()
+    for role, prefix in (("eviction", "EV_"), ("admission", "AD_"), ("prefetch", "PF_")):
+        enum = re.search(r"enum \{ (%s[A-Z_, ]+) \};" % prefix, impl).group(1)
+        names = [n.strip() for n in enum.split(",")]
+        assert names[-1] == f"{prefix}N_KINDS"
+        assert sorted(c_kinds(role).values()) == list(range(len(names) - 1)), role
