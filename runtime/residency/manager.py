@@ -33,7 +33,7 @@ what to move (``Ticket``: a transfer notice); should a move fail, it calls
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -43,51 +43,25 @@ from runtime.residency import core as core_api
 from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
-from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy, PoolStats, make_core
-from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap,
-                                         PhaseCounters, PoolSnapshot, ResidencySnapshot)
+from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy, make_core
+from runtime.residency.device import Device, expert_map
+from runtime.residency.telemetry import ResidencySnapshot
 from runtime.residency.transport import SimulatedTransport, Transport
-from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
+from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, ReplayOutcome,
+                                     Ticket)
 
 _EMPTY: tuple = ()
 _new_tuple = tuple.__new__   # builds a LayerAccess without its Python-level __new__
-_PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
-@dataclass(frozen=True)
-class ReplayOutcome:
-    """What ``replay`` reports beyond the counters: per row and per prefetch."""
-
-    miss_kind: np.ndarray       # (n_rows,) int8: at the first row of each missed key 1
-                                # admitted, 2 transient, 3 joined a transfer; 4 at the first
-                                # use (a hit) of a prefetched key; 0 elsewhere
-    prefetch_event: np.ndarray  # (n_rows,) int64: at rows of kind 4, the prefetch's index
-                                # in prefetch_batch / prefetch_flat; -1 elsewhere
-    prefetch_batch: np.ndarray  # (n_prefetches,) int64 the batch that issued it, issue order
-    prefetch_flat: np.ndarray   # (n_prefetches,) int32 its key (layer * n_expert + expert)
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """Layers that share one capacity on a device (the native cache: one expert layout)."""
-
-    layers: tuple[int, ...]
-    capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)
-
-
-class _Device:
-    """One device: its core, pools, static flag and why nothing is admitted yet."""
-
-    __slots__ = ("name", "core", "pools", "static", "static_bytes", "reason", "sim")
-
-    def __init__(self, name: str, core, layers: tuple[int, ...], sim: bool):
-        self.name = name
-        self.core = core
-        self.pools: tuple[tuple[int, ...], ...] = (layers,)
-        self.static = False
-        self.static_bytes = 0
-        self.reason = "capacity not resolved yet (resolve_device() has not run)"
-        self.sim = sim            # nothing moves: no transport calls at all
+# what a refused access says (CoreError.status -> message)
+_ACCESS_ERRORS = {
+    core_api.ERR_LAYER: "layer {layer} has no routed experts in the model",
+    core_api.ERR_EXPERT: "expert id {bad} out of range [0, {n})",
+    core_api.ERR_UPCOMING: "prefetch policy 'belady' is offline-only; pass upcoming",
+    core_api.ERR_NEXT_USE: "an offline (belady) policy is configured; pass next_use",
+    core_api.ERR_NEXT_USE_LEN: "next_use must have one entry per expert",
+}
 
 
 class ExpertResidencyManager:
@@ -101,7 +75,7 @@ class ExpertResidencyManager:
         self._core_kind = core
         self._transport = transport if transport is not None else SimulatedTransport()
         self._lock = threading.Lock()
-        self._devices: dict[str, _Device] = {}
+        self._devices: dict[str, Device] = {}
         self._n_expert = 0
         self._expert_bytes: np.ndarray | None = None
         self._moe_layers: tuple[int, ...] = ()
@@ -168,10 +142,10 @@ class ExpertResidencyManager:
         transport = pick(device) if pick is not None else self._transport
         return isinstance(transport, SimulatedTransport)
 
-    def _add_device(self, name: str) -> _Device:
+    def _add_device(self, name: str) -> Device:
         core = make_core(self._core_kind, len(self._expert_bytes), self._n_expert,
                          self._expert_bytes.tolist(), self.policy)
-        dev = _Device(name, core, self._moe_layers, self._simulated(name))
+        dev = Device(name, core, self._moe_layers, self._simulated(name))
         self._devices[name] = dev
         return dev
 
@@ -236,7 +210,7 @@ class ExpertResidencyManager:
             self._set_capacity(dev, 0, int(capacity_bytes))
             dev.reason = ""
 
-    def _set_capacity(self, dev: _Device, pool: int, capacity: int) -> None:
+    def _set_capacity(self, dev: Device, pool: int, capacity: int) -> None:
         rc = dev.core.set_capacity(pool, capacity)
         if rc == core_api.ERR_CHARGED:
             raise UserError(f"{dev.name}: capacity {capacity} bytes is below the "
@@ -278,7 +252,7 @@ class ExpertResidencyManager:
             return tuple(PoolSpec(layers, dev.core.pool_stats(i).capacity)
                          for i, layers in enumerate(dev.pools))
 
-    def _device(self, device: str) -> _Device:
+    def _device(self, device: str) -> Device:
         dev = self._devices.get(device)
         if dev is None:
             self._unknown_device(device)
@@ -347,23 +321,13 @@ class ExpertResidencyManager:
         return ticket
 
     def _raise_access(self, err: CoreError, layer: int):
-        rc = err.status
-        if rc == core_api.ERR_LAYER:
-            raise UserError(f"access_layer: layer {layer} has no routed experts in the model")
-        if rc == core_api.ERR_EXPERT:
-            raise UserError(f"access_layer: expert id {err.bad_value} out of range "
-                            f"[0, {self._n_expert})")
-        if rc == core_api.ERR_UPCOMING:
-            raise UserError("access_layer: prefetch policy 'belady' is offline-only; "
-                            "pass upcoming")
-        if rc == core_api.ERR_NEXT_USE:
-            raise UserError("access_layer: an offline (belady) policy is configured; "
-                            "pass next_use")
-        if rc == core_api.ERR_NEXT_USE_LEN:
-            raise UserError("access_layer: next_use must have one entry per expert")
-        raise RuntimeError(f"residency core: status {rc}")
+        message = _ACCESS_ERRORS.get(err.status)
+        if message is None:
+            raise RuntimeError(f"residency core: status {err.status}")
+        raise UserError("access_layer: " + message.format(layer=layer, bad=err.bad_value,
+                                                          n=self._n_expert))
 
-    def _prefetch_results(self, dev: _Device, prefetched, phase: Phase, submit: list,
+    def _prefetch_results(self, dev: Device, prefetched, phase: Phase, submit: list,
                           drops: list) -> list[Ticket]:
         """Transfer notices of the prefetches a core call issued (under the lock)."""
         out = []
@@ -477,23 +441,9 @@ class ExpertResidencyManager:
         """Make ``plan``'s experts resident on ``device`` for good and mark it static; refused
         (UserError) as ``static.plan_problem`` says."""
         capacity = self.capacity(device)
-        ne = self._n_expert
         with self._lock:
-            dev = self._device(device)
-            stats = [dev.core.pool_stats(i) for i in range(len(dev.pools))]
-            problem = static_plan.plan_problem(
-                plan, device, capacity=capacity, expert_bytes=self._expert_bytes.tolist(),
-                n_expert=ne, is_static=dev.static,
-                holds_anything=any(s.resident_count for s in stats) or bool(dev.core.n_leases))
-            if problem is not None:
-                raise UserError(f"{device}: cannot pin statically: {problem}")
-            flats = [layer * ne + e for layer in plan.layers for e in range(ne)]
-            if dev.core.pin_static(flats) != 0:
-                raise UserError(f"{device}: cannot pin statically: the core refused the plan")
-            dev.static = True
-            dev.static_bytes = plan.bytes
-            assert sum(dev.core.pool_stats(i).resident_bytes
-                       for i in range(len(dev.pools))) == plan.bytes
+            static_plan.pin(self._device(device), plan, capacity, self._expert_bytes.tolist(),
+                            self._n_expert)
 
     def is_static(self, device: str) -> bool:
         dev = self._devices.get(device)
@@ -571,39 +521,9 @@ class ExpertResidencyManager:
         each device's ExpertMap (O(layers x experts); only the copies are made under the
         lock)."""
         with self._lock:
-            taken = [(self._device_snapshot(d),
-                      (d.core.states(), d.core.use_counts()) if experts else None)
+            taken = [(d.snapshot(), (d.core.states(), d.core.use_counts()) if experts else None)
                      for d in self._devices.values()]
         return ResidencySnapshot(tuple(snap if raw is None else
-                                       replace(snap, experts=self._expert_map(*raw))
+                                       replace(snap, experts=expert_map(*raw,
+                                                                        self._moe_layers))
                                        for snap, raw in taken))
-
-    def _expert_map(self, states: np.ndarray, uses: np.ndarray) -> ExpertMap:
-        """states (n_layer, n_expert) uint8 and uses (3, n_layer, n_expert) int64 of a core
-        as an ExpertMap of the MoE layers."""
-        layers = list(self._moe_layers)
-        states = states[layers]                                  # (n_moe, n_expert)
-        routed = uses.sum(axis=0)[layers]                        # (n_moe, n_expert)
-        chars = np.full(states.shape, ord(STATE_CHARS["absent"]), dtype=np.uint8)
-        chars[states <= RESIDENT_MAX] = ord(STATE_CHARS["resident"])
-        return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
-                         tuple(tuple(row) for row in routed.tolist()))
-
-    def _device_snapshot(self, dev: _Device) -> DeviceSnapshot:
-        pools = []
-        for i, layers in enumerate(dev.pools):
-            st: PoolStats = dev.core.pool_stats(i)
-            phases = tuple(_counters(st.counters[int(p)]) for p in _PHASES)
-            pools.append(PoolSnapshot(layers, None if st.capacity < 0 else st.capacity,
-                                      st.resident_bytes, st.resident_count, phases))
-        total = tuple(sum((p.phases[i] for p in pools), PhaseCounters()) for i in range(3))
-        caps = [p.capacity_bytes for p in pools]
-        return DeviceSnapshot(dev.name, None if None in caps else sum(caps),
-                              sum(p.resident_bytes for p in pools),
-                              sum(p.resident_experts for p in pools), total, dev.reason,
-                              dev.static_bytes if dev.static else None, tuple(pools))
-
-
-def _counters(values: tuple[int, ...]) -> PhaseCounters:
-    d = dict(zip(core_api.COUNTERS, values))
-    return PhaseCounters(hits=d["accesses"] - d["misses"], **d)

@@ -6,12 +6,14 @@ picks them, ``pin_static`` makes them resident for good and marks the device sta
 static device an access to a pinned expert is a hit; any other is a demand miss used
 transiently (counted in ``transient_uses``), never admitted, and nothing is evicted or
 prefetched (the residency core's static mode). The manager's ``plan_static``/``pin_static``
-take the pure rules here (``first_fitting_layers``, ``plan_problem``).
+take the rules here (``first_fitting_layers``, ``plan_problem``, ``pin``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+from runtime.errors import UserError
 
 
 
@@ -71,3 +73,23 @@ def plan_problem(plan: StaticPlan, device: str, *, capacity: int | None,
     if plan.bytes > capacity:
         return f"the plan's {plan.bytes} bytes exceed the capacity {capacity}"
     return None
+
+
+def pin(device, plan: StaticPlan, capacity: int | None, expert_bytes: Sequence[int],
+        n_expert: int) -> None:
+    """Pin ``plan`` on ``device`` (a residency.device.Device, under its manager's lock) and
+    mark it static; UserError as ``plan_problem`` says."""
+    stats = [device.core.pool_stats(i) for i in range(len(device.pools))]
+    problem = plan_problem(plan, device.name, capacity=capacity, expert_bytes=expert_bytes,
+                           n_expert=n_expert, is_static=device.static,
+                           holds_anything=any(s.resident_count for s in stats)
+                           or bool(device.core.n_leases))
+    if problem is not None:
+        raise UserError(f"{device.name}: cannot pin statically: {problem}")
+    flats = [layer * n_expert + e for layer in plan.layers for e in range(n_expert)]
+    if device.core.pin_static(flats) != 0:
+        raise UserError(f"{device.name}: cannot pin statically: the core refused the plan")
+    device.static = True
+    device.static_bytes = plan.bytes
+    assert sum(device.core.pool_stats(i).resident_bytes
+               for i in range(len(device.pools))) == plan.bytes

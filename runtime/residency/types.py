@@ -70,3 +70,24 @@ class UpcomingStep:
     layer: int
     experts: np.ndarray       # (m,) int expert ids in routing order
     access_index: np.ndarray  # (m,) int64 access index of each element
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What ``replay`` reports beyond the counters: per row and per prefetch."""
+
+    miss_kind: np.ndarray       # (n_rows,) int8: at the first row of each missed key 1
+                                # admitted, 2 transient, 3 joined a transfer; 4 at the first
+                                # use (a hit) of a prefetched key; 0 elsewhere
+    prefetch_event: np.ndarray  # (n_rows,) int64: at rows of kind 4, the prefetch's index
+                                # in prefetch_batch / prefetch_flat; -1 elsewhere
+    prefetch_batch: np.ndarray  # (n_prefetches,) int64 the batch that issued it, issue order
+    prefetch_flat: np.ndarray   # (n_prefetches,) int32 its key (layer * n_expert + expert)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Layers that share one capacity on a device (the native cache: one expert layout)."""
+
+    layers: tuple[int, ...]
+    capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)

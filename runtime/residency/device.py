@@ -1,0 +1,62 @@
+"""One device of the residency manager (``Device``: its core, pools and static state) and its
+reports (``snapshot``, ``expert_map``): the manager has one per device and guards them with
+its lock."""
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.residency import core as core_api
+from runtime.residency.core import RESIDENT_MAX, PoolStats
+from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap, PhaseCounters,
+                                         PoolSnapshot)
+from runtime.residency.types import Phase
+
+_PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
+
+
+class Device:
+    """One device of the manager: its core, pools, static flag and why nothing is admitted
+    yet. The manager's lock guards it."""
+
+    __slots__ = ("name", "core", "pools", "static", "static_bytes", "reason", "sim")
+
+    def __init__(self, name: str, core, layers: tuple[int, ...], sim: bool):
+        self.name = name
+        self.core = core
+        self.pools: tuple[tuple[int, ...], ...] = (layers,)
+        self.static = False
+        self.static_bytes = 0
+        self.reason = "capacity not resolved yet (resolve_device() has not run)"
+        self.sim = sim            # nothing moves: no transport calls at all
+
+    def snapshot(self) -> DeviceSnapshot:
+        """Counters and occupancy of every pool, frozen (under the manager's lock)."""
+        pools = []
+        for i, layers in enumerate(self.pools):
+            st: PoolStats = self.core.pool_stats(i)
+            phases = tuple(_counters(st.counters[int(p)]) for p in _PHASES)
+            pools.append(PoolSnapshot(layers, None if st.capacity < 0 else st.capacity,
+                                      st.resident_bytes, st.resident_count, phases))
+        total = tuple(sum((p.phases[i] for p in pools), PhaseCounters()) for i in range(3))
+        caps = [p.capacity_bytes for p in pools]
+        return DeviceSnapshot(self.name, None if None in caps else sum(caps),
+                              sum(p.resident_bytes for p in pools),
+                              sum(p.resident_experts for p in pools), total, self.reason,
+                              self.static_bytes if self.static else None, tuple(pools))
+
+
+def expert_map(states: np.ndarray, uses: np.ndarray, moe_layers) -> ExpertMap:
+    """states (n_layer, n_expert) uint8 and uses (3, n_layer, n_expert) int64 of a core as an
+    ExpertMap of the MoE layers."""
+    layers = list(moe_layers)
+    states = states[layers]                                  # (n_moe, n_expert)
+    routed = uses.sum(axis=0)[layers]                        # (n_moe, n_expert)
+    chars = np.full(states.shape, ord(STATE_CHARS["absent"]), dtype=np.uint8)
+    chars[states <= RESIDENT_MAX] = ord(STATE_CHARS["resident"])
+    return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
+                     tuple(tuple(row) for row in routed.tolist()))
+
+
+def _counters(values: tuple[int, ...]) -> PhaseCounters:
+    d = dict(zip(core_api.COUNTERS, values))
+    return PhaseCounters(hits=d["accesses"] - d["misses"], **d)
