@@ -317,7 +317,8 @@ class ReferenceCore:
             self.last[f] = self.seq
             self.seq += 1
             own = self.order_key(order, f)
-            if mine is not None and self.policy.orders[order][0] == "next-visit":
+            if mine is not None and policy_entry(
+                    "eviction", self.policy.orders[order][0]).reference.planned_scores:
                 own = (mine[i], self.last[f], f)
             free = pool.capacity - pool.resident_bytes
             victims: list[int] = []

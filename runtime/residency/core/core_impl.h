@@ -6,7 +6,7 @@
  *                     victim loop (take_victims)
  *   policies.c        the pure per-policy functions: each eviction score, each admission rule
  *   prefetch.c        the prefetch planners behind one interface (rc_planner) and the one
- *                     prefetch loop
+ *                     prefetch loop (prefetch_flats)
  *   verify.c          rc_verify: every bookkeeping invariant
  *
  * Adding an eviction policy: its score in policies.c and one row of RC_ORDER_KINDS; an
@@ -136,6 +136,8 @@ typedef struct {
 typedef struct {
     const rc_order_ops *ops;
     rc_score_fn score;
+    int planned_scores;           /* a planner's own scores (expected layer-steps to the next
+                                     use: prefetch affinity's) rank its keys in this order */
 } rc_order_kind;
 extern const rc_order_kind RC_ORDER_KINDS[EV_N_KINDS];
 

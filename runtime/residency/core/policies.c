@@ -45,12 +45,12 @@ extern const rc_order_ops rc_heap_order, rc_next_visit_order;   /* order.c */
 
 /* kind -> its order implementation and score (the Python registry's C kinds) */
 const rc_order_kind RC_ORDER_KINDS[EV_N_KINDS] = {
-    [EV_LRU] = {&rc_heap_order, score_lru},
-    [EV_LFU] = {&rc_heap_order, score_lfu},
-    [EV_LFU_DECAY] = {&rc_heap_order, score_lfu_decay},
-    [EV_PHASE_WEIGHTED] = {&rc_heap_order, score_phase_weighted},
-    [EV_BELADY] = {&rc_heap_order, score_belady},
-    [EV_NEXT_VISIT] = {&rc_next_visit_order, score_next_visit},
+    [EV_LRU] = {&rc_heap_order, score_lru, 0},
+    [EV_LFU] = {&rc_heap_order, score_lfu, 0},
+    [EV_LFU_DECAY] = {&rc_heap_order, score_lfu_decay, 0},
+    [EV_PHASE_WEIGHTED] = {&rc_heap_order, score_phase_weighted, 0},
+    [EV_BELADY] = {&rc_heap_order, score_belady, 0},
+    [EV_NEXT_VISIT] = {&rc_next_visit_order, score_next_visit, 1},
 };
 
 double rc_score(const rc_core *c, int32_t o, int32_t f) {

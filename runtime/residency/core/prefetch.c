@@ -1,4 +1,4 @@
-/* prefetch: the residency core's prefetch planners behind one interface (rc_plan_fn,
+/* prefetch: the residency core's prefetch planners behind one interface (rc_planner,
  * core_impl.h) and the one loop that brings a plan in. A planner names keys in priority
  * order from what the layer-step left (rc_step_view) and changes nothing but its own model;
  * prefetch_flats brings each absent key in while victims rank strictly below it.
@@ -104,12 +104,12 @@ const rc_planner RC_PLANNERS[PF_N_KINDS] = {
 };
 
 /* bring `flats` in (priority order) where victims rank strictly below each one; mine[i]
- * (or NULL) overrides flats[i]'s own score under next-visit (prefetch affinity: its
- * predicted expected time) */
+ * (or NULL) overrides flats[i]'s own score in an order that takes planned scores
+ * (next-visit: prefetch affinity's predicted expected time is in its units) */
 int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, int64_t seq0,
                    const double *mine) {
     const int32_t o = c->pol.phase_order[phase];
-    const int nv = c->pol.order_kind[o] == EV_NEXT_VISIT;
+    const int planned = RC_ORDER_KINDS[c->pol.order_kind[o]].planned_scores;
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
         if (c->state[f] != ABSENT) continue;
@@ -118,7 +118,7 @@ int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, i
         const int64_t b = c->bytes_flat[f];
         c->last_seq[f] = c->seq++;               /* a prefetch counts as a touch now */
         const int64_t free_b = p->capacity - p->resident_bytes;
-        const double own = mine != NULL && nv ? mine[i] : NAN;
+        const double own = mine != NULL && planned ? mine[i] : NAN;
         if (!take_victims(c, p, o, seq0, b - free_b, 1, f, own)) continue;
         int64_t *t = p->counters[phase];
         t[C_PF_ISSUED]++;

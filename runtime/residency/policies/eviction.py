@@ -9,6 +9,8 @@ from __future__ import annotations
 class EvictionPolicy:
     """One eviction order. ``params``: its (p1, p2) as CorePolicy.orders holds them."""
 
+    planned_scores = False   # a planner's own scores (expected layer-steps) rank in it
+
     @staticmethod
     def priority(stats, params: tuple[float, float], f: int) -> float:
         raise NotImplementedError
@@ -53,6 +55,8 @@ class Belady(EvictionPolicy):
 
 class NextVisit(EvictionPolicy):
     """-(expected layer-steps to the next use); its order is its own index (nv_victim.h)."""
+
+    planned_scores = True
 
     @staticmethod
     def priority(stats, params, f):
