@@ -40,7 +40,7 @@ SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE 
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
-INTERNAL = (HERE / "core_impl.h", HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
+INTERNAL = (HERE / "core_impl.h", HERE / "order_heap.h", HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
             HERE / "neighbours.h", HERE / "grow.h",
             RAMTIER / "file_pages.h")
 _lock = threading.Lock()

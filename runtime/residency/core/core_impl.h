@@ -148,8 +148,7 @@ static inline const rc_order_ops *order_ops(const rc_core *c, int32_t o) {
 int order_create(rc_core *c);                      /* the orders' own state (rc_create) */
 void order_free(rc_core *c);
 void order_reset(rc_core *c);                      /* every order empty (new pools) */
-int order_add(rc_core *c, int32_t f);              /* f joins every order of its pool */
-void order_discard(rc_core *c, int32_t f);         /* f leaves them */
+/* order_add (f joins every order of its pool), order_discard (f leaves them): order_heap.h */
 void order_stale(const rc_core *c, int32_t layer); /* the protection of layer's keys changed */
 /* a layer-step's experts before any is touched (next-visit learns from them) */
 void order_visit(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);

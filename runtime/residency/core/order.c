@@ -10,6 +10,7 @@
  * Invariant: a key is in every order of its pool iff it is resident (rc_verify checks 1, 2).
  */
 #include "core_impl.h"
+#include "order_heap.h"
 
 #include <math.h>
 
@@ -18,85 +19,6 @@ int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
 }
 
 /* ---- the heap order ------------------------------------------------------------------- */
-
-/* (score, last seq, flat) of a < b */
-static inline int key_less(const rc_core *c, int32_t o, int32_t a, int32_t b) {
-    if (c->pol.order_kind[o] == EV_LRU) {       /* score == last seq */
-        const int64_t la = c->last_seq[a], lb = c->last_seq[b];
-        return la != lb ? la < lb : a < b;
-    }
-    const rc_score_fn score = RC_ORDER_KINDS[c->pol.order_kind[o]].score;
-    const double sa = score(c, o, a), sb = score(c, o, b);
-    if (sa != sb) return sa < sb;
-    if (c->last_seq[a] != c->last_seq[b]) return c->last_seq[a] < c->last_seq[b];
-    return a < b;
-}
-
-static void heap_swap(heap *h, int32_t i, int32_t j) {
-    int32_t a = h->items[i], b = h->items[j];
-    h->items[i] = b; h->items[j] = a;
-    h->pos[b] = i; h->pos[a] = j;
-}
-
-static void sift_up(const rc_core *c, int32_t o, heap *h, int32_t i) {
-    while (i > 0) {
-        int32_t p = (i - 1) / 2;
-        if (!key_less(c, o, h->items[i], h->items[p])) break;
-        heap_swap(h, i, p);
-        i = p;
-    }
-}
-
-static void sift_down(const rc_core *c, int32_t o, heap *h, int32_t i) {
-    for (;;) {
-        int32_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < h->n && key_less(c, o, h->items[l], h->items[m])) m = l;
-        if (r < h->n && key_less(c, o, h->items[r], h->items[m])) m = r;
-        if (m == i) return;
-        heap_swap(h, i, m);
-        i = m;
-    }
-}
-
-/* the membership set both orders keep (the heap's array, unsorted for next-visit) */
-static int set_push(heap *h, int32_t f) {
-    if (array_grow((void **) &h->items, &h->cap, (int64_t) h->n + 1, sizeof *h->items))
-        return -1;
-    h->items[h->n] = f;
-    h->pos[f] = h->n++;
-    return 0;
-}
-
-/* f leaves the set; the key moved into its place (-1: none) */
-static int32_t set_remove(heap *h, int32_t f) {
-    const int32_t i = h->pos[f];
-    h->n--;
-    int32_t moved = -1;
-    if (i != h->n) {
-        moved = h->items[h->n];
-        heap_swap(h, i, h->n);
-    }
-    h->pos[f] = -1;
-    return moved;
-}
-
-static int heap_push(rc_core *c, pool *p, int32_t o, int32_t f) {
-    heap *h = &p->h[o];
-    if (h->pos[f] >= 0) return 0;
-    if (set_push(h, f) < 0) return -1;
-    sift_up(c, o, h, h->n - 1);
-    return 0;
-}
-
-static void heap_remove(rc_core *c, pool *p, int32_t o, int32_t f) {
-    heap *h = &p->h[o];
-    if (h->pos[f] < 0) return;
-    const int32_t i = h->pos[f], moved = set_remove(h, f);
-    if (moved >= 0) {
-        sift_up(c, o, h, i);
-        sift_down(c, o, h, h->pos[moved]);
-    }
-}
 
 static int32_t heap_lowest(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
@@ -209,18 +131,6 @@ void order_warm_start(rc_core *c, const double *frequency) {
     EACH_ORDER_HOOK(warm_start, c, frequency);
 }
 
-int order_add(rc_core *c, int32_t f) {
-    pool *p = pool_of(c, f);
-    for (int32_t o = 0; o < c->pol.n_orders; o++)
-        if (order_ops(c, o)->push(c, p, o, f) < 0) return -1;
-    return 0;
-}
-
-void order_discard(rc_core *c, int32_t f) {
-    pool *p = pool_of(c, f);
-    for (int32_t o = 0; o < c->pol.n_orders; o++) order_ops(c, o)->remove(c, p, o, f);
-}
-
 int order_verify(const rc_core *c) {
     for (int32_t pi = 0; pi < c->n_pool; pi++)
         for (int32_t o = 0; o < c->pol.n_orders; o++) {
@@ -258,11 +168,13 @@ int take_victims(rc_core *c, pool *p, int32_t o, int64_t seq0, int64_t need, int
     const rc_order_ops *ops = order_ops(c, o);
     int64_t freed = 0;
     c->r_victims.n = 0;
+    const int heap_order = ops == &rc_heap_order;   /* (called directly: see order_add) */
     while (freed < need) {
-        const int32_t v = ops->lowest(c, p, o, seq0);
+        const int32_t v = heap_order ? heap_lowest(c, p, o, seq0) : ops->lowest(c, p, o, seq0);
         if (v < 0) break;
         if (bounded && !ops->ranks_below(c, o, v, f, own)) break;  /* worth as much as f */
-        ops->remove(c, p, o, v);
+        if (heap_order) heap_remove(c, p, o, v);
+        else ops->remove(c, p, o, v);
         if (ivec_push(&c->r_victims, v) < 0) {
             ops->push(c, p, o, v);
             break;

@@ -4,6 +4,7 @@
  * prefetch_flats brings each absent key in while victims rank strictly below it.
  */
 #include "core_impl.h"
+#include "order_heap.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -16,6 +16,7 @@
  *     then brought in while victims rank strictly below it (prefetch.c).
  */
 #include "core_impl.h"
+#include "order_heap.h"
 
 #include <math.h>
 #include <stdlib.h>
