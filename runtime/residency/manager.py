@@ -297,18 +297,20 @@ class ExpertResidencyManager:
                                     release_id)
             except CoreError as err:
                 self._raise_access(err, layer)
+            hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
             keys = self._keys
-            adm = tuple([keys[f] for f in r.admitted]) if r.admitted else _EMPTY
-            ev = tuple([keys[f] for f in r.evicted]) if r.evicted else _EMPTY
-            tra = tuple([keys[f] for f in r.transient]) if r.transient else _EMPTY
-            access = _new_tuple(LayerAccess, (device, layer, phase, r.hits, r.misses,
-                                              r.demand_miss_bytes, adm, ev, tra,
-                                              r.transition_hits, lease_id))
+            adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
+            ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
+            tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
+            access = _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm, ev,
+                                              tra, tr, lease_id))
             if dev.sim:
                 return access
-            submit = [self._notice(device, key, (), phase, False) for key in adm]
+            submit = [self._notice(device, key, (), phase, False) for key in adm] if adm \
+                else []
             drops = list(ev)
-            self._prefetch_results(dev, r.prefetched, phase, submit, drops)
+            if prefetched:
+                self._prefetch_results(dev, prefetched, phase, submit, drops)
         self._after_unlock(device, submit, drops)
         return access
 
