@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.residency import core as core_api
-from runtime.residency.core import RESIDENT_MAX, PoolStats
+from runtime.residency.core import RESIDENT_MAX, CoreError, PoolStats
 from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap, PhaseCounters,
                                          PoolSnapshot)
-from runtime.residency.types import Phase
+from runtime.residency.types import Phase, ReplayOutcome
 
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
@@ -29,6 +29,18 @@ class Device:
         self.reason = "capacity not resolved yet (resolve_device() has not run)"
         self.sim = sim            # nothing moves: no transport calls at all
 
+    def replay(self, bounds, layers, phases, experts, next_use, upcoming) -> ReplayOutcome:
+        """The core's batch loop over a trace (the manager checked the ids and holds its
+        lock); CoreError if the core refused a batch."""
+        miss_kind = np.zeros(len(experts), dtype=np.int8)
+        pf_event = np.full(len(experts), -1, dtype=np.int64)
+        rc = self.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind,
+                              pf_event)
+        if rc != 0:
+            raise CoreError(rc)
+        pf_batch, pf_flat = self.core.replay_prefetches()
+        return ReplayOutcome(miss_kind, pf_event, pf_batch, pf_flat)
+
     def snapshot(self) -> DeviceSnapshot:
         """Counters and occupancy of every pool, frozen (under the manager's lock)."""
         pools = []
@@ -43,6 +55,20 @@ class Device:
                               sum(p.resident_bytes for p in pools),
                               sum(p.resident_experts for p in pools), total, self.reason,
                               self.static_bytes if self.static else None, tuple(pools))
+
+
+def replay_problem(experts: np.ndarray, layers: np.ndarray, n_expert: int,
+                   moe: np.ndarray) -> str | None:
+    """What is wrong with a trace's rows (an expert id out of range, a layer without routed
+    experts: moe (n_layer,) bool), or None; checked before the core changes anything."""
+    bad = experts[(experts < 0) | (experts >= n_expert)]
+    if bad.size:
+        return f"expert id {int(bad[0])} out of range [0, {n_expert})"
+    bad_layer = layers[(layers < 0) | (layers >= len(moe))]
+    if bad_layer.size or not moe[layers].all():
+        layer = int(bad_layer[0]) if bad_layer.size else int(layers[~moe[layers]][0])
+        return f"layer {layer} has no routed experts in the model"
+    return None
 
 
 def expert_map(states: np.ndarray, uses: np.ndarray, moe_layers) -> ExpertMap:

@@ -44,7 +44,7 @@ from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy, make_core
-from runtime.residency.device import Device, expert_map
+from runtime.residency.device import Device, expert_map, replay_problem
 from runtime.residency.telemetry import ResidencySnapshot
 from runtime.residency.transport import SimulatedTransport, Transport
 from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, ReplayOutcome,
@@ -362,27 +362,17 @@ class ExpertResidencyManager:
         dev = self._device(device)
         if not dev.sim:
             raise RuntimeError(f"replay: {device} is served by a real transport")
-        experts = np.asarray(experts)
-        layers = np.asarray(layers)
-        bad = experts[(experts < 0) | (experts >= self._n_expert)]
-        if bad.size:
-            raise UserError(f"replay: expert id {int(bad[0])} out of range "
-                            f"[0, {self._n_expert})")
+        experts, layers = np.asarray(experts), np.asarray(layers)
         moe = np.zeros(len(self._expert_bytes), dtype=bool)
         moe[list(self._moe_layers)] = True
-        bad_layer = layers[(layers < 0) | (layers >= len(moe))]
-        if bad_layer.size or not moe[layers].all():
-            layer = int(bad_layer[0]) if bad_layer.size else int(layers[~moe[layers]][0])
-            raise UserError(f"replay: layer {layer} has no routed experts in the model")
-        miss_kind = np.zeros(len(experts), dtype=np.int8)
-        pf_event = np.full(len(experts), -1, dtype=np.int64)
+        problem = replay_problem(experts, layers, self._n_expert, moe)
+        if problem is not None:
+            raise UserError(f"replay: {problem}")
         with self._lock:
-            rc = dev.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind,
-                                 pf_event)
-            if rc != 0:
-                self._raise_access(CoreError(rc), -1)
-            pf_batch, pf_flat = dev.core.replay_prefetches()
-        return ReplayOutcome(miss_kind, pf_event, pf_batch, pf_flat)
+            try:
+                return dev.replay(bounds, layers, phases, experts, next_use, upcoming)
+            except CoreError as err:
+                self._raise_access(err, -1)
 
     def release(self, access: LayerAccess) -> None:
         """End the leases of an access. Idempotent."""
