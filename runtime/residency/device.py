@@ -1,17 +1,38 @@
-"""One device of the residency manager (``Device``: its core, pools and static state) and its
-reports (``snapshot``, ``expert_map``): the manager has one per device and guards them with
-its lock."""
+"""One device of the residency manager (``Device``: its core, pools and static state), its
+reports (``snapshot``, ``expert_map``) and what its refusals say (``refusal``,
+``replay_problem``): the manager has one per device and guards them with its lock."""
 from __future__ import annotations
 
 import numpy as np
 
+from runtime.errors import UserError
 from runtime.residency import core as core_api
-from runtime.residency.core import RESIDENT_MAX, CoreError, PoolStats
+from runtime.residency.core import (ERR_EXPERT, ERR_LAYER, ERR_NEXT_USE, ERR_NEXT_USE_LEN,
+                                    ERR_UPCOMING, RESIDENT_MAX, CoreError, PoolStats)
 from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap, PhaseCounters,
                                          PoolSnapshot)
 from runtime.residency.types import Phase, ReplayOutcome
 
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
+
+# what a refused access says (CoreError.status -> message)
+_ACCESS_ERRORS = {
+    ERR_LAYER: "layer {layer} has no routed experts in the model",
+    ERR_EXPERT: "expert id {bad} out of range [0, {n})",
+    ERR_UPCOMING: "prefetch policy 'belady' is offline-only; pass upcoming",
+    ERR_NEXT_USE: "an offline (belady) policy is configured; pass next_use",
+    ERR_NEXT_USE_LEN: "next_use must have one entry per expert",
+}
+
+
+def refusal(err: CoreError, layer: int, n_expert: int) -> Exception:
+    """What a refused access raises: UserError naming the problem (RuntimeError for a status
+    no input causes)."""
+    message = _ACCESS_ERRORS.get(err.status)
+    if message is None:
+        return RuntimeError(f"residency core: status {err.status}")
+    return UserError("access_layer: " + message.format(layer=layer, bad=err.bad_value,
+                                                       n=n_expert))
 
 
 class Device:

@@ -44,7 +44,7 @@ from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy, make_core
-from runtime.residency.device import Device, expert_map, replay_problem
+from runtime.residency.device import Device, expert_map, refusal, replay_problem
 from runtime.residency.telemetry import ResidencySnapshot
 from runtime.residency.transport import SimulatedTransport, Transport
 from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, ReplayOutcome,
@@ -52,16 +52,6 @@ from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, Re
 
 _EMPTY: tuple = ()
 _new_tuple = tuple.__new__   # builds a LayerAccess without its Python-level __new__
-
-
-# what a refused access says (CoreError.status -> message)
-_ACCESS_ERRORS = {
-    core_api.ERR_LAYER: "layer {layer} has no routed experts in the model",
-    core_api.ERR_EXPERT: "expert id {bad} out of range [0, {n})",
-    core_api.ERR_UPCOMING: "prefetch policy 'belady' is offline-only; pass upcoming",
-    core_api.ERR_NEXT_USE: "an offline (belady) policy is configured; pass next_use",
-    core_api.ERR_NEXT_USE_LEN: "next_use must have one entry per expert",
-}
 
 
 class ExpertResidencyManager:
@@ -296,7 +286,7 @@ class ExpertResidencyManager:
                 r = dev.core.access(layer, experts, int(phase), next_use, up, lease_id,
                                     release_id)
             except CoreError as err:
-                self._raise_access(err, layer)
+                raise refusal(err, layer, self._n_expert) from None
             hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
             keys = self._keys
             adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
@@ -321,13 +311,6 @@ class ExpertResidencyManager:
                         victims, phase, prefetch)
         self._next_job += 1
         return ticket
-
-    def _raise_access(self, err: CoreError, layer: int):
-        message = _ACCESS_ERRORS.get(err.status)
-        if message is None:
-            raise RuntimeError(f"residency core: status {err.status}")
-        raise UserError("access_layer: " + message.format(layer=layer, bad=err.bad_value,
-                                                          n=self._n_expert))
 
     def _prefetch_results(self, dev: Device, prefetched, phase: Phase, submit: list,
                           drops: list) -> list[Ticket]:
@@ -372,7 +355,7 @@ class ExpertResidencyManager:
             try:
                 return dev.replay(bounds, layers, phases, experts, next_use, upcoming)
             except CoreError as err:
-                self._raise_access(err, -1)
+                raise refusal(err, -1, self._n_expert) from None
 
     def release(self, access: LayerAccess) -> None:
         """End the leases of an access. Idempotent."""
