@@ -46,9 +46,7 @@ from runtime.residency.types import Phase  # noqa: E402
 
 
 class InlineTransport:
-    """What a live inline transport sees (drops, then submits), without moving bytes."""
-
-    inline = True
+    """What a live transport sees (drops, then submits), without moving bytes."""
 
     def __init__(self) -> None:
         self.submitted = self.dropped = 0

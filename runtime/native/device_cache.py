@@ -93,7 +93,6 @@ class DeviceCache:
     frees its slot and the expert leaves the manager too.
     """
 
-    inline = True
     synchronous = True     # forward mode: runs between a layer's router and its experts
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,

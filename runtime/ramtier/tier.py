@@ -48,7 +48,6 @@ DEVICE = "cpu"
 class RamTier:
     """Transport (device ``cpu``) + RouteObserver over llama.cpp's mapping of the model."""
 
-    inline = True       # the manager decides at once; reads follow (see submit)
 
     def __init__(self, manager, layout: ExpertLayout, pager: Pager, *, budget_bytes: int,
                  mlock: bool = False, refill: bool = True):
@@ -317,7 +316,7 @@ class RamTier:
         device = self.manager.snapshot().device(DEVICE)
         if device.capacity_bytes is None:
             return 0
-        free = device.capacity_bytes - device.resident_bytes - device.pending_bytes
+        free = device.capacity_bytes - device.resident_bytes
         absent = []
         for layer in sorted({k.layer for k in self.layout.keys}):
             mask = self.manager.resident_mask(DEVICE, layer)

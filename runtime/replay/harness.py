@@ -290,7 +290,7 @@ def _unused_prefetch_bytes(prep: PreparedTrace, outcome, header) -> np.ndarray:
 
 
 def _price(cost: CostModel, prep: PreparedTrace, miss_kind: np.ndarray) -> None:
-    """Feed the cost model from each row's miss kind (1 admitted, 2 transient, 3 joined; 0 on
+    """Feed the cost model from each row's miss kind (1 admitted, 2 transient; 0 on
     hits and repeats): multi-token batches one by one, one-token batches summed per layer."""
     n_layer = len(cost.expert_bytes)
     bounds = prep.bounds

@@ -48,7 +48,7 @@ def batch_times(cost: CostModel, bounds: np.ndarray, layers: np.ndarray,
     sizes = np.diff(bounds)
     n_b = len(sizes)
     batch_of = np.repeat(np.arange(n_b), sizes)
-    missed = np.bincount(batch_of, weights=(miss_kind >= 1) & (miss_kind <= 3), minlength=n_b)
+    missed = np.bincount(batch_of, weights=(miss_kind >= 1) & (miss_kind <= 2), minlength=n_b)
     b = cost.expert_bytes[layers]
     tokens = np.maximum(sizes // max(n_expert_used, 1), 1)
     tokens = np.where(multi_token, tokens, 1)
@@ -60,7 +60,7 @@ def batch_times(cost: CostModel, bounds: np.ndarray, layers: np.ndarray,
         keys, inv, counts = np.unique(experts[s:e], return_inverse=True, return_counts=True)
         miss = np.zeros(len(keys), dtype=bool)
         kinds = miss_kind[s:e]
-        miss[inv[(kinds >= 1) & (kinds <= 3)]] = True
+        miss[inv[(kinds >= 1) & (kinds <= 2)]] = True
         m = counts.astype(np.float64)
         bl = cost.expert_bytes[int(layers[i])]
         total[i] = dense[i] + float(cost.gpu(bl, m)[~miss].sum()) + float(

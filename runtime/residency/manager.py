@@ -17,24 +17,23 @@ Usage (simulated: no device, no llama.cpp; the live runtime runs the same code):
 Live: ``m = ExpertResidencyManager(load_config(path), transport=...)``, then
 ``m.bind_model(facts.expert_bytes, facts.n_expert)`` and ``m.resolve_devices()``.
 
-The manager is a lock, lease ids, ticket records and the transport over one residency core
-per device (runtime/residency/core: the C core; tests may pick its Python reference). The
-core owns every per-access decision and the state behind it; the manager turns its flat keys
-into ``ExpertKey``s, hands transfers to the transport after the lock is released, and
-reports. Each device is split into pools (layers that share a capacity; one pool unless the
-native cache reports several layouts): admission, eviction and counters are per pool.
+The manager is a lock, lease ids and the transport over one residency core per device
+(runtime/residency/core: the C core; tests may pick its Python reference). The core owns
+every per-access decision and the state behind it; the manager turns its flat keys into
+``ExpertKey``s, hands transfers to the transport after the lock is released, and reports.
+Each device is split into pools (layers that share a capacity; one pool unless the native
+cache reports several layouts): admission, eviction and counters are per pool.
 
-Transports: an ``inline`` transport (simulation, the native device cache, the RAM tier) lets
-the core decide at once: an admitted expert is resident from its admission on, whatever the
-transport's copy is doing, so replay and the live runtime decide alike; the transport is then
-told what to move (``submit``) and, should a move fail, calls ``transfer_failed``. A ticket
-transport (``inline = False``) gets tickets that keep their key pending (and their victims
-reserved) until it calls ``commit`` or ``abort``.
+A decision takes effect at once: an admitted expert is resident from its admission on,
+whatever the transport's copy is doing, so replay and the live runtime decide alike. The
+transport (simulation, the native device cache, the RAM tier) is then told what to drop and
+what to move (``Ticket``: a transfer notice); should a move fail, it calls
+``transfer_failed`` and the expert leaves the device (docs/design/contracts.md).
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -44,52 +43,15 @@ from runtime.residency import core as core_api
 from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
-from runtime.residency.core import RESIDENT_MAX, CorePolicy, make_core
-from runtime.residency.telemetry import (STATE_CHARS, DeviceSnapshot, ExpertMap,
-                                         PhaseCounters, PoolSnapshot, ResidencySnapshot)
+from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy, make_core
+from runtime.residency.device import Device, expert_map, refusal, replay_problem
+from runtime.residency.telemetry import ResidencySnapshot
 from runtime.residency.transport import SimulatedTransport, Transport
-from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
+from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, ReplayOutcome,
+                                     Ticket)
 
 _EMPTY: tuple = ()
 _new_tuple = tuple.__new__   # builds a LayerAccess without its Python-level __new__
-_PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
-
-
-@dataclass(frozen=True)
-class ReplayOutcome:
-    """What ``replay`` reports beyond the counters: per row and per prefetch."""
-
-    miss_kind: np.ndarray       # (n_rows,) int8: at the first row of each missed key 1
-                                # admitted, 2 transient, 3 joined a transfer; 4 at the first
-                                # use (a hit) of a prefetched key; 0 elsewhere
-    prefetch_event: np.ndarray  # (n_rows,) int64: at rows of kind 4, the prefetch's index
-                                # in prefetch_batch / prefetch_flat; -1 elsewhere
-    prefetch_batch: np.ndarray  # (n_prefetches,) int64 the batch that issued it, issue order
-    prefetch_flat: np.ndarray   # (n_prefetches,) int32 its key (layer * n_expert + expert)
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """Layers that share one capacity on a device (the native cache: one expert layout)."""
-
-    layers: tuple[int, ...]
-    capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)
-
-
-class _Device:
-    """One device: its core, pools, static flag and why nothing is admitted yet."""
-
-    __slots__ = ("name", "core", "pools", "static", "static_bytes", "reason", "inline", "sim")
-
-    def __init__(self, name: str, core, layers: tuple[int, ...], inline: bool, sim: bool):
-        self.name = name
-        self.core = core
-        self.pools: tuple[tuple[int, ...], ...] = (layers,)
-        self.static = False
-        self.static_bytes = 0
-        self.reason = "capacity not resolved yet (resolve_device() has not run)"
-        self.inline = inline
-        self.sim = sim            # nothing moves: no transport calls at all
 
 
 class ExpertResidencyManager:
@@ -103,15 +65,13 @@ class ExpertResidencyManager:
         self._core_kind = core
         self._transport = transport if transport is not None else SimulatedTransport()
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._devices: dict[str, _Device] = {}
+        self._devices: dict[str, Device] = {}
         self._n_expert = 0
         self._expert_bytes: np.ndarray | None = None
         self._moe_layers: tuple[int, ...] = ()
         self._key_list: list[ExpertKey] | None = None   # ExpertKey per flat key (lazy)
         self._next_lease = 1
-        self._next_job = 1 << 40          # ids of inline transfer notices (never core ids)
-        self._tickets: dict[int, Ticket] = {}   # pending tickets (ticket transports)
+        self._next_job = 1                # ids of transfer notices (Ticket.id)
         self._transport.bind(self)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -165,28 +125,26 @@ class ExpertResidencyManager:
                               for e in range(ne)]
         return self._key_list
 
-    def _served_by(self, device: str) -> tuple[bool, bool]:
-        """(inline, simulated) for the transport serving ``device`` (a mux serves several)."""
+    def _simulated(self, device: str) -> bool:
+        """Whether nothing moves on ``device`` (its transport, a mux serving several, is the
+        simulated one)."""
         pick = getattr(self._transport, "transport_for", None)
         transport = pick(device) if pick is not None else self._transport
-        return bool(getattr(transport, "inline", False)), isinstance(transport,
-                                                                      SimulatedTransport)
+        return isinstance(transport, SimulatedTransport)
 
-    def _add_device(self, name: str) -> _Device:
-        inline, sim = self._served_by(name)
+    def _add_device(self, name: str) -> Device:
         core = make_core(self._core_kind, len(self._expert_bytes), self._n_expert,
-                         self._expert_bytes.tolist(), self.policy, inline=inline)
-        dev = _Device(name, core, self._moe_layers, inline, sim)
+                         self._expert_bytes.tolist(), self.policy)
+        dev = Device(name, core, self._moe_layers, self._simulated(name))
         self._devices[name] = dev
         return dev
 
     def set_transport(self, transport: Transport) -> None:
         """Replace the transport: a tier (runtime.ramtier, runtime.native) attaching after the
-        engine built the manager. Only while nothing is leased or in flight (RuntimeError)."""
+        engine built the manager. Only while nothing is leased (RuntimeError)."""
         with self._lock:
-            if self._tickets or any(d.core.n_leases or d.core.n_pending
-                                    for d in self._devices.values()):
-                raise RuntimeError("set_transport: the manager has leases or tickets in flight")
+            if any(d.core.n_leases for d in self._devices.values()):
+                raise RuntimeError("set_transport: the manager has leases held")
             self._transport = transport
             self._refresh_locked()
         transport.bind(self)
@@ -198,8 +156,7 @@ class ExpertResidencyManager:
 
     def _refresh_locked(self) -> None:
         for dev in self._devices.values():
-            dev.inline, dev.sim = self._served_by(dev.name)
-            dev.core.set_inline(dev.inline)
+            dev.sim = self._simulated(dev.name)
 
     @property
     def transport(self) -> Transport:
@@ -229,9 +186,8 @@ class ExpertResidencyManager:
         return out
 
     def reconfigure(self, device: str, capacity_bytes: int) -> None:
-        """Set a one-pool device's capacity atomically. Refused (UserError) below the bytes
-        charged (resident + in flight), while tickets are pending on it, or on a device split
-        into pools (``set_pools`` sets those)."""
+        """Set a one-pool device's capacity atomically. Refused (UserError) below its resident
+        bytes, or on a device split into pools (``set_pools`` sets those)."""
         with self._lock:
             if self._expert_bytes is None:
                 raise UserError(f"{device}: reconfigure needs a bound model (bind_model)")
@@ -244,21 +200,17 @@ class ExpertResidencyManager:
             self._set_capacity(dev, 0, int(capacity_bytes))
             dev.reason = ""
 
-    def _set_capacity(self, dev: _Device, pool: int, capacity: int) -> None:
+    def _set_capacity(self, dev: Device, pool: int, capacity: int) -> None:
         rc = dev.core.set_capacity(pool, capacity)
-        if rc == core_api.ERR_PENDING:
-            raise UserError(f"{dev.name}: cannot reconfigure while "
-                            f"{dev.core.pool_stats(pool)[4]} transfer(s) are pending")
         if rc == core_api.ERR_CHARGED:
-            _, resident, _, pending, _ = dev.core.pool_stats(pool)
             raise UserError(f"{dev.name}: capacity {capacity} bytes is below the "
-                            f"{resident + pending} bytes currently charged")
+                            f"{dev.core.pool_stats(pool).resident_bytes} bytes resident")
         if rc != 0:
             raise UserError(f"{dev.name}: cannot set capacity (status {rc})")
 
     def set_pools(self, device: str, pools: Sequence[PoolSpec]) -> None:
         """Split ``device`` into pools (every MoE layer in exactly one), each with its own
-        capacity. Only while the device holds nothing (no resident expert, ticket or lease)."""
+        capacity. Only while the device holds nothing (no resident expert or lease)."""
         with self._lock:
             if self._expert_bytes is None:
                 raise UserError(f"{device}: set_pools needs a bound model (bind_model)")
@@ -287,10 +239,10 @@ class ExpertResidencyManager:
         """The device's pools and their capacities (-1: unresolved)."""
         with self._lock:
             dev = self._device(device)
-            return tuple(PoolSpec(layers, dev.core.pool_stats(i)[0])
+            return tuple(PoolSpec(layers, dev.core.pool_stats(i).capacity)
                          for i, layers in enumerate(dev.pools))
 
-    def _device(self, device: str) -> _Device:
+    def _device(self, device: str) -> Device:
         dev = self._devices.get(device)
         if dev is None:
             self._unknown_device(device)
@@ -330,75 +282,45 @@ class ExpertResidencyManager:
             if lease:
                 lease_id = self._next_lease
                 self._next_lease = lease_id + 1
-            r = dev.core.access(layer, experts, int(phase), next_use, up, lease_id, release_id)
-            if r[0] != 0:
-                self._raise_access(dev, r[0], layer)
-            _, hits, misses, tr, dmb, admitted, evicted, transient, joined, new, pf = r
+            try:
+                r = dev.core.access(layer, experts, int(phase), next_use, up, lease_id,
+                                    release_id)
+            except CoreError as err:
+                raise refusal(err, layer, self._n_expert) from None
+            hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
             keys = self._keys
             adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
             ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
             tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
+            access = _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm, ev,
+                                              tra, tr, lease_id))
             if dev.sim:
-                return _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm,
-                                                ev, tra, _EMPTY, tr, lease_id))
-            submit, drops = [], list(ev) if dev.inline else []
-            if dev.inline:
-                jobs = []
-                for key in adm:
-                    job = Ticket(self._next_job, device, key,
-                                 int(self._expert_bytes[key.layer]), _EMPTY, phase, False)
-                    self._next_job += 1
-                    jobs.append(job)
-                submit.extend(jobs)
-                tickets = tuple(jobs)
-            else:
-                for tid in new:
-                    self._record_ticket(dev, tid)
-                tickets = tuple(self._tickets[t] for t in joined)
-                submit.extend(self._tickets[t] for t in new if t in self._tickets
-                              and not self._tickets[t].prefetch)
-            self._prefetch_results(dev, pf, phase, submit, drops)
-        access = _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm, ev, tra,
-                                          tickets, tr, lease_id))
+                return access
+            submit = [self._notice(device, key, (), phase, False) for key in adm] if adm \
+                else []
+            drops = list(ev)
+            if prefetched:
+                self._prefetch_results(dev, prefetched, phase, submit, drops)
         self._after_unlock(device, submit, drops)
         return access
 
-    def _raise_access(self, dev: _Device, rc: int, layer: int):
-        if rc == core_api.ERR_LAYER:
-            raise UserError(f"access_layer: layer {layer} has no routed experts in the model")
-        if rc == core_api.ERR_EXPERT:
-            raise UserError(f"access_layer: expert id {dev.core.last_bad} out of range "
-                            f"[0, {self._n_expert})")
-        if rc == core_api.ERR_UPCOMING:
-            raise UserError("access_layer: prefetch policy 'belady' is offline-only; "
-                            "pass upcoming")
-        if rc == core_api.ERR_NEXT_USE:
-            raise UserError("access_layer: an offline (belady) policy is configured; "
-                            "pass next_use")
-        if rc == core_api.ERR_NEXT_USE_LEN:
-            raise UserError("access_layer: next_use must have one entry per expert")
-        raise RuntimeError(f"residency core: status {rc}")
-
-    def _record_ticket(self, dev: _Device, tid: int) -> Ticket:
-        flat, phase, prefetch, nbytes, victims = dev.core.ticket(tid)
-        keys = self._keys
-        ticket = Ticket(tid, dev.name, keys[flat], nbytes, tuple(keys[v] for v in victims),
-                        Phase(phase), prefetch)
-        self._tickets[tid] = ticket
+    def _notice(self, device: str, key: ExpertKey, victims: tuple, phase: Phase,
+                prefetch: bool) -> Ticket:
+        """A transfer notice for the transport (under the lock: the manager mints its id)."""
+        ticket = Ticket(self._next_job, device, key, int(self._expert_bytes[key.layer]),
+                        victims, phase, prefetch)
+        self._next_job += 1
         return ticket
 
-    def _prefetch_results(self, dev: _Device, prefetched, phase: Phase, submit: list,
+    def _prefetch_results(self, dev: Device, prefetched, phase: Phase, submit: list,
                           drops: list) -> list[Ticket]:
-        """Tickets of the prefetches a core call issued (under the lock)."""
+        """Transfer notices of the prefetches a core call issued (under the lock)."""
         out = []
         keys = self._keys
-        for tid, flat, victims in prefetched:
-            if dev.inline:
-                ticket = Ticket(tid, dev.name, keys[flat], int(self._expert_bytes[flat // self._n_expert]),
-                                tuple(keys[v] for v in victims), phase, True)
-                drops.extend(ticket.victims)
-            else:
-                ticket = self._record_ticket(dev, tid)
+        for flat, victims in prefetched:
+            ticket = self._notice(dev.name, keys[flat], tuple(keys[v] for v in victims),
+                                  phase, True)
+            drops.extend(ticket.victims)
             submit.append(ticket)
             out.append(ticket)
         return out
@@ -423,27 +345,17 @@ class ExpertResidencyManager:
         dev = self._device(device)
         if not dev.sim:
             raise RuntimeError(f"replay: {device} is served by a real transport")
-        experts = np.asarray(experts)
-        layers = np.asarray(layers)
-        bad = experts[(experts < 0) | (experts >= self._n_expert)]
-        if bad.size:
-            raise UserError(f"replay: expert id {int(bad[0])} out of range "
-                            f"[0, {self._n_expert})")
+        experts, layers = np.asarray(experts), np.asarray(layers)
         moe = np.zeros(len(self._expert_bytes), dtype=bool)
         moe[list(self._moe_layers)] = True
-        bad_layer = layers[(layers < 0) | (layers >= len(moe))]
-        if bad_layer.size or not moe[layers].all():
-            layer = int(bad_layer[0]) if bad_layer.size else int(layers[~moe[layers]][0])
-            raise UserError(f"replay: layer {layer} has no routed experts in the model")
-        miss_kind = np.zeros(len(experts), dtype=np.int8)
-        pf_event = np.full(len(experts), -1, dtype=np.int64)
+        problem = replay_problem(experts, layers, self._n_expert, moe)
+        if problem is not None:
+            raise UserError(f"replay: {problem}")
         with self._lock:
-            rc = dev.core.replay(bounds, layers, phases, experts, next_use, upcoming, miss_kind,
-                                 pf_event)
-            if rc != 0:
-                self._raise_access(dev, rc, -1)
-            pf_batch, pf_flat = dev.core.replay_prefetches()
-        return ReplayOutcome(miss_kind, pf_event, pf_batch, pf_flat)
+            try:
+                return dev.replay(bounds, layers, phases, experts, next_use, upcoming)
+            except CoreError as err:
+                raise refusal(err, -1, self._n_expert) from None
 
     def release(self, access: LayerAccess) -> None:
         """End the leases of an access. Idempotent."""
@@ -455,9 +367,10 @@ class ExpertResidencyManager:
         if dev is not None and access.lease_id:
             dev.core.release(access.lease_id)
 
-    # ---- prefetch and tickets ------------------------------------------------------------
+    # ---- prefetch and failed transfers ----------------------------------------------------
     def prefetch(self, device: str, keys: Sequence[ExpertKey], phase: Phase) -> list[Ticket]:
-        """Bring ``keys`` in ahead of demand where the eviction order allows; the tickets issued.
+        """Bring ``keys`` in ahead of demand where the eviction order allows (resident at once);
+        the transfer notices issued.
 
         Prefetch is speculative: it never evicts a leased expert or one the eviction policy
         ranks above the prefetched key, and it does nothing in MIXED batches.
@@ -467,60 +380,45 @@ class ExpertResidencyManager:
         submit: list[Ticket] = []
         drops: list[ExpertKey] = []
         with self._lock:
-            r = dev.core.prefetch([k.layer * ne + k.expert for k in keys], int(phase))
-            if r[0] != 0:
-                raise UserError(f"prefetch: {device}: a key is not a routed expert of the model")
-            issued = self._prefetch_results(dev, r[10], phase, submit, drops)
+            try:
+                r = dev.core.prefetch([k.layer * ne + k.expert for k in keys], int(phase))
+            except CoreError:
+                raise UserError(f"prefetch: {device}: a key is not a routed expert of the "
+                                "model") from None
+            issued = self._prefetch_results(dev, r.prefetched, phase, submit, drops)
         if not dev.sim:
             self._after_unlock(device, submit, drops)
         return issued
 
-    def commit(self, ticket: Ticket) -> bool:
-        """The transfer finished: the key is resident, its victims are gone. Idempotent."""
-        with self._lock:
-            dev = self._devices[ticket.device]
-            if not dev.core.commit(ticket.id):
-                return False
-            self._tickets.pop(ticket.id, None)
-            self._cond.notify_all()
-        for v in ticket.victims:
-            self._transport.drop(ticket.device, v)
-        return True
-
-    def abort(self, ticket: Ticket) -> bool:
-        """The transfer failed: the key stays absent, the victims stay resident. Idempotent."""
-        with self._lock:
-            dev = self._devices[ticket.device]
-            if not dev.core.abort(ticket.id):
-                return False
-            self._tickets.pop(ticket.id, None)
-            self._cond.notify_all()
-        return True
-
     def transfer_failed(self, ticket: Ticket) -> bool:
-        """An inline transport could not move ``ticket``'s expert: it leaves the device (its
-        victims stay evicted), so manager and device agree. False when it is not resident."""
+        """The transport could not move ``ticket``'s expert: it leaves the device (its victims
+        stay evicted), so manager and device agree. False when it is not resident."""
         with self._lock:
             dev = self._devices[ticket.device]
             key = ticket.key
             return dev.core.forget(key.layer * self._n_expert + key.expert) == 0
 
-    def wait(self, tickets: Sequence[Ticket], timeout: float | None = None) -> bool:
-        """Block until every ticket has committed or aborted; False on timeout."""
-        def done() -> bool:
-            return all(t.id not in self._tickets for t in tickets)
-        with self._cond:
-            return self._cond.wait_for(done, timeout)
-
     # ---- static devices ------------------------------------------------------------------
     def plan_static(self, device: str, skip: tuple[int, ...] = ()) -> static_plan.StaticPlan:
         """The static plan for ``device`` at its resolved capacity (changes nothing); layers
-        in ``skip`` stay off it."""
-        return static_plan.plan(self, device, skip)
+        in ``skip`` stay off it (``static.first_fitting_layers``). UserError before
+        bind_model / resolve_device or for an unknown device."""
+        with self._lock:
+            self._device(device)
+        capacity = self.capacity(device)
+        if capacity is None:
+            raise UserError(f"{device}: plan_static needs a resolved capacity (resolve_device)")
+        layers, used = static_plan.first_fitting_layers(self._expert_bytes.tolist(),
+                                                        self._n_expert, capacity, skip)
+        return static_plan.StaticPlan(device, layers, len(layers) * self._n_expert, used)
 
     def pin_static(self, device: str, plan: static_plan.StaticPlan) -> None:
-        """Make ``plan``'s experts resident on ``device`` for good and mark it static."""
-        static_plan.pin(self, device, plan)
+        """Make ``plan``'s experts resident on ``device`` for good and mark it static; refused
+        (UserError) as ``static.plan_problem`` says."""
+        capacity = self.capacity(device)
+        with self._lock:
+            static_plan.pin(self._device(device), plan, capacity, self._expert_bytes.tolist(),
+                            self._n_expert)
 
     def is_static(self, device: str) -> bool:
         dev = self._devices.get(device)
@@ -556,7 +454,7 @@ class ExpertResidencyManager:
         if dev is None:
             return None
         with self._lock:
-            caps = [dev.core.pool_stats(i)[0] for i in range(len(dev.pools))]
+            caps = [dev.core.pool_stats(i).capacity for i in range(len(dev.pools))]
         return None if any(c < 0 for c in caps) else sum(caps)
 
     def unresolved_reason(self, device: str) -> str | None:
@@ -592,51 +490,15 @@ class ExpertResidencyManager:
             for dev in self._devices.values():
                 code = dev.core.verify()
                 assert code == 0, f"{dev.name}: residency core invariant {code} broken"
-                pending = sum(1 for t in self._tickets.values() if t.device == dev.name)
-                assert pending == dev.core.n_pending, f"{dev.name}: tickets disagree"
 
     def snapshot(self, experts: bool = False) -> ResidencySnapshot:
         """Counters and occupancy of every device and pool, frozen; with ``experts`` also
         each device's ExpertMap (O(layers x experts); only the copies are made under the
         lock)."""
         with self._lock:
-            taken = [(self._device_snapshot(d),
-                      (d.core.states(), d.core.use_counts()) if experts else None)
+            taken = [(d.snapshot(), (d.core.states(), d.core.use_counts()) if experts else None)
                      for d in self._devices.values()]
         return ResidencySnapshot(tuple(snap if raw is None else
-                                       replace(snap, experts=self._expert_map(*raw))
+                                       replace(snap, experts=expert_map(*raw,
+                                                                        self._moe_layers))
                                        for snap, raw in taken))
-
-    def _expert_map(self, states: np.ndarray, uses: np.ndarray) -> ExpertMap:
-        """states (n_layer, n_expert) uint8 and uses (3, n_layer, n_expert) int64 of a core
-        as an ExpertMap of the MoE layers."""
-        layers = list(self._moe_layers)
-        states = states[layers]                                  # (n_moe, n_expert)
-        routed = uses.sum(axis=0)[layers]                        # (n_moe, n_expert)
-        chars = np.full(states.shape, ord(STATE_CHARS["absent"]), dtype=np.uint8)
-        chars[states <= RESIDENT_MAX] = ord(STATE_CHARS["resident"])
-        chars[states == core_api.PENDING] = ord(STATE_CHARS["loading"])
-        chars[states == core_api.EVICTING] = ord(STATE_CHARS["evicting"])
-        return ExpertMap(tuple(layers), tuple(row.tobytes().decode() for row in chars),
-                         tuple(tuple(row) for row in routed.tolist()))
-
-    def _device_snapshot(self, dev: _Device) -> DeviceSnapshot:
-        pools = []
-        for i, layers in enumerate(dev.pools):
-            cap, res_b, res_n, pend_b, pend_n = dev.core.pool_stats(i)
-            phases = tuple(_counters(dev.core.counters(i, int(p))) for p in _PHASES)
-            pools.append(PoolSnapshot(layers, None if cap < 0 else cap, res_b, res_n, pend_n,
-                                      pend_b, phases))
-        total = tuple(sum((p.phases[i] for p in pools), PhaseCounters()) for i in range(3))
-        caps = [p.capacity_bytes for p in pools]
-        return DeviceSnapshot(dev.name, None if None in caps else sum(caps),
-                              sum(p.resident_bytes for p in pools),
-                              sum(p.resident_experts for p in pools),
-                              sum(p.pending_tickets for p in pools),
-                              sum(p.pending_bytes for p in pools), total, dev.reason,
-                              dev.static_bytes if dev.static else None, tuple(pools))
-
-
-def _counters(values: tuple[int, ...]) -> PhaseCounters:
-    d = dict(zip(core_api.COUNTERS, values))
-    return PhaseCounters(hits=d["accesses"] - d["misses"], **d)

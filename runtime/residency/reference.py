@@ -12,12 +12,11 @@ The rules (also the header comment of residency_core.c):
      protected from eviction.
   3. The call's lease is taken; the layer's prefetch pins end; prefetched keys hit now count
      as used.
-  4. Misses, once per distinct key in routing order: a key in flight joins its ticket; an
-     unresolved pool or an evicting key is used transiently; otherwise victims are the
-     lowest (score, last seq, flat) unprotected resident keys of the key's pool (protected:
-     touched by this call, leased, pinned) until the key fits; the admission policy may
-     refuse (transient). Inline: the victims are evicted and the key is resident at once;
-     otherwise a ticket reserves them (victims evicting, key pending) until commit or abort.
+  4. Misses, once per distinct key in routing order: an unresolved pool means a transient
+     use; otherwise victims are the lowest (score, last seq, flat) unprotected resident keys
+     of the key's pool (protected: touched by this call, leased, pinned) until the key fits;
+     the admission policy may refuse (transient). The victims are evicted and the key is
+     resident at once.
   5. Prefetch (never in MIXED): the phase's policy names keys; each absent one is touched,
      then brought in while victims rank strictly below it.
 """
@@ -27,10 +26,12 @@ import math
 
 import numpy as np
 
-from runtime.residency.core import (ABSENT, COUNTERS, ERR_EXPERT, ERR_LAYER, ERR_NEXT_USE,
-                                    ERR_NEXT_USE_LEN, ERR_PENDING, ERR_CHARGED, ERR_POOL,
-                                    ERR_STATE, ERR_UPCOMING, EVICTING, NEVER, PENDING,
-                                    RESIDENT_MAX, CorePolicy)
+from runtime.residency.core import (ABSENT, COUNTERS, ERR_CHARGED, ERR_EXPERT, ERR_LAYER,
+                                    ERR_NEXT_USE, ERR_NEXT_USE_LEN, ERR_POOL, ERR_STATE,
+                                    ERR_UPCOMING, NEVER, RESIDENT_MAX, CoreAccess, CoreError,
+                                    CorePolicy, PoolStats)
+from runtime.residency.policies.factory import policy_entry
+from runtime.residency.policies.prefetch import PlanStep
 from runtime.residency.reference_affinity import AffinityModel
 from runtime.residency.reference_next_visit import NextVisitModel
 
@@ -42,20 +43,16 @@ class _Pool:
         self.capacity = capacity          # -1: unresolved
         self.resident_bytes = 0
         self.resident_count = 0
-        self.pending_bytes = 0
-        self.pending_tickets = 0
         self.counters = [[0] * len(C) for _ in range(3)]
 
 
 class ReferenceCore:
     """Same interface as runtime.residency.core.native.NativeCore."""
 
-    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy, *,
-                 inline: bool):
+    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
         self.n_layer, self.n_expert = n_layer, n_expert
         n = n_layer * n_expert
         self.policy = policy
-        self.inline = bool(inline)
         self.nbytes = [int(expert_bytes[f // n_expert]) for f in range(n)]
         self.pool_layer = [0 if int(b) > 0 else -1 for b in expert_bytes]
         self.moe_layers = [i for i, b in enumerate(expert_bytes) if int(b) > 0]
@@ -77,22 +74,16 @@ class ReferenceCore:
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
         self.leases: dict[int, tuple[int, list[int]]] = {}
-        self.tickets: dict[int, dict] = {}
         self.history: dict[tuple[int, int], list[int]] = {}
         self.seq = 0
-        self.next_ticket = 1
         self.is_static = False
-        self.last_bad = 0
         self.pf_event_of: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------
-    def set_inline(self, inline: bool) -> None:
-        self.inline = bool(inline)
-
     def set_pools(self, pool_of_layer, capacities) -> int:
         if not capacities:
             return ERR_POOL
-        if any(p.resident_count or p.pending_tickets for p in self.pools) or self.leases:
+        if any(p.resident_count for p in self.pools) or self.leases:
             return ERR_STATE
         for layer, pool in enumerate(pool_of_layer):
             moe = self.nbytes[layer * self.n_expert] > 0
@@ -111,9 +102,7 @@ class ReferenceCore:
         if not 0 <= pool < len(self.pools):
             return ERR_POOL
         p = self.pools[pool]
-        if p.pending_tickets:
-            return ERR_PENDING
-        if capacity >= 0 and capacity < p.resident_bytes + p.pending_bytes:
+        if capacity >= 0 and capacity < p.resident_bytes:
             return ERR_CHARGED
         p.capacity = capacity
         return 0
@@ -129,51 +118,22 @@ class ReferenceCore:
     def _pool(self, flat: int) -> _Pool:
         return self.pools[self.pool_layer[flat // self.n_expert]]
 
-    def _score(self, order: int, f: int) -> float:
+    def order_key(self, order: int, f: int) -> tuple:
+        """(priority, last seq, flat) of ``f`` in eviction order ``order``: lowest goes first."""
         name, p1, p2 = self.policy.orders[order]
-        u = self.uses
-        if name == "lru":
-            return float(self.last[f])
-        if name == "lfu":
-            return float(u[0][f] + u[1][f] + u[2][f])
-        if name == "lfu-decay":
-            return self.decay[f]
-        if name == "phase-weighted":
-            return p1 * float(u[0][f]) + p2 * float(u[1][f] + u[2][f])
-        if name == "next-visit":
-            return -self.nv.expected(f)
-        return -float(self.next_use[f])                         # belady
-
-    def _key(self, order: int, f: int) -> tuple:
-        return (self._score(order, f), self.last[f], f)
+        return (policy_entry("eviction", name).reference.priority(self, (p1, p2), f),
+                self.last[f], f)
 
     def _protected(self, f: int, seq0: int) -> bool:
         leased = any(base + e == f for base, el in self.leases.values() for e in el)
         return self.last[f] >= seq0 or leased or f in self.pinned
 
     def _candidates(self, pool: _Pool, order: int, seq0: int) -> list[int]:
-        """The pool's evictable resident keys, lowest (score, last seq, flat) first."""
+        """The pool's evictable resident keys in the order's eviction order."""
         keys = [f for f in range(len(self.state)) if self.state[f] <= RESIDENT_MAX
                 and self._pool(f) is pool and not self._protected(f, seq0)]
-        if self.policy.orders[order][0] != "next-visit":
-            return sorted(keys, key=lambda f: self._key(order, f))
-        # next-visit: each layer's keys by (z, last seq, flat); the next victim is the layer
-        # head lowest in (-expected, z, last seq, flat)
-        by_layer: dict[int, list[int]] = {}
-        for f in sorted(keys, key=lambda f: (self.nv.logit(f), self.last[f], f)):
-            by_layer.setdefault(f // self.n_expert, []).append(f)
-        heads = {layer: 0 for layer in by_layer}
-        out = []
-        while heads:
-            def head_key(layer: int) -> tuple:
-                f = by_layer[layer][heads[layer]]
-                return (self._score(order, f), self.nv.logit(f), self.last[f], f)
-            layer = min(heads, key=head_key)
-            out.append(by_layer[layer][heads[layer]])
-            heads[layer] += 1
-            if heads[layer] == len(by_layer[layer]):
-                del heads[layer]
-        return out
+        name = self.policy.orders[order][0]
+        return policy_entry("eviction", name).reference.victim_order(self, order, keys)
 
     # -- state changes -------------------------------------------------------------------
     def _make_resident(self, f: int, phase: int, prefetched: bool) -> None:
@@ -198,31 +158,6 @@ class ReferenceCore:
             self.pf_unused.discard(f)
             t[C["prefetch_wasted_bytes"]] += b
 
-    def _begin(self, f: int, phase: int, prefetch: bool, victims: list[int]) -> int:
-        p = self._pool(f)
-        vb = sum(self.nbytes[v] for v in victims)
-        before = [self.state[v] for v in victims]
-        for v in victims:
-            self.state[v] = EVICTING
-            p.resident_count -= 1
-        p.resident_bytes -= vb
-        tid = self.next_ticket
-        self.next_ticket += 1
-        claim = max(self.nbytes[f], vb)
-        self.tickets[tid] = dict(flat=f, phase=phase, prefetch=prefetch, bytes=self.nbytes[f],
-                                 claim=claim, victims=list(victims), before=before)
-        p.pending_bytes += claim
-        p.pending_tickets += 1
-        self.state[f] = PENDING
-        return tid
-
-    def _finish(self, tid: int) -> dict:
-        t = self.tickets.pop(tid)
-        p = self._pool(t["flat"])
-        p.pending_bytes -= t["claim"]
-        p.pending_tickets -= 1
-        return t
-
     # -- decisions -----------------------------------------------------------------------
     def access(self, layer: int, experts, phase: int, next_use=None, upcoming=None,
                lease_id: int = 0, release_id: int = 0):
@@ -230,24 +165,22 @@ class ReferenceCore:
             self.release(release_id)
         el = [int(e) for e in np.asarray(experts).reshape(-1).tolist()]
         if not 0 <= layer < self.n_layer or self.pool_layer[layer] < 0:
-            self.last_bad = layer
-            return (ERR_LAYER,)
+            raise CoreError(ERR_LAYER, layer)
         for e in el:
             if not 0 <= e < self.n_expert:
-                self.last_bad = e
-                return (ERR_EXPERT,)
+                raise CoreError(ERR_EXPERT, e)
         if next_use is not None:
             nul = [int(x) for x in np.asarray(next_use).reshape(-1).tolist()]
             if len(nul) != len(el):
-                return (ERR_NEXT_USE_LEN,)
+                raise CoreError(ERR_NEXT_USE_LEN)
         else:
             nul = None
         if self.is_static:
             return self._access_static(layer, el, phase, lease_id)
         if self.policy.needs_upcoming(phase) and upcoming is None:
-            return (ERR_UPCOMING,)
+            raise CoreError(ERR_UPCOMING)
         if self.policy.track_next_use and nul is None:
-            return (ERR_NEXT_USE,)
+            raise CoreError(ERR_NEXT_USE)
         base = layer * self.n_expert
         seq0 = self.seq
         self.seq += len(el)
@@ -293,20 +226,16 @@ class ReferenceCore:
         if phase != 1:
             tr = 0
         t[C["transition_hits"]] += tr
-        res = dict(admitted=[], evicted=[], transient=[], tickets=[], new=[], prefetched=[])
+        res = dict(admitted=[], evicted=[], transient=[], prefetched=[])
         b = self.nbytes[base]
         t[C["misses"]] += len(missed)
         t[C["demand_miss_bytes"]] += len(missed) * b
         order = self.policy.phase_order[phase]
         for f in missed:
-            s = self.state[f]
-            if s == PENDING:
-                res["tickets"].append(next(i for i, x in self.tickets.items() if x["flat"] == f))
-                continue
-            if pool.capacity < 0 or s == EVICTING:
+            if pool.capacity < 0:
                 res["transient"].append(f)
                 continue
-            free = pool.capacity - pool.resident_bytes - pool.pending_bytes
+            free = pool.capacity - pool.resident_bytes
             victims: list[int] = []
             if free < b:
                 freed = 0
@@ -323,35 +252,24 @@ class ReferenceCore:
                 continue
             res["admitted"].append(f)
             res["evicted"].extend(victims)
-            if self.inline:
-                for v in victims:
-                    self._evict(v, phase)
-                self._make_resident(f, phase, False)
-                t[C["admissions"]] += 1
-                t[C["admitted_bytes"]] += b
-            else:
-                tid = self._begin(f, phase, False, victims)
-                res["tickets"].append(tid)
-                res["new"].append(tid)
+            for v in victims:
+                self._evict(v, phase)
+            self._make_resident(f, phase, False)
+            t[C["admissions"]] += 1
+            t[C["admitted_bytes"]] += b
         if res["transient"]:
             t[C["transient_uses"]] += len(res["transient"])
             t[C["transient_bytes"]] += len(res["transient"]) * b
         if phase != 2 and self.policy.prefetch[phase][0] != "none":
             self._run_prefetch(layer, phase, upcoming, seq0, res, len(el) - len(missed),
                                len(missed))
-        return (0, len(el) - len(missed), len(missed), tr, len(missed) * b,
-                tuple(res["admitted"]), tuple(res["evicted"]), tuple(res["transient"]),
-                tuple(res["tickets"]), tuple(res["new"]), tuple(res["prefetched"]))
+        return CoreAccess(len(el) - len(missed), len(missed), tr, len(missed) * b,
+                          tuple(res["admitted"]), tuple(res["evicted"]),
+                          tuple(res["transient"]), tuple(res["prefetched"]))
 
     def _admit(self, phase: int, f: int, victims: list[int]) -> bool:
         name, param = self.policy.admission[phase]
-        if name == "reuse-threshold":
-            return phase == 0 or self.uses[0][f] + self.uses[1][f] + self.uses[2][f] >= param
-        if name == "transient-on-pressure":
-            return not victims or self.last[f] - self.last[victims[0]] > param
-        if name == "belady-bypass":
-            return not victims or self.next_use[f] < self.next_use[victims[0]]
-        return True
+        return policy_entry("admission", name).reference.admit(self, phase, f, victims, param)
 
     def _access_static(self, layer: int, el: list[int], phase: int, lease_id: int):
         base = layer * self.n_expert
@@ -366,7 +284,7 @@ class ReferenceCore:
         t[C["demand_miss_bytes"]] += mb
         t[C["transient_uses"]] += m
         t[C["transient_bytes"]] += mb
-        return (0, len(el) - m, m, 0, mb, (), (), tuple(missed), (), (), ())
+        return CoreAccess(len(el) - m, m, 0, mb, (), (), tuple(missed), ())
 
     def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict,
                       n_hits: int, n_misses: int) -> None:
@@ -376,47 +294,16 @@ class ReferenceCore:
             ul, ue, ui = upcoming
             for e, idx in zip(reversed(list(ue)), reversed(list(ui))):
                 self.next_use[int(ul) * ne + int(e)] = int(idx)
-        nxt = [x for x in self.moe_layers if x > layer]
-        plan: list[int] = []
-        if name == "chunk-plan":
-            if phase != 0:
-                return
-            for l in nxt[:int(param)]:
-                prev = self.history.get((0, l))
-                if prev is not None:
-                    plan.extend(l * ne + e for e in sorted(set(prev)))
-        elif name == "popularity":
-            if not nxt or int(param) <= 0:
-                return
-            l = nxt[0]
-            counts = [self.uses[0][l * ne + e] + self.uses[1][l * ne + e] +
-                      self.uses[2][l * ne + e] for e in range(ne)]
-            ranked = sorted(range(ne), key=lambda e: (-counts[e], e))[:min(int(param), ne)]
-            plan = [l * ne + e for e in ranked if counts[e] > 0]
-        elif name == "belady":
-            if upcoming is None:
-                return
-            ul, ue, _ = upcoming
-            plan = list(dict.fromkeys(int(ul) * ne + int(e) for e in ue))
-        elif name == "affinity":
-            if phase != 1:
-                return
-            got = self.af.plan(layer, n_hits, n_misses, lambda f: self.state[f] == ABSENT)
-            if not got:
-                return
-            spent = 0.0                               # every planned key is absent
-            for f, _ in got:
-                spent = spent + self.af.transfer_cost(self.nbytes[f])
-            before = len(res["prefetched"])
-            mine = [-(float(self.af.plan_lead) + float(len(self.moe_layers)) * (1.0 / q - 1.0))
-                    for _, q in got]
-            self._prefetch_flats([f for f, _ in got], phase, seq0, res, mine)
-            for _, f, _ in res["prefetched"][before:]:
-                spent = spent - self.af.transfer_cost(self.nbytes[f])
-            self.af.refund(spent)
+        planner = policy_entry("prefetch", name).reference
+        step = PlanStep(layer, phase, param, upcoming, n_hits, n_misses,
+                        tuple(x for x in self.moe_layers if x > layer))
+        plan, mine = planner.plan(self, step)
+        if not plan:
             return
-        if plan:
-            self._prefetch_flats(plan, phase, seq0, res)
+        before = len(res["prefetched"])
+        self._prefetch_flats(plan, phase, seq0, res, mine)
+        if hasattr(planner, "after"):
+            planner.after(self, plan, [f for f, _ in res["prefetched"][before:]])
 
     def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict, mine=None) -> None:
         order = self.policy.phase_order[phase]
@@ -429,14 +316,15 @@ class ReferenceCore:
             b = self.nbytes[f]
             self.last[f] = self.seq
             self.seq += 1
-            own = self._key(order, f)
-            if mine is not None and self.policy.orders[order][0] == "next-visit":
+            own = self.order_key(order, f)
+            if mine is not None and policy_entry(
+                    "eviction", self.policy.orders[order][0]).reference.planned_scores:
                 own = (mine[i], self.last[f], f)
-            free = pool.capacity - pool.resident_bytes - pool.pending_bytes
+            free = pool.capacity - pool.resident_bytes
             victims: list[int] = []
             freed = 0
             for v in self._candidates(pool, order, seq0):
-                if free + freed >= b or self._key(order, v) >= own:
+                if free + freed >= b or self.order_key(order, v) >= own:
                     break
                 victims.append(v)
                 freed += self.nbytes[v]
@@ -447,29 +335,23 @@ class ReferenceCore:
             t[C["prefetch_issued_bytes"]] += b
             self.pinned.add(f)
             self.pins_by_layer.setdefault(f // self.n_expert, []).append(f)
-            if self.inline:
-                for v in victims:
-                    self._evict(v, phase)
-                self._make_resident(f, phase, True)
-                tid = self.next_ticket
-                self.next_ticket += 1
-            else:
-                tid = self._begin(f, phase, True, victims)
-                res["new"].append(tid)
-            res["prefetched"].append((tid, f, tuple(victims)))
+            for v in victims:
+                self._evict(v, phase)
+            self._make_resident(f, phase, True)
+            res["prefetched"].append((f, tuple(victims)))
 
     def release(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
 
     def prefetch(self, flats, phase: int):
-        res = dict(admitted=[], evicted=[], transient=[], tickets=[], new=[], prefetched=[])
+        res = dict(admitted=[], evicted=[], transient=[], prefetched=[])
         if phase != 2 and not self.is_static:
             flats = [int(f) for f in flats]
             for f in flats:
                 if not 0 <= f < len(self.state) or self.pool_layer[f // self.n_expert] < 0:
-                    return (ERR_EXPERT,)
+                    raise CoreError(ERR_EXPERT)
             self._prefetch_flats(flats, phase, self.seq, res)
-        return (0, 0, 0, 0, 0, (), (), (), (), tuple(res["new"]), tuple(res["prefetched"]))
+        return CoreAccess(0, 0, 0, 0, (), (), (), tuple(res["prefetched"]))
 
     def replay(self, starts, layers, phases, experts, next_use, with_upcoming, miss_kind,
                pf_event=None):
@@ -484,15 +366,16 @@ class ReferenceCore:
                       else (int(layers[b]), experts[e:e], np.arange(e, e)))
             el = experts[s:e]
             unused = set(self.pf_unused)
-            res = self.access(int(layers[b]), el, int(phases[b]),
-                              None if next_use is None else next_use[s:e], up)
-            if res[0] != 0:
-                return res[0]
-            for _tid, f, _victims in res[10]:
+            try:
+                res = self.access(int(layers[b]), el, int(phases[b]),
+                                  None if next_use is None else next_use[s:e], up)
+            except CoreError as err:
+                return err.status
+            for f, _victims in res.prefetched:
                 self.pf_event_of[f] = len(self.log)
                 self.log.append((b, f))
             miss_kind[s:e] = 0
-            admitted, transient, tickets = set(res[5]), set(res[7]), res[8]
+            admitted, transient = set(res.admitted), set(res.transient)
             base = int(layers[b]) * self.n_expert
             seen = set()
             for i, x in enumerate(el.tolist()):
@@ -500,11 +383,7 @@ class ReferenceCore:
                 if f in seen:
                     continue
                 seen.add(f)
-                kind = 1 if f in admitted else 2 if f in transient else 0
-                if kind == 0 and tickets and any(self.tickets.get(t, {}).get("flat") == f
-                                                 for t in tickets):
-                    kind = 3
-                miss_kind[s + i] = kind
+                miss_kind[s + i] = 1 if f in admitted else 2 if f in transient else 0
                 if f in unused:             # its first use since it was prefetched: a hit
                     miss_kind[s + i] = 4
                     if pf_event is not None:
@@ -527,45 +406,7 @@ class ReferenceCore:
                 and np.asarray(history).size:
             self.af.nb.warm_start(np.asarray(history).tolist())
 
-    # -- tickets -------------------------------------------------------------------------
-    def ticket(self, tid: int):
-        t = self.tickets.get(tid)
-        if t is None:
-            return None
-        return t["flat"], t["phase"], t["prefetch"], t["bytes"], tuple(t["victims"])
-
-    def commit(self, tid: int) -> bool:
-        if tid not in self.tickets:
-            return False
-        t = self._finish(tid)
-        for v in t["victims"]:
-            self._evict(v, t["phase"])
-        self.last[t["flat"]] = self.seq
-        self.seq += 1
-        self._make_resident(t["flat"], t["phase"], t["prefetch"])
-        if not t["prefetch"]:
-            c = self._pool(t["flat"]).counters[t["phase"]]
-            c[C["admissions"]] += 1
-            c[C["admitted_bytes"]] += t["bytes"]
-        return True
-
-    def abort(self, tid: int) -> bool:
-        if tid not in self.tickets:
-            return False
-        t = self._finish(tid)
-        p = self._pool(t["flat"])
-        for v, before in zip(t["victims"], t["before"]):
-            self.state[v] = before
-            p.resident_bytes += self.nbytes[v]
-            p.resident_count += 1
-        self.state[t["flat"]] = ABSENT
-        self.pinned.discard(t["flat"])
-        return True
-
-    @property
-    def n_pending(self) -> int:
-        return len(self.tickets)
-
+    # -- the mechanism ---------------------------------------------------------------------
     def forget(self, f: int) -> int:
         if not 0 <= f < len(self.state) or self.state[f] > RESIDENT_MAX:
             return ERR_STATE
@@ -597,10 +438,12 @@ class ReferenceCore:
     def use_counts(self) -> np.ndarray:
         return np.array(self.uses, dtype=np.int64).reshape(3, self.n_layer, self.n_expert)
 
-    def pool_stats(self, pool: int) -> tuple[int, int, int, int, int]:
+    def pool_stats(self, pool: int) -> PoolStats:
+        if not 0 <= pool < len(self.pools):
+            raise CoreError(ERR_POOL)
         p = self.pools[pool]
-        return (p.capacity, p.resident_bytes, p.resident_count, p.pending_bytes,
-                p.pending_tickets)
+        return PoolStats(p.capacity, p.resident_bytes, p.resident_count,
+                         tuple(tuple(row) for row in p.counters))
 
     def counters(self, pool: int, phase: int) -> tuple[int, ...]:
         return tuple(self.pools[pool].counters[phase])
@@ -616,11 +459,7 @@ class ReferenceCore:
             if p.resident_bytes != sum(self.nbytes[f] for f in res) or \
                     p.resident_count != len(res):
                 return 3
-            claims = sum(t["claim"] for t in self.tickets.values()
-                         if self.pool_layer[t["flat"] // self.n_expert] == pi)
-            if p.pending_bytes != claims:
-                return 4
-            if (p.capacity < 0 and (p.resident_bytes or claims)) or \
-                    (p.capacity >= 0 and p.resident_bytes + claims > p.capacity):
+            if (p.capacity < 0 and p.resident_bytes) or \
+                    (p.capacity >= 0 and p.resident_bytes > p.capacity):
                 return 5
         return 0

@@ -5,8 +5,8 @@ the manager decides which layers' experts live there and pins them: ``plan_stati
 picks them, ``pin_static`` makes them resident for good and marks the device static. On a
 static device an access to a pinned expert is a hit; any other is a demand miss used
 transiently (counted in ``transient_uses``), never admitted, and nothing is evicted or
-prefetched (the residency core's static mode). ``plan``/``pin`` serve the manager's
-``plan_static``/``pin_static``.
+prefetched (the residency core's static mode). The manager's ``plan_static``/``pin_static``
+take the rules here (``first_fitting_layers``, ``plan_problem``, ``pin``).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from runtime.errors import UserError
+
 
 
 @dataclass(frozen=True)
@@ -48,53 +49,47 @@ def first_fitting_layers(expert_bytes: Sequence[int], n_expert: int,
     return tuple(chosen), used
 
 
-def plan(manager, device: str, skip: Sequence[int] = ()) -> StaticPlan:
-    """The static plan for ``device`` at its resolved capacity (changes nothing); ``skip``:
-    layers that stay off it (``first_fitting_layers``).
-    UserError before bind_model / resolve_device or for an unknown device."""
-    with manager._lock:
-        manager._device(device)
-    capacity = manager.capacity(device)
+def plan_problem(plan: StaticPlan, device: str, *, capacity: int | None,
+                 expert_bytes: Sequence[int], n_expert: int, is_static: bool,
+                 holds_anything: bool) -> str | None:
+    """Why ``plan`` cannot be pinned on ``device`` as it stands, or None (pure: the manager
+    passes its device's facts). Pinnable: the plan is for this device, names distinct MoE
+    layers within its resolved capacity with their real key count and bytes, and the device
+    is not static yet and holds nothing (no resident expert or lease)."""
+    moe = [i for i, b in enumerate(expert_bytes) if b]
+    if plan.device != device:
+        return f"the plan is for {plan.device!r}"
+    if is_static:
+        return "it is static already"
     if capacity is None:
-        raise UserError(f"{device}: plan_static needs a resolved capacity (resolve_device)")
-    layers, used = first_fitting_layers(manager._expert_bytes.tolist(), manager.n_expert,
-                                        capacity, skip)
-    return StaticPlan(device, layers, len(layers) * manager.n_expert, used)
+        return "its capacity is not resolved (resolve_device)"
+    if holds_anything:
+        return "it already holds experts or leases"
+    if not set(plan.layers) <= set(moe) or len(set(plan.layers)) != len(plan.layers):
+        return f"plan layers {plan.layers} are not distinct MoE layers"
+    if plan.keys != len(plan.layers) * n_expert or plan.bytes != sum(
+            int(expert_bytes[i]) * n_expert for i in plan.layers):
+        return "the plan's key count or bytes disagree with the model"
+    if plan.bytes > capacity:
+        return f"the plan's {plan.bytes} bytes exceed the capacity {capacity}"
+    return None
 
 
-def pin(manager, device: str, plan: StaticPlan) -> None:
-    """Make ``plan``'s experts resident on ``device`` for good and mark it static.
-
-    Refused (UserError) unless the plan is for this device, names MoE layers within its
-    capacity, and the device holds nothing yet (no resident experts, tickets or leases)."""
-    capacity = manager.capacity(device)
-    with manager._lock:
-        dev = manager._device(device)
-        ne = manager.n_expert
-        eb = manager._expert_bytes
-        moe = [i for i, b in enumerate(eb.tolist()) if b]
-        stats = [dev.core.pool_stats(i) for i in range(len(dev.pools))]
-        problem = None
-        if plan.device != device:
-            problem = f"the plan is for {plan.device!r}"
-        elif dev.static:
-            problem = "it is static already"
-        elif capacity is None:
-            problem = "its capacity is not resolved (resolve_device)"
-        elif any(s[2] or s[4] for s in stats) or dev.core.n_leases:
-            problem = "it already holds experts, transfers or leases"
-        elif not set(plan.layers) <= set(moe) or len(set(plan.layers)) != len(plan.layers):
-            problem = f"plan layers {plan.layers} are not distinct MoE layers"
-        elif plan.keys != len(plan.layers) * ne or plan.bytes != sum(
-                int(eb[i]) * ne for i in plan.layers):
-            problem = "the plan's key count or bytes disagree with the model"
-        elif plan.bytes > capacity:
-            problem = f"the plan's {plan.bytes} bytes exceed the capacity {capacity}"
-        if problem is not None:
-            raise UserError(f"{device}: cannot pin statically: {problem}")
-        flats = [layer * ne + e for layer in plan.layers for e in range(ne)]
-        if dev.core.pin_static(flats) != 0:
-            raise UserError(f"{device}: cannot pin statically: the core refused the plan")
-        dev.static = True
-        dev.static_bytes = plan.bytes
-        assert sum(dev.core.pool_stats(i)[1] for i in range(len(dev.pools))) == plan.bytes
+def pin(device, plan: StaticPlan, capacity: int | None, expert_bytes: Sequence[int],
+        n_expert: int) -> None:
+    """Pin ``plan`` on ``device`` (a residency.device.Device, under its manager's lock) and
+    mark it static; UserError as ``plan_problem`` says."""
+    stats = [device.core.pool_stats(i) for i in range(len(device.pools))]
+    problem = plan_problem(plan, device.name, capacity=capacity, expert_bytes=expert_bytes,
+                           n_expert=n_expert, is_static=device.static,
+                           holds_anything=any(s.resident_count for s in stats)
+                           or bool(device.core.n_leases))
+    if problem is not None:
+        raise UserError(f"{device.name}: cannot pin statically: {problem}")
+    flats = [layer * n_expert + e for layer in plan.layers for e in range(n_expert)]
+    if device.core.pin_static(flats) != 0:
+        raise UserError(f"{device.name}: cannot pin statically: the core refused the plan")
+    device.static = True
+    device.static_bytes = plan.bytes
+    assert sum(device.core.pool_stats(i).resident_bytes
+               for i in range(len(device.pools))) == plan.bytes

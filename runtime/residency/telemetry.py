@@ -63,21 +63,18 @@ class PoolSnapshot:
     capacity_bytes: int | None       # None: not resolved yet
     resident_bytes: int
     resident_experts: int
-    pending_tickets: int
-    pending_bytes: int
     phases: tuple[PhaseCounters, ...]  # indexed by Phase
 
     def to_dict(self) -> dict:
         return {"layers": list(self.layers), "capacity_bytes": self.capacity_bytes,
                 "resident_bytes": self.resident_bytes,
                 "resident_experts": self.resident_experts,
-                "pending_tickets": self.pending_tickets, "pending_bytes": self.pending_bytes,
                 "phases": {p.label: asdict(self.phases[p]) for p in Phase}}
 
 
-# ExpertMap.state: one character per expert (an evicting expert is still resident; a loading
-# one is not yet)
-STATE_CHARS = {"resident": "R", "loading": "P", "evicting": "E", "absent": "-"}
+# ExpertMap.state: one character per expert (a decision takes effect at once: an expert is
+# resident from its admission on)
+STATE_CHARS = {"resident": "R", "absent": "-"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +98,6 @@ class DeviceSnapshot:
     capacity_bytes: int | None       # None: not resolved yet (see note)
     resident_bytes: int
     resident_experts: int
-    pending_tickets: int
-    pending_bytes: int               # bytes claimed by transfers in flight
     phases: tuple[PhaseCounters, ...]  # indexed by Phase
     note: str = ""
     static_bytes: int | None = None  # pinned by pin_static (static device); None: not static
@@ -137,8 +132,6 @@ class ResidencySnapshot:
                 "capacity_bytes": d.capacity_bytes,
                 "resident_bytes": d.resident_bytes,
                 "resident_experts": d.resident_experts,
-                "pending_tickets": d.pending_tickets,
-                "pending_bytes": d.pending_bytes,
                 "note": d.note,
                 "static_bytes": d.static_bytes,
                 "phases": {p.label: asdict(d.phases[p]) for p in Phase},
@@ -166,7 +159,6 @@ class ResidencySnapshot:
         gauges = {
             "resident_bytes": ("Bytes of experts resident on the device.", "resident_bytes"),
             "resident_experts": ("Experts resident on the device.", "resident_experts"),
-            "pending_bytes": ("Bytes claimed by transfers in flight.", "pending_bytes"),
             "capacity_bytes": ("Expert budget of the device (absent until resolved).",
                                "capacity_bytes"),
             "static_bytes": ("Bytes of experts pinned on a static device (absent if not "

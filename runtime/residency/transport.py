@@ -1,27 +1,21 @@
 """Transports move expert bytes for the manager's decisions; the manager never holds its lock
 while they do.
 
-Two kinds (``inline``):
-  * inline (``SimulatedTransport``, the native device cache, the RAM tier): the core decides
-    at once (an admitted expert is resident from its admission on); ``drop(device, key)`` is
-    called for each victim, then ``submit(ticket)`` for each expert to move. A move that fails
-    calls ``manager.transfer_failed(ticket)``: the expert leaves the device.
-  * ticket (``ThreadedTransport``, ``ManualTransport``): ``submit(ticket)`` must eventually call
-    ``manager.commit(ticket)`` or ``manager.abort(ticket)`` (from any thread); the key is pending
-    and its victims reserved meanwhile; ``drop`` is called for the victims after the commit.
+A decision takes effect at once (an admitted expert is resident from its admission on):
+``drop(device, key)`` is called for each victim, then ``submit(ticket)`` for each expert to
+move (a ``Ticket`` is a transfer notice). A move that fails calls
+``manager.transfer_failed(ticket)``: the expert leaves the device. Transports: the
+``SimulatedTransport`` (replay, tests: never called), the native device cache
+(runtime/native) and the RAM tier (runtime/ramtier).
 """
 from __future__ import annotations
 
-import queue
-import threading
-from typing import Callable, Protocol
+from typing import Protocol
 
 from runtime.residency.types import ExpertKey, Ticket
 
 
 class Transport(Protocol):
-    inline: bool  # True: the manager commits tickets itself at once (nothing moves)
-
     def bind(self, manager) -> None: ...
     def submit(self, ticket: Ticket) -> None: ...
     def drop(self, device: str, key: ExpertKey) -> None: ...
@@ -30,8 +24,6 @@ class Transport(Protocol):
 class SimulatedTransport:
     """No bytes move (replay and tests): the manager does not even call it."""
 
-    inline = True
-
     def bind(self, manager) -> None:
         self.manager = manager
 
@@ -40,107 +32,14 @@ class SimulatedTransport:
 
     def drop(self, device: str, key: ExpertKey) -> None:
         return None
-
-
-class ThreadedTransport:
-    """Runs ``copy(ticket)`` on ``workers`` threads (queue depth = workers, at least 4).
-
-    A copy that raises aborts its ticket; otherwise the ticket commits. ``close()`` stops the
-    workers after the queue drains.
-    """
-
-    inline = False
-
-    def __init__(self, copy: Callable[[Ticket], None], *, workers: int = 4,
-                 drop: Callable[[str, ExpertKey], None] | None = None):
-        if workers < 4:
-            raise ValueError("ThreadedTransport needs at least 4 workers (queue depth >= 4)")
-        self._copy = copy
-        self._drop = drop
-        self._queue: queue.Queue[Ticket | None] = queue.Queue()
-        self._threads = [threading.Thread(target=self._work, name=f"expert-copy-{i}", daemon=True)
-                         for i in range(workers)]
-        self.manager = None
-        self.errors: list[BaseException] = []
-
-    def bind(self, manager) -> None:
-        self.manager = manager
-        for t in self._threads:
-            if not t.is_alive():
-                t.start()
-
-    def submit(self, ticket: Ticket) -> None:
-        self._queue.put(ticket)
-
-    def drop(self, device: str, key: ExpertKey) -> None:
-        if self._drop is not None:
-            self._drop(device, key)
-
-    def _work(self) -> None:
-        while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                return
-            try:
-                self._copy(ticket)
-            except BaseException as err:  # a failed copy must not leave the ticket pending
-                self.errors.append(err)
-                self.manager.abort(ticket)
-            else:
-                self.manager.commit(ticket)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            if t.is_alive():
-                t.join()
-
-
-class ManualTransport:
-    """A fake that holds tickets until someone calls ``commit_next``/``abort_next`` (tests,
-    step-by-step tools). Nothing moves."""
-
-    inline = False
-
-    def __init__(self) -> None:
-        self.pending: list[Ticket] = []
-        self.dropped: list[tuple[str, ExpertKey]] = []
-        self.manager = None
-
-    def bind(self, manager) -> None:
-        self.manager = manager
-
-    def submit(self, ticket: Ticket) -> None:
-        self.pending.append(ticket)
-
-    def drop(self, device: str, key: ExpertKey) -> None:
-        self.dropped.append((device, key))
-
-    def commit_next(self, index: int = 0) -> Ticket:
-        ticket = self.pending.pop(index)
-        self.manager.commit(ticket)
-        return ticket
-
-    def abort_next(self, index: int = 0) -> Ticket:
-        ticket = self.pending.pop(index)
-        self.manager.abort(ticket)
-        return ticket
-
-    def commit_all(self) -> None:
-        while self.pending:
-            self.commit_next()
 
 
 # ---- one manager, several transports ---------------------------------------------------
 # The engine builds the manager with its default (simulated) transport; tiers that move bytes
-# (the RAM tier, the native device cache) attach afterwards and claim their device. Whether a
-# device's decisions are inline is its own transport's (``transport_for(device).inline``).
+# (the RAM tier, the native device cache) attach afterwards and claim their device.
 
 class DeviceTransports:
     """Dispatch by ``ticket.device``; unclaimed devices use ``default``."""
-
-    inline = False   # per device: transport_for(device).inline
 
     def __init__(self, default):
         self.default = default

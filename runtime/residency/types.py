@@ -30,11 +30,9 @@ class ExpertKey:
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """One transfer: bring ``key`` (``bytes``) onto ``device``, evicting ``victims`` on commit.
-
-    Victims are reserved while the ticket is pending (no longer hit-able, still charged) and
-    come back untouched on abort.
-    """
+    """A transfer notice: ``key`` (``bytes``) is resident on ``device`` now (its ``victims``
+    are gone); the transport moves its bytes, or calls ``manager.transfer_failed``. ``id``:
+    the manager's, unique per manager."""
 
     id: int
     device: str
@@ -58,10 +56,9 @@ class LayerAccess(NamedTuple):
     hits: int
     misses: int                        # distinct missed keys of the call
     demand_miss_bytes: int             # bytes of those keys
-    admitted: tuple[ExpertKey, ...]    # became resident (inline transport) or in flight
+    admitted: tuple[ExpertKey, ...]    # resident now (the transport moves their bytes)
     evicted: tuple[ExpertKey, ...]     # victims of this call's admissions
     transient: tuple[ExpertKey, ...]   # used once without residency
-    tickets: tuple[Ticket, ...]        # transfers to wait for (empty with inline transport)
     transition_hits: int = 0           # decode hits on experts admitted during prefill
     lease_id: int = 0                  # 0: nothing held (lease=False)
 
@@ -73,3 +70,24 @@ class UpcomingStep:
     layer: int
     experts: np.ndarray       # (m,) int expert ids in routing order
     access_index: np.ndarray  # (m,) int64 access index of each element
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """What ``replay`` reports beyond the counters: per row and per prefetch."""
+
+    miss_kind: np.ndarray       # (n_rows,) int8: at the first row of each missed key 1
+                                # admitted, 2 transient, 3 joined a transfer; 4 at the first
+                                # use (a hit) of a prefetched key; 0 elsewhere
+    prefetch_event: np.ndarray  # (n_rows,) int64: at rows of kind 4, the prefetch's index
+                                # in prefetch_batch / prefetch_flat; -1 elsewhere
+    prefetch_batch: np.ndarray  # (n_prefetches,) int64 the batch that issued it, issue order
+    prefetch_flat: np.ndarray   # (n_prefetches,) int32 its key (layer * n_expert + expert)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Layers that share one capacity on a device (the native cache: one expert layout)."""
+
+    layers: tuple[int, ...]
+    capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)

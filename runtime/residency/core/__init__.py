@@ -1,5 +1,5 @@
 """The residency core: every per-access decision of one device (hit/miss, admission, victims
-in the policy's total order, leases, prefetch, tickets, per-(pool, phase) counters).
+in the policy's total order, leases, prefetch, per-(pool, phase) counters).
 
 Two implementations of one interface, ``DeviceCore``:
   ``NativeCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
@@ -7,24 +7,31 @@ Two implementations of one interface, ``DeviceCore``:
                     rules, used only by tests, which compare the two on the same streams.
 
 ``CorePolicy`` is what both take: the config's policies for the three phases, resolved.
+Both answer with the records below (``CoreAccess``, ``PoolStats``), never bare tuples.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from runtime.residency.policies.factory import c_kinds, policy_entry
 from runtime.residency.types import Phase
 
-EVICTION_KINDS = {"lru": 0, "lfu": 1, "lfu-decay": 2, "phase-weighted": 3, "belady": 4,
-                  "next-visit": 5}
-ADMISSION_KINDS = {"always": 0, "reuse-threshold": 1, "transient-on-pressure": 2,
-                   "belady-bypass": 3}
-PREFETCH_KINDS = {"none": 0, "chunk-plan": 1, "popularity": 2, "belady": 3, "affinity": 4}
-# the one parameter of each admission / prefetch policy the core reads
-_ADMISSION_PARAM = {"reuse-threshold": "break_even", "transient-on-pressure": "window"}
-_PREFETCH_PARAM = {"chunk-plan": "depth", "popularity": "top_n"}
+# the core's kind of each policy name (the registry's: runtime/residency/policies/factory.py)
+EVICTION_KINDS = c_kinds("eviction")
+ADMISSION_KINDS = c_kinds("admission")
+PREFETCH_KINDS = c_kinds("prefetch")
+
+
+def _c_params(role: str, spec, n: int) -> tuple[float, ...]:
+    """The parameters a policy's registry line names for the core's p1 / p2 slots (0.0 in
+    the slots it leaves)."""
+    kw = spec.kwargs()
+    named = [kw[p] for p in policy_entry(role, spec.name).c_params]
+    return tuple(named + [0.0] * (n - len(named)))
 
 # counter order of the core (telemetry.PhaseCounters' fields, hits left out: derived)
 COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
@@ -51,13 +58,48 @@ def history_ok(h: np.ndarray, n_moe: int, n_expert: int) -> bool:
     rows = np.sort(h.reshape(-1, h.shape[2]), axis=1)
     return not ((rows[:, 1:] == rows[:, :-1]) & (rows[:, 1:] >= 0)).any()
 
-# key states
-RESIDENT_MAX, ABSENT, PENDING, EVICTING = 2, 8, 9, 10
+# key states: 0..2 resident (the phase that admitted it), else absent
+RESIDENT_MAX, ABSENT = 2, 8
 NEVER = 2**62   # next_use value meaning "not used again"
 
-# access() return codes
+# status codes (residency_core.h)
 OK, ERR_LAYER, ERR_EXPERT, ERR_NEXT_USE, ERR_UPCOMING, ERR_NEXT_USE_LEN = 0, -1, -2, -3, -4, -5
-ERR_POOL, ERR_CHARGED, ERR_PENDING, ERR_STATE, ERR_NOMEM = -6, -7, -8, -9, -10
+ERR_POOL, ERR_CHARGED, ERR_STATE, ERR_NOMEM = -6, -7, -9, -10
+
+
+class CoreError(Exception):
+    """A core call refused (``status``: a code above; ``bad_value``: the offending layer or
+    expert id for ERR_LAYER / ERR_EXPERT). A refused call changed nothing."""
+
+    def __init__(self, status: int, bad_value: int = 0):
+        super().__init__(f"residency core: status {status}")
+        self.status = status
+        self.bad_value = bad_value
+
+
+class CoreAccess(NamedTuple):
+    """What one core access (or prefetch) decided, flat keys (``layer * n_expert + expert``).
+
+    A NamedTuple: built once per layer-step on the hot path (a frozen dataclass costs ~4x)."""
+
+    hits: int
+    misses: int                        # distinct missed keys
+    transition_hits: int               # decode hits on keys admitted during prefill
+    demand_miss_bytes: int
+    admitted: tuple[int, ...]          # resident now, routing order
+    evicted: tuple[int, ...]           # their victims, gone now
+    transient: tuple[int, ...]         # used once without residency
+    prefetched: tuple[tuple[int, tuple[int, ...]], ...]   # (key, its victims), issue order
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """One pool of a core at one instant (rc_pool_snapshot: taken under the core's lock)."""
+
+    capacity: int                      # bytes; -1 unresolved
+    resident_bytes: int
+    resident_count: int
+    counters: tuple[tuple[int, ...], ...]   # (3 phases, len(COUNTERS)), the core's order
 
 
 @dataclass(frozen=True)
@@ -100,19 +142,16 @@ class CorePolicy:
                 rates.add(math.log(2.0) / kw["half_life"])
             if spec.name == "next-visit":
                 nv_rates.add(kw["learning_rate"])
-            orders.append((spec.name, kw.get("w_prefill", 0.0), kw.get("w_decode", 0.0)))
+            orders.append((spec.name, *_c_params("eviction", spec, 2)))
         if len(rates) > 1:
             raise UserError(f"{config.source}: lfu-decay half_life must be the same in every "
                             "phase")
         if len(nv_rates) > 1:
             raise UserError(f"{config.source}: next-visit learning_rate must be the same in "
                             "every phase")
-        admission = tuple((pp.admission.name,
-                           pp.admission.kwargs().get(_ADMISSION_PARAM.get(pp.admission.name, ""),
-                                                     0.0)) for pp in phases)
-        prefetch = [(pp.prefetch.name,
-                     pp.prefetch.kwargs().get(_PREFETCH_PARAM.get(pp.prefetch.name, ""), 0.0))
-                    for pp in phases]
+        admission = tuple((pp.admission.name, *_c_params("admission", pp.admission, 1))
+                          for pp in phases)
+        prefetch = [(pp.prefetch.name, *_c_params("prefetch", pp.prefetch, 1)) for pp in phases]
         prefetch[Phase.MIXED] = ("none", 0.0)
         affinity = {(kw["top_n"], kw["min_precision"],
                      config.cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6)
@@ -135,15 +174,14 @@ class CorePolicy:
         return self.prefetch[phase][0] == "belady"
 
 
-def make_core(kind: str, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy,
-              *, inline: bool):
+def make_core(kind: str, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
     """A DeviceCore: ``kind`` "native" (the C core) or "reference" (the Python one)."""
     if kind == "native":
         from runtime.residency.core.native import NativeCore  # noqa: PLC0415
 
-        return NativeCore(n_layer, n_expert, expert_bytes, policy, inline=inline)
+        return NativeCore(n_layer, n_expert, expert_bytes, policy)
     if kind == "reference":
         from runtime.residency.reference import ReferenceCore  # noqa: PLC0415
 
-        return ReferenceCore(n_layer, n_expert, expert_bytes, policy, inline=inline)
+        return ReferenceCore(n_layer, n_expert, expert_bytes, policy)
     raise ValueError(f"unknown residency core {kind!r} (valid: native, reference)")

@@ -1,4 +1,5 @@
-"""Build and load moe-offload's C library: the residency core (``residency_core.c``), the
+"""Build and load moe-offload's C library: the residency core (``residency_core.c`` and the
+files core_impl.h lists), the
 routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``), the
 device cache's mechanism it drives (``runtime/native/slot_cache.c``) and the RAM tier's
 per-layer reads and drops (``runtime/ramtier/tier_io.c``).
@@ -30,14 +31,16 @@ HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
-SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "nv_victim.c",
+SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE / "order.c",
+           HERE / "policies.c", HERE / "prefetch.c", HERE / "verify.c",
+           HERE / "next_visit.c", HERE / "nv_victim.c",
            HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c",
            NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
-INTERNAL = (HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
+INTERNAL = (HERE / "core_impl.h", HERE / "order_heap.h", HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
             HERE / "neighbours.h", HERE / "grow.h",
             RAMTIER / "file_pages.h")
 _lock = threading.Lock()

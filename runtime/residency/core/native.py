@@ -1,17 +1,20 @@
 """``NativeCore``: one device's decisions in the C core (residency_core.c), through cffi.
 
 Every method mirrors ``runtime.residency.reference.ReferenceCore`` exactly (tests compare the
-two); results are plain tuples of flat keys (``layer * n_expert + expert``).
+two); decisions come back as ``CoreAccess`` records of flat keys (``layer * n_expert +
+expert``), a refused call as ``CoreError``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from runtime.residency.core import (ADMISSION_KINDS, EVICTION_KINDS, PREFETCH_KINDS, CorePolicy,
-                                    history_ok)
+from runtime.residency.core import (ADMISSION_KINDS, COUNTERS, ERR_NEXT_USE_LEN, ERR_POOL,
+                                    EVICTION_KINDS, PREFETCH_KINDS, CoreAccess, CoreError,
+                                    CorePolicy, PoolStats, history_ok)
 from runtime.residency.core.build import load_core
 
 _EMPTY: tuple = ()
+_new_access = tuple.__new__   # builds a CoreAccess without its Python-level __new__
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
@@ -32,8 +35,7 @@ def _int32(values) -> np.ndarray:
 class NativeCore:
     """One device: see runtime/residency/core/residency_core.h."""
 
-    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy, *,
-                 inline: bool):
+    def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
         lib, ffi = load_core()
         self.lib, self.ffi = lib, ffi
         p = ffi.new("rc_policy *")
@@ -55,7 +57,6 @@ class NativeCore:
             p.affinity_rates[i] = rate
         p.n_expert_used = policy.n_expert_used
         p.track_next_use = int(policy.track_next_use)
-        p.inline_transport = int(inline)
         self._eb = ffi.new("int64_t[]", [int(b) for b in expert_bytes])
         handle = lib.rc_create(n_layer, n_expert, self._eb, p)
         if handle == ffi.NULL:
@@ -64,12 +65,9 @@ class NativeCore:
         self._out = ffi.new("rc_result *")
         self.n_layer, self.n_expert = n_layer, n_expert
         self.n_moe = sum(1 for b in expert_bytes if int(b) > 0)
-        self.last_bad = 0
+        self._stats = ffi.new("rc_pool_stats *")
 
     # -- configuration -------------------------------------------------------------------
-    def set_inline(self, inline: bool) -> None:
-        self.lib.rc_set_inline(self._c, int(inline))
-
     def set_pools(self, pool_of_layer, capacities) -> int:
         ffi = self.ffi
         return self.lib.rc_set_pools(self._c, len(capacities),
@@ -87,32 +85,30 @@ class NativeCore:
         return self.lib.rc_pool_of_layer(self._c, layer)
 
     # -- decisions -----------------------------------------------------------------------
-    def _results(self) -> tuple:
+    def _results(self) -> CoreAccess:
         o, unpack = self._out, self.ffi.unpack
         admitted = tuple(unpack(o.admitted, o.n_admitted)) if o.n_admitted else _EMPTY
         evicted = tuple(unpack(o.evicted, o.n_evicted)) if o.n_evicted else _EMPTY
         transient = tuple(unpack(o.transient, o.n_transient)) if o.n_transient else _EMPTY
-        tickets = tuple(unpack(o.tickets, o.n_tickets)) if o.n_tickets else _EMPTY
-        new = tuple(unpack(o.new_tickets, o.n_new_tickets)) if o.n_new_tickets else _EMPTY
         prefetched = _EMPTY
         if o.n_prefetched:
             n = o.n_prefetched
-            flats, ids = unpack(o.prefetched, n), unpack(o.prefetch_ids, n)
-            nv = unpack(o.prefetch_n_victims, n)
+            flats, nv = unpack(o.prefetched, n), unpack(o.prefetch_n_victims, n)
             total = sum(nv)
             victims = unpack(o.prefetch_victims, total) if total else []
             out, at = [], 0
             for i in range(n):
-                out.append((ids[i], flats[i], tuple(victims[at:at + nv[i]])))
+                out.append((flats[i], tuple(victims[at:at + nv[i]])))
                 at += nv[i]
             prefetched = tuple(out)
-        return (o.hits, o.misses, o.transition_hits, o.demand_miss_bytes, admitted, evicted,
-                transient, tickets, new, prefetched)
+        return _new_access(CoreAccess, (o.hits, o.misses, o.transition_hits,
+                                        o.demand_miss_bytes, admitted, evicted, transient,
+                                        prefetched))
 
     def access(self, layer: int, experts, phase: int, next_use=None, upcoming=None,
                lease_id: int = 0, release_id: int = 0):
-        """(rc, hits, misses, transition_hits, demand_miss_bytes, admitted, evicted,
-        transient, tickets, new_tickets, prefetched); ``upcoming``: (layer, experts, index)."""
+        """One layer-step's decisions (CoreError if refused); ``upcoming``: (layer, experts,
+        index)."""
         ffi = self.ffi
         el = _int32(experts)
         n = len(el)
@@ -120,7 +116,7 @@ class NativeCore:
         if next_use is not None:
             nua = np.ascontiguousarray(next_use, dtype=np.int64).reshape(-1)
             if len(nua) != n:
-                return (-5,)
+                raise CoreError(ERR_NEXT_USE_LEN)
             nu = ffi.from_buffer("int64_t[]", nua)
         if upcoming is None:
             up_layer, up_e, up_i, n_up = -1, ffi.NULL, ffi.NULL, 0
@@ -133,21 +129,20 @@ class NativeCore:
         rc = self.lib.rc_access(self._c, layer, ffi.from_buffer("int32_t[]", el), n, phase, nu,
                                 up_layer, up_e, up_i, n_up, lease_id, release_id, self._out)
         if rc != 0:
-            self.last_bad = self._out.bad_value
-            return (rc,)
-        return (0, *self._results())
+            raise CoreError(rc, self._out.bad_value)
+        return self._results()
 
     def release(self, lease_id: int) -> None:
         self.lib.rc_release(self._c, lease_id)
 
     def prefetch(self, flats, phase: int):
-        """(rc, ..., prefetched) as access(); flats in priority order."""
+        """What a prefetch of ``flats`` (priority order) decided, as access()."""
         arr = _int32(flats)
         rc = self.lib.rc_prefetch(self._c, self.ffi.from_buffer("int32_t[]", arr), len(arr),
                                   phase, self._out)
         if rc != 0:
-            return (rc,)
-        return (0, *self._results())
+            raise CoreError(rc)
+        return self._results()
 
     def replay(self, starts: np.ndarray, layers: np.ndarray, phases: np.ndarray,
                experts: np.ndarray, next_use: np.ndarray | None, with_upcoming: bool,
@@ -198,25 +193,7 @@ class NativeCore:
                                ffi.from_buffer("int16_t[]", hist) if hist.size else ffi.NULL,
                                hist.shape[0], hist.shape[2] if hist.ndim == 3 else 0)
 
-    # -- tickets -------------------------------------------------------------------------
-    def ticket(self, ticket_id: int):
-        """(flat, phase, prefetch, bytes, victims) of a pending ticket, or None."""
-        info = self.ffi.new("rc_ticket_info *")
-        if self.lib.rc_ticket(self._c, ticket_id, info) != 0:
-            return None
-        victims = tuple(self.ffi.unpack(info.victims, info.n_victims)) if info.n_victims else ()
-        return info.flat, info.phase, bool(info.prefetch), info.bytes, victims
-
-    def commit(self, ticket_id: int) -> bool:
-        return self.lib.rc_commit(self._c, ticket_id) == 1
-
-    def abort(self, ticket_id: int) -> bool:
-        return self.lib.rc_abort(self._c, ticket_id) == 1
-
-    @property
-    def n_pending(self) -> int:
-        return self.lib.rc_pending_tickets(self._c)
-
+    # -- the mechanism ---------------------------------------------------------------------
     def forget(self, flat: int) -> int:
         return self.lib.rc_forget(self._c, flat)
 
@@ -227,29 +204,30 @@ class NativeCore:
     # -- queries -------------------------------------------------------------------------
     def states(self) -> np.ndarray:
         """(n_layer, n_expert) uint8 key states, a copy."""
-        n = self.n_layer * self.n_expert
-        buf = self.ffi.buffer(self.lib.rc_states(self._c), n)
-        return np.frombuffer(buf, dtype=np.uint8).reshape(self.n_layer, self.n_expert).copy()
+        out = np.empty((self.n_layer, self.n_expert), dtype=np.uint8)
+        self.lib.rc_copy_states(self._c, self.ffi.from_buffer("uint8_t[]", out))
+        return out
 
     def state(self, flat: int) -> int:
         return self.lib.rc_state(self._c, flat)
 
     def use_counts(self) -> np.ndarray:
         """(3, n_layer, n_expert) int64 accesses per phase and key, a copy."""
-        n = 3 * self.n_layer * self.n_expert
-        buf = self.ffi.buffer(self.lib.rc_uses(self._c), n * 8)
-        return np.frombuffer(buf, dtype=np.int64).reshape(3, self.n_layer, self.n_expert).copy()
+        out = np.empty((3, self.n_layer, self.n_expert), dtype=np.int64)
+        self.lib.rc_copy_uses(self._c, self.ffi.from_buffer("int64_t[]", out))
+        return out
 
-    def pool_stats(self, pool: int) -> tuple[int, int, int, int, int]:
-        """(capacity or -1, resident bytes, resident experts, pending bytes, pending tickets)."""
-        lib, c = self.lib, self._c
-        return (lib.rc_pool_capacity(c, pool), lib.rc_pool_resident_bytes(c, pool),
-                lib.rc_pool_resident_count(c, pool), lib.rc_pool_pending_bytes(c, pool),
-                lib.rc_pool_pending_tickets(c, pool))
+    def pool_stats(self, pool: int) -> PoolStats:
+        """One pool's occupancy and counters, one consistent state (rc_pool_snapshot)."""
+        st = self._stats
+        if self.lib.rc_pool_snapshot(self._c, pool, st) != 0:
+            raise CoreError(ERR_POOL)
+        k = len(COUNTERS)
+        return PoolStats(st.capacity, st.resident_bytes, st.resident_count,
+                         tuple(tuple(self.ffi.unpack(st.counters[ph], k)) for ph in range(3)))
 
     def counters(self, pool: int, phase: int) -> tuple[int, ...]:
-        lib, c = self.lib, self._c
-        return tuple(lib.rc_counter(c, pool, phase, k) for k in range(14))
+        return self.pool_stats(pool).counters[phase]
 
     @property
     def n_leases(self) -> int:

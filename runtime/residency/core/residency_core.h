@@ -1,21 +1,40 @@
 /* residency_core: every per-access residency decision of one device, in C.
  *
  * One rc_core is one device of the ExpertResidencyManager (runtime/residency/manager.py):
- * which experts are resident, pending (a ticket brings them in) or evicting (a pending
- * ticket's victims), their bytes per pool, the eviction orders, leases, prefetch pins, usage
- * statistics and the per-(pool, phase) counters. The Python reference of the same rules is
+ * which experts are resident, their bytes per pool, the eviction orders, leases, prefetch
+ * pins, usage statistics and the per-(pool, phase) counters. A decision takes effect at once:
+ * an admitted expert is resident from its admission on (the caller then moves its bytes; a
+ * copy that fails calls rc_forget). The Python reference of the same rules is
  * runtime/residency/reference.py; tests run both on the same streams and compare every
- * decision. Keys are flat ints: flat = layer * n_expert + expert.
+ * decision. Keys are flat ints: flat = layer * n_expert + expert. The parts (eviction orders,
+ * admission rules, prefetch planners) are private: core/core_impl.h.
  *
- * Not thread-safe: the manager calls it under its lock.
+ * Locking: every function below takes the core's mutex for its whole call (queries too), so
+ * any thread may call any of them (the routing hook calls rc_access from the graph thread
+ * while Python reads rc_pool_snapshot); what a call returns is one consistent state. The
+ * arrays an rc_result points into belong to the core and stay valid only until the next call
+ * on it: read them before another thread may call it (the manager holds its own lock around
+ * both). rc_create and rc_free are the exceptions: nothing else may use the core meanwhile.
  *
- *     rc_core *c = rc_create(n_layer, n_expert, expert_bytes, &policy);
- *     int32_t pool_of_layer[] = {...};  int64_t cap[] = {2 << 30};
- *     rc_set_pools(c, 1, pool_of_layer, cap);
+ * Usage (a whole C function body: tests/runtime/residency/test_core_build.py compiles and
+ * runs it):
+ *
+ *     int64_t expert_bytes[2] = {0, 3 << 20};         // layer 0 dense, layer 1 MoE
+ *     rc_policy policy = {.n_orders = 1};              // lru in every phase, no prefetch
+ *     rc_core *c = rc_create(2, 128, expert_bytes, &policy);
+ *     int32_t pool_of_layer[2] = {-1, 0};
+ *     int64_t capacity[1] = {64 << 20};                // bytes
+ *     rc_set_pools(c, 1, pool_of_layer, capacity);
+ *     int32_t experts[4] = {5, 17, 3, 90};             // one layer-step, routing order
  *     rc_result r;
- *     int rc = rc_access(c, layer, experts, n, RC_DECODE, NULL, NULL, 0, 0, 1, &r);
- *     ... r.hits, r.misses, r.admitted[0 .. r.n_admitted) ...
+ *     int rc = rc_access(c, 1, experts, 4, RC_DECODE, NULL, -1, NULL, NULL, 0,
+ *                        1, 0, &r);                    // lease 1 holds them, none released
+ *     int admitted = r.n_admitted;                     // read r before the next call
+ *     rc_release(c, 1);                                // the layer's experts ran
+ *     rc_pool_stats stats;
+ *     rc_pool_snapshot(c, 0, &stats);
  *     rc_free(c);
+ *     return rc == RC_OK && admitted == 4 && stats.resident_count == 4 ? 0 : 1;
  */
 #ifndef RESIDENCY_CORE_H
 #define RESIDENCY_CORE_H
@@ -29,7 +48,8 @@
 typedef struct rc_core rc_core;
 
 /* policies: one eviction order per distinct eviction spec; per phase an order index, an
- * admission and a prefetch policy (kind + one parameter each) */
+ * admission and a prefetch policy (kind + one parameter each). The kinds are the C kinds of
+ * runtime/residency/policies/registry.py (core_impl.h's enums). */
 typedef struct {
     int32_t n_orders;             /* 1..3 */
     int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady,
@@ -51,21 +71,19 @@ typedef struct {
     int32_t n_expert_used;        /* experts per token: prompt chunks' rows are token-major,
                                      n_expert_used each (affinity learns from them); 0 unknown */
     int32_t track_next_use;       /* an offline policy: access() needs next_use */
-    int32_t inline_transport;     /* admissions commit inside access() (no tickets) */
 } rc_policy;
+
+enum { RC_PREFILL = 0, RC_DECODE = 1, RC_MIXED = 2 };   /* phases */
 
 typedef struct {
     int32_t hits, misses, transition_hits;
     int64_t demand_miss_bytes;
-    int32_t n_admitted, n_evicted, n_transient, n_tickets, n_new_tickets;
-    const int32_t *admitted;      /* flat keys, routing order */
-    const int32_t *evicted;       /* flat keys */
+    int32_t n_admitted, n_evicted, n_transient;
+    const int32_t *admitted;      /* flat keys, routing order: resident now */
+    const int32_t *evicted;       /* flat keys: their victims, gone now */
     const int32_t *transient;     /* flat keys */
-    const int64_t *tickets;       /* ticket ids this call started or joined */
-    const int64_t *new_tickets;   /* ticket ids this call started (to submit) */
-    int32_t n_prefetched;         /* prefetches issued (inline: committed already) */
+    int32_t n_prefetched;         /* prefetches issued (resident now) */
     const int32_t *prefetched;    /* their flat keys */
-    const int64_t *prefetch_ids;  /* their ticket ids */
     const int32_t *prefetch_n_victims;
     const int32_t *prefetch_victims;  /* concatenated, prefetch order */
     int64_t bad_value;            /* the offending id on RC_ERR_EXPERT / RC_ERR_LAYER */
@@ -74,22 +92,19 @@ typedef struct {
 enum {
     RC_OK = 0, RC_ERR_LAYER = -1, RC_ERR_EXPERT = -2, RC_ERR_NEXT_USE = -3,
     RC_ERR_UPCOMING = -4, RC_ERR_NEXT_USE_LEN = -5, RC_ERR_POOL = -6, RC_ERR_CHARGED = -7,
-    RC_ERR_PENDING = -8, RC_ERR_STATE = -9, RC_ERR_NOMEM = -10,
+    RC_ERR_STATE = -9, RC_ERR_NOMEM = -10,
 };
 
 rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_bytes,
                    const rc_policy *policy);
 void rc_free(rc_core *c);
-void rc_set_inline(rc_core *c, int32_t inline_transport);
 
 /* pools: pool_of_layer[n_layer] (-1 for dense layers), capacity per pool (-1 unresolved).
- * Only while nothing is resident, pending or leased. */
+ * Only while nothing is resident or leased. */
 int rc_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
                  const int64_t *capacity);
-/* one pool's capacity: refused below its charged bytes or with tickets pending on it */
+/* one pool's capacity: refused below its resident bytes */
 int rc_set_capacity(rc_core *c, int32_t pool, int64_t capacity);
-int32_t rc_n_pool(const rc_core *c);
-int32_t rc_pool_of_layer(const rc_core *c, int32_t layer);
 
 /* one layer-step: experts[n] in routing order; next_use[n] or NULL; upcoming (the next
  * layer-step, belady prefetch) as up_layer / up_experts[n_up] / up_index[n_up] or
@@ -102,8 +117,8 @@ int rc_access(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int3
 void rc_release(rc_core *c, int64_t lease_id);
 
 /* replay: n_batches layer-steps over rows experts[starts[b] .. starts[b+1]) with no leases;
- * miss_kind[row] (n rows) gets 1 admitted, 2 transient, 3 joined a pending transfer for the
- * first row of each missed key, 4 the first use (a hit) of a prefetched key, else 0;
+ * miss_kind[row] (n rows) gets 1 admitted, 2 transient for the first row of each missed key,
+ * 4 the first use (a hit) of a prefetched key, else 0;
  * pf_event[row] (n rows, or NULL) gets, at the rows of kind 4, the index of that prefetch in
  * the replay's prefetch log (rc_replay_prefetches; other rows are left as they are).
  * next_use (n rows) or NULL; upcoming: the next batch (belady prefetch) when with_upcoming.
@@ -113,7 +128,7 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
               int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event);
 /* the latest rc_replay's prefetches in issue order: batch[i] issued flat[i]; returns their
  * number (the arrays stay valid until the next rc_replay or rc_free) */
-int64_t rc_replay_prefetches(const rc_core *c, const int64_t **batch, const int32_t **flat);
+int64_t rc_replay_prefetches(rc_core *c, const int64_t **batch, const int32_t **flat);
 
 /* the live hooks' calling pattern, for benchmarks: n_steps layer-steps (layers[i], experts
  * [i * k, (i + 1) * k)) as rc_access calls with a lease each, the previous one released in
@@ -135,21 +150,9 @@ void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, 
 int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair, const int32_t *count,
                   const int16_t *history, int32_t n_history, int32_t history_k);
 
-/* prefetch keys (flat) in priority order; tickets issued land in out->new_tickets (inline:
- * committed already; out->evicted lists the victims) */
+/* prefetch keys (flat) in priority order; out->prefetched lists those brought in (resident
+ * now), out->prefetch_victims their victims (evicted now) */
 int rc_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out);
-
-/* tickets */
-typedef struct {
-    int64_t id;
-    int32_t flat, phase, prefetch, n_victims;
-    int64_t bytes;
-    const int32_t *victims;
-} rc_ticket_info;
-int rc_ticket(const rc_core *c, int64_t id, rc_ticket_info *out);   /* RC_ERR_STATE: done */
-int rc_commit(rc_core *c, int64_t id);   /* 1 committed, 0 already finished */
-int rc_abort(rc_core *c, int64_t id);    /* 1 aborted, 0 already finished */
-int32_t rc_pending_tickets(const rc_core *c);
 
 /* a resident key leaves (the mechanism lost it: a failed copy); counts nothing */
 int rc_forget(rc_core *c, int32_t flat);
@@ -157,19 +160,24 @@ int rc_forget(rc_core *c, int32_t flat);
 /* static devices: pin keys for good (resident, never evicted); the device turns static */
 int rc_pin_static(rc_core *c, const int32_t *flats, int32_t n);
 
-/* queries */
-int32_t rc_state(const rc_core *c, int32_t flat);           /* 0..2 resident, 8 absent,
-                                                                9 pending, 10 evicting */
-const uint8_t *rc_states(const rc_core *c);                  /* n_flat bytes */
-const int64_t *rc_uses(const rc_core *c);                    /* (3, n_flat): accesses per
+/* one pool at one instant: occupancy and its (phase, counter) counters */
+typedef struct {
+    int64_t capacity;             /* bytes; -1 unresolved */
+    int64_t resident_bytes, resident_count;
+    int64_t counters[3][14];      /* [phase][counter]: RC_N_COUNTERS, the order above */
+} rc_pool_stats;
+
+/* queries (each a consistent state: taken under the mutex) */
+int rc_pool_snapshot(rc_core *c, int32_t pool, rc_pool_stats *out);   /* RC_ERR_POOL */
+int32_t rc_state(rc_core *c, int32_t flat);                  /* 0..2 resident (the admitting
+                                                                phase), 8 absent, -1 no key */
+void rc_copy_states(rc_core *c, uint8_t *out);               /* (n_flat,) rc_state of each */
+void rc_copy_uses(rc_core *c, int64_t *out);                 /* (3, n_flat): accesses per
                                                                 phase and key */
-int64_t rc_pool_capacity(const rc_core *c, int32_t pool);    /* -1 unresolved */
-int64_t rc_pool_resident_bytes(const rc_core *c, int32_t pool);
-int64_t rc_pool_resident_count(const rc_core *c, int32_t pool);
-int64_t rc_pool_pending_bytes(const rc_core *c, int32_t pool);
-int32_t rc_pool_pending_tickets(const rc_core *c, int32_t pool);
-int64_t rc_counter(const rc_core *c, int32_t pool, int32_t phase, int32_t counter);
-int32_t rc_n_leases(const rc_core *c);
-int rc_verify(const rc_core *c);                             /* 0 ok, else which check */
+int32_t rc_n_pool(rc_core *c);
+int32_t rc_pool_of_layer(rc_core *c, int32_t layer);
+int32_t rc_n_leases(rc_core *c);
+int rc_verify(rc_core *c);                                   /* 0 ok, else which check
+                                                                (core/verify.c) */
 
 #endif

@@ -42,33 +42,65 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.errors import UserError
+from runtime.residency.policies import admission, eviction, prefetch
 
 ROLES = ("admission", "prefetch", "eviction")
 
-# role -> name -> {param: default}
-_REGISTRY: dict[str, dict[str, dict[str, float]]] = {
+
+@dataclass(frozen=True)
+class Policy:
+    """One registry line: a policy's C kind (the core's enum, core/core_impl.h), its
+    parameters with their defaults, its Python reference class (policies/eviction.py,
+    admission.py, prefetch.py), and which parameters the core reads in its p1 / p2 slots."""
+
+    kind: int
+    params: dict[str, float]
+    reference: type
+    c_params: tuple[str, ...] = ()
+
+
+# role -> name -> Policy: the one registry. A new policy is one line here, one reference
+# class and one C function (+ its row in the C kind's table).
+_REGISTRY: dict[str, dict[str, Policy]] = {
     "eviction": {
-        "lru": {},
-        "lfu": {},
-        "lfu-decay": {"half_life": 4096.0},
-        "phase-weighted": {"w_prefill": 1.0, "w_decode": 4.0},
-        "belady": {},
-        "next-visit": {"learning_rate": 0.016},
+        "lru": Policy(0, {}, eviction.Lru),
+        "lfu": Policy(1, {}, eviction.Lfu),
+        "lfu-decay": Policy(2, {"half_life": 4096.0}, eviction.LfuDecay),
+        "phase-weighted": Policy(3, {"w_prefill": 1.0, "w_decode": 4.0},
+                                 eviction.PhaseWeighted, ("w_prefill", "w_decode")),
+        "belady": Policy(4, {}, eviction.Belady),
+        "next-visit": Policy(5, {"learning_rate": 0.016}, eviction.NextVisit),
     },
     "admission": {
-        "always": {},
-        "reuse-threshold": {"break_even": 2.0},
-        "transient-on-pressure": {"window": 4096.0},
-        "belady-bypass": {},
+        "always": Policy(0, {}, admission.Always),
+        "reuse-threshold": Policy(1, {"break_even": 2.0}, admission.ReuseThreshold,
+                                  ("break_even",)),
+        "transient-on-pressure": Policy(2, {"window": 4096.0}, admission.TransientOnPressure,
+                                        ("window",)),
+        "belady-bypass": Policy(3, {}, admission.BeladyBypass),
     },
     "prefetch": {
-        "none": {},
-        "chunk-plan": {"depth": 1.0},
-        "popularity": {"top_n": 4.0},
-        "belady": {},
-        "affinity": {"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
+        "none": Policy(0, {}, prefetch.NoPrefetch),
+        "chunk-plan": Policy(1, {"depth": 1.0}, prefetch.ChunkPlan, ("depth",)),
+        "popularity": Policy(2, {"top_n": 4.0}, prefetch.Popularity, ("top_n",)),
+        "belady": Policy(3, {}, prefetch.BeladyPrefetch),
+        "affinity": Policy(4, {"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
+                           prefetch.Affinity),   # (its parameters: CorePolicy.affinity)
     },
 }
+
+
+def policy_entry(role: str, name: str) -> Policy:
+    """The registry line of a valid policy name (KeyError otherwise: names are validated by
+    make_spec first)."""
+    return _REGISTRY[role][name]
+
+
+def c_kinds(role: str) -> dict[str, int]:
+    """name -> the core's kind number, for one role."""
+    return {name: p.kind for name, p in _REGISTRY[role].items()}
+
+
 # parameters that must be > 0 (the rest must be >= 0)
 _POSITIVE = {"half_life", "depth", "learning_rate", "layer_us"}
 OFFLINE_ONLY = {("eviction", "belady"), ("admission", "belady-bypass"), ("prefetch", "belady")}
@@ -92,11 +124,11 @@ def policy_names(role: str) -> tuple[str, ...]:
 
 def param_names(role: str) -> tuple[str, ...]:
     """Every parameter any policy of ``role`` takes (sorted)."""
-    return tuple(sorted({p for defaults in _REGISTRY[role].values() for p in defaults}))
+    return tuple(sorted({p for entry in _REGISTRY[role].values() for p in entry.params}))
 
 
 def param_defaults(role: str, name: str) -> dict[str, float]:
-    return dict(_REGISTRY[role][name])
+    return dict(_REGISTRY[role][name].params)
 
 
 def make_spec(role: str, name: object, params: dict | None = None, *,
@@ -107,7 +139,7 @@ def make_spec(role: str, name: object, params: dict | None = None, *,
     if not isinstance(name, str) or name not in table:
         raise UserError(f"{prefix}unknown {role} policy {name!r} "
                         f"(valid: {', '.join(table)})")
-    defaults = table[name]
+    defaults = table[name].params
     values = dict(defaults)
     for key, value in (params or {}).items():
         if key not in defaults:

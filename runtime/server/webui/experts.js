@@ -217,8 +217,7 @@
       info.textContent = d.capacity_bytes === null
         ? (d.note || "capacity not resolved")
         : bytes(d.resident_bytes) + " / " + bytes(d.capacity_bytes) + " · "
-          + d.resident_experts + " experts" + (d.pending_tickets ? " · " + d.pending_tickets
-          + " moving" : "");
+          + d.resident_experts + " experts";
       row.append(label, info);
       const bar = document.createElement("div");
       bar.className = "bar";

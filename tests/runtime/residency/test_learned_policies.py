@@ -45,7 +45,7 @@ def _replay_batches(kind: str, pol: CorePolicy, batches, capacity: int, n_layer:
     bounds = np.concatenate([[0], np.cumsum([len(ex) for _, ex, _ in batches])]).astype(np.int64)
     layers = np.array([b[0] for b in batches], dtype=np.int32)
     phases = np.array([b[2] for b in batches], dtype=np.int8)
-    core = make_core(kind, n_layer, n_expert, nbytes or BYTES, pol, inline=True)
+    core = make_core(kind, n_layer, n_expert, nbytes or BYTES, pol)
     core.set_capacity(0, capacity)
     kinds = np.zeros(len(experts), dtype=np.int8)
     events = np.full(len(experts), -1, dtype=np.int64)

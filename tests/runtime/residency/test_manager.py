@@ -9,7 +9,6 @@ import pytest
 from runtime.errors import UserError
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
 from runtime.residency.manager import ExpertResidencyManager
-from runtime.residency.transport import ManualTransport
 from runtime.residency.types import ExpertKey, Phase
 
 K = ExpertKey
@@ -189,58 +188,53 @@ def test_phase_agnostic_equals_phase_specific_with_same_policy(zipf_stream):
         assert run(agnostic) == run(specific), name
 
 
-def test_tickets_commit_abort_idempotent_and_abort_leaves_no_trace():
-    t = ManualTransport()
+class RecordingTransport:
+    """Records what the manager tells a transport (drops, then transfer notices)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def bind(self, manager) -> None:
+        self.manager = manager
+
+    def submit(self, ticket) -> None:
+        self.events.append(("submit", ticket))
+
+    def drop(self, device, key) -> None:
+        self.events.append(("drop", key))
+
+
+def test_a_decision_is_resident_at_once_and_a_failed_copy_forgets():
+    t = RecordingTransport()
     m = ExpertResidencyManager(ResidencyConfig(), transport=t)
     m.bind_model([100] * 2, 4)
     m.reconfigure("cuda:0", 200)
     a = m.access_layer("cuda:0", 0, np.array([0, 1]), Phase.DECODE)
-    assert len(a.tickets) == 2 and a.admitted == (K(0, 0), K(0, 1))
-    m.release(a)
-    assert not m.is_resident("cuda:0", K(0, 0))
-    t.commit_all()
+    assert a.admitted == (K(0, 0), K(0, 1))
     assert m.is_resident("cuda:0", K(0, 0)) and m.is_resident("cuda:0", K(0, 1))
-    assert not m.commit(a.tickets[0])                        # idempotent
-    before = (m.resident_mask("cuda:0", 0).tolist(), m.snapshot().device("cuda:0").resident_bytes)
+    assert [(e, tk.key) for e, tk in t.events] == [("submit", K(0, 0)), ("submit", K(0, 1))]
+    m.release(a)
+    t.events.clear()
     b = m.access_layer("cuda:0", 0, np.array([2]), Phase.DECODE)
-    (ticket,) = b.tickets
-    assert ticket.victims == (K(0, 0),)
-    assert not m.is_resident("cuda:0", K(0, 0))              # reserved: not hit-able
-    m.verify()
+    assert b.evicted == (K(0, 0),) and not m.is_resident("cuda:0", K(0, 0))
+    assert t.events[0] == ("drop", K(0, 0)) and t.events[1][1].key == K(0, 2)   # drops first
+    notice = t.events[1][1]
+    assert m.transfer_failed(notice) and not m.transfer_failed(notice)   # it left; once
+    assert not m.is_resident("cuda:0", K(0, 2))
+    assert m.snapshot().device("cuda:0").resident_experts == 1
     m.release(b)
-    assert m.abort(ticket) and not m.abort(ticket) and not m.commit(ticket)
-    t.pending.clear()
-    after = (m.resident_mask("cuda:0", 0).tolist(), m.snapshot().device("cuda:0").resident_bytes)
-    assert after == before
-    assert m.snapshot().device("cuda:0").pending_tickets == 0
-    m.verify()
-    # an access while a key is in flight joins its ticket instead of starting another
-    c = m.access_layer("cuda:0", 0, np.array([3]), Phase.DECODE)
-    d = m.access_layer("cuda:0", 0, np.array([3]), Phase.DECODE)
-    assert d.tickets == c.tickets and len(t.pending) == 1
-    m.release(c)
-    m.release(d)
-    assert m.wait(c.tickets, timeout=0.01) is False
-    t.commit_all()
-    assert m.wait(c.tickets, timeout=1.0)
-    assert (0, m.snapshot().device("cuda:0").resident_experts) == (0, 2)
-    assert ("cuda:0", K(0, 0)) in t.dropped
     m.verify()
 
 
 def test_reconfigure_refusals_and_atomicity():
-    t = ManualTransport()
-    m = ExpertResidencyManager(ResidencyConfig(), transport=t)
+    m = ExpertResidencyManager(ResidencyConfig(), transport=RecordingTransport())
     with pytest.raises(UserError, match="bind_model"):
         m.reconfigure("cpu", 100)
     m.bind_model([100] * 2, 4)
     m.reconfigure("cpu", 300)
     a = m.access_layer("cpu", 0, np.array([0, 1]), Phase.DECODE)
-    with pytest.raises(UserError, match="pending"):
-        m.reconfigure("cpu", 1000)
-    t.commit_all()
     m.release(a)
-    with pytest.raises(UserError, match="below the 200 bytes currently charged"):
+    with pytest.raises(UserError, match="below the 200 bytes resident"):
         m.reconfigure("cpu", 150)
     assert m.capacity("cpu") == 300                           # unchanged after a refusal
     with pytest.raises(UserError):

@@ -1,7 +1,7 @@
-"""Stateful property test: random accesses, prefetches, leases, commits/aborts, reconfigures.
+"""Stateful property test: random accesses, prefetches, leases, reconfigures.
 
 Two managers run the same operations in lockstep (same decisions expected); after every step
-the bookkeeping invariants hold (capacity, membership vs bytes, tickets) and no leased expert
+the bookkeeping invariants hold (capacity, membership vs bytes) and no leased expert
 was ever chosen as a victim.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 from runtime.errors import UserError
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
 from runtime.residency.manager import ExpertResidencyManager
-from runtime.residency.transport import ManualTransport
 from runtime.residency.types import ExpertKey, Phase
 
 LAYERS, EXPERTS = 3, 6
@@ -47,18 +46,15 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.managers = None
 
     @initialize(data=st.lists(st.integers(0, 11), min_size=7, max_size=7),
-                capacity=st.integers(100, 900), inline=st.booleans())
-    def setup(self, data, capacity, inline):
+                capacity=st.integers(100, 900))
+    def setup(self, data, capacity):
         cfg = make_config(data)
         self.managers = []
-        self.transports = []
         for _ in range(2):
-            t = None if inline else ManualTransport()
-            m = ExpertResidencyManager(cfg, transport=t)
+            m = ExpertResidencyManager(cfg)
             m.bind_model(BYTES, EXPERTS)
             m.reconfigure("dev", capacity)
             self.managers.append(m)
-            self.transports.append(t)
         self.accesses: list[tuple] = []      # active LayerAccess pairs
 
     def leased_keys(self) -> set[ExpertKey]:
@@ -74,16 +70,10 @@ class ResidencyMachine(RuleBasedStateMachine):
     def access(self, layer, ids, phase, hold):
         experts = np.array(ids, dtype=np.int64)
         protected = self.leased_keys() | {ExpertKey(layer, e) for e in ids}
-        transport = self.transports[0]
-        before = {t.id for t in transport.pending} if transport else set()
         results = [m.access_layer("dev", layer, experts, phase) for m in self.managers]
         a, b = results
         assert a[:-1] == b[:-1]
         self.check_victims(a.evicted, protected)
-        # tickets started by this call (demand and policy prefetch), not joined ones
-        for t in (transport.pending if transport else ()):
-            if t.id not in before:
-                self.check_victims(t.victims, protected)
         assert a.hits + a.misses <= len(ids)
         assert len(a.admitted) + len(a.transient) <= a.misses
         if hold:
@@ -112,16 +102,6 @@ class ResidencyMachine(RuleBasedStateMachine):
         for t in out[0]:
             self.check_victims(t.victims, protected)
 
-    @precondition(lambda self: self.managers is not None and self.transports[0] is not None
-                  and self.transports[0].pending)
-    @rule(i=st.integers(0, 100), commit=st.booleans(), repeat=st.booleans())
-    def finish_ticket(self, i, commit, repeat):
-        for m, t in zip(self.managers, self.transports):
-            ticket = t.pending.pop(i % len(t.pending))
-            assert (m.commit if commit else m.abort)(ticket)
-            if repeat:
-                assert not m.commit(ticket) and not m.abort(ticket)
-
     @precondition(lambda self: self.managers is not None)
     @rule(capacity=st.integers(50, 1200))
     def reconfigure(self, capacity):
@@ -132,13 +112,11 @@ class ResidencyMachine(RuleBasedStateMachine):
             try:
                 m.reconfigure("dev", capacity)
                 outcomes.append("ok")
-                assert snap.pending_tickets == 0
-                assert capacity >= snap.resident_bytes + snap.pending_bytes
+                assert capacity >= snap.resident_bytes
             except UserError:
                 outcomes.append("refused")
                 assert m.capacity("dev") == before
-                assert (snap.pending_tickets > 0
-                        or capacity < snap.resident_bytes + snap.pending_bytes)
+                assert capacity < snap.resident_bytes
         assert outcomes[0] == outcomes[1]
 
     @invariant()
@@ -148,7 +126,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         for m in self.managers:
             m.verify()
             d = m.snapshot().device("dev")
-            assert d.resident_bytes + d.pending_bytes <= d.capacity_bytes
+            assert d.resident_bytes <= d.capacity_bytes
         a, b = (m.snapshot() for m in self.managers)
         assert a == b
         masks = [[m.resident_mask("dev", layer).tolist() for layer in MOE]

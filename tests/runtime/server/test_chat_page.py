@@ -361,7 +361,7 @@ const phases = {prefill: {accesses: 10, hits: 8, admitted_bytes: 0, prefetch_iss
                          evicted_bytes: 0}};
 const routed = [[5, 0, 1, 0], [0, 0, 9, 2]];
 const device = (state) => ({capacity_bytes: 100, resident_bytes: 50, resident_experts: 2,
-  pending_tickets: 0, pending_bytes: 0, note: "", phases, pools: [],
+  note: "", phases, pools: [],
   experts: {layers: [1, 3], state, routed}});
 const snapshot = {devices: {"cuda:0": device(["R-P-", "--R-"]), cpu: device(["RR--", "E---"])}};
 const realFetch = window.fetch;

@@ -1,0 +1,92 @@
+"""Prefetch planners' Python references: each one ``plan`` (the keys to bring in after a
+layer-step, priority order, and optionally their own priorities) from what the step left
+(``PlanStep``) and the core's statistics; ``after`` (optional) sees what was brought in. The
+C twins: RC_PLANNERS in runtime/residency/core/prefetch.c."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ABSENT = 8   # the core's key state of an absent key (runtime.residency.core.ABSENT)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStep:
+    """The layer-step a planner plans after."""
+
+    layer: int
+    phase: int
+    param: float             # the planner's one parameter (CorePolicy.prefetch)
+    upcoming: tuple | None   # (layer, experts, index) of the next step (offline), or None
+    n_hits: int
+    n_misses: int
+    next_layers: tuple[int, ...]   # the MoE layers after ``layer``, ascending
+
+
+class NoPrefetch:
+    @staticmethod
+    def plan(core, step: PlanStep):
+        return [], None
+
+
+class ChunkPlan:
+    """prefill: the next ``depth`` MoE layers' experts of the previous chunk (sorted, distinct)."""
+
+    @staticmethod
+    def plan(core, step):
+        if step.phase != 0:
+            return [], None
+        ne, out = core.n_expert, []
+        for layer in step.next_layers[:int(step.param)]:
+            prev = core.history.get((0, layer))
+            if prev is not None:
+                out.extend(layer * ne + e for e in sorted(set(prev)))
+        return out, None
+
+
+class Popularity:
+    """the next MoE layer's ``top_n`` most routed experts (then lower id; used at all)."""
+
+    @staticmethod
+    def plan(core, step):
+        if not step.next_layers or int(step.param) <= 0:
+            return [], None
+        ne, layer, u = core.n_expert, step.next_layers[0], core.uses
+        counts = [u[0][layer * ne + e] + u[1][layer * ne + e] + u[2][layer * ne + e]
+                  for e in range(ne)]
+        ranked = sorted(range(ne), key=lambda e: (-counts[e], e))[:min(int(step.param), ne)]
+        return [layer * ne + e for e in ranked if counts[e] > 0], None
+
+
+class BeladyPrefetch:
+    """offline: the next layer-step's distinct experts."""
+
+    @staticmethod
+    def plan(core, step):
+        if step.upcoming is None:
+            return [], None
+        layer, experts, _ = step.upcoming
+        return list(dict.fromkeys(int(layer) * core.n_expert + int(e) for e in experts)), None
+
+
+class Affinity:
+    """decode: affinity's plan (reference_affinity.py), each key ranked by its predicted
+    expected time; what it planned but did not bring in goes back to its link budget."""
+
+    @staticmethod
+    def plan(core, step):
+        if step.phase != 1:
+            return [], None
+        got = core.af.plan(step.layer, step.n_hits, step.n_misses,
+                           lambda f: core.state[f] == ABSENT)
+        n_moe = float(len(core.moe_layers))
+        mine = [-(float(core.af.plan_lead) + n_moe * (1.0 / q - 1.0)) for _, q in got]
+        return [f for f, _ in got], mine
+
+    @staticmethod
+    def after(core, plan: list[int], brought: list[int]) -> None:
+        spent = 0.0                               # every planned key is absent
+        for f in plan:
+            spent = spent + core.af.transfer_cost(core.nbytes[f])
+        for f in brought:
+            spent = spent - core.af.transfer_cost(core.nbytes[f])
+        core.af.refund(spent)
