@@ -29,6 +29,7 @@ from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, Route
 from runtime.residency.types import Phase
 
 RH_FORWARD, RH_NATIVE, RH_ROUTE_ONLY = 0, 1, 2
+RH_CONSUMER_CORE, RH_CONSUMER_CACHE, RH_CONSUMER_TIER = 0, 1, 2
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
@@ -100,21 +101,24 @@ class NativeHook(RoutingHook):
         """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
         self._feed = ResidencyObserver(manager, devices)
         self._cores = [manager.core_handle(d) for d in devices]
-        self.lib.rh_clear_cores(self.handle)
+        self.lib.rh_clear_consumers(self.handle, RH_CONSUMER_CORE)
         if all(c is not None for c in self._cores):
             for c in self._cores:
-                self.lib.rh_add_core(self.handle, c)
+                self._add_consumer(RH_CONSUMER_CORE, c)
 
     def add_cache(self, cache) -> None:
         """A native device cache (runtime.native.device_cache.DeviceCache) to drive."""
+        self._add_consumer(RH_CONSUMER_CACHE, cache.native_handle)
         self._caches.append(cache)
-        self.lib.rh_add_cache(self.handle, cache.native_handle)
 
     def add_tier(self, tier) -> None:
         """A RAM tier (runtime.ramtier.RamTier) to step before each layer's expert matmul."""
-        if self.lib.rh_add_tier(self.handle, tier.native_handle) != 0:
-            raise ValueError("too many RAM tiers for the routing hook")
+        self._add_consumer(RH_CONSUMER_TIER, tier.native_handle)
         self._tiers.append(tier)
+
+    def _add_consumer(self, kind: int, handle) -> None:
+        if self.lib.rh_add_consumer(self.handle, kind, handle) != 0:
+            raise ValueError("too many consumers for the routing hook")
 
     def impose(self, routing, n_expert: int) -> None:
         """Route as ``routing`` (runtime.engine.imposed_routing.ImposedRouting) says."""

@@ -13,9 +13,8 @@
 
 #define MAX_PREFIXES 16
 #define PREFIX_BYTES 32
-#define MAX_CORES 8
+#define MAX_CONSUMERS 24
 #define NAME_BYTES 64
-#define HOOK_LEASE_BASE (((int64_t) 1) << 50)   /* apart from the manager's lease ids */
 
 enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2, K_PLANES = 3 };
 /* the node names the hook reads or flushes on (before "-<layer>"), with their lengths: a node
@@ -63,6 +62,23 @@ static int64_t frame_first(const ub_frame *f, int32_t rows) {
     return f->offset + (f->rows > rows ? f->rows - rows : 0);
 }
 
+/* A consumer of routing events (route_hook.h): stepped with every MoE layer-step before the
+ * layer's expert matmuls run (0, or a status `error` turns into the batch's message), ended at
+ * every batch's end, a failed one too. One list holds them all, in kind order (the bookkeeping
+ * cores, the device caches, the RAM tiers): the order the first error is reported in. */
+typedef struct consumer consumer;
+typedef struct {
+    int kind;                                       /* RH_CONSUMER_* */
+    int (*step)(consumer *u, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
+    void (*batch_end)(consumer *u);
+    void (*error)(const consumer *u, int32_t layer, int status, char *msg, int32_t cap);
+} consumer_kind;
+struct consumer {
+    const consumer_kind *kind;
+    void *obj;                                      /* rc_core, dc_cache or rt_tier */
+    int64_t held;                                   /* a bookkeeping core's lease (rc_step) */
+};
+
 typedef struct {
     int32_t layer, phase, first_step, turn, n_rows;
     int64_t at;                                     /* offset into the event arrays */
@@ -87,17 +103,9 @@ struct rh_hook {
     int32_t phase, turn, n_tokens, n_outputs;
     ub_frame frame;                                 /* the events' ubatches (by topk node) */
     int64_t batch_start;
-    /* residency cores fed in native mode, and the lease each holds */
-    rc_core *cores[MAX_CORES];
-    int64_t held[MAX_CORES];
-    int32_t n_cores;
-    int64_t next_lease;
-    /* native device caches fed in native mode (each holds its own lease) */
-    dc_cache *caches[MAX_CORES];
-    int32_t n_caches;
-    /* RAM tiers: each pages its layer's experts in before the matmul (tier_io.h) */
-    rt_tier *tiers[MAX_CORES];
-    int32_t n_tiers;
+    /* the consumers native mode steps with every event */
+    consumer consumers[MAX_CONSUMERS];
+    int32_t n_consumers;
     /* events of this batch */
     ev_rec *events; int32_t n_events, cap_events;
     int32_t *ev_experts; float *ev_weights; int64_t n_ev_elems, cap_ev_elems;
@@ -143,7 +151,6 @@ rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used
     }
     memcpy(h->is_moe, is_moe, (size_t) n_layer);
     memset(h->final_stage, -1, (size_t) n_layer);
-    h->next_lease = HOOK_LEASE_BASE;
     return h;
 }
 
@@ -219,26 +226,70 @@ int rh_set_route(rh_hook *h, rh_tensor_set tensor_set, int64_t n_pos, int32_t n_
     return 0;
 }
 
-int rh_add_core(rh_hook *h, void *core) {
-    if (h->n_cores >= MAX_CORES) return -1;
-    h->cores[h->n_cores] = core;
-    h->held[h->n_cores] = 0;
-    h->n_cores++;
+/* ---- consumers ---------------------------------------------------------------------------- */
+
+/* a bookkeeping core: the decisions, nothing moved */
+static int core_step(consumer *u, int32_t layer, const int32_t *experts, int32_t n,
+                     int32_t phase) {
+    rc_result r;
+    return rc_step(u->obj, &u->held, layer, experts, n, phase, &r);
+}
+static void core_end(consumer *u) { rc_step_end(u->obj, &u->held); }
+static void core_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
+    (void) u;
+    rc_step_message(msg, cap, "", layer, status);
+}
+
+/* a device cache: copies into slots, the id planes (slot_cache.h; it holds its own lease) */
+static int cache_step(consumer *u, int32_t layer, const int32_t *experts, int32_t n,
+                      int32_t phase) {
+    return dc_route(u->obj, layer, experts, n, phase);
+}
+static void cache_end(consumer *u) { dc_batch_end(u->obj); }
+static void cache_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
+    (void) u;
+    if (status <= -100)
+        snprintf(msg, (size_t) cap, "device cache: layer %d: the id planes could not be written "
+                 "(moe_cache_route status %d)", layer, -100 - status);
+    else
+        rc_step_message(msg, cap, "device cache: ", layer, status);
+}
+
+/* a RAM tier: back only when the layer's experts are in the page cache (tier_io.h) */
+static int tier_step(consumer *u, int32_t layer, const int32_t *experts, int32_t n,
+                     int32_t phase) {
+    return rt_step(u->obj, layer, experts, n, phase);
+}
+static void tier_end(consumer *u) { rt_batch_end(u->obj); }
+static void tier_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
+    (void) layer; (void) status;
+    snprintf(msg, (size_t) cap, "%s", rt_error(u->obj));
+}
+
+static const consumer_kind k_kinds[] = {
+    [RH_CONSUMER_CORE] = {RH_CONSUMER_CORE, core_step, core_end, core_error},
+    [RH_CONSUMER_CACHE] = {RH_CONSUMER_CACHE, cache_step, cache_end, cache_error},
+    [RH_CONSUMER_TIER] = {RH_CONSUMER_TIER, tier_step, tier_end, tier_error},
+};
+
+int rh_add_consumer(rh_hook *h, int32_t kind, void *obj) {
+    if (kind < 0 || kind > RH_CONSUMER_TIER || obj == NULL || h->n_consumers >= MAX_CONSUMERS)
+        return -1;
+    int32_t at = h->n_consumers;                    /* after every entry of its kind or before */
+    while (at > 0 && h->consumers[at - 1].kind->kind > kind) {
+        h->consumers[at] = h->consumers[at - 1];
+        at--;
+    }
+    h->consumers[at] = (consumer) {&k_kinds[kind], obj, 0};
+    h->n_consumers++;
     return 0;
 }
 
-void rh_clear_cores(rh_hook *h) { h->n_cores = 0; }
-
-int rh_add_cache(rh_hook *h, void *cache) {
-    if (h->n_caches >= MAX_CORES) return -1;
-    h->caches[h->n_caches++] = cache;
-    return 0;
-}
-
-int rh_add_tier(rh_hook *h, void *tier) {
-    if (h->n_tiers >= MAX_CORES) return -1;
-    h->tiers[h->n_tiers++] = tier;
-    return 0;
+void rh_clear_consumers(rh_hook *h, int32_t kind) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < h->n_consumers; i++)
+        if (h->consumers[i].kind->kind != kind) h->consumers[n++] = h->consumers[i];
+    h->n_consumers = n;
 }
 
 const char *rh_error(const rh_hook *h) { return h->msg; }
@@ -272,13 +323,11 @@ static void fail(rh_hook *h, const char *msg) {
 
 /* ---- framing (RouteAssembler) ------------------------------------------------------------ */
 
-static void release_all(rh_hook *h) {
-    for (int32_t d = 0; d < h->n_cores; d++) {
-        if (h->held[d]) rc_release(h->cores[d], h->held[d]);
-        h->held[d] = 0;
+static void end_consumers(rh_hook *h) {
+    for (int32_t i = 0; i < h->n_consumers; i++) {
+        consumer *u = &h->consumers[i];
+        u->kind->batch_end(u);
     }
-    for (int32_t d = 0; d < h->n_caches; d++) dc_batch_end(h->caches[d]);
-    for (int32_t d = 0; d < h->n_tiers; d++) rt_batch_end(h->tiers[d]);
 }
 
 static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
@@ -303,36 +352,16 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
     e->layer = layer; e->phase = h->phase; e->first_step = first; e->turn = h->turn;
     e->n_rows = p->rows; e->at = h->n_ev_elems;
     h->n_ev_elems += n;
-    /* the bookkeeping devices: one access each, the previous layer-step's lease released */
-    rc_result r;
-    for (int32_t d = 0; d < h->n_cores; d++) {
-        const int64_t lease = h->next_lease++;
-        const int rc = rc_access(h->cores[d], layer, p->experts, (int32_t) n, h->phase, NULL, -1,
-                                 NULL, NULL, 0, lease, h->held[d], &r);
-        h->held[d] = rc == 0 ? lease : 0;
+    /* every consumer steps, in list order, before the layer's experts run */
+    for (int32_t i = 0; i < h->n_consumers; i++) {
+        consumer *u = &h->consumers[i];
+        const int rc = u->kind->step(u, layer, p->experts, (int32_t) n, h->phase);
         if (rc != 0) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "residency core refused layer %d (status %d)", layer, rc);
+            char msg[256];
+            u->kind->error(u, layer, rc, msg, sizeof msg);
             fail(h, msg);
         }
     }
-    for (int32_t d = 0; d < h->n_caches; d++) {
-        const int rc = dc_route(h->caches[d], layer, p->experts, (int32_t) n, h->phase);
-        if (rc != 0) {
-            char msg[128];
-            if (rc <= -100)
-                snprintf(msg, sizeof msg, "device cache: layer %d: the id planes could not be "
-                         "written (moe_cache_route status %d)", layer, -100 - rc);
-            else
-                snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
-                         "(status %d)", layer, rc);
-            fail(h, msg);
-        }
-    }
-    /* the RAM tiers: back only when the layer's experts are in the page cache */
-    for (int32_t d = 0; d < h->n_tiers; d++)
-        if (rt_step(h->tiers[d], layer, p->experts, (int32_t) n, h->phase) != 0)
-            fail(h, rt_error(h->tiers[d]));
 }
 
 static void flush(rh_hook *h, int32_t layer) {
@@ -429,13 +458,13 @@ int rh_end_batch(rh_hook *h) {
                 break;
             }
         }
-    release_all(h);
+    end_consumers(h);
     return h->error;
 }
 
 void rh_abort_batch(rh_hook *h) {
     h->in_batch = 0;
-    release_all(h);
+    end_consumers(h);
     h->n_events = 0;
 }
 

@@ -44,14 +44,16 @@ void rh_set_forward(rh_hook *h, rh_eval_cb cb, void *cb_user_data);
 int rh_set_prefixes(rh_hook *h, const char *const *prefixes, int32_t n);
 void rh_set_mode(rh_hook *h, int32_t mode);
 
-/* native mode: residency cores fed with every event (at most 8) */
-int rh_add_core(rh_hook *h, void *core);
-void rh_clear_cores(rh_hook *h);
-/* native mode: device caches (slot_cache.h) fed with every event, settled at batch end */
-int rh_add_cache(rh_hook *h, void *cache);
-/* native mode: RAM tiers (runtime/ramtier/tier_io.h) stepped with every event, before the
- * layer's expert matmul runs; their lease ends at batch end */
-int rh_add_tier(rh_hook *h, void *tier);
+/* native mode's consumers: one list, stepped with every event in kind order (bookkeeping
+ * cores, then device caches, then RAM tiers), each before the layer's expert matmuls run, and
+ * ended at every batch's end (a failed or aborted one too). At most 24.
+ *   RH_CONSUMER_CORE   an rc_core (residency_core.h): rc_step, the decisions only
+ *   RH_CONSUMER_CACHE  a dc_cache (slot_cache.h): dc_route (copies, id planes), dc_batch_end
+ *   RH_CONSUMER_TIER   an rt_tier (tier_io.h): rt_step (page-ins), rt_batch_end
+ * 0, or -1 (a full list, an unknown kind, NULL). rh_clear_consumers drops one kind's. */
+enum { RH_CONSUMER_CORE = 0, RH_CONSUMER_CACHE = 1, RH_CONSUMER_TIER = 2 };
+int rh_add_consumer(rh_hook *h, int32_t kind, void *obj);
+void rh_clear_consumers(rh_hook *h, int32_t kind);
 
 /* imposed routing (--route-trace), either mode: at every MoE layer the router's logits
  * (ffn_moe_logits, then ffn_moe_logits_biased where the router has a bias) are overwritten so

@@ -65,7 +65,7 @@ class TierIO:
 
     @property
     def native_handle(self):
-        """The ``rt_tier *`` the routing hook steps (route_hook.h: rh_add_tier)."""
+        """The ``rt_tier *`` the routing hook steps (route_hook.h: rh_add_consumer)."""
         return self._handle
 
     def flat(self, key) -> int:

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
-SOURCES = (HERE / "residency_core.c", HERE / "next_visit.c", HERE / "nv_victim.c",
+SOURCES = (HERE / "residency_core.c", HERE / "step.c", HERE / "next_visit.c", HERE / "nv_victim.c",
            HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c",
            NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")

@@ -103,6 +103,8 @@ struct rc_core {
     int64_t call;
     int64_t n_pf_unused;
     int64_t seq, next_ticket;
+    int64_t next_lease;           /* the lease ids rc_step mints (step.c), apart from the
+                                     manager's (Python's, from 1) */
     rc_policy pol;
     ivec *pins_by_layer;          /* (n_layer,) */
     ivec *last_experts;           /* (3 * n_layer,) chunk-plan history, or NULL */
@@ -443,6 +445,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (c->next_use) c->next_use[i] = NEVER;
     }
     c->next_ticket = 1;
+    c->next_lease = ((int64_t) 1) << 50;
     pthread_mutex_init(&c->mu, NULL);
     int64_t unresolved = -1;
     if (rc_set_pools_impl(c, 1, c->pool_of_layer, &unresolved) != RC_OK) {
@@ -1280,18 +1283,18 @@ int rc_verify(const rc_core *cc) {
     LOCKED(rc_verify_impl(c));
 }
 
+int64_t rc_lease_id(rc_core *c) { return __atomic_fetch_add(&c->next_lease, 1, __ATOMIC_RELAXED); }
+
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase) {
     rc_result r;
-    int64_t held = 0, hits = 0, lease = ((int64_t) 1) << 52;
+    int64_t held = 0, hits = 0;
     for (int64_t i = 0; i < n_steps; i++) {
-        const int rc = rc_access(c, layers[i], experts + i * k, k, phase, NULL, -1, NULL, NULL, 0,
-                                 lease, held, &r);
+        const int rc = rc_step(c, &held, layers[i], experts + i * k, k, phase, &r);
         if (rc != 0) return rc;
-        held = lease++;
         hits += r.hits;
     }
-    if (held) rc_release(c, held);
+    rc_step_end(c, &held);
     return hits;
 }
 
