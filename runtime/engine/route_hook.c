@@ -1,5 +1,6 @@
-/* route_hook: see route_hook.h. The native mode follows runtime/engine/routing_hook.py
- * (RoutingHook._on_eval and RouteAssembler) rule for rule; tests run both on the same model
+/* route_hook: see route_hook.h. The only live framing of routing events; its slow reference
+ * is runtime/engine/routing_hook.py (RoutingHook._on_eval and RouteAssembler), which it follows
+ * rule for rule; tests run both on the same model
  * and compare the events and the managers' counters. */
 #include "route_hook.h"
 #include "../native/slot_cache.h"
@@ -11,8 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_PREFIXES 16
-#define PREFIX_BYTES 32
+#define MAX_WATCHED 16
 #define MAX_CONSUMERS 24
 #define NAME_BYTES 64
 
@@ -66,16 +66,23 @@ static int64_t frame_first(const ub_frame *f, int32_t rows) {
  * layer's expert matmuls run (0, or a status `error` turns into the batch's message), ended at
  * every batch's end, a failed one too. One list holds them all, in kind order (the bookkeeping
  * cores, the device caches, the RAM tiers): the order the first error is reported in. */
+typedef struct {
+    int32_t layer, phase, turn, n_rows;
+    int64_t first_step;
+    const int32_t *experts;                         /* (n_rows * k) routing order */
+    const float *weights;                           /* (n_rows * k) */
+    int32_t n;                                      /* n_rows * k */
+} step_event;
 typedef struct consumer consumer;
 typedef struct {
     int kind;                                       /* RH_CONSUMER_* */
-    int (*step)(consumer *u, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
+    int (*step)(consumer *u, const step_event *e);
     void (*batch_end)(consumer *u);
     void (*error)(const consumer *u, int32_t layer, int status, char *msg, int32_t cap);
 } consumer_kind;
 struct consumer {
     const consumer_kind *kind;
-    void *obj;                                      /* rc_core, dc_cache or rt_tier */
+    void *obj;                                      /* rc_core, dc_cache, rt_tier or rh_hook */
     int64_t held;                                   /* a bookkeeping core's lease (rc_step) */
 };
 
@@ -86,10 +93,12 @@ typedef struct {
 
 struct rh_hook {
     int32_t mode;
-    rh_eval_cb py_cb;
-    void *py_user;
-    int32_t n_prefixes;
-    char prefixes[MAX_PREFIXES][PREFIX_BYTES];
+    rh_eval_cb watch_cb;                            /* watched nodes' data (rh_set_watch) */
+    void *watch_user;
+    int32_t n_watched;
+    char watched[MAX_WATCHED][NAME_BYTES];
+    rh_event_cb observer;                           /* the synchronous observers' adapter */
+    void *observer_user;
     rh_tensor_get tensor_get;
     size_t type_off, ne_off, nb_off, name_off;
     int32_t n_layer, k, last_layer;
@@ -138,6 +147,7 @@ rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used
     h->n_layer = n_layer;
     h->k = n_expert_used;
     h->last_layer = n_layer - 1;
+    h->mode = RH_NATIVE;
     h->tensor_get = tensor_get;
     h->type_off = type_off; h->ne_off = ne_off; h->nb_off = nb_off; h->name_off = name_off;
     h->is_moe = malloc((size_t) n_layer);
@@ -168,18 +178,15 @@ void rh_free(rh_hook *h) {
     free(h);
 }
 
-void rh_set_forward(rh_hook *h, rh_eval_cb cb, void *cb_user_data) {
-    h->py_cb = cb;
-    h->py_user = cb_user_data;
-}
-
-int rh_set_prefixes(rh_hook *h, const char *const *prefixes, int32_t n) {
-    if (n < 0 || n > MAX_PREFIXES) return -1;
+int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *names,
+                 int32_t n) {
+    if (n < 0 || n > MAX_WATCHED) return -1;
     for (int32_t i = 0; i < n; i++)
-        if (strlen(prefixes[i]) >= PREFIX_BYTES) return -1;
-    h->n_prefixes = 0;
-    for (int32_t i = 0; i < n; i++) strcpy(h->prefixes[i], prefixes[i]);
-    h->n_prefixes = n;
+        if (strncmp(names[i], "ffn_moe_", 8) != 0 || strlen(names[i]) >= NAME_BYTES) return -1;
+    for (int32_t i = 0; i < n; i++) strcpy(h->watched[i], names[i]);
+    h->n_watched = n;
+    h->watch_cb = cb;
+    h->watch_user = user_data;
     return 0;
 }
 
@@ -229,10 +236,9 @@ int rh_set_route(rh_hook *h, rh_tensor_set tensor_set, int64_t n_pos, int32_t n_
 /* ---- consumers ---------------------------------------------------------------------------- */
 
 /* a bookkeeping core: the decisions, nothing moved */
-static int core_step(consumer *u, int32_t layer, const int32_t *experts, int32_t n,
-                     int32_t phase) {
+static int core_step(consumer *u, const step_event *e) {
     rc_result r;
-    return rc_step(u->obj, &u->held, layer, experts, n, phase, &r);
+    return rc_step(u->obj, &u->held, e->layer, e->experts, e->n, e->phase, &r);
 }
 static void core_end(consumer *u) { rc_step_end(u->obj, &u->held); }
 static void core_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
@@ -241,9 +247,8 @@ static void core_error(const consumer *u, int32_t layer, int status, char *msg, 
 }
 
 /* a device cache: copies into slots, the id planes (slot_cache.h; it holds its own lease) */
-static int cache_step(consumer *u, int32_t layer, const int32_t *experts, int32_t n,
-                      int32_t phase) {
-    return dc_route(u->obj, layer, experts, n, phase);
+static int cache_step(consumer *u, const step_event *e) {
+    return dc_route(u->obj, e->layer, e->experts, e->n, e->phase);
 }
 static void cache_end(consumer *u) { dc_batch_end(u->obj); }
 static void cache_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
@@ -256,9 +261,8 @@ static void cache_error(const consumer *u, int32_t layer, int status, char *msg,
 }
 
 /* a RAM tier: back only when the layer's experts are in the page cache (tier_io.h) */
-static int tier_step(consumer *u, int32_t layer, const int32_t *experts, int32_t n,
-                     int32_t phase) {
-    return rt_step(u->obj, layer, experts, n, phase);
+static int tier_step(consumer *u, const step_event *e) {
+    return rt_step(u->obj, e->layer, e->experts, e->n, e->phase);
 }
 static void tier_end(consumer *u) { rt_batch_end(u->obj); }
 static void tier_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
@@ -266,14 +270,29 @@ static void tier_error(const consumer *u, int32_t layer, int status, char *msg, 
     snprintf(msg, (size_t) cap, "%s", rt_error(u->obj));
 }
 
+/* the synchronous observers (Python's): one adapter, the event handed over as it happens */
+static int observer_step(consumer *u, const step_event *e) {
+    const rh_hook *h = u->obj;
+    return h->observer(e->layer, e->phase, e->first_step, e->turn, e->n_rows, e->experts,
+                       e->weights, h->observer_user);
+}
+static void observer_end(consumer *u) { (void) u; }     /* Python ends its observers' batch */
+static void observer_error(const consumer *u, int32_t layer, int status, char *msg,
+                           int32_t cap) {
+    (void) u; (void) status;
+    snprintf(msg, (size_t) cap, "layer %d: a routing observer failed", layer);
+}
+
 static const consumer_kind k_kinds[] = {
     [RH_CONSUMER_CORE] = {RH_CONSUMER_CORE, core_step, core_end, core_error},
     [RH_CONSUMER_CACHE] = {RH_CONSUMER_CACHE, cache_step, cache_end, cache_error},
     [RH_CONSUMER_TIER] = {RH_CONSUMER_TIER, tier_step, tier_end, tier_error},
+    [RH_CONSUMER_OBSERVER] = {RH_CONSUMER_OBSERVER, observer_step, observer_end, observer_error},
 };
 
-int rh_add_consumer(rh_hook *h, int32_t kind, void *obj) {
-    if (kind < 0 || kind > RH_CONSUMER_TIER || obj == NULL || h->n_consumers >= MAX_CONSUMERS)
+static int add_consumer(rh_hook *h, int32_t kind, void *obj) {
+    if (kind < 0 || kind > RH_CONSUMER_OBSERVER || obj == NULL ||
+        h->n_consumers >= MAX_CONSUMERS)
         return -1;
     int32_t at = h->n_consumers;                    /* after every entry of its kind or before */
     while (at > 0 && h->consumers[at - 1].kind->kind > kind) {
@@ -283,6 +302,17 @@ int rh_add_consumer(rh_hook *h, int32_t kind, void *obj) {
     h->consumers[at] = (consumer) {&k_kinds[kind], obj, 0};
     h->n_consumers++;
     return 0;
+}
+
+int rh_add_consumer(rh_hook *h, int32_t kind, void *obj) {
+    return kind == RH_CONSUMER_OBSERVER ? -1 : add_consumer(h, kind, obj);
+}
+
+void rh_set_observer(rh_hook *h, rh_event_cb cb, void *user_data) {
+    rh_clear_consumers(h, RH_CONSUMER_OBSERVER);
+    h->observer = cb;
+    h->observer_user = user_data;
+    if (cb != NULL) add_consumer(h, RH_CONSUMER_OBSERVER, h);
 }
 
 void rh_clear_consumers(rh_hook *h, int32_t kind) {
@@ -353,9 +383,11 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
     e->n_rows = p->rows; e->at = h->n_ev_elems;
     h->n_ev_elems += n;
     /* every consumer steps, in list order, before the layer's experts run */
+    const step_event ev = {layer, h->phase, h->turn, p->rows, first, p->experts, p->weights,
+                           (int32_t) n};
     for (int32_t i = 0; i < h->n_consumers; i++) {
         consumer *u = &h->consumers[i];
-        const int rc = u->kind->step(u, layer, p->experts, (int32_t) n, h->phase);
+        const int rc = u->kind->step(u, &ev);
         if (rc != 0) {
             char msg[256];
             u->kind->error(u, layer, rc, msg, sizeof msg);
@@ -542,6 +574,13 @@ static int parse(const char *name, int32_t n_layer, int32_t *layer, int32_t *sta
     return K_NONE;
 }
 
+/* a node rh_set_watch named (exact names: never ggml's derived "x (reshaped)") */
+static int watched(const rh_hook *h, const char *name) {
+    for (int32_t i = 0; i < h->n_watched; i++)
+        if (strncmp(name, h->watched[i], NAME_BYTES) == 0) return 1;
+    return 0;
+}
+
 static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     const char *name = (const char *) tensor + h->name_off;
     if (strncmp(name, "ffn_moe_", 8) != 0) return false;
@@ -549,7 +588,8 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     if (!h->in_batch) return false;          /* a decode nobody framed */
     int32_t layer = -1, stage = -1;
     const int kind = parse(name, h->n_layer, &layer, &stage);
-    if (kind == K_NONE || !h->is_moe[layer]) return false;
+    if (kind == K_NONE) return watched(h, name) && (ask || h->watch_cb(tensor, ask, h->watch_user));
+    if (!h->is_moe[layer]) return false;
     const int final = h->final_stage[layer];
     if (ask) {
         if (kind == K_PLANES) return h->pend[layer].present && !h->pend[layer].done;
@@ -659,12 +699,5 @@ bool rh_eval(void *tensor, bool ask, void *user_data) {
             return ask || impose(h, tensor, layer, biased);
     }
     if (h->mode == RH_ROUTE_ONLY) return false;
-    if (h->mode == RH_NATIVE) return eval_native(h, tensor, ask);
-    const char *name = (const char *) tensor + h->name_off;
-    /* names ggml derives ("ffn_moe_topk-3 (reshaped)", "... (cont)") are never wanted */
-    if (memchr(name, ' ', strnlen(name, NAME_BYTES)) != NULL) return false;
-    for (int32_t i = 0; i < h->n_prefixes; i++)
-        if (strncmp(name, h->prefixes[i], strlen(h->prefixes[i])) == 0)
-            return h->py_cb != NULL && h->py_cb(tensor, ask, h->py_user);
-    return false;
+    return eval_native(h, tensor, ask);
 }
