@@ -65,7 +65,8 @@ static int64_t frame_first(const ub_frame *f, int32_t rows) {
 /* A consumer of routing events (route_hook.h): stepped with every MoE layer-step before the
  * layer's expert matmuls run (0, or a status `error` turns into the batch's message), ended at
  * every batch's end, a failed one too. One list holds them all, in kind order (the bookkeeping
- * cores, the device caches, the RAM tiers): the order the first error is reported in. */
+ * cores, the device caches, the RAM tiers, the observer adapter last): the order they step in
+ * and the first error is reported in. */
 typedef struct {
     int32_t layer, phase, turn, n_rows;
     int64_t first_step;
@@ -112,7 +113,7 @@ struct rh_hook {
     int32_t phase, turn, n_tokens, n_outputs;
     ub_frame frame;                                 /* the events' ubatches (by topk node) */
     int64_t batch_start;
-    /* the consumers native mode steps with every event */
+    /* the consumers every event steps, in kind order */
     consumer consumers[MAX_CONSUMERS];
     int32_t n_consumers;
     /* events of this batch */

@@ -50,8 +50,8 @@ void rh_set_mode(rh_hook *h, int32_t mode);
 int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *names,
                  int32_t n);
 
-/* the consumers: one list, stepped with every event in kind order (bookkeeping
- * cores, then device caches, then RAM tiers), each before the layer's expert matmuls run, and
+/* the consumers: one list, stepped with every event in kind order (bookkeeping cores, device
+ * caches, RAM tiers, the observer adapter), each before the layer's expert matmuls run, and
  * ended at every batch's end (a failed or aborted one too). At most 24.
  *   RH_CONSUMER_CORE   an rc_core (residency_core.h): rc_step, the decisions only
  *   RH_CONSUMER_CACHE  a dc_cache (slot_cache.h): dc_route (copies, id planes), dc_batch_end
