@@ -4,9 +4,9 @@ OrderedDict LRU.
 
 A Qwen3-30B-A3B-shaped decode stream (48 MoE layers, 128 experts, top-8, skewed routing) runs
 through ``ExpertResidencyManager`` as the live hooks drive it: a transport attached to the
-device, driven two ways: from C as the routing hook's native mode and the slot cache call it
-(``rc_access`` per layer-step with a lease, the previous one released in the same call; no
-Python per step), and from Python as the forward mode does (an inline transport attached, as
+device, driven two ways: from C as the routing hook's consumers step it (``rc_step`` per
+layer-step: a lease the core mints, the previous one released in the same call; no Python per
+step), and from Python as ResidencyObserver does for the reference core (an inline transport attached, as
 the native device cache and the RAM tier are: every eviction is a ``drop`` call and every
 admission a ``submit``; it moves nothing here, so what is timed is the manager; one
 ``access_layer`` per layer-step with ``release=`` the previous access). The same arrays also
@@ -236,8 +236,8 @@ def main() -> int:
         print(f"{label:34s} {us:8.1f} us/token  ({accesses / s / 1e3:.0f}k accesses/s)  "
               f"hit rate {hits[name] / accesses:.4f}{ratio}")
     print("must: the live manager <= 100 us/token. The C row is the path the runtime takes for "
-          "bookkeeping and device-cache devices (the routing hook's native mode); the Python "
-          "row is the forward mode's (a RAM tier attached)")
+          "bookkeeping, device-cache and RAM-tier devices (the routing hook's consumers); the "
+          "Python row is ResidencyObserver's (the reference core, the reference hook)")
     return 0
 
 

@@ -28,12 +28,12 @@ from runtime.engine import slot_state
 from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.loading import thread_counts
-from runtime.engine.logprobs import sample_token
+from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.prefill_pace import PrefillPacer
 from runtime.engine.prompt_cache import PromptCache, common_prefix
-from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams, TextStream
-from runtime.engine.types import (ContextLengthError, GenerationChunk, KVCacheFullError,
-                                  PromptProgress, Timings, Usage, check_token_ids)
+from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams
+from runtime.engine.types import (ContextLengthError, GenerationChunk, PromptProgress, Timings,
+                                  Usage, check_token_ids)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -49,15 +49,13 @@ class _Slot:
     out: queue.SimpleQueue
     index: int
     cancel: threading.Event | None
-    sampler: Sampler | None = None
-    stream: TextStream | None = None
+    sampler: Sampler | None = None         # built on the caller's thread; the Generation's
+    gen: Generation | None = None          # the sampling side (sampler, stream, counts)
     fed: int = 0                           # prompt tokens in the KV so far (reused or decoded)
     reused: int = 0                        # prompt tokens found in the slot's KV (prefix)
     decoded: list[int] = field(default_factory=list)   # generated tokens decoded into the KV
     pos: int = 0                           # next position in the sequence
     next_token: int | None = None          # sampled, to decode in the next step
-    generated: int = 0
-    max_new: int = 0
     t0: float = field(default_factory=time.perf_counter)
     t_prefill: float = 0.0
     progress: bool = False                 # report the prompt's progress (PromptProgress)
@@ -231,12 +229,10 @@ class BatchScheduler:
             self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
         self._cached[slot.seq] = []    # known again once the request ends
         slot.fed = slot.pos = slot.reused = keep
-        slot.stream = TextStream(slot.params.stop)
-        room = self.n_ctx_slot - len(slot.tokens)
-        slot.max_new = min(slot.params.max_tokens, room) if slot.params.max_tokens > 0 \
-            else room
-        if self.engine.settings.context_shift and slot.params.max_tokens > 0:
-            slot.max_new = slot.params.max_tokens      # the slot shifts when full
+        slot.gen = Generation(self.engine, slot.params, max_new_tokens(
+            slot.params, len(slot.tokens), self.n_ctx_slot, self.engine.settings.context_shift),
+            sampler=slot.sampler)
+        slot.sampler = None                     # the generation's now (it closes it)
         slot.t0 = time.perf_counter()
         self._active.append(slot)
         self._report(slot)
@@ -331,10 +327,6 @@ class BatchScheduler:
 
     def _decode(self, phase: Phase) -> None:
         engine, batch = self.engine, self._batch
-        hook = engine.hook
-        remote = getattr(engine, "remote", None)
-        if remote is not None:
-            remote.check()                 # a lost remote: RemoteDeviceLost, nothing decoded
         # llama.cpp takes its prompt thread count for any batch of more than one token, so a
         # step of N decode rows would run on every core; decode rows run on the decode count
         # (a thread pool woken per graph piece on all of a small machine's cores cost 3-5x)
@@ -342,23 +334,8 @@ class BatchScheduler:
         if threads != self._threads_now:
             self._ll.llama_set_n_threads(engine.ctx_ptr, self._threads[0], threads)
             self._threads_now = threads
-        if hook is not None:
-            hook.begin_batch(phase, 0, batch.n, batch.n_outputs)
-        rc = self._ll.llama_decode(engine.ctx_ptr, batch.batch)
-        if remote is not None and remote.lost_now():
-            if hook is not None:
-                hook.abort_batch()
-            remote.check()
-        if rc != 0:
-            if hook is not None:
-                hook.abort_batch()
-            if rc == 1 and self.engine.settings.kv_unified:     # no KV cell left in the pool
-                raise KVCacheFullError(f"Context size has been exceeded: the slots' shared KV "
-                                       f"pool of {self._ll.llama_n_ctx(engine.ctx_ptr)} tokens "
-                                       "is full")
-            raise RuntimeError(f"llama_decode failed (status {rc}) on a batch of {batch.n}")
-        if hook is not None:
-            hook.end_batch()
+        # the hook reports rows, not positions: the batch's sequences each have their own
+        decode(engine, batch, phase, 0, batch.n, batch.n_outputs, f"on a batch of {batch.n}")
 
     def _report(self, slot: _Slot) -> None:
         if slot.progress:
@@ -368,38 +345,33 @@ class BatchScheduler:
             slot.out.put((slot.index, GenerationChunk(text="", token=None, progress=report)))
 
     def _sample(self, slot: _Slot, index: int) -> None:
-        engine = self.engine
-        if slot.generated == 0 and slot.t_prefill == 0.0:
+        gen = slot.gen
+        if gen.generated == 0 and slot.t_prefill == 0.0:
             slot.t_prefill = time.perf_counter()
         try:
-            token, lp = sample_token(engine, slot.sampler, index, slot.params)
+            chunk = gen.sample(index)
         except GrammarDeadEnd as exc:          # this request's own: the others go on
             slot.out.put(exc)
             slot.out.put(_END)
             self._release(slot)
             self._active.remove(slot)
             return
-        if self._ll.llama_vocab_is_eog(engine.vocab_ptr, token):
-            self._finish(slot, "stop")
-            return
-        slot.generated += 1
-        text = slot.stream.feed(engine.token_bytes(token))
-        slot.out.put((slot.index, GenerationChunk(text=text, token=token, logprob=lp)))
-        if slot.stream.stopped:
-            self._finish(slot, "stop")
-        elif slot.generated >= slot.max_new:
-            self._finish(slot, "length")
+        if chunk is not None:
+            slot.out.put((slot.index, chunk))
+        if gen.finish is not None:
+            self._finish(slot, gen.finish)
         else:
-            slot.next_token = token
+            slot.next_token = chunk.token
 
     def _finish(self, slot: _Slot, reason: str) -> None:
         now = time.perf_counter()
         prefill_end = slot.t_prefill or now
+        generated = slot.gen.generated if slot.gen else 0
         timings = Timings(prompt_tokens=slot.fed - slot.reused, prompt_s=prefill_end - slot.t0,
-                          completion_tokens=slot.generated, generation_s=now - prefill_end)
+                          completion_tokens=generated, generation_s=now - prefill_end)
         slot.out.put((slot.index, GenerationChunk(
-            text=slot.stream.finish() if slot.stream else "", token=None, finish_reason=reason,
-            usage=Usage(len(slot.tokens), slot.generated), timings=timings)))
+            text=slot.gen.stream.finish() if slot.gen else "", token=None, finish_reason=reason,
+            usage=Usage(len(slot.tokens), generated), timings=timings)))
         slot.out.put(_END)
         self._release(slot)
         self._active.remove(slot)
@@ -407,7 +379,10 @@ class BatchScheduler:
     def _release(self, slot: _Slot, keep_cache: bool = True) -> None:
         """Free the slot; its KV stays for the next request's prefix unless ``keep_cache``
         is false (a failed decode: what the KV holds is unknown)."""
-        if slot.sampler is not None:
+        if slot.gen is not None:
+            slot.gen.close()
+            slot.gen = None
+        if slot.sampler is not None:            # never started
             slot.sampler.close()
             slot.sampler = None
         if slot.seq >= 0:

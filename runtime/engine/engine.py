@@ -27,14 +27,14 @@ from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
 from runtime.engine.context_shift import shift, shift_plan
-from runtime.engine.logprobs import sample_token
 from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
 from runtime.engine.imposed_routing import imposed_for
 from runtime.engine.native_hook import NativeHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
-from runtime.engine.sampling import Sampler, SamplingParams, TextStream
+from runtime.engine.decode import Generation, decode, max_new_tokens
+from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
                                   GenerationChunk, PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
@@ -301,7 +301,7 @@ class Engine:
              progress: bool = False, reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating")
-        sampler = None
+        gen = None
         try:
             if self.hook is not None:
                 self.hook.assembler.turn = self._turn
@@ -320,48 +320,36 @@ class Engine:
                 if progress:
                     yield GenerationChunk(text="", token=None, progress=report)
             t1 = time.perf_counter()
-            room = self.n_ctx - len(tokens)
-            max_new = min(params.max_tokens, room) if params.max_tokens > 0 else room
-            if self.settings.context_shift and params.max_tokens > 0:
-                max_new = params.max_tokens          # the context shifts when it is full
+            max_new = max_new_tokens(params, len(tokens), self.n_ctx, self.settings.context_shift)
             if self.imposed is not None:             # no token past the trace's positions
                 max_new = min(max_new, self.imposed.n_positions - len(tokens) + 1)
-            sampler = Sampler(params, self.n_vocab, self._vocab)
-            stream = TextStream(params.stop)
-            generated, finish = 0, "length"
-            while generated < max_new:
+            gen = Generation(self, params, max_new)
+            while gen.finish is None:
                 if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
+                    gen.finish = "cancelled"
                     break
-                token, logprob = sample_token(self, sampler, -1, params)
-                if self._ll.llama_vocab_is_eog(self._vocab, token):
-                    finish = "stop"
+                chunk = gen.sample(-1)
+                if chunk is None:
                     break
-                generated += 1
-                piece = self.token_bytes(token)
-                text = stream.feed(piece)
-                yield GenerationChunk(text=text, token=token, logprob=logprob)
-                if stream.stopped:
-                    finish = "stop"
-                    break
-                if generated < max_new:
+                yield chunk
+                if gen.finish is None:
                     if len(self._kv) >= self.n_ctx:
                         keep, drop = shift_plan(len(self._kv), params.n_keep, len(tokens))
                         shift(self._ll, self.ctx_ptr, 0, len(self._kv), keep, drop)
                         del self._kv[keep:keep + drop]
-                    self._decode([token], len(self._kv), Phase.DECODE)
-            if evaluated is None:
-                finish = "cancelled"
+                    self._decode([chunk.token], len(self._kv), Phase.DECODE)
+            finish = "cancelled" if evaluated is None else gen.finish
+            generated = gen.generated
             t2 = time.perf_counter()
             hits, accesses = self._counters_since(before)
             timings = Timings(prompt_tokens=evaluated or 0, prompt_s=t1 - t0,
                               completion_tokens=generated, generation_s=t2 - t1,
                               expert_hits=hits, expert_accesses=accesses)
-            yield GenerationChunk(text=stream.finish(), token=None, finish_reason=finish,
+            yield GenerationChunk(text=gen.stream.finish(), token=None, finish_reason=finish,
                                   usage=Usage(len(tokens), generated), timings=timings)
         finally:
-            if sampler is not None:
-                sampler.close()
+            if gen is not None:
+                gen.close()
             self._busy.release()
 
     def _imposed_params(self, n_prompt: int, params: SamplingParams) -> SamplingParams:
@@ -408,29 +396,12 @@ class Engine:
         return len(tokens) - keep
 
     def _decode(self, tokens: list[int], first_pos: int, phase: Phase) -> None:
-        if self.remote is not None:
-            self.remote.check()            # a lost remote: RemoteDeviceLost, nothing decoded
         all_outputs = self.settings.capture_all_tokens and phase == Phase.PREFILL
         n_outputs = self._batch.fill(tokens, first_pos, all_outputs=all_outputs)
-        if self.hook is not None:
-            self.hook.begin_batch(phase, first_pos, len(tokens), n_outputs)
         try:
-            # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
-            with interrupt.deferred():
-                self.decode_calls += 1
-                rc = self._ll.llama_decode(self.ctx_ptr, self._batch.batch)
-                if self.remote is not None:
-                    self.remote.check()    # its outputs are zeros: never sample from them
-                if rc != 0:
-                    if self.hook is not None:
-                        self.hook.abort_batch()
-                    raise RuntimeError(f"llama_decode failed (status {rc}) at position "
-                                       f"{first_pos}")
-                if self.hook is not None:
-                    self.hook.end_batch()
+            decode(self, self._batch, phase, first_pos, len(tokens), n_outputs,
+                   f"at position {first_pos}")
         except BaseException:
-            if self.hook is not None and self.hook.in_batch:
-                self.hook.abort_batch()
             self._forget_from(first_pos, failed=True)
             raise
         self._kv.extend(tokens)

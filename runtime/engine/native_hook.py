@@ -1,74 +1,53 @@
-"""The routing hook in C (route_hook.c): ``cb_eval`` without a Python call per layer-step.
+"""The routing hook in C (route_hook.c): ``cb_eval`` with no Python call per layer-step.
 
-``NativeHook`` is a ``RoutingHook`` whose callback is the C hook. Per decode call it runs in
-one of two modes:
+The C hook is the only live framing of routing events: it reads each MoE layer's router
+output, frames it into an event (RouteAssembler's rules: runtime/engine/routing_hook.py is the
+slow reference the tests compare against) and steps its one list of consumers before the
+layer's expert matmuls run:
 
-  native   every observer can wait for the batch's end (``synchronous = False``: the trace
-           recorder) and the devices the engine feeds are bookkeeping only: the C hook reads
-           each MoE layer's router output, frames it as RouteAssembler does, calls the residency
-           core of every fed device (one access per layer-step, the previous one's lease
-           released in the same call), and buffers the event; ``end_batch`` hands the buffered
-           events to the observers once per decode call;
-           The RAM tier (``add_tier``) and the native device cache (``add_cache``) are stepped
-           in C there too, before the layer's expert matmul runs (reads, copies);
-  forward  an observer must run between a layer's router and its experts (any Python
-           observer that does not say otherwise): the C hook only filters node names and calls
-           the Python callback, which works as RoutingHook always did; the fed devices get a
-           ResidencyObserver, and the tier and caches are observers that call the same C.
+  bookkeeping cores  ``feed(manager, devices)``: the manager's C core of each device
+                     (``rc_step``); a manager running the Python reference core gets one
+                     ResidencyObserver behind the observer adapter instead
+  device caches      ``add_cache``: copies into slots and the layer's id planes (``dc_route``)
+  RAM tiers          ``add_tier``: the layer's experts paged in (``rt_step``)
+  observer adapter   the Python observers that must run between a layer's router and its
+                     experts (the default; tests, diagnostics): one call per event
 
-Both modes make the same decisions and the same events (tests compare them).
+Observers that declare ``synchronous = False`` (the trace recorder) get the batch's events at
+its end instead (``end_batch``), with no Python call on a layer-step. ``watch`` hands watched
+nodes' data to Python. Imposed routing alone (``impose``, nothing to feed or observe) runs the
+hook in route-only mode.
 """
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import numpy as np
 
 from runtime.engine.residency_observer import ResidencyObserver
-from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, RoutingHook
+from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, raise_failure
 from runtime.residency.types import Phase
 
-RH_FORWARD, RH_NATIVE, RH_ROUTE_ONLY = 0, 1, 2
+RH_NATIVE, RH_ROUTE_ONLY = 1, 2
+RH_CONSUMER_CORE, RH_CONSUMER_CACHE, RH_CONSUMER_TIER = 0, 1, 2
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
-class _CFilter:
-    """The C hook's name filter, as RoutingHook drives its route filter."""
-
-    def __init__(self, hook: NativeHook):
-        self._hook = hook
-        self.prefixes: list[bytes] = []
-
-    def _apply(self, prefixes: list[bytes]) -> None:
-        h = self._hook
-        keep = [h.ffi.new("char[]", p) for p in prefixes]
-        arr = h.ffi.new("char *[]", keep)
-        if h.lib.rh_set_prefixes(h.handle, arr, len(prefixes)) != 0:
-            raise ValueError("too many or too long prefixes for the route filter")
-        self.prefixes = list(prefixes)
-
-    def add_prefix(self, prefix: bytes) -> None:
-        if prefix not in self.prefixes:
-            self._apply([*self.prefixes, prefix])
-
-    def set_prefixes(self, prefixes: list[bytes]) -> None:
-        self._apply(list(prefixes))
-
-
-class NativeHook(RoutingHook):
-    """See the module docstring. ``feed(manager, devices)`` takes the devices the engine's
-    ResidencyObserver would feed."""
+class NativeHook:
+    """See the module docstring. ``assembler`` carries the configuration (MoE layers,
+    ``n_expert_used``, ``turn``, ``strict``) and the observers; its framing is the reference's
+    and is not run here. Keep the hook alive as long as the context."""
 
     def __init__(self, assembler: RouteAssembler, n_layer: int):
         from runtime.native import llama_lib  # noqa: PLC0415
-        from runtime.engine.routing_hook import _FILTER_PREFIXES  # noqa: PLC0415
         from runtime.residency.core.build import load_core  # noqa: PLC0415
 
-        super().__init__(assembler)
         lib, ffi = load_core()
-        self.lib, self.ffi = lib, ffi
-        is_moe = ffi.new("uint8_t[]", [1 if i in set(assembler.moe_layers) else 0
-                                       for i in range(n_layer)])
+        self.lib, self.ffi, self._ll = lib, ffi, llama_lib
+        self.assembler = assembler
+        moe = set(assembler.moe_layers)
+        is_moe = ffi.new("uint8_t[]", [1 if i in moe else 0 for i in range(n_layer)])
         get = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_get, ctypes.c_void_p).value
         t = llama_lib.GgmlTensor
         handle = lib.rh_create(n_layer, is_moe, assembler.n_expert_used,
@@ -77,19 +56,21 @@ class NativeHook(RoutingHook):
         if handle == ffi.NULL:
             raise MemoryError("rh_create failed")
         self.handle = ffi.gc(handle, lib.rh_free)
-        forward = ctypes.cast(self._py_callback, ctypes.c_void_p).value
-        lib.rh_set_forward(self.handle, ffi.cast("rh_eval_cb", forward), ffi.NULL)
-        self._filter = _CFilter(self)
-        self._filter.set_prefixes(list(_FILTER_PREFIXES))
         callback_type = llama_lib.bindings().ggml_backend_sched_eval_callback
         self.callback = callback_type(int(ffi.cast("uintptr_t", lib.rh_eval)))
         self.user_data = ctypes.c_void_p(int(ffi.cast("uintptr_t", self.handle)))
-        self._feed: ResidencyObserver | None = None
-        self._cores: list = []
+        self.error: BaseException | None = None       # a Python observer's or watcher's
+        self.watchers: dict[bytes, Callable[[str, np.ndarray], None]] = {}
+        self._on_event_c = ffi.callback("rh_event_cb", self._on_event)
+        self._on_watch_c = ffi.callback("rh_eval_cb", self._on_watch)
+        self._observing = False                       # the adapter is on the list
+        self._sync: list = []                         # this batch's synchronous observers
+        self._feed: ResidencyObserver | None = None   # reference cores: Python bookkeeping
+        self._n_consumers = 0                         # C consumers: cores, caches, tiers
+        self._n_cores = 0
         self._caches: list = []
         self._tiers: list = []
-        self._native_batch = False
-        self._in_native_batch = False
+        self._in_batch = False
         self._imposed = None                # ImposedRouting (route-only mode when alone)
         self._route_only = False
         self._phase = Phase.PREFILL
@@ -98,29 +79,48 @@ class NativeHook(RoutingHook):
     # -- wiring ---------------------------------------------------------------------------
     def feed(self, manager, devices) -> None:
         """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
-        self._feed = ResidencyObserver(manager, devices)
-        self._cores = [manager.core_handle(d) for d in devices]
-        self.lib.rh_clear_cores(self.handle)
-        if all(c is not None for c in self._cores):
-            for c in self._cores:
-                self.lib.rh_add_core(self.handle, c)
+        cores = [manager.core_handle(d) for d in devices]
+        self.lib.rh_clear_consumers(self.handle, RH_CONSUMER_CORE)
+        self._n_consumers -= self._n_cores
+        self._n_cores, self._feed = 0, None
+        if any(c is None for c in cores):         # the Python reference core
+            self._feed = ResidencyObserver(manager, devices)
+            return
+        for c in cores:
+            self._add_consumer(RH_CONSUMER_CORE, c)
+        self._n_cores = len(cores)
 
     def add_cache(self, cache) -> None:
         """A native device cache (runtime.native.device_cache.DeviceCache) to drive."""
+        self._add_consumer(RH_CONSUMER_CACHE, cache.native_handle)
         self._caches.append(cache)
-        self.lib.rh_add_cache(self.handle, cache.native_handle)
 
     def add_tier(self, tier) -> None:
         """A RAM tier (runtime.ramtier.RamTier) to step before each layer's expert matmul."""
-        if self.lib.rh_add_tier(self.handle, tier.native_handle) != 0:
-            raise ValueError("too many RAM tiers for the routing hook")
+        self._add_consumer(RH_CONSUMER_TIER, tier.native_handle)
         self._tiers.append(tier)
+
+    def _add_consumer(self, kind: int, handle) -> None:
+        if self.lib.rh_add_consumer(self.handle, kind, handle) != 0:
+            raise ValueError("too many consumers for the routing hook")
+        self._n_consumers += 1
+
+    def watch(self, name: str, fn: Callable[[str, np.ndarray], None]) -> None:
+        """Also read node ``name`` (exact match, e.g. ``"ffn_moe_probs-3"``; it must start with
+        ``ffn_moe_``) and pass its data (shape (ne3, ne2, ne1, ne0)) to ``fn``. For tests and
+        diagnostics."""
+        if not name.startswith("ffn_moe_"):
+            raise ValueError(f"{name!r}: only ffn_moe_* nodes can be watched")
+        watchers = {**self.watchers, name.encode(): fn}
+        keep = [self.ffi.new("char[]", n) for n in watchers]
+        if self.lib.rh_set_watch(self.handle, self._on_watch_c, self.ffi.NULL,
+                                 self.ffi.new("char *[]", keep), len(keep)) != 0:
+            raise ValueError(f"{name!r}: too many or too long watched names")
+        self.watchers = watchers
 
     def impose(self, routing, n_expert: int) -> None:
         """Route as ``routing`` (runtime.engine.imposed_routing.ImposedRouting) says."""
-        from runtime.native import llama_lib  # noqa: PLC0415
-
-        tensor_set = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_set,
+        tensor_set = ctypes.cast(self._ll.ggml().base.ggml_backend_tensor_set,
                                  ctypes.c_void_p).value
         experts = np.ascontiguousarray(routing.experts, dtype=np.int32)
         logits = np.ascontiguousarray(routing.logits, dtype=np.float32)
@@ -131,28 +131,41 @@ class NativeHook(RoutingHook):
             raise ValueError(f"{routing.source}: the routing hook refused the trace")
         self._imposed = routing
 
-    def _own(self) -> list:
-        """The observers the hook itself runs natively (or hands to forward mode)."""
-        return [o for o in (self._feed, *self._caches, *self._tiers) if o is not None]
+    def _observers(self) -> list:
+        """Every Python observer: the reference cores' bookkeeping first, then the engine's."""
+        return [self._feed, *self.assembler.observers] if self._feed is not None \
+            else list(self.assembler.observers)
 
-    def _can_run_native(self) -> bool:
-        if any(c is None for c in self._cores):
-            return False                          # a reference core: forward mode only
-        if self.watchers:
-            return False                          # watched nodes go to Python callbacks
-        own = self._own()
-        observers = [o for o in self.assembler.observers if all(o is not x for x in own)]
-        return all(getattr(o, "synchronous", True) is False for o in observers)
+    # -- the adapter and the watched nodes (called from C, on the decoding thread) --------
+    def _on_event(self, layer, phase, first_step, turn, n_rows, experts, weights, _user) -> int:
+        try:
+            if self.error is not None:
+                return 1
+            k = self.assembler.n_expert_used
+            n = 4 * n_rows * k                                   # bytes
+            event = RouteEvent(layer, _PHASES[phase], first_step, turn,
+                               np.frombuffer(self.ffi.buffer(experts, n), np.int32)
+                               .reshape(n_rows, k).copy(),
+                               np.frombuffer(self.ffi.buffer(weights, n), np.float32)
+                               .reshape(n_rows, k).copy())
+            for observer in self._sync:
+                observer.on_route(event)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - must never escape into C
+            if self.error is None:
+                self.error = exc
+            return 1
 
-    @property
-    def native_filter(self) -> bool:
-        """The C name filter is in front of the Python callback (always, here)."""
-        return True
-
-    @property
-    def native(self) -> bool:
-        """True when the next decode call runs in native mode."""
-        return self._can_run_native()
+    def _on_watch(self, tensor, ask, _user) -> bool:
+        try:
+            address = int(self.ffi.cast("uintptr_t", tensor))
+            name = self._ll.tensor_name(address)
+            self.watchers[name](name.decode(), self._ll.read_tensor(address))
+            return True
+        except BaseException as exc:  # noqa: BLE001 - must never escape into C
+            if self.error is None:
+                self.error = exc
+            return False                  # a data call: the graph stops
 
     # -- framing --------------------------------------------------------------------------
     def begin_batch(self, phase, first_step: int, n_tokens: int, n_outputs: int) -> None:
@@ -160,74 +173,84 @@ class NativeHook(RoutingHook):
         self._phase, self._n_tokens = Phase(phase), n_tokens
         if self._imposed is not None:
             self.lib.rh_route_batch(self.handle, first_step)
+        observers = self._observers()
         # imposed routing and nothing to feed: the hook only sets the router's logits
-        self._route_only = self._imposed is not None and not self._own() and \
-            not self.assembler.observers and not self.watchers
+        self._route_only = self._imposed is not None and not self._n_consumers and \
+            not observers and not self.watchers
         if self._route_only:
             self.lib.rh_set_mode(self.handle, RH_ROUTE_ONLY)
             return
-        self._native_batch = self._can_run_native()
-        observers = self.assembler.observers
-        own = self._own()
-        if self._native_batch:
-            observers[:] = [o for o in observers if all(o is not x for x in own)]
-            self.lib.rh_set_mode(self.handle, RH_NATIVE)
-            self._in_native_batch = True
-            self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
-                                    self.assembler.turn, int(self.assembler.strict))
-        else:
-            missing = [o for o in own if all(o is not x for x in observers)]
-            observers[:0] = missing
-            self.lib.rh_set_mode(self.handle, RH_FORWARD)
-            super().begin_batch(phase, first_step, n_tokens, n_outputs)
+        self._sync = [o for o in observers if getattr(o, "synchronous", True)]
+        if bool(self._sync) != self._observing:
+            self._observing = bool(self._sync)
+            self.lib.rh_set_observer(self.handle, self._on_event_c if self._observing
+                                     else self.ffi.NULL, self.ffi.NULL)
+        self.lib.rh_set_mode(self.handle, RH_NATIVE)
+        self._in_batch = True
+        self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
+                                self.assembler.turn, int(self.assembler.strict))
 
     @property
     def in_batch(self) -> bool:
-        return self._in_native_batch or self.assembler.in_batch
+        """Between begin_batch and the end (or abort) of a decode call."""
+        return self._in_batch
 
     def abort_batch(self) -> None:
-        if self._in_native_batch:
+        """The decode failed: the consumers and observers still end the batch (leases end)."""
+        if self._in_batch:
             self.lib.rh_abort_batch(self.handle)
-            self._in_native_batch = False
-        super().abort_batch()
+            self._in_batch = False
+            self._end_observers(failed=True)
+
+    def _end_observers(self, failed: bool = False) -> None:
+        for observer in self._observers():
+            try:
+                observer.on_batch_end(self._phase, self._n_tokens)
+            except Exception:  # noqa: BLE001 - after a failure, the original error is reported
+                if not failed:
+                    raise
 
     def _check_route(self) -> None:
         if self._imposed is None:
             return
         why = self.lib.rh_route_error(self.handle)
         if why != self.ffi.NULL:
-            if not self._route_only:
-                self.abort_batch()
+            self.abort_batch()
             raise RouteCaptureError(self.ffi.string(why).decode())
 
     def end_batch(self) -> None:
+        """After ``llama_decode``: raise what went wrong inside the graph, else hand the
+        batch's events to the observers that wait for it and end every observer's batch."""
         self._check_route()
         if self._route_only:
             return
-        if not self._native_batch:
-            super().end_batch()
-            return
         lib, ffi, h = self.lib, self.ffi, self.handle
-        self._in_native_batch = False
+        error, self.error = self.error, None
+        if error is not None:
+            self.abort_batch()
+            raise_failure(error)
+        self._in_batch = False
         if lib.rh_end_batch(h) != 0:
             message = ffi.string(lib.rh_error(h)).decode()
-            self.assembler.abort_batch()
+            self._end_observers(failed=True)
             raise RouteCaptureError(message)
-        a = self.assembler
-        if len(a.final_stage) < len(a.moe_layers):     # learnt once, for forward mode
-            for layer in a.moe_layers:
-                stage = lib.rh_final_stage(h, layer)
-                if stage >= 0:
-                    a.final_stage.setdefault(layer, stage)
         for cache in self._caches:
             cache.check_failures()
         for tier in self._tiers:
             tier.after_batch()
-        if not a.observers:             # the hook's own cores and caches took every event
-            return
-        k = a.n_expert_used
-        n_events = lib.rh_n_events(h)
-        meta = np.empty((n_events, 6), dtype=np.int64)
+        waiting = [o for o in self.assembler.observers if not getattr(o, "synchronous", True)]
+        if waiting:
+            events = self._events()
+            for observer in waiting:
+                for event in events:
+                    observer.on_route(event)
+        self._end_observers()
+
+    def _events(self) -> list[RouteEvent]:
+        """The batch's events, copied out of the C hook at once."""
+        lib, ffi, h = self.lib, self.ffi, self.handle
+        k = self.assembler.n_expert_used
+        meta = np.empty((lib.rh_n_events(h), 6), dtype=np.int64)
         n = lib.rh_events_elems(h)
         experts = np.empty(max(n, k), dtype=np.int32)
         weights = np.empty(max(n, k), dtype=np.float32)
@@ -236,11 +259,6 @@ class NativeHook(RoutingHook):
                            ffi.from_buffer("float[]", weights))
         experts = experts.reshape(-1, k)                # (rows of every event, k)
         weights = weights.reshape(-1, k)
-        events = [RouteEvent(layer, _PHASES[phase], first, turn,
-                             experts[at // k:at // k + rows], weights[at // k:at // k + rows])
-                  for layer, phase, first, turn, rows, at in meta.tolist()]
-        for observer in a.observers:
-            for event in events:
-                observer.on_route(event)
-        for observer in a.observers:
-            observer.on_batch_end(self._phase, self._n_tokens)
+        return [RouteEvent(layer, _PHASES[phase], first, turn,
+                           experts[at // k:at // k + rows], weights[at // k:at // k + rows])
+                for layer, phase, first, turn, rows, at in meta.tolist()]

@@ -1,10 +1,13 @@
-"""The live feed from routing to the residency manager.
+"""The Python feed from routing to the residency manager: the bookkeeping of a manager that
+runs the Python reference core (the C hook steps a C core itself: rc_step), and of the
+reference hook (routing_hook.RoutingHook).
 
 One ``access_layer`` per route event and device: the manager records the accesses per phase,
 decides admissions and evictions, and leases the layer's experts. A layer's lease is released
 when the next layer routes (in the same call: the graph runs layers in order, so its matmuls
-are done) or when the batch ends. This observer only does bookkeeping; a tier that moves bytes (the RAM tier,
-the native device cache) attaches its own observer for its device instead.
+are done) or when the batch ends: the rule of rc_step / rc_step_end (step.c). This observer
+only does bookkeeping; a tier that moves bytes (the RAM tier, the native device cache) is its
+own consumer of the routing hook.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-/* route_hook: see route_hook.h. The native mode follows runtime/engine/routing_hook.py
- * (RoutingHook._on_eval and RouteAssembler) rule for rule; tests run both on the same model
+/* route_hook: see route_hook.h. The only live framing of routing events; its slow reference
+ * is runtime/engine/routing_hook.py (RoutingHook._on_eval and RouteAssembler), which it follows
+ * rule for rule; tests run both on the same model
  * and compare the events and the managers' counters. */
 #include "route_hook.h"
 #include "../native/slot_cache.h"
@@ -11,11 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_PREFIXES 16
-#define PREFIX_BYTES 32
-#define MAX_CORES 8
+#define MAX_WATCHED 16
+#define MAX_CONSUMERS 24
 #define NAME_BYTES 64
-#define HOOK_LEASE_BASE (((int64_t) 1) << 50)   /* apart from the manager's lease ids */
 
 enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2, K_PLANES = 3 };
 /* the node names the hook reads or flushes on (before "-<layer>"), with their lengths: a node
@@ -63,6 +62,31 @@ static int64_t frame_first(const ub_frame *f, int32_t rows) {
     return f->offset + (f->rows > rows ? f->rows - rows : 0);
 }
 
+/* A consumer of routing events (route_hook.h): stepped with every MoE layer-step before the
+ * layer's expert matmuls run (0, or a status `error` turns into the batch's message), ended at
+ * every batch's end, a failed one too. One list holds them all, in kind order (the bookkeeping
+ * cores, the device caches, the RAM tiers, the observer adapter last): the order they step in
+ * and the first error is reported in. */
+typedef struct {
+    int32_t layer, phase, turn, n_rows;
+    int64_t first_step;
+    const int32_t *experts;                         /* (n_rows * k) routing order */
+    const float *weights;                           /* (n_rows * k) */
+    int32_t n;                                      /* n_rows * k */
+} step_event;
+typedef struct consumer consumer;
+typedef struct {
+    int kind;                                       /* RH_CONSUMER_* */
+    int (*step)(consumer *u, const step_event *e);
+    void (*batch_end)(consumer *u);
+    void (*error)(const consumer *u, int32_t layer, int status, char *msg, int32_t cap);
+} consumer_kind;
+struct consumer {
+    const consumer_kind *kind;
+    void *obj;                                      /* rc_core, dc_cache, rt_tier or rh_hook */
+    int64_t held;                                   /* a bookkeeping core's lease (rc_step) */
+};
+
 typedef struct {
     int32_t layer, phase, first_step, turn, n_rows;
     int64_t at;                                     /* offset into the event arrays */
@@ -70,10 +94,12 @@ typedef struct {
 
 struct rh_hook {
     int32_t mode;
-    rh_eval_cb py_cb;
-    void *py_user;
-    int32_t n_prefixes;
-    char prefixes[MAX_PREFIXES][PREFIX_BYTES];
+    rh_eval_cb watch_cb;                            /* watched nodes' data (rh_set_watch) */
+    void *watch_user;
+    int32_t n_watched;
+    char watched[MAX_WATCHED][NAME_BYTES];
+    rh_event_cb observer;                           /* the synchronous observers' adapter */
+    void *observer_user;
     rh_tensor_get tensor_get;
     size_t type_off, ne_off, nb_off, name_off;
     int32_t n_layer, k, last_layer;
@@ -87,17 +113,9 @@ struct rh_hook {
     int32_t phase, turn, n_tokens, n_outputs;
     ub_frame frame;                                 /* the events' ubatches (by topk node) */
     int64_t batch_start;
-    /* residency cores fed in native mode, and the lease each holds */
-    rc_core *cores[MAX_CORES];
-    int64_t held[MAX_CORES];
-    int32_t n_cores;
-    int64_t next_lease;
-    /* native device caches fed in native mode (each holds its own lease) */
-    dc_cache *caches[MAX_CORES];
-    int32_t n_caches;
-    /* RAM tiers: each pages its layer's experts in before the matmul (tier_io.h) */
-    rt_tier *tiers[MAX_CORES];
-    int32_t n_tiers;
+    /* the consumers every event steps, in kind order */
+    consumer consumers[MAX_CONSUMERS];
+    int32_t n_consumers;
     /* events of this batch */
     ev_rec *events; int32_t n_events, cap_events;
     int32_t *ev_experts; float *ev_weights; int64_t n_ev_elems, cap_ev_elems;
@@ -130,6 +148,7 @@ rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used
     h->n_layer = n_layer;
     h->k = n_expert_used;
     h->last_layer = n_layer - 1;
+    h->mode = RH_NATIVE;
     h->tensor_get = tensor_get;
     h->type_off = type_off; h->ne_off = ne_off; h->nb_off = nb_off; h->name_off = name_off;
     h->is_moe = malloc((size_t) n_layer);
@@ -143,7 +162,6 @@ rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used
     }
     memcpy(h->is_moe, is_moe, (size_t) n_layer);
     memset(h->final_stage, -1, (size_t) n_layer);
-    h->next_lease = HOOK_LEASE_BASE;
     return h;
 }
 
@@ -161,18 +179,15 @@ void rh_free(rh_hook *h) {
     free(h);
 }
 
-void rh_set_forward(rh_hook *h, rh_eval_cb cb, void *cb_user_data) {
-    h->py_cb = cb;
-    h->py_user = cb_user_data;
-}
-
-int rh_set_prefixes(rh_hook *h, const char *const *prefixes, int32_t n) {
-    if (n < 0 || n > MAX_PREFIXES) return -1;
+int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *names,
+                 int32_t n) {
+    if (n < 0 || n > MAX_WATCHED) return -1;
     for (int32_t i = 0; i < n; i++)
-        if (strlen(prefixes[i]) >= PREFIX_BYTES) return -1;
-    h->n_prefixes = 0;
-    for (int32_t i = 0; i < n; i++) strcpy(h->prefixes[i], prefixes[i]);
-    h->n_prefixes = n;
+        if (strncmp(names[i], "ffn_moe_", 8) != 0 || strlen(names[i]) >= NAME_BYTES) return -1;
+    for (int32_t i = 0; i < n; i++) strcpy(h->watched[i], names[i]);
+    h->n_watched = n;
+    h->watch_cb = cb;
+    h->watch_user = user_data;
     return 0;
 }
 
@@ -219,26 +234,93 @@ int rh_set_route(rh_hook *h, rh_tensor_set tensor_set, int64_t n_pos, int32_t n_
     return 0;
 }
 
-int rh_add_core(rh_hook *h, void *core) {
-    if (h->n_cores >= MAX_CORES) return -1;
-    h->cores[h->n_cores] = core;
-    h->held[h->n_cores] = 0;
-    h->n_cores++;
+/* ---- consumers ---------------------------------------------------------------------------- */
+
+/* a bookkeeping core: the decisions, nothing moved */
+static int core_step(consumer *u, const step_event *e) {
+    rc_result r;
+    return rc_step(u->obj, &u->held, e->layer, e->experts, e->n, e->phase, &r);
+}
+static void core_end(consumer *u) { rc_step_end(u->obj, &u->held); }
+static void core_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
+    (void) u;
+    rc_step_message(msg, cap, "", layer, status);
+}
+
+/* a device cache: copies into slots, the id planes (slot_cache.h; it holds its own lease) */
+static int cache_step(consumer *u, const step_event *e) {
+    return dc_route(u->obj, e->layer, e->experts, e->n, e->phase);
+}
+static void cache_end(consumer *u) { dc_batch_end(u->obj); }
+static void cache_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
+    (void) u;
+    if (status <= -100)
+        snprintf(msg, (size_t) cap, "device cache: layer %d: the id planes could not be written "
+                 "(moe_cache_route status %d)", layer, -100 - status);
+    else
+        rc_step_message(msg, cap, "device cache: ", layer, status);
+}
+
+/* a RAM tier: back only when the layer's experts are in the page cache (tier_io.h) */
+static int tier_step(consumer *u, const step_event *e) {
+    return rt_step(u->obj, e->layer, e->experts, e->n, e->phase);
+}
+static void tier_end(consumer *u) { rt_batch_end(u->obj); }
+static void tier_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
+    (void) layer; (void) status;
+    snprintf(msg, (size_t) cap, "%s", rt_error(u->obj));
+}
+
+/* the synchronous observers (Python's): one adapter, the event handed over as it happens */
+static int observer_step(consumer *u, const step_event *e) {
+    const rh_hook *h = u->obj;
+    return h->observer(e->layer, e->phase, e->first_step, e->turn, e->n_rows, e->experts,
+                       e->weights, h->observer_user);
+}
+static void observer_end(consumer *u) { (void) u; }     /* Python ends its observers' batch */
+static void observer_error(const consumer *u, int32_t layer, int status, char *msg,
+                           int32_t cap) {
+    (void) u; (void) status;
+    snprintf(msg, (size_t) cap, "layer %d: a routing observer failed", layer);
+}
+
+static const consumer_kind k_kinds[] = {
+    [RH_CONSUMER_CORE] = {RH_CONSUMER_CORE, core_step, core_end, core_error},
+    [RH_CONSUMER_CACHE] = {RH_CONSUMER_CACHE, cache_step, cache_end, cache_error},
+    [RH_CONSUMER_TIER] = {RH_CONSUMER_TIER, tier_step, tier_end, tier_error},
+    [RH_CONSUMER_OBSERVER] = {RH_CONSUMER_OBSERVER, observer_step, observer_end, observer_error},
+};
+
+static int add_consumer(rh_hook *h, int32_t kind, void *obj) {
+    if (kind < 0 || kind > RH_CONSUMER_OBSERVER || obj == NULL ||
+        h->n_consumers >= MAX_CONSUMERS)
+        return -1;
+    int32_t at = h->n_consumers;                    /* after every entry of its kind or before */
+    while (at > 0 && h->consumers[at - 1].kind->kind > kind) {
+        h->consumers[at] = h->consumers[at - 1];
+        at--;
+    }
+    h->consumers[at] = (consumer) {&k_kinds[kind], obj, 0};
+    h->n_consumers++;
     return 0;
 }
 
-void rh_clear_cores(rh_hook *h) { h->n_cores = 0; }
-
-int rh_add_cache(rh_hook *h, void *cache) {
-    if (h->n_caches >= MAX_CORES) return -1;
-    h->caches[h->n_caches++] = cache;
-    return 0;
+int rh_add_consumer(rh_hook *h, int32_t kind, void *obj) {
+    return kind == RH_CONSUMER_OBSERVER ? -1 : add_consumer(h, kind, obj);
 }
 
-int rh_add_tier(rh_hook *h, void *tier) {
-    if (h->n_tiers >= MAX_CORES) return -1;
-    h->tiers[h->n_tiers++] = tier;
-    return 0;
+void rh_set_observer(rh_hook *h, rh_event_cb cb, void *user_data) {
+    rh_clear_consumers(h, RH_CONSUMER_OBSERVER);
+    h->observer = cb;
+    h->observer_user = user_data;
+    if (cb != NULL) add_consumer(h, RH_CONSUMER_OBSERVER, h);
+}
+
+void rh_clear_consumers(rh_hook *h, int32_t kind) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < h->n_consumers; i++)
+        if (h->consumers[i].kind->kind != kind) h->consumers[n++] = h->consumers[i];
+    h->n_consumers = n;
 }
 
 const char *rh_error(const rh_hook *h) { return h->msg; }
@@ -272,13 +354,11 @@ static void fail(rh_hook *h, const char *msg) {
 
 /* ---- framing (RouteAssembler) ------------------------------------------------------------ */
 
-static void release_all(rh_hook *h) {
-    for (int32_t d = 0; d < h->n_cores; d++) {
-        if (h->held[d]) rc_release(h->cores[d], h->held[d]);
-        h->held[d] = 0;
+static void end_consumers(rh_hook *h) {
+    for (int32_t i = 0; i < h->n_consumers; i++) {
+        consumer *u = &h->consumers[i];
+        u->kind->batch_end(u);
     }
-    for (int32_t d = 0; d < h->n_caches; d++) dc_batch_end(h->caches[d]);
-    for (int32_t d = 0; d < h->n_tiers; d++) rt_batch_end(h->tiers[d]);
 }
 
 static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
@@ -303,36 +383,18 @@ static void emit(rh_hook *h, int32_t layer, const pending *p, int32_t first) {
     e->layer = layer; e->phase = h->phase; e->first_step = first; e->turn = h->turn;
     e->n_rows = p->rows; e->at = h->n_ev_elems;
     h->n_ev_elems += n;
-    /* the bookkeeping devices: one access each, the previous layer-step's lease released */
-    rc_result r;
-    for (int32_t d = 0; d < h->n_cores; d++) {
-        const int64_t lease = h->next_lease++;
-        const int rc = rc_access(h->cores[d], layer, p->experts, (int32_t) n, h->phase, NULL, -1,
-                                 NULL, NULL, 0, lease, h->held[d], &r);
-        h->held[d] = rc == 0 ? lease : 0;
+    /* every consumer steps, in list order, before the layer's experts run */
+    const step_event ev = {layer, h->phase, h->turn, p->rows, first, p->experts, p->weights,
+                           (int32_t) n};
+    for (int32_t i = 0; i < h->n_consumers; i++) {
+        consumer *u = &h->consumers[i];
+        const int rc = u->kind->step(u, &ev);
         if (rc != 0) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "residency core refused layer %d (status %d)", layer, rc);
+            char msg[256];
+            u->kind->error(u, layer, rc, msg, sizeof msg);
             fail(h, msg);
         }
     }
-    for (int32_t d = 0; d < h->n_caches; d++) {
-        const int rc = dc_route(h->caches[d], layer, p->experts, (int32_t) n, h->phase);
-        if (rc != 0) {
-            char msg[128];
-            if (rc <= -100)
-                snprintf(msg, sizeof msg, "device cache: layer %d: the id planes could not be "
-                         "written (moe_cache_route status %d)", layer, -100 - rc);
-            else
-                snprintf(msg, sizeof msg, "device cache: the residency core refused layer %d "
-                         "(status %d)", layer, rc);
-            fail(h, msg);
-        }
-    }
-    /* the RAM tiers: back only when the layer's experts are in the page cache */
-    for (int32_t d = 0; d < h->n_tiers; d++)
-        if (rt_step(h->tiers[d], layer, p->experts, (int32_t) n, h->phase) != 0)
-            fail(h, rt_error(h->tiers[d]));
 }
 
 static void flush(rh_hook *h, int32_t layer) {
@@ -429,13 +491,13 @@ int rh_end_batch(rh_hook *h) {
                 break;
             }
         }
-    release_all(h);
+    end_consumers(h);
     return h->error;
 }
 
 void rh_abort_batch(rh_hook *h) {
     h->in_batch = 0;
-    release_all(h);
+    end_consumers(h);
     h->n_events = 0;
 }
 
@@ -513,6 +575,13 @@ static int parse(const char *name, int32_t n_layer, int32_t *layer, int32_t *sta
     return K_NONE;
 }
 
+/* a node rh_set_watch named (exact names: never ggml's derived "x (reshaped)") */
+static int watched(const rh_hook *h, const char *name) {
+    for (int32_t i = 0; i < h->n_watched; i++)
+        if (strncmp(name, h->watched[i], NAME_BYTES) == 0) return 1;
+    return 0;
+}
+
 static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     const char *name = (const char *) tensor + h->name_off;
     if (strncmp(name, "ffn_moe_", 8) != 0) return false;
@@ -520,7 +589,8 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     if (!h->in_batch) return false;          /* a decode nobody framed */
     int32_t layer = -1, stage = -1;
     const int kind = parse(name, h->n_layer, &layer, &stage);
-    if (kind == K_NONE || !h->is_moe[layer]) return false;
+    if (kind == K_NONE) return watched(h, name) && (ask || h->watch_cb(tensor, ask, h->watch_user));
+    if (!h->is_moe[layer]) return false;
     const int final = h->final_stage[layer];
     if (ask) {
         if (kind == K_PLANES) return h->pend[layer].present && !h->pend[layer].done;
@@ -630,12 +700,5 @@ bool rh_eval(void *tensor, bool ask, void *user_data) {
             return ask || impose(h, tensor, layer, biased);
     }
     if (h->mode == RH_ROUTE_ONLY) return false;
-    if (h->mode == RH_NATIVE) return eval_native(h, tensor, ask);
-    const char *name = (const char *) tensor + h->name_off;
-    /* names ggml derives ("ffn_moe_topk-3 (reshaped)", "... (cont)") are never wanted */
-    if (memchr(name, ' ', strnlen(name, NAME_BYTES)) != NULL) return false;
-    for (int32_t i = 0; i < h->n_prefixes; i++)
-        if (strncmp(name, h->prefixes[i], strlen(h->prefixes[i])) == 0)
-            return h->py_cb != NULL && h->py_cb(tensor, ask, h->py_user);
-    return false;
+    return eval_native(h, tensor, ask);
 }

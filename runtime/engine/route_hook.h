@@ -1,23 +1,29 @@
 /* route_hook: llama.cpp's eval callback (cb_eval) in C, built into the residency core's
- * library (runtime/residency/core/build.py) so that it calls the core directly.
+ * library (runtime/residency/core/build.py) so that it calls the core directly. The only live
+ * framing of routing events (runtime/engine/routing_hook.py is its slow reference).
  *
- * Modes, switched between decode calls (and RH_ROUTE_ONLY, below: imposed routing alone):
- *   forward  only nodes whose names start with one of the prefixes reach the Python callback
- *            (runtime/engine/routing_hook.py, which assembles RouteEvents for observers that
- *            must run between a layer's router and its experts: the RAM tier, the device cache);
- *   native   the hook itself reads each MoE layer's router output (ffn_moe_topk, the applied
- *            weight stage), frames it into events exactly as RouteAssembler does, feeds every
- *            bookkeeping device's residency core (rc_access, one lease per layer-step) and
- *            appends the event to a buffer that Python drains once per decode call: no Python
- *            call on a layer-step.
+ * Per MoE layer-step the hook reads the router output (ffn_moe_topk, the applied weight
+ * stage), frames it into an event (layer, phase, first_step, turn, rows, experts, weights:
+ * ubatches, the last layer's trimmed rows) and steps every consumer on its one list before
+ * the layer's expert matmuls run; it buffers the event, and Python takes the batch's events
+ * once per decode call (rh_copy_events). At the batch's end every consumer ends its batch.
+ *
+ *   consumer          step (per event)                    batch_end          error
+ *   bookkeeping core  rc_step (a lease the core mints)    rc_step_end        rc_step_message
+ *   device cache      dc_route (copies, id planes)        dc_batch_end       its status
+ *   RAM tier          rt_step (page-ins before the matmul) rt_batch_end      rt_error
+ *   observer adapter  Python's synchronous observers      (Python)           "observer failed"
  *
  *     rh_hook *h = rh_create(n_layer, is_moe, n_expert_used, tensor_get, offsets...);
- *     rh_add_core(h, core);  rh_set_mode(h, RH_NATIVE);
+ *     rh_add_consumer(h, RH_CONSUMER_CORE, core);
  *     ... cb_eval = rh_eval, cb_eval_user_data = h ...
  *     rh_begin_batch(h, phase, first_step, n_tokens, n_outputs, turn, strict);
  *     llama_decode(...);
  *     if (rh_end_batch(h) != 0) ... rh_error(h) ...;
  *     rh_copy_events(h, meta, experts, weights);       // the batch's events, once
+ *
+ * Modes, switched between decode calls: RH_NATIVE (the above), RH_ROUTE_ONLY (imposed routing,
+ * rh_set_route, and nothing else).
  */
 #ifndef ROUTE_HOOK_H
 #define ROUTE_HOOK_H
@@ -30,28 +36,38 @@ typedef bool (*rh_eval_cb)(void *tensor, bool ask, void *user_data);
 typedef void (*rh_tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
 typedef void (*rh_tensor_set)(void *tensor, const void *data, size_t offset, size_t size);
 
-/* RH_ROUTE_ONLY: imposed routing (rh_set_route) and nothing else */
-enum { RH_FORWARD = 0, RH_NATIVE = 1, RH_ROUTE_ONLY = 2 };
+enum { RH_NATIVE = 1, RH_ROUTE_ONLY = 2 };
 
 rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used,
                    rh_tensor_get tensor_get, size_t type_off, size_t ne_off, size_t nb_off,
                    size_t name_off);
 void rh_free(rh_hook *h);
 bool rh_eval(void *tensor, bool ask, void *user_data);
-
-/* forward mode: the Python callback and the name prefixes it wants (at most 16, < 32 bytes) */
-void rh_set_forward(rh_hook *h, rh_eval_cb cb, void *cb_user_data);
-int rh_set_prefixes(rh_hook *h, const char *const *prefixes, int32_t n);
 void rh_set_mode(rh_hook *h, int32_t mode);
 
-/* native mode: residency cores fed with every event (at most 8) */
-int rh_add_core(rh_hook *h, void *core);
-void rh_clear_cores(rh_hook *h);
-/* native mode: device caches (slot_cache.h) fed with every event, settled at batch end */
-int rh_add_cache(rh_hook *h, void *cache);
-/* native mode: RAM tiers (runtime/ramtier/tier_io.h) stepped with every event, before the
- * layer's expert matmul runs; their lease ends at batch end */
-int rh_add_tier(rh_hook *h, void *tier);
+/* watched nodes (tests, diagnostics): the nodes named exactly `names` (at most 16, each
+ * "ffn_moe_*", < 64 bytes) go to `cb` (ask, then the data: false stops the graph) */
+int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *names,
+                 int32_t n);
+
+/* the consumers: one list, stepped with every event in kind order (bookkeeping cores, device
+ * caches, RAM tiers, the observer adapter), each before the layer's expert matmuls run, and
+ * ended at every batch's end (a failed or aborted one too). At most 24.
+ *   RH_CONSUMER_CORE   an rc_core (residency_core.h): rc_step, the decisions only
+ *   RH_CONSUMER_CACHE  a dc_cache (slot_cache.h): dc_route (copies, id planes), dc_batch_end
+ *   RH_CONSUMER_TIER   an rt_tier (tier_io.h): rt_step (page-ins), rt_batch_end
+ * 0, or -1 (a full list, an unknown kind, NULL). rh_clear_consumers drops one kind's. */
+enum { RH_CONSUMER_CORE = 0, RH_CONSUMER_CACHE = 1, RH_CONSUMER_TIER = 2,
+       RH_CONSUMER_OBSERVER = 3 };
+int rh_add_consumer(rh_hook *h, int32_t kind, void *obj);
+void rh_clear_consumers(rh_hook *h, int32_t kind);
+/* the synchronous observers' adapter (the last entry; NULL: none): called with every event,
+ * experts / weights (n_rows, n_expert_used) valid during the call only; non-zero fails the
+ * batch (the graph stops at the next node) */
+typedef int (*rh_event_cb)(int32_t layer, int32_t phase, int64_t first_step, int32_t turn,
+                           int32_t n_rows, const int32_t *experts, const float *weights,
+                           void *user_data);
+void rh_set_observer(rh_hook *h, rh_event_cb cb, void *user_data);
 
 /* imposed routing (--route-trace), either mode: at every MoE layer the router's logits
  * (ffn_moe_logits, then ffn_moe_logits_biased where the router has a bias) are overwritten so

@@ -20,7 +20,11 @@ everything, remembers the first error, stops the graph at the next chance, and `
 raises ``RouteCaptureError`` (or re-raises a KeyboardInterrupt) after the decode call.
 
 ``RouteAssembler`` holds the logic and needs no llama.cpp (it is fed arrays); ``RoutingHook``
-is the thin ctypes wrapper.
+is the thin ctypes wrapper. Together they are the slow reference of the live hook, the C one
+(route_hook.c, native_hook.py: the same rules, no Python call per layer-step); tests run an
+engine with each and compare the events and the managers' counters. In the reference, the
+bookkeeping (ResidencyObserver), the device caches and the RAM tiers are observers whose
+``on_route`` calls the same mechanism.
 """
 from __future__ import annotations
 
@@ -70,9 +74,6 @@ _WEIGHT_STAGES = ("ffn_moe_weights", "ffn_moe_weights_softmax", "ffn_moe_weights
                   "ffn_moe_weights_scaled")
 # First node that consumes the experts in build_moe_ffn (any one of them, per arch).
 _PREFIX = b"ffn_moe_"   # every node the hook reads is named "ffn_moe_*" (8 bytes)
-# What the C pre-filter lets through to Python: topk, every weight stage, the flush nodes.
-_FILTER_PREFIXES = (b"ffn_moe_topk-", b"ffn_moe_weights", b"ffn_moe_weighted-", b"ffn_moe_gate",
-                    b"ffn_moe_up-")
 _FLUSH_NODES = ("ffn_moe_weighted", "ffn_moe_gate_up", "ffn_moe_up", "ffn_moe_gate")
 
 
@@ -187,10 +188,18 @@ class RouteAssembler:
             observer.on_route(event)
 
 
+def raise_failure(error: BaseException) -> None:
+    """Raise what an observer (or the capture) raised inside the graph: KeyboardInterrupt,
+    SystemExit and RouteCaptureError as they are, anything else as RouteCaptureError."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, RouteCaptureError)):
+        raise error
+    raise RouteCaptureError(f"routing observer failed: {error!r}") from error
+
+
 class RoutingHook:
-    """The Python side of ``cb_eval``: framing router outputs into RouteEvents for observers
-    (RouteAssembler), called by the C hook (runtime/engine/native_hook.py) for the nodes its
-    name filter forwards. Keep the hook alive as long as the context."""
+    """The Python ``cb_eval`` (the reference of native_hook.NativeHook, with its wiring):
+    router outputs framed into RouteEvents for observers by RouteAssembler. Every graph node
+    costs a Python call: for tests. Keep the hook alive as long as the context."""
 
     def __init__(self, assembler: RouteAssembler):
         from runtime.native import llama_lib  # noqa: PLC0415 - loads llama.cpp
@@ -208,14 +217,32 @@ class RoutingHook:
                 self._nodes[f"{base}-{layer}".encode()] = (_FLUSH, layer, 0)
         self._layout_checked = False
         self._topk_node: dict[int, int] = {}   # layer -> its ffn_moe_topk tensor (this graph)
-        self._narrowed = False
         self._prefix_of = ctypes.c_uint64.from_address
         self._prefix = int.from_bytes(_PREFIX, "little")
         self._name_offset = self._lib.NAME_OFFSET
         callback_type = self._lib.bindings().ggml_backend_sched_eval_callback
         self._py_callback = callback_type(self._on_eval)
         self.callback, self.user_data = self._py_callback, None
-        self._filter = None          # the C hook's name filter, when one is in front
+        self._n_own = 0              # observers of the hook's wiring, before the engine's
+
+    # -- wiring (NativeHook's, as observers) ----------------------------------------------
+    def _own(self, observer) -> None:
+        self.assembler.observers.insert(self._n_own, observer)
+        self._n_own += 1
+
+    def feed(self, manager, devices) -> None:
+        """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
+        from runtime.engine.residency_observer import ResidencyObserver  # noqa: PLC0415
+
+        self._own(ResidencyObserver(manager, devices))
+
+    def add_cache(self, cache) -> None:
+        """A device cache: its ``on_route`` calls the same C (dc_route)."""
+        self._own(cache)
+
+    def add_tier(self, tier) -> None:
+        """A RAM tier: its ``on_route`` calls the same C (rt_step)."""
+        self._own(tier)
 
     def watch(self, name: str, fn: Callable[[str, np.ndarray], None]) -> None:
         """Also read node ``name`` (exact match, e.g. ``"ffn_moe_probs-3"``; it must start with
@@ -224,8 +251,6 @@ class RoutingHook:
         if not name.encode().startswith(_PREFIX):
             raise ValueError(f"{name!r}: only ffn_moe_* nodes can be watched")
         self.watchers[name.encode()] = fn
-        if self._filter is not None:
-            self._filter.add_prefix(name.encode())
 
     # -- framing, called by the engine around each llama_decode --------------------------
 
@@ -247,19 +272,8 @@ class RoutingHook:
         error, self.error = self.error, None
         if error is not None:
             self.assembler.abort_batch()
-            if isinstance(error, (KeyboardInterrupt, SystemExit)):
-                raise error
-            if isinstance(error, RouteCaptureError):
-                raise error
-            raise RouteCaptureError(f"routing observer failed: {error!r}") from error
+            raise_failure(error)
         self.assembler.end_batch()
-        if not self._narrowed and self._filter is not None and \
-                len(self.assembler.final_stage) == len(self.assembler.moe_layers):
-            # Every layer's applied weight stage is known: only topk and those nodes matter.
-            stages = sorted({_WEIGHT_STAGES[i] for i in self.assembler.final_stage.values()})
-            self._filter.set_prefixes([b"ffn_moe_topk-", *(f"{st}-".encode() for st in stages),
-                                       *self.watchers])
-            self._narrowed = True
 
     # -- the callback ---------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ class DeviceCache:
     """One device's slot cache: the manager's (inline) Transport for its device, and a
     RouteObserver. The mechanism is C (runtime/native/slot_cache.c, one ``dc_cache``): the
     routing hook's native mode calls it per layer-step without Python (``native_handle``);
-    in forward mode ``on_route`` calls the same C code.
+    in the reference hook (routing_hook.py) ``on_route`` calls the same C code.
 
     The manager decides at once (an admitted expert is resident from its admission on); the C
     side moves the bytes: victims' table entries are cleared and their slots freed (or their
@@ -93,7 +93,7 @@ class DeviceCache:
     frees its slot and the expert leaves the manager too.
     """
 
-    synchronous = True     # forward mode: runs between a layer's router and its experts
+    synchronous = True     # as an observer (the reference hook): between router and experts
 
     def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
                  n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True,
@@ -148,7 +148,7 @@ class DeviceCache:
     def drop(self, device: str, key: ExpertKey) -> None:
         self.lib.dc_drop(self._dc, key.layer * self.n_expert + key.expert)
 
-    # -- RouteObserver (forward mode) --------------------------------------------------------
+    # -- RouteObserver (the reference hook, tests) -------------------------------------------
     def on_route(self, event) -> None:
         experts = np.ascontiguousarray(event.experts, dtype=np.int32).reshape(-1)
         rc = self.lib.dc_route(self._dc, event.layer, self.ffi.from_buffer("int32_t[]", experts),

@@ -11,7 +11,6 @@
 #include <string.h>
 
 #define MAX_PARTS 4
-#define DC_LEASE_BASE (((int64_t) 1) << 51)   /* apart from the manager's and the hook's */
 
 enum { J_QUEUED, J_RUNNING, J_OK, J_FAILED, J_RETIRED };
 
@@ -42,7 +41,7 @@ struct dc_cache {
     pthread_cond_t work, done;
     pthread_t *threads; int32_t n_threads;
     int stop;
-    int64_t held, next_lease;
+    int64_t held;                              /* the core's lease of the last layer-step */
     int64_t copies, failures, refused, copied_bytes;
     int32_t fail_every, n_started;
     int64_t inline_bytes;                      /* experts this small copy on the caller */
@@ -85,7 +84,6 @@ dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_s
         c->n_free[p] = slots[p];               /* the top of the stack is slot 0 */
     }
     for (int32_t f = 0; f < c->n_flat; f++) { c->slot_of[f] = -1; c->job_of[f] = -1; }
-    c->next_lease = DC_LEASE_BASE;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->work, NULL);
     pthread_cond_init(&c->done, NULL);
@@ -314,10 +312,7 @@ int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int3
     pthread_mutex_lock(&c->mu);
     publish_locked(c);
     rc_result r;
-    const int64_t lease = c->next_lease++;
-    const int rc = rc_access(c->core, layer, experts, n, phase, NULL, -1, NULL, NULL, 0, lease,
-                             c->held, &r);
-    c->held = rc == 0 ? lease : 0;
+    const int rc = rc_step(c->core, &c->held, layer, experts, n, phase, &r);
     if (rc != 0) {
         pthread_mutex_unlock(&c->mu);
         return rc;
@@ -380,8 +375,7 @@ void dc_publish(dc_cache *c) {
 void dc_batch_end(dc_cache *c) {
     pthread_mutex_lock(&c->mu);
     settle_locked(c);
-    if (c->held) rc_release(c->core, c->held);
-    c->held = 0;
+    rc_step_end(c->core, &c->held);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -413,7 +407,7 @@ void dc_free(dc_cache *c) {
         for (int32_t i = 0; i < c->n_threads; i++) pthread_join(c->threads[i], NULL);
         pthread_mutex_lock(&c->mu);
         publish_locked(c);
-        if (c->held) rc_release(c->core, c->held);
+        rc_step_end(c->core, &c->held);
         pthread_mutex_unlock(&c->mu);
         pthread_mutex_destroy(&c->mu);
         pthread_cond_destroy(&c->work);

@@ -12,7 +12,7 @@
  * resident set. A copy that fails frees its slot and the expert leaves the core (rc_forget).
  *
  * Called from the routing hook's native mode (route_hook.c) or from Python
- * (runtime/native/device_cache.py) in forward mode; the same code either way.
+ * (runtime/native/device_cache.py: the reference hook, tests); the same code either way.
  */
 #ifndef SLOT_CACHE_H
 #define SLOT_CACHE_H

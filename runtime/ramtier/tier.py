@@ -2,7 +2,7 @@
 routing observer that pages each layer's experts in before its expert matmul runs.
 
 Per layer and ubatch the work is C (tier_io.c, stepped by the routing hook's native mode, or
-by ``on_route`` in forward mode; no Python call per layer-step in native mode):
+by ``on_route`` in the reference hook, routing_hook.py; no Python call per layer-step live):
   1. the previous layer's lease ends and its transient experts' pages are dropped (its matmul
      has run: the graph is sequential);
   2. the cpu device's residency core decides hits, admissions (resident at once) and
@@ -176,7 +176,7 @@ class RamTier:
         only ever changed there while a decode can run)."""
         self._want_fill = True
 
-    # ---- RouteObserver (forward mode; native mode: the hook steps the C tier) -----------
+    # ---- RouteObserver (the reference hook; live, the C hook steps the C tier) ---------
     def on_route(self, event) -> None:
         """Page in the layer's experts before its matmul; a failed read raises
         ``TierReadError`` (the decode fails with RouteCaptureError)."""

@@ -11,8 +11,6 @@
 #include <string.h>
 #include <time.h>
 
-#define TIER_LEASE_BASE (((int64_t) 1) << 52)   /* apart from the manager's and hook's ids */
-
 struct rt_tier {
     rc_core *core;
     int32_t n_layer, n_expert, n_flat, threads, mlock;
@@ -27,7 +25,7 @@ struct rt_tier {
     uint8_t *advised;              /* (n_flat,) prefetched: reads queued, not yet used */
     int32_t *cur_list, n_cur;      /* the running layer-step's keys */
     int32_t *transient, n_transient;
-    int64_t lease, next_lease;
+    int64_t lease;                 /* the core's lease of the last layer-step (rc_step) */
     int64_t *want_off, *want_len; int32_t n_want;   /* this layer-step's reads */
     int64_t cap_want;
     /* events and counters */
@@ -177,14 +175,10 @@ static int64_t now_ns(void) {
 int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_t phase) {
     const int64_t t0 = now_ns();
     finish_layer(t);              /* the previous layer's matmul has run: the graph is serial */
-    const int64_t lease = t->next_lease++;
     rc_result r;
-    const int rc = rc_access(t->core, layer, experts, n, phase, NULL, -1, NULL, NULL, 0, lease,
-                             t->lease, &r);
-    t->lease = rc == 0 ? lease : 0;
+    const int rc = rc_step(t->core, &t->lease, layer, experts, n, phase, &r);
     if (rc != 0) {
-        snprintf(t->msg, sizeof t->msg, "ram tier: the residency core refused layer %d "
-                 "(status %d)", layer, rc);
+        rc_step_message(t->msg, sizeof t->msg, "ram tier: ", layer, rc);
         return -1;
     }
     t->stats.routes++;
@@ -255,8 +249,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
 
 void rt_batch_end(rt_tier *t) {
     finish_layer(t);
-    if (t->lease) rc_release(t->core, t->lease);
-    t->lease = 0;
+    rc_step_end(t->core, &t->lease);
 }
 
 const char *rt_error(const rt_tier *t) { return t->msg; }
@@ -282,7 +275,6 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     t->range_start = range_start; t->range_off = range_off; t->range_len = range_len;
     t->edge_start = edge_start; t->edge_owner = edge_owner; t->edge_full = edge_full;
     t->held = held; t->busy = busy;
-    t->next_lease = TIER_LEASE_BASE;
     t->reclaimed_layer = -1;
     t->file = fp_create(fd, threads);
     t->cur = calloc((size_t) t->n_flat, 1);

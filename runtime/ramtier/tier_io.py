@@ -3,7 +3,7 @@
 ``TierIO`` owns the C object and the arrays it shares with Python: ``held`` and ``busy`` (one
 byte per flat key = layer * n_expert + expert; the protocol is in tier_io.h) and the layout's
 tables. The routing hook steps it per MoE layer-step in native mode (``native_handle``);
-``step`` does the same from Python (forward mode). The Python references of its rules are
+``step`` does the same from Python (the reference hook, tests). The Python references of its rules are
 ``ExpertLayout.droppable`` and ``Pager.page_in``.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class TierIO:
 
     @property
     def native_handle(self):
-        """The ``rt_tier *`` the routing hook steps (route_hook.h: rh_add_tier)."""
+        """The ``rt_tier *`` the routing hook steps (route_hook.h: rh_add_consumer)."""
         return self._handle
 
     def flat(self, key) -> int:
@@ -97,7 +97,7 @@ class TierIO:
 
     # ---- per layer-step -----------------------------------------------------------------
     def step(self, layer: int, experts: np.ndarray, phase: int) -> None:
-        """One layer-step from Python (forward mode): decide, drop, read, wait."""
+        """One layer-step from Python (the reference hook, tests): decide, drop, read, wait."""
         experts = np.ascontiguousarray(experts, dtype=np.int32).reshape(-1)
         rc = self.lib.rt_step(self._handle, layer, self.ffi.from_buffer("int32_t[]", experts),
                               len(experts), phase)

@@ -371,18 +371,18 @@ int core_pin_static(rc_core *c, const int32_t *flats, int32_t n) {
     return RC_OK;
 }
 
+int64_t rc_lease_id(rc_core *c) { return __atomic_fetch_add(&c->next_lease, 1, __ATOMIC_RELAXED); }
+
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase) {
     rc_result r;
-    int64_t held = 0, hits = 0, lease = ((int64_t) 1) << 52;
+    int64_t held = 0, hits = 0;
     for (int64_t i = 0; i < n_steps; i++) {
-        const int rc = rc_access(c, layers[i], experts + i * k, k, phase, NULL, -1, NULL, NULL, 0,
-                                 lease, held, &r);
+        const int rc = rc_step(c, &held, layers[i], experts + i * k, k, phase, &r);
         if (rc != 0) return rc;
-        held = lease++;
         hits += r.hits;
     }
-    if (held) rc_release(c, held);
+    rc_step_end(c, &held);
     return hits;
 }
 

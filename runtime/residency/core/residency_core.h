@@ -130,9 +130,26 @@ int rc_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_
  * number (the arrays stay valid until the next rc_replay or rc_free) */
 int64_t rc_replay_prefetches(rc_core *c, const int64_t **batch, const int32_t **flat);
 
-/* the live hooks' calling pattern, for benchmarks: n_steps layer-steps (layers[i], experts
- * [i * k, (i + 1) * k)) as rc_access calls with a lease each, the previous one released in
- * the same call (as route_hook.c and slot_cache.c call it); returns the hits */
+/* the step (step.c): one consumer's layer-step, as every live consumer (the routing hook's
+ * bookkeeping, the device cache, the RAM tier) takes it. rc_step leases the layer's experts
+ * under a lease id the core mints and ends the consumer's previous lease (*held, 0: none) in
+ * the same call; *held becomes the new lease (0 on an error). rc_step_end ends *held (the
+ * batch's end). rc_step_message formats a refusal: "<who>the residency core refused layer L
+ * (status S)".
+ *
+ *     int64_t held = 0;
+ *     for each MoE layer-step: if (rc_step(c, &held, layer, experts, n, phase, &r)) fail;
+ *     rc_step_end(c, &held);
+ */
+int rc_step(rc_core *c, int64_t *held, int32_t layer, const int32_t *experts, int32_t n,
+            int32_t phase, rc_result *out);
+void rc_step_end(rc_core *c, int64_t *held);
+void rc_step_message(char *buf, int32_t cap, const char *who, int32_t layer, int status);
+/* a fresh lease id (rc_step's; never one of the manager's, which count from 1) */
+int64_t rc_lease_id(rc_core *c);
+
+/* the live consumers' calling pattern, for benchmarks: n_steps layer-steps (layers[i],
+ * experts[i * k, (i + 1) * k)) through rc_step, then rc_step_end; returns the hits */
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase);
 

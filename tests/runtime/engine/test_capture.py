@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from runtime.engine import engine as engine_module
 from runtime.engine.engine import Engine
+from runtime.engine.native_hook import NativeHook
+from runtime.engine.routing_hook import RoutingHook
 from runtime.engine.sampling import SamplingParams
 from runtime.residency.types import Phase
 
@@ -86,30 +89,38 @@ def test_every_prompt_token_of_every_layer_and_decode_tags(tiny_model, make_sett
 
 
 class CollectAtBatchEnd(Collect):
-    synchronous = False        # lets the C hook run native: events handed over per batch
+    synchronous = False        # the C hook hands the events over at the batch's end
 
 
-def _events(make_settings, model, prompt, observer, **kw):
+def _events(make_settings, model, prompt, observer, monkeypatch=None, **kw):
+    if monkeypatch is not None:                 # the slow reference: Python's cb_eval
+        monkeypatch.setattr(engine_module, "NativeHook",
+                            lambda assembler, _n_layer: RoutingHook(assembler))
     engine = Engine(make_settings(model, n_batch=64, n_ubatch=4, **kw), progress=False)
+    if monkeypatch is not None:
+        monkeypatch.undo()
     engine.add_route_observer(observer)
-    native = engine.hook.native
+    hook = type(engine.hook)
     for text in (prompt, prompt + " and more"):      # the second call reuses the KV prefix
         list(engine.generate(text, SamplingParams(max_tokens=10, temperature=0)))
     snap = engine.manager.snapshot() if engine.manager is not None else None
     engine.close()
-    return native, observer, snap
+    return hook, observer, snap
 
 
 @pytest.mark.parametrize("recording", [True, False])
-def test_native_hook_equals_the_python_hook(tiny_model, make_settings, prompt, recording):
-    """The C hook's native mode (framing, the manager fed from C, events handed over at the
-    batch's end) against its reference, the Python RouteAssembler path (forward mode): the
-    same events, batches and residency counters, recording or live."""
+@pytest.mark.parametrize("observer", [CollectAtBatchEnd, Collect],
+                         ids=["at-batch-end", "synchronous"])
+def test_native_hook_equals_the_python_hook(tiny_model, make_settings, prompt, recording,
+                                            observer, monkeypatch):
+    """The C hook (framing, the manager fed from C, the events handed over at the batch's end
+    or through the observer adapter as they happen) against its reference, RoutingHook over
+    RouteAssembler: the same events, batches and residency counters, recording or live."""
     kw = dict(manage_residency=False, capture_all_tokens=True) if recording else {}
-    fast_native, fast, fast_snap = _events(make_settings, tiny_model, prompt,
-                                           CollectAtBatchEnd(), **kw)
-    slow_native, slow, slow_snap = _events(make_settings, tiny_model, prompt, Collect(), **kw)
-    assert fast_native and not slow_native
+    fast_hook, fast, fast_snap = _events(make_settings, tiny_model, prompt, observer(), **kw)
+    slow_hook, slow, slow_snap = _events(make_settings, tiny_model, prompt, Collect(),
+                                         monkeypatch, **kw)
+    assert fast_hook is NativeHook and slow_hook is RoutingHook
     assert len(fast.events) == len(slow.events) > 0
     for a, b in zip(fast.events, slow.events):
         assert (a.layer, a.phase, a.first_step, a.turn) == (b.layer, b.phase, b.first_step, b.turn)

@@ -4,7 +4,6 @@ fails the decode loudly; the C rules equal their Python references (ExpertLayout
 Pager.page_in)."""
 from __future__ import annotations
 
-import ctypes
 import mmap
 
 import numpy as np
@@ -36,21 +35,21 @@ def model(synth_model_factory):
 
 
 def _count_python_calls(hook) -> list[int]:
-    """Put a counter in front of the hook's Python callback (the one forward mode calls)."""
+    """Count the Python calls the hook makes on a layer-step (its observer adapter's)."""
     calls = [0]
+    on_event = hook._on_event
 
-    def counting(tensor, ask, user):
+    def counting(*args):
         calls[0] += 1
-        return hook._on_eval(tensor, ask, user)
+        return on_event(*args)
 
-    hook._counting = type(hook._py_callback)(counting)      # kept alive with the hook
-    address = ctypes.cast(hook._counting, ctypes.c_void_p).value
-    hook.lib.rh_set_forward(hook.handle, hook.ffi.cast("rh_eval_cb", address), hook.ffi.NULL)
+    hook._on_event_c = hook.ffi.callback("rh_event_cb", counting)   # kept alive with the hook
+    hook._observing = False                 # the next batch registers it
     return calls
 
 
 class _Synchronous:
-    """A Python observer that must run between router and experts: forces forward mode."""
+    """A Python observer that must run between router and experts: the observer adapter."""
 
     def __init__(self):
         self.events = 0
@@ -68,7 +67,6 @@ def test_tier_runs_native_with_no_python_call_per_layer_step(model):
     with tier_engine(model, "2MiB") as engine:          # about a third of the experts
         tier = next(p for p in engine.tiers if isinstance(p, RamTier))
         calls = _count_python_calls(engine.hook)
-        assert engine.hook.native
         decodes = engine.decode_calls
         got = greedy(engine, PROMPT, N_TOKENS)
         stats = tier.stats()
@@ -78,10 +76,9 @@ def test_tier_runs_native_with_no_python_call_per_layer_step(model):
         assert stats.dropped_experts > 0 and stats.paged_in_bytes > 0
         assert engine.manager.snapshot().device("cpu").resident_bytes <= 2 << 20
 
-        # a synchronous observer forces forward mode: the same C, called from Python
+        # a synchronous observer: one Python call per event, the same C stepping the tier
         sync = _Synchronous()
         engine.add_route_observer(sync)
-        assert not engine.hook.native
         again = greedy(engine, PROMPT, N_TOKENS)
         assert calls[0] > 0 and sync.events > 0
         assert tier.stats().routes > stats.routes

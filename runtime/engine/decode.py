@@ -1,0 +1,94 @@
+"""One decode loop for the single-request engine (engine.py) and continuous batching
+(batched.py): the framing of one ``llama_decode`` for the routing hook and its errors
+(``decode``), and one sequence's sampling side, token by token (``Generation``).
+
+    gen = Generation(engine, params, n_prompt, n_ctx)
+    while not gen.finish:
+        decode(engine, batch, phase, first_pos, n_tokens, n_outputs, where)
+        chunk = gen.sample(index)          # None: an end-of-generation token
+        ...                                # gen.finish: "stop", "length" or None
+"""
+from __future__ import annotations
+
+from runtime.native import interrupt
+from runtime.engine.logprobs import sample_token
+from runtime.engine.sampling import Sampler, SamplingParams, TextStream
+from runtime.engine.types import GenerationChunk, KVCacheFullError
+from runtime.residency.types import Phase
+
+
+def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,
+           where: str) -> None:
+    """Run ``batch`` (a ``runtime.engine.batch`` batch) through ``engine``'s context, framed
+    for its routing hook. ``first_pos``: the context position of the batch's first token as
+    the hook reports it; ``where``: the batch in a failure's message ("at position 7").
+    Raises RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a
+    unified KV pool is full), RuntimeError (another llama_decode failure), the hook's
+    RouteCaptureError; the hook's batch is ended or aborted either way."""
+    hook, remote, ll = engine.hook, engine.remote, engine._ll  # noqa: SLF001
+    if remote is not None:
+        remote.check()                     # a lost remote: RemoteDeviceLost, nothing decoded
+    if hook is not None:
+        hook.begin_batch(phase, first_pos, n_tokens, n_outputs)
+    try:
+        # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
+        with interrupt.deferred():
+            engine.decode_calls += 1
+            rc = ll.llama_decode(engine.ctx_ptr, batch.batch)
+            if remote is not None:
+                remote.check()             # its outputs are zeros: never sample from them
+            if rc == 1 and engine.settings.kv_unified:      # no KV cell left in the pool
+                raise KVCacheFullError(f"Context size has been exceeded: the slots' shared KV "
+                                       f"pool of {ll.llama_n_ctx(engine.ctx_ptr)} tokens is "
+                                       "full")
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed (status {rc}) {where}")
+            if hook is not None:
+                hook.end_batch()
+    except BaseException:
+        if hook is not None and hook.in_batch:
+            hook.abort_batch()             # leases end, the batch's events are dropped
+        raise
+
+
+def max_new_tokens(params: SamplingParams, n_prompt: int, n_ctx: int,
+                   context_shift: bool) -> int:
+    """Tokens a request may generate: ``max_tokens`` within the context's room (all of it
+    when ``max_tokens`` is 0), or ``max_tokens`` when the context shifts once full."""
+    room = n_ctx - n_prompt
+    if context_shift and params.max_tokens > 0:
+        return params.max_tokens
+    return min(params.max_tokens, room) if params.max_tokens > 0 else room
+
+
+class Generation:
+    """One sequence's sampling side: its sampler chain, text stream and the rule that ends it
+    (an end-of-generation token or a stop string: "stop"; ``max_new`` tokens: "length")."""
+
+    def __init__(self, engine, params: SamplingParams, max_new: int,
+                 sampler: Sampler | None = None):
+        """``sampler``: the chain, when built already (off the thread that decodes)."""
+        self.engine, self.params, self.max_new = engine, params, max_new
+        self.sampler = sampler or Sampler(params, engine.n_vocab, engine.vocab_ptr)
+        self.stream = TextStream(params.stop)
+        self.generated = 0
+        self.finish: str | None = "length" if max_new <= 0 else None
+
+    def sample(self, index: int) -> GenerationChunk | None:
+        """Sample from the engine's output row ``index`` (-1: the last): the token's chunk,
+        or None at an end-of-generation token; ``finish`` says when this was the last."""
+        engine = self.engine
+        token, logprob = sample_token(engine, self.sampler, index, self.params)
+        if engine._ll.llama_vocab_is_eog(engine.vocab_ptr, token):  # noqa: SLF001
+            self.finish = "stop"
+            return None
+        self.generated += 1
+        text = self.stream.feed(engine.token_bytes(token))
+        if self.stream.stopped:
+            self.finish = "stop"
+        elif self.generated >= self.max_new:
+            self.finish = "length"
+        return GenerationChunk(text=text, token=token, logprob=logprob)
+
+    def close(self) -> None:
+        self.sampler.close()
