@@ -31,7 +31,7 @@ from runtime.engine.loading import load_with_progress, make_context_params
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
 from runtime.engine.imposed_routing import imposed_for
-from runtime.engine.native_hook import NativeHook
+from runtime.engine.c_hook import CHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.sampling import SamplingParams
@@ -128,7 +128,7 @@ class Engine:
             assembler = RouteAssembler(moe_layers, self.facts.n_expert_used,
                                        self.facts.n_layer)
             assembler.strict = settings.capture_all_tokens
-            self.hook = NativeHook(assembler, self.facts.n_layer)
+            self.hook = CHook(assembler, self.facts.n_layer)
             if self.imposed is not None:
                 self.hook.impose(self.imposed, self.facts.n_expert)
         params = make_context_params(settings, self.hook)

@@ -12,9 +12,12 @@ own consumer of the routing hook.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from runtime.engine.routing_hook import RouteEvent
 from runtime.residency.types import LayerAccess, Phase
+
+if TYPE_CHECKING:                  # the reference hook (routing_hook.py) builds observers
+    from runtime.engine.routing_hook import RouteEvent
 
 
 class ResidencyObserver:

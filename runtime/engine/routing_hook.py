@@ -21,7 +21,7 @@ raises ``RouteCaptureError`` (or re-raises a KeyboardInterrupt) after the decode
 
 ``RouteAssembler`` holds the logic and needs no llama.cpp (it is fed arrays); ``RoutingHook``
 is the thin ctypes wrapper. Together they are the slow reference of the live hook, the C one
-(route_hook.c, native_hook.py: the same rules, no Python call per layer-step); tests run an
+(route_hook.c, c_hook.py: the same rules, no Python call per layer-step); tests run an
 engine with each and compare the events and the managers' counters. In the reference, the
 bookkeeping (ResidencyObserver), the device caches and the RAM tiers are observers whose
 ``on_route`` calls the same mechanism.
@@ -197,7 +197,7 @@ def raise_failure(error: BaseException) -> None:
 
 
 class RoutingHook:
-    """The Python ``cb_eval`` (the reference of native_hook.NativeHook, with its wiring):
+    """The Python ``cb_eval`` (the reference of c_hook.CHook, with its wiring):
     router outputs framed into RouteEvents for observers by RouteAssembler. Every graph node
     costs a Python call: for tests. Keep the hook alive as long as the context."""
 
@@ -225,7 +225,7 @@ class RoutingHook:
         self.callback, self.user_data = self._py_callback, None
         self._n_own = 0              # observers of the hook's wiring, before the engine's
 
-    # -- wiring (NativeHook's, as observers) ----------------------------------------------
+    # -- wiring (CHook's, as observers) ----------------------------------------------
     def _own(self, observer) -> None:
         self.assembler.observers.insert(self._n_own, observer)
         self._n_own += 1

@@ -67,7 +67,7 @@ def attach(engine, options: RamTierOptions | None = None) -> RamTier | None:
     """
     tier = attach_to(engine.manager, engine.settings.model_path, options)
     if tier is not None:
-        engine.hook.add_tier(tier)     # stepped in C per layer-step (native_hook.py)
+        engine.hook.add_tier(tier)     # stepped in C per layer-step (c_hook.py)
     return tier
 
 

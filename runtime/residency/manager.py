@@ -43,7 +43,8 @@ from runtime.residency import core as core_api
 from runtime.residency import static as static_plan
 from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
-from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy, make_core
+from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy
+from runtime.residency.cores import make_core
 from runtime.residency.device import Device, expert_map, refusal, replay_problem
 from runtime.residency.telemetry import ResidencySnapshot
 from runtime.residency.transport import SimulatedTransport, Transport

@@ -47,7 +47,7 @@ class _Pool:
 
 
 class ReferenceCore:
-    """Same interface as runtime.residency.core.native.NativeCore."""
+    """Same interface as runtime.residency.core.c_core.CCore."""
 
     def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
         self.n_layer, self.n_expert = n_layer, n_expert

@@ -2,7 +2,7 @@
 in the policy's total order, leases, prefetch, per-(pool, phase) counters).
 
 Two implementations of one interface, ``DeviceCore``:
-  ``NativeCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
+  ``CCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
   ``ReferenceCore`` (runtime/residency/reference.py) the slow Python reference of the same
                     rules, used only by tests, which compare the two on the same streams.
 
@@ -172,16 +172,3 @@ class CorePolicy:
 
     def needs_upcoming(self, phase: int) -> bool:
         return self.prefetch[phase][0] == "belady"
-
-
-def make_core(kind: str, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
-    """A DeviceCore: ``kind`` "native" (the C core) or "reference" (the Python one)."""
-    if kind == "native":
-        from runtime.residency.core.native import NativeCore  # noqa: PLC0415
-
-        return NativeCore(n_layer, n_expert, expert_bytes, policy)
-    if kind == "reference":
-        from runtime.residency.reference import ReferenceCore  # noqa: PLC0415
-
-        return ReferenceCore(n_layer, n_expert, expert_bytes, policy)
-    raise ValueError(f"unknown residency core {kind!r} (valid: native, reference)")

@@ -8,7 +8,7 @@ import pytest
 
 from runtime.engine import engine as engine_module
 from runtime.engine.engine import Engine
-from runtime.engine.native_hook import NativeHook
+from runtime.engine.c_hook import CHook
 from runtime.engine.routing_hook import RoutingHook
 from runtime.engine.sampling import SamplingParams
 from runtime.residency.types import Phase
@@ -94,7 +94,7 @@ class CollectAtBatchEnd(Collect):
 
 def _events(make_settings, model, prompt, observer, monkeypatch=None, **kw):
     if monkeypatch is not None:                 # the slow reference: Python's cb_eval
-        monkeypatch.setattr(engine_module, "NativeHook",
+        monkeypatch.setattr(engine_module, "CHook",
                             lambda assembler, _n_layer: RoutingHook(assembler))
     engine = Engine(make_settings(model, n_batch=64, n_ubatch=4, **kw), progress=False)
     if monkeypatch is not None:
@@ -111,7 +111,7 @@ def _events(make_settings, model, prompt, observer, monkeypatch=None, **kw):
 @pytest.mark.parametrize("recording", [True, False])
 @pytest.mark.parametrize("observer", [CollectAtBatchEnd, Collect],
                          ids=["at-batch-end", "synchronous"])
-def test_native_hook_equals_the_python_hook(tiny_model, make_settings, prompt, recording,
+def test_c_hook_equals_the_python_hook(tiny_model, make_settings, prompt, recording,
                                             observer, monkeypatch):
     """The C hook (framing, the manager fed from C, the events handed over at the batch's end
     or through the observer adapter as they happen) against its reference, RoutingHook over
@@ -120,7 +120,7 @@ def test_native_hook_equals_the_python_hook(tiny_model, make_settings, prompt, r
     fast_hook, fast, fast_snap = _events(make_settings, tiny_model, prompt, observer(), **kw)
     slow_hook, slow, slow_snap = _events(make_settings, tiny_model, prompt, Collect(),
                                          monkeypatch, **kw)
-    assert fast_hook is NativeHook and slow_hook is RoutingHook
+    assert fast_hook is CHook and slow_hook is RoutingHook
     assert len(fast.events) == len(slow.events) > 0
     for a, b in zip(fast.events, slow.events):
         assert (a.layer, a.phase, a.first_step, a.turn) == (b.layer, b.phase, b.first_step, b.turn)

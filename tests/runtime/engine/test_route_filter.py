@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runtime.native import llama_lib
-from runtime.engine.native_hook import NativeHook
+from runtime.engine.c_hook import CHook
 from runtime.engine.routing_hook import RouteAssembler
 from runtime.residency.types import Phase
 
@@ -18,7 +18,7 @@ from runtime.residency.types import Phase
 @pytest.fixture
 def hook(monkeypatch):
     seen: list[tuple[str, bool]] = []
-    h = NativeHook(RouteAssembler((0, 1), 2, 2), 2)
+    h = CHook(RouteAssembler((0, 1), 2, 2), 2)
     monkeypatch.setattr(llama_lib, "read_tensor", lambda _ptr: np.zeros(1))
     for name in ("ffn_moe_probs-1", "ffn_moe_probs-0"):
         h.watch(name, lambda n, _data: seen.append(n))

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
-from runtime.residency.core import CoreError, CorePolicy, make_core
+from runtime.residency.core import CoreError, CorePolicy
+from runtime.residency.cores import make_core
 from runtime.residency.policies.factory import make_spec
 from tests.runtime.residency.conftest import TINY_COST
 

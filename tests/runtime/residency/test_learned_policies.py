@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 
 from runtime.residency.config import PhasePolicies, ResidencyConfig
-from runtime.residency.core import CorePolicy, make_core
+from runtime.residency.core import CorePolicy
+from runtime.residency.cores import make_core
 from runtime.residency.policies.factory import make_spec
 from tests.runtime.residency.conftest import TINY_COST
 

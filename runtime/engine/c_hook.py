@@ -34,7 +34,7 @@ RH_CONSUMER_CORE, RH_CONSUMER_CACHE, RH_CONSUMER_TIER = 0, 1, 2
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
-class NativeHook:
+class CHook:
     """See the module docstring. ``assembler`` carries the configuration (MoE layers,
     ``n_expert_used``, ``turn``, ``strict``) and the observers; its framing is the reference's
     and is not run here. Keep the hook alive as long as the context."""

@@ -1,4 +1,4 @@
-"""``NativeCore``: one device's decisions in the C core (residency_core.c), through cffi.
+"""``CCore``: one device's decisions in the C core (residency_core.c), through cffi.
 
 Every method mirrors ``runtime.residency.reference.ReferenceCore`` exactly (tests compare the
 two); decisions come back as ``CoreAccess`` records of flat keys (``layer * n_expert +
@@ -32,7 +32,7 @@ def _int32(values) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32).reshape(-1)
 
 
-class NativeCore:
+class CCore:
     """One device: see runtime/residency/core/residency_core.h."""
 
     def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
