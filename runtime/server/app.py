@@ -150,13 +150,23 @@ info_router = APIRouter()
 @info_router.get("/v1/models")
 @info_router.get("/models")
 async def list_models(request: Request) -> dict:
-    """The one model this process serves."""
+    """The one model this process serves, in OpenAI's list (``data``) and in llama-server's
+    ``models`` list with its capabilities (``completion``, or ``embedding`` with --embedding)."""
     host: ModelHost = request.app.state.host
-    aliases = request.app.state.settings.aliases or (host.model_id,)
-    return {"object": "list", "data": [{
-        "id": host.model_id, "object": "model", "created": request.app.state.started,
-        "owned_by": "moe-offload", "aliases": list(aliases),
-        "tags": list(request.app.state.settings.tags)}]}
+    settings = request.app.state.settings
+    aliases = settings.aliases or (host.model_id,)
+    # llama-server's capabilities: what the model answers here
+    capabilities = ["embedding"] if settings.embedding else ["completion"]
+    return {"models": [{
+                "name": host.model_id, "model": host.model_id, "modified_at": "", "size": "",
+                "digest": "", "type": "model", "description": "", "tags": list(settings.tags),
+                "capabilities": capabilities, "parameters": "",
+                "details": {"parent_model": "", "format": "gguf", "family": "", "families": [],
+                            "parameter_size": "", "quantization_level": ""}}],
+            "object": "list", "data": [{
+                "id": host.model_id, "object": "model", "created": request.app.state.started,
+                "owned_by": "moe-offload", "aliases": list(aliases),
+                "tags": list(settings.tags), "capabilities": capabilities}]}
 
 
 @info_router.get("/v1/residency")
