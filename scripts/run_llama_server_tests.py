@@ -7,14 +7,19 @@ the llama.cpp our runtime links, and nothing is downloaded: the models the tests
 replaced by a synthetic MoE model (scripts/llama_server_compat.py maps llama-server's flags).
 The tests are extracted into a temporary directory, run, and the counts printed:
 
-    python scripts/run_llama_server_tests.py [--sdist FILE | --tests DIR] [-k EXPR] [--json]
+    python scripts/run_llama_server_tests.py [--sdist FILE | --tests DIR] [--suites A,B]
+                                             [-k EXPR] [--per-test S] [--json]
 
-The llama.cpp files keep their MIT license (LICENSE is extracted next to them); none is
+Every suite runs (unit/test_*.py; the tests marked slow are deselected): the ones about
+features this server lacks fail and count. scripts/llama_server_tests.manifest holds the
+sha256 of each extracted file (checked before the run). ``--per-test`` bounds one test's
+time. The llama.cpp files keep their MIT license (LICENSE is extracted next to them); none is
 copied into this repository.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -25,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MANIFEST = REPO / "scripts" / "llama_server_tests.manifest"   # sha256 of each extracted file
 ARCHIVE = "llama_cpp_python-0.3.36.tar.gz"
 TESTS_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/tools/server/tests"
 LICENSE_IN_ARCHIVE = "llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE"
@@ -90,8 +96,19 @@ def extract(sdist: Path, into: Path) -> Path:
             raise SystemExit(f"{sdist}: no {TESTS_IN_ARCHIVE} inside")
         tar.extractall(into, members=members, filter="data")
     tests = into / TESTS_IN_ARCHIVE
+    check_manifest(into / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp")
     (tests / "LICENSE.llama.cpp").write_bytes((into / LICENSE_IN_ARCHIVE).read_bytes())
     return tests
+
+
+def check_manifest(root: Path) -> None:
+    """The extracted files are the ones MANIFEST names, byte for byte."""
+    for line in MANIFEST.read_text().splitlines():
+        if line and not line.startswith("#"):
+            digest, name = line.split(maxsplit=1)
+            path = root / name
+            if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+                raise SystemExit(f"{name}: not the file {MANIFEST.name} names")
 
 
 def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: int,
