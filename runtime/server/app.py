@@ -26,6 +26,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
+from runtime.server import gcp_predict
 from runtime.server.anthropic_api import ANTHROPIC_PATHS
 from runtime.server.anthropic_api import router as anthropic_router
 from runtime.server.body_guard import BodyGuard
@@ -297,6 +298,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(unsupported_router)     # 501s naming what is not served
     if settings.web_ui:
         app.include_router(web_ui_router)
+    gcp_predict.install(app)             # Vertex AI's /predict, with AIP_MODE=PREDICTION
     app.add_middleware(BodyGuard, limits=settings.limits)     # inside the key guard
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)

@@ -134,3 +134,25 @@ def test_ui_bundle_assets_need_no_key(server):
         r = httpx.get(f"{server.base_url}{path}")
         assert r.status_code == 200 and kind in r.headers["content-type"]
     assert httpx.post(f"{server.base_url}/completions", json={"prompt": "x"}).status_code == 401
+
+
+def test_vertex_ai_predict_route(start_server, tiny_model: Path, monkeypatch):
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")        # Vertex AI's container variables
+    monkeypatch.setenv("AIP_HEALTH_ROUTE", "/vertex-health")
+    server = start_server(tiny_model, "-np", "2", "--temp", "0", "--api-key", KEY)
+    chat = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=AUTH) as http:
+        r = http.post("/predict", json={"instances": [
+            {"@requestFormat": "chatCompletions", **chat},
+            {"@requestFormat": "/v1/chat/completions", **chat},
+            {"@requestFormat": "tokenize", "content": "hi"},
+            {"@requestFormat": "noSuchRoute"}, "not an object"]})
+        assert r.status_code == 200, r.text
+        first, second, tokens, unknown, bad = r.json()["predictions"]
+        assert first["choices"][0]["message"]["role"] == "assistant"     # not streamed
+        assert second["object"] == "chat.completion" and tokens["tokens"]
+        assert "@requestFormat: noSuchRoute" in unknown["error"]["message"]
+        assert bad["error"]["type"] == "invalid_request_error"
+        assert http.post("/predict", json={"instances": 3}).status_code == 400
+        assert http.get("/vertex-health").json() == {"status": "ok"}
+        assert httpx.post(f"{server.base_url}/predict", json={"instances": []}).status_code == 401
