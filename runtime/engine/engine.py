@@ -142,9 +142,12 @@ class Engine:
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
         self.vocab_ptr = self._vocab          # llama_vocab * (grammar checks)
         # tokens one sequence can hold (the whole context unless it is split into slots; a
-        # unified pool lets each slot fill it all, the slots together too)
-        self.n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr)) // \
-            (1 if settings.kv_unified else max(1, settings.n_parallel))
+        # unified pool lets each slot fill it all, the slots together too): the requested -c
+        # (llama.cpp pads its context up, per sequence too; llama-server's slots keep -c / -np)
+        n_ctx = int(self._ll.llama_n_ctx(self.ctx_ptr))
+        if settings.n_ctx > 0:
+            n_ctx = min(n_ctx, settings.n_ctx)
+        self.n_ctx = n_ctx // (1 if settings.kv_unified else max(1, settings.n_parallel))
         self.n_batch = int(self._ll.llama_n_batch(self.ctx_ptr))
         self.n_ubatch = int(self._ll.llama_n_ubatch(self.ctx_ptr))
         self.n_vocab = int(self._ll.llama_vocab_n_tokens(self._vocab))

@@ -176,7 +176,9 @@ class Sampler:
         """Pick a token from ``logits`` ((n_vocab,) float32) as ``sample`` does (the same
         apply-then-accept steps, so a seeded chain picks the same tokens), and return the
         token's probability after the chain, and the candidates the chain left with theirs,
-        the ``k`` most probable first. A greedy chain leaves one: the token, probability 1."""
+        the ``k`` most probable first. A greedy chain computes no distribution: as
+        llama-server's greedy chain with n_probs (top-k n_probs, softmax, greedy), the ``k``
+        highest logits share a softmax."""
         import ctypes  # noqa: PLC0415
 
         import numpy as np  # noqa: PLC0415
@@ -196,7 +198,11 @@ class Sampler:
         token = int(left["id"][cur.selected])
         self._accept(token)
         if not left["p"].any():                # greedy: no distribution was computed
-            return token, 1.0, [(token, 1.0)]
+            best = np.argsort(-left["logit"], kind="stable")[:max(k, 1)]
+            weights = np.exp(left["logit"][best].astype(np.float64) - left["logit"][best[0]])
+            probs = weights / weights.sum()
+            top = [(int(left["id"][i]), float(p)) for i, p in zip(best, probs)]
+            return token, dict(top).get(token, float(probs[0])), top
         order = np.argsort(-left["p"], kind="stable")[:max(k, 1)]
         return token, float(left["p"][cur.selected]), [
             (int(left["id"][i]), float(left["p"][i])) for i in order if left["p"][i] > 0]

@@ -26,7 +26,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
-from runtime.version import package_version
+from runtime.server import gcp_predict
 from runtime.server.anthropic_api import router as anthropic_router
 from runtime.server.body_guard import BodyGuard
 from runtime.server.completions import router as completions_router
@@ -50,6 +50,7 @@ from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.limits import Limits
 from runtime.server.queue import RequestQueue
 from runtime.server.reasoning import FORMATS
+from runtime.version import package_version
 
 
 def _fingerprint() -> str:
@@ -143,13 +144,23 @@ info_router = APIRouter()
 @info_router.get("/v1/models")
 @info_router.get("/models")
 async def list_models(request: Request) -> dict:
-    """The one model this process serves."""
+    """The one model this process serves, in OpenAI's list (``data``) and in llama-server's
+    ``models`` list with its capabilities (``completion``, or ``embedding`` with --embedding)."""
     host: ModelHost = request.app.state.host
-    aliases = request.app.state.settings.aliases or (host.model_id,)
-    return {"object": "list", "data": [{
-        "id": host.model_id, "object": "model", "created": request.app.state.started,
-        "owned_by": "moe-offload", "aliases": list(aliases),
-        "tags": list(request.app.state.settings.tags)}]}
+    settings = request.app.state.settings
+    aliases = settings.aliases or (host.model_id,)
+    # llama-server's capabilities: what the model answers here
+    capabilities = ["embedding"] if settings.embedding else ["completion"]
+    return {"models": [{
+                "name": host.model_id, "model": host.model_id, "modified_at": "", "size": "",
+                "digest": "", "type": "model", "description": "", "tags": list(settings.tags),
+                "capabilities": capabilities, "parameters": "",
+                "details": {"parent_model": "", "format": "gguf", "family": "", "families": [],
+                            "parameter_size": "", "quantization_level": ""}}],
+            "object": "list", "data": [{
+                "id": host.model_id, "object": "model", "created": request.app.state.started,
+                "owned_by": "moe-offload", "aliases": list(aliases),
+                "tags": list(settings.tags), "capabilities": capabilities}]}
 
 
 @info_router.get("/v1/residency")
@@ -280,6 +291,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(unsupported_router)     # 501s naming what is not served
     if settings.web_ui:
         app.include_router(web_ui_router)
+    gcp_predict.install(app)             # Vertex AI's /predict, with AIP_MODE=PREDICTION
     app.add_middleware(BodyGuard, limits=settings.limits)     # inside the key guard
     if settings.api_key is not None:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
+ALLOW_METHODS = "GET, POST"            # what llama-server's preflight answers
 
 
 def origin_listed(origin: str, allowed: tuple[str, ...]) -> bool:

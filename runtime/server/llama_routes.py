@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from runtime.engine.context_shift import truncate_prompt
 from runtime.engine.types import CANCELLED, Timings
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError, llama_error, register_route_shape
@@ -82,6 +83,11 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
         prompt = checked_ids(prompt, engine_vocab(engine), "prompt")
     n_prompt = len(prompt) if isinstance(prompt, list) else \
         len(engine.tokenize(prompt, add_special=True))
+    truncated = n_prompt >= engine.n_ctx and engine.settings.context_shift
+    if truncated:       # as llama-server: --context-shift cuts a prompt that does not fit
+        tokens = prompt if isinstance(prompt, list) else engine.tokenize(prompt, add_special=True)
+        prompt = truncate_prompt(tokens, engine.n_ctx, req.n_keep or 0)
+        n_prompt = len(prompt)
     n_predict = req.n_predict_value()
     if n_predict is None or n_predict < 0:      # the server's -n, as llama-server: a
         n_predict = defaults.max_tokens if defaults.max_tokens > 0 else None   # default only
@@ -99,7 +105,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
                              grammar=checked_grammar(engine, grammar, "grammar"))
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
-                    id_slot=checked_slot(engine, req.id_slot))
+                    id_slot=checked_slot(engine, req.id_slot), truncated=truncated)
 
 
 @router.post("/completion")
@@ -148,7 +154,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                "tokens_evaluated": prep.prompt_tokens, "generation_settings": settings,
                "prompt": prompt_text, "has_new_line": "\n" in text,
                # the context filled up before the answer ended
-               "truncated": finish == "length" and prep.prompt_tokens + n >= engine.n_ctx,
+               "truncated": prep.truncated or (finish == "length" and
+                                               prep.prompt_tokens + n >= engine.n_ctx),
                "stop_type": _stop_type(finish, ""), "stopping_word": "",
                "tokens_cached": prep.prompt_tokens + n, "timings": shapes.llama_timings(timings,
                                                                        prep.prompt_tokens)}
@@ -312,6 +319,10 @@ async def slots(request: Request):
                             "--slots).", code="not_supported", error_type="not_supported_error")
     engine = request.app.state.host.engine()
     running = request.app.state.queue.stats().running
+    # llama-server: ?fail_on_no_slot (any value) turns "every slot is busy" into a 503
+    if "fail_on_no_slot" in request.query_params and running >= engine.settings.n_parallel:
+        raise APIError(503, "no slot available", code="unavailable",
+                       error_type="unavailable_error")
     return [{"id": i, "id_task": -1, "n_ctx": engine.n_ctx, "speculative": False,
              "is_processing": i < running, "next_token": [{"has_next_token": True,
              "has_new_line": False, "n_remain": -1, "n_decoded": 0}]}

@@ -1,7 +1,8 @@
 """llama-server's ``llamacpp:*`` Prometheus families, where they map onto this server.
 
 Counters follow llama-server's meaning (tools/server/server-context.cpp, metrics): prompt
-tokens evaluated and served from the KV cache, their seconds, tokens predicted and their
+tokens evaluated and served from the KV cache (under its older and newer name, with the
+hit ratio as a gauge), their seconds, tokens predicted and their
 seconds, decode calls; gauges: the mean rates, requests processing and deferred (queued),
 busy slots per decode. There is no speculative decoding here: its families read 0.
 """
@@ -43,6 +44,9 @@ class LlamaCppCounters:
             ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", prompt),
             ("prompt_tokens_cached_total", "counter",
              "Number of prompt tokens served from the KV cache.", cached),
+            ("prompt_tokens_cache_total", "counter",
+             "Number of prompt tokens served from the KV cache (llama-server's newer name).",
+             cached),
             ("prompt_seconds_total", "counter", "Prompt process time.", round(prompt_s, 6)),
             ("tokens_predicted_total", "counter", "Number of generation tokens processed.",
              predicted),
@@ -56,6 +60,9 @@ class LlamaCppCounters:
              "Draft tokens accepted (no speculative decoding here).", 0),
             ("spec_decode_num_drafts_total", "counter",
              "Drafts generated (no speculative decoding here).", 0),
+            ("prompt_cache_hit_ratio", "gauge",
+             "Share of prompt tokens served from the KV cache.",
+             round(cached / (cached + prompt), 6) if cached + prompt else 0.0),
             ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
              round(prompt / prompt_s, 3) if prompt_s else 0.0),
             ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",

@@ -36,6 +36,7 @@ class Prepared:
     thinking: bool | None = None
     cache_prompt: bool = True                         # false: evaluate the whole prompt
     id_slot: int = -1                                 # the -np slot asked for; -1: any
+    truncated: bool = False                           # --context-shift cut the prompt
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a given seed moves on by one per choice."""

@@ -10,6 +10,7 @@ instead of reusing the KV prefix).
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -107,6 +108,18 @@ class ToolCallFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     arguments: str | dict[str, Any] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
+        # llama-server parses an earlier call's arguments to render them: not JSON is a 400
+        if isinstance(value, str) and value.strip():
+            try:
+                json.loads(value)
+            except ValueError:
+                raise ValueError("tool call arguments must be a JSON object (as a string): "
+                                 f"{value[:80]!r} is not JSON") from None
+        return value
 
 
 class ToolCallItem(BaseModel):

@@ -27,6 +27,9 @@ ASSETS = {
     "/markdown.js": ("markdown.js", "text/javascript; charset=utf-8"),
     "/experts.js": ("experts.js", "text/javascript; charset=utf-8"),
     "/style.css": ("style.css", "text/css; charset=utf-8"),
+    # llama-server's UI files are index.html, bundle.js and bundle.css: the same names here
+    "/bundle.js": ("bundle.js", "text/javascript; charset=utf-8"),
+    "/bundle.css": ("bundle.css", "text/css; charset=utf-8"),
 }
 PUBLIC_PATHS = frozenset([*ASSETS, "/_app/version.json"])   # no API key needed
 

@@ -46,7 +46,7 @@ def test_one_generation_at_a_time(engine, prompt):
 
 
 def test_context_limits(engine):
-    n_ctx = engine.n_ctx                      # llama.cpp pads the requested 128 up
+    n_ctx = engine.n_ctx                      # the requested 128 (llama.cpp pads its own up)
     with pytest.raises(ContextLengthError) as info:
         engine.generate("word " * (n_ctx + 10), GREEDY)
     assert info.value.n_ctx == n_ctx and info.value.prompt_tokens >= n_ctx

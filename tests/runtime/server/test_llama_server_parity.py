@@ -1,0 +1,158 @@
+"""What llama.cpp's newest server tests expect, on the real server: a slot's context is the
+requested ``-c`` over ``-np``; ``--context-shift`` cuts a prompt too long for the slot (and
+without it the prompt is refused); ``/slots?fail_on_no_slot`` is a 503 while every slot is
+busy; tool calls in the history with arguments that are not JSON are a 400; the metric names
+and CORS preflight methods of llama-server; ``/models`` with llama-server's ``models`` list and
+capabilities; the UI's ``bundle.js`` / ``bundle.css`` served without the API key."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KEY = "sk-parity-3c1"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = " ".join(["the king saw a river near the old house and"] * 30)   # > 128 tokens
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model: Path):
+    return start_server(tiny_model, "-c", "256", "-np", "2", "--temp", "0", "--slots",
+                        "--metrics", "--api-key", KEY)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=AUTH) as client:
+        yield client
+
+
+def test_a_slot_holds_the_requested_context_over_the_slots(http):
+    assert http.get("/props").json()["default_generation_settings"]["n_ctx"] == 128
+    assert [s["n_ctx"] for s in http.get("/slots").json()] == [128, 128]
+
+
+def test_a_prompt_longer_than_the_slot_is_refused_without_context_shift(http):
+    r = http.post("/completion", json={"prompt": LONG, "n_predict": 4})
+    assert r.status_code == 400
+    assert "exceeds the available context size" in r.json()["error"]["message"]
+
+
+def test_context_shift_cuts_a_long_prompt_as_llama_server(start_server, tiny_model: Path):
+    server = start_server(tiny_model, "-c", "256", "-np", "2", "--temp", "0",
+                          "--context-shift")
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        n_prompt = len(http.post("/tokenize", json={"content": LONG,
+                                                    "add_special": True}).json()["tokens"])
+        assert n_prompt > 128
+        r = http.post("/completion", json={"prompt": LONG, "n_predict": 16,
+                                           "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        # llama-server keeps n_keep (0) tokens, then drops whole blocks of (128 - 0) / 2 tokens
+        erased = (n_prompt - 64) // 64
+        assert body["truncated"] is True
+        assert body["timings"]["prompt_n"] == n_prompt - erased * 64
+        assert body["timings"]["predicted_n"] == 16
+
+
+def test_fail_on_no_slot_is_a_503_while_every_slot_is_busy(start_server, tiny_model: Path):
+    server = start_server(tiny_model, "-c", "256", "--temp", "0", "--slots",
+                          "--context-shift")
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        idle = http.get("/slots", params={"fail_on_no_slot": "1"})
+        assert idle.status_code == 200 and len(idle.json()) == 1
+        body = {"prompt": "once", "n_predict": 1_000_000, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/completion", json=body) as stream:
+            events = (line for line in stream.iter_lines() if line.startswith("data: "))
+            for _ in zip(range(1000), events):  # until /slots sees the one slot generating
+                if http.get("/slots").json()[0]["is_processing"]:
+                    break
+            busy = http.get("/slots", params={"fail_on_no_slot": "1"})
+            assert busy.status_code == 503
+            assert busy.json()["error"]["type"] == "unavailable_error"
+            assert http.get("/slots").status_code == 200    # without the parameter: the list
+
+
+def test_malformed_tool_call_arguments_in_the_history_are_a_400(server):
+    client = openai.OpenAI(base_url=server.api_url, api_key=KEY)
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_weather", "arguments": "{\"city\": \"Par"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with pytest.raises(openai.BadRequestError, match="not JSON"):
+        client.chat.completions.create(model="m", messages=history, max_tokens=2)
+    history[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris"})
+    r = httpx.post(f"{server.base_url}/apply-template", headers=AUTH,
+                   json={"messages": history})
+    assert r.status_code == 200 and "Paris" in r.json()["prompt"]
+
+
+def test_post_sampling_probs_greedy_gives_n_entries(http):
+    r = http.post("/completion", json={"prompt": "the king saw", "n_predict": 3,
+                                       "n_probs": 5, "post_sampling_probs": True})
+    for entry in r.json()["completion_probabilities"]:
+        probs = [p["prob"] for p in entry["top_probs"]]
+        assert len(probs) == 5 and probs == sorted(probs, reverse=True)
+        assert sum(probs) == pytest.approx(1.0) and entry["prob"] == probs[0]
+
+
+def test_metric_names_of_llama_server(http):
+    body = {"prompt": "the king saw a river", "n_predict": 2, "cache_prompt": True}
+    http.post("/completion", json=body)
+    assert http.post("/completion", json=body).json()["timings"]["cache_n"] > 0
+    text = http.get("/metrics").text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("llamacpp:")}
+    assert values["llamacpp:prompt_tokens_cache_total"] >= 1
+    assert values["llamacpp:prompt_tokens_cache_total"] == values[
+        "llamacpp:prompt_tokens_cached_total"]
+    assert 0 < values["llamacpp:prompt_cache_hit_ratio"] < 1
+
+
+def test_cors_preflight_methods(server):
+    r = httpx.options(f"{server.base_url}/completions", headers={
+        "Origin": "web.mydomain.fr", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Methods"] == "GET, POST"
+
+
+def test_models_lists_capabilities(server):
+    body = httpx.get(f"{server.base_url}/models").json()        # public, as llama-server's
+    assert body["models"][0]["capabilities"] == ["completion"]
+    assert body["data"][0]["capabilities"] == ["completion"]
+    assert body["models"][0]["name"] == body["data"][0]["id"]
+    client = openai.OpenAI(base_url=server.api_url, api_key=KEY)
+    assert [m.id for m in client.models.list()] == [body["data"][0]["id"]]
+
+
+def test_ui_bundle_assets_need_no_key(server):
+    for path, kind in (("/bundle.js", "javascript"), ("/bundle.css", "css")):
+        r = httpx.get(f"{server.base_url}{path}")
+        assert r.status_code == 200 and kind in r.headers["content-type"]
+    assert httpx.post(f"{server.base_url}/completions", json={"prompt": "x"}).status_code == 401
+
+
+def test_vertex_ai_predict_route(start_server, tiny_model: Path, monkeypatch):
+    monkeypatch.setenv("AIP_MODE", "PREDICTION")        # Vertex AI's container variables
+    monkeypatch.setenv("AIP_HEALTH_ROUTE", "/vertex-health")
+    server = start_server(tiny_model, "-np", "2", "--temp", "0", "--api-key", KEY)
+    chat = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=120, headers=AUTH) as http:
+        r = http.post("/predict", json={"instances": [
+            {"@requestFormat": "chatCompletions", **chat},
+            {"@requestFormat": "/v1/chat/completions", **chat},
+            {"@requestFormat": "tokenize", "content": "hi"},
+            {"@requestFormat": "noSuchRoute"}, "not an object"]})
+        assert r.status_code == 200, r.text
+        first, second, tokens, unknown, bad = r.json()["predictions"]
+        assert first["choices"][0]["message"]["role"] == "assistant"     # not streamed
+        assert second["object"] == "chat.completion" and tokens["tokens"]
+        assert "@requestFormat: noSuchRoute" in unknown["error"]["message"]
+        assert bad["error"]["type"] == "invalid_request_error"
+        assert http.post("/predict", json={"instances": 3}).status_code == 400
+        assert http.get("/vertex-health").json() == {"status": "ok"}
+        assert httpx.post(f"{server.base_url}/predict", json={"instances": []}).status_code == 401
