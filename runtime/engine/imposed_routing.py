@@ -3,7 +3,7 @@
 A real router's locality is what decides an offload runtime's speed, and a synthetic model's
 random router has none. With a trace recorded on a real model (or by ``trace record``), prompt
 token at position p takes the trace's row for step p (prefill rows), each generated token the
-next decode row, at every MoE layer. The routing hook (route_hook.c, ``rh_set_route``) sets
+next decode row, at every MoE layer. The routing hook (route_impose.c, ``rh_set_route``) sets
 each MoE layer's router logits so that llama.cpp's own top-k selects exactly the trace's
 experts, in the trace's slot order, with the trace's weights as far as the model's gating
 reproduces them (softmax over the selected logits); the expert matmuls then run on those
@@ -26,7 +26,7 @@ import numpy as np
 from runtime.engine.sampling import SamplingParams
 from runtime.errors import UserError
 
-# what a non-selected expert's logit becomes (route_hook.c writes it): far below any
+# what a non-selected expert's logit becomes (route_impose.c writes it): far below any
 # log-weight, so no softmax, sigmoid or top-k lets it through
 FLOOR_LOGIT = -1.0e4
 _MIN_LOG_WEIGHT = -50.0       # a weight of 0 still ranks above the floor

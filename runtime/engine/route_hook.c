@@ -2,7 +2,7 @@
  * is runtime/engine/routing_hook.py (RoutingHook._on_eval and RouteAssembler), which it follows
  * rule for rule; tests run both on the same model
  * and compare the events and the managers' counters. */
-#include "route_hook.h"
+#include "route_hook_impl.h"
 #include "../native/slot_cache.h"
 #include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
@@ -11,10 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define MAX_WATCHED 16
-#define MAX_CONSUMERS 24
-#define NAME_BYTES 64
 
 enum { K_NONE = -1, K_TOPK = 0, K_WEIGHTS = 1, K_FLUSH = 2, K_PLANES = 3 };
 /* the node names the hook reads or flushes on (before "-<layer>"), with their lengths: a node
@@ -34,109 +30,6 @@ static const node_name k_names[] = {
      * the copy every reader reads; a layer not flushed yet (the first batch, final stage
      * unknown) flushes there, at a data callback, so its planes are written before that copy */
     {"ffn_moe_planes", 14, K_PLANES, -1},
-};
-
-typedef struct {
-    int present, done, has_experts, stage;   /* stage -1: no weights yet */
-    int32_t rows;
-    int32_t *experts; float *weights; int32_t cap;   /* (rows * k) */
-} pending;
-
-/* the ubatches of one decode call, as a node seen once per layer and ubatch frames them: the
- * layers starting over begin the next ubatch; rows trimmed to the outputs (the last layer)
- * are the ubatch's last tokens */
-typedef struct { int32_t prev, offset, rows; } ub_frame;   /* prev: the last node's key */
-
-static void frame_reset(ub_frame *f) { f->prev = -1; f->offset = f->rows = 0; }
-
-/* the node with graph-order key `key` has `rows` rows */
-static void frame_node(ub_frame *f, int32_t key, int32_t rows) {
-    const int next = key <= f->prev;               /* the next ubatch of the same call */
-    if (next) f->offset += f->rows;
-    if (next || f->prev < 0) f->rows = rows;
-    f->prev = key;
-}
-
-/* the position of a `rows`-row node's row 0, counted from the call's first token */
-static int64_t frame_first(const ub_frame *f, int32_t rows) {
-    return f->offset + (f->rows > rows ? f->rows - rows : 0);
-}
-
-/* A consumer of routing events (route_hook.h): stepped with every MoE layer-step before the
- * layer's expert matmuls run (0, or a status `error` turns into the batch's message), ended at
- * every batch's end, a failed one too. One list holds them all, in kind order (the bookkeeping
- * cores, the device caches, the RAM tiers, the observer adapter last): the order they step in
- * and the first error is reported in. */
-typedef struct {
-    int32_t layer, phase, turn, n_rows;
-    int64_t first_step;
-    const int32_t *experts;                         /* (n_rows * k) routing order */
-    const float *weights;                           /* (n_rows * k) */
-    int32_t n;                                      /* n_rows * k */
-} step_event;
-typedef struct consumer consumer;
-typedef struct {
-    int kind;                                       /* RH_CONSUMER_* */
-    int (*step)(consumer *u, const step_event *e);
-    void (*batch_end)(consumer *u);
-    void (*error)(const consumer *u, int32_t layer, int status, char *msg, int32_t cap);
-} consumer_kind;
-struct consumer {
-    const consumer_kind *kind;
-    void *obj;                                      /* rc_core, dc_cache, rt_tier or rh_hook */
-    int64_t held;                                   /* a bookkeeping core's lease (rc_step) */
-};
-
-typedef struct {
-    int32_t layer, phase, first_step, turn, n_rows;
-    int64_t at;                                     /* offset into the event arrays */
-} ev_rec;
-
-struct rh_hook {
-    int32_t mode;
-    rh_eval_cb watch_cb;                            /* watched nodes' data (rh_set_watch) */
-    void *watch_user;
-    int32_t n_watched;
-    char watched[MAX_WATCHED][NAME_BYTES];
-    rh_event_cb observer;                           /* the synchronous observers' adapter */
-    void *observer_user;
-    rh_tensor_get tensor_get;
-    size_t type_off, ne_off, nb_off, name_off;
-    int32_t n_layer, k, last_layer;
-    uint8_t *is_moe;
-    int8_t *final_stage;                            /* (n_layer,) -1 unknown */
-    const void **topk_node;                         /* (n_layer,) this graph's topk tensor */
-    pending *pend;                                  /* (n_layer,) */
-    int32_t *rows;                                  /* (n_layer,) rows routed this batch */
-    /* batch framing */
-    int in_batch, strict;
-    int32_t phase, turn, n_tokens, n_outputs;
-    ub_frame frame;                                 /* the events' ubatches (by topk node) */
-    int64_t batch_start;
-    /* the consumers every event steps, in kind order */
-    consumer consumers[MAX_CONSUMERS];
-    int32_t n_consumers;
-    /* events of this batch */
-    ev_rec *events; int32_t n_events, cap_events;
-    int32_t *ev_experts; float *ev_weights; int64_t n_ev_elems, cap_ev_elems;
-    /* scratch for a tensor read */
-    unsigned char *raw; size_t cap_raw;
-    int32_t *tmp_i; float *tmp_f; int64_t cap_tmp;
-    /* imposed routing (rh_set_route): the router logits per (position, layer), set at each
-     * ffn_moe_logits(_biased) node so that llama.cpp's own top-k selects the given experts */
-    rh_tensor_set tensor_set;
-    int64_t route_n_pos;
-    int32_t route_n_expert;
-    int32_t *route_experts;                         /* (route_n_pos, n_layer, k) */
-    float *route_logits;                            /* (route_n_pos, n_layer, k) */
-    float *route_row;                               /* (rows * n_expert) scratch */
-    int64_t cap_route_row;
-    int64_t route_start;                            /* position of the batch's first token */
-    int route_error;                                /* this batch's: route_msg says which */
-    char route_msg[160];
-    ub_frame route_frame;                           /* by logits node: 2 * layer + biased */
-    int error;
-    char msg[256];
 };
 
 rh_hook *rh_create(int32_t n_layer, const uint8_t *is_moe, int32_t n_expert_used,
@@ -192,136 +85,6 @@ int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *
 }
 
 void rh_set_mode(rh_hook *h, int32_t mode) { h->mode = mode; }
-
-void rh_route_batch(rh_hook *h, int64_t first_step) {
-    h->route_start = first_step;
-    frame_reset(&h->route_frame);
-    h->route_error = 0;
-}
-
-const char *rh_route_error(const rh_hook *h) { return h->route_error ? h->route_msg : NULL; }
-
-static void route_fail(rh_hook *h, const char *msg) {
-    if (!h->route_error) snprintf(h->route_msg, sizeof h->route_msg, "%s", msg);
-    h->route_error = 1;
-}
-
-int rh_set_route(rh_hook *h, rh_tensor_set tensor_set, int64_t n_pos, int32_t n_expert,
-                 const int32_t *experts, const float *logits) {
-    free(h->route_experts); free(h->route_logits);
-    h->route_experts = NULL; h->route_logits = NULL; h->route_n_pos = 0;
-    if (n_pos == 0) return 0;                       /* off */
-    if (n_pos < 0 || n_expert <= 0 || tensor_set == NULL) return -1;
-    const size_t n = (size_t) n_pos * (size_t) h->n_layer * (size_t) h->k;
-    for (size_t i = 0; i < n; i++) {
-        const int32_t layer = (int32_t) (i / (size_t) h->k % (size_t) h->n_layer);
-        if (h->is_moe[layer] && (experts[i] < 0 || experts[i] >= n_expert ||
-                                 !(logits[i] > -1.0e4f)))
-            return -1;
-    }
-    h->route_experts = malloc(n * sizeof *h->route_experts);
-    h->route_logits = malloc(n * sizeof *h->route_logits);
-    if (h->route_experts == NULL || h->route_logits == NULL) {
-        free(h->route_experts); free(h->route_logits);
-        h->route_experts = NULL; h->route_logits = NULL;
-        return -1;
-    }
-    memcpy(h->route_experts, experts, n * sizeof *experts);
-    memcpy(h->route_logits, logits, n * sizeof *logits);
-    h->tensor_set = tensor_set;
-    h->route_n_expert = n_expert;
-    h->route_n_pos = n_pos;
-    return 0;
-}
-
-/* ---- consumers ---------------------------------------------------------------------------- */
-
-/* a bookkeeping core: the decisions, nothing moved */
-static int core_step(consumer *u, const step_event *e) {
-    rc_result r;
-    return rc_step(u->obj, &u->held, e->layer, e->experts, e->n, e->phase, &r);
-}
-static void core_end(consumer *u) { rc_step_end(u->obj, &u->held); }
-static void core_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
-    (void) u;
-    rc_step_message(msg, cap, "", layer, status);
-}
-
-/* a device cache: copies into slots, the id planes (slot_cache.h; it holds its own lease) */
-static int cache_step(consumer *u, const step_event *e) {
-    return dc_route(u->obj, e->layer, e->experts, e->n, e->phase);
-}
-static void cache_end(consumer *u) { dc_batch_end(u->obj); }
-static void cache_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
-    (void) u;
-    if (status <= -100)
-        snprintf(msg, (size_t) cap, "device cache: layer %d: the id planes could not be written "
-                 "(moe_cache_route status %d)", layer, -100 - status);
-    else
-        rc_step_message(msg, cap, "device cache: ", layer, status);
-}
-
-/* a RAM tier: back only when the layer's experts are in the page cache (tier_io.h) */
-static int tier_step(consumer *u, const step_event *e) {
-    return rt_step(u->obj, e->layer, e->experts, e->n, e->phase);
-}
-static void tier_end(consumer *u) { rt_batch_end(u->obj); }
-static void tier_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
-    (void) layer; (void) status;
-    snprintf(msg, (size_t) cap, "%s", rt_error(u->obj));
-}
-
-/* the synchronous observers (Python's): one adapter, the event handed over as it happens */
-static int observer_step(consumer *u, const step_event *e) {
-    const rh_hook *h = u->obj;
-    return h->observer(e->layer, e->phase, e->first_step, e->turn, e->n_rows, e->experts,
-                       e->weights, h->observer_user);
-}
-static void observer_end(consumer *u) { (void) u; }     /* Python ends its observers' batch */
-static void observer_error(const consumer *u, int32_t layer, int status, char *msg,
-                           int32_t cap) {
-    (void) u; (void) status;
-    snprintf(msg, (size_t) cap, "layer %d: a routing observer failed", layer);
-}
-
-static const consumer_kind k_kinds[] = {
-    [RH_CONSUMER_CORE] = {RH_CONSUMER_CORE, core_step, core_end, core_error},
-    [RH_CONSUMER_CACHE] = {RH_CONSUMER_CACHE, cache_step, cache_end, cache_error},
-    [RH_CONSUMER_TIER] = {RH_CONSUMER_TIER, tier_step, tier_end, tier_error},
-    [RH_CONSUMER_OBSERVER] = {RH_CONSUMER_OBSERVER, observer_step, observer_end, observer_error},
-};
-
-static int add_consumer(rh_hook *h, int32_t kind, void *obj) {
-    if (kind < 0 || kind > RH_CONSUMER_OBSERVER || obj == NULL ||
-        h->n_consumers >= MAX_CONSUMERS)
-        return -1;
-    int32_t at = h->n_consumers;                    /* after every entry of its kind or before */
-    while (at > 0 && h->consumers[at - 1].kind->kind > kind) {
-        h->consumers[at] = h->consumers[at - 1];
-        at--;
-    }
-    h->consumers[at] = (consumer) {&k_kinds[kind], obj, 0};
-    h->n_consumers++;
-    return 0;
-}
-
-int rh_add_consumer(rh_hook *h, int32_t kind, void *obj) {
-    return kind == RH_CONSUMER_OBSERVER ? -1 : add_consumer(h, kind, obj);
-}
-
-void rh_set_observer(rh_hook *h, rh_event_cb cb, void *user_data) {
-    rh_clear_consumers(h, RH_CONSUMER_OBSERVER);
-    h->observer = cb;
-    h->observer_user = user_data;
-    if (cb != NULL) add_consumer(h, RH_CONSUMER_OBSERVER, h);
-}
-
-void rh_clear_consumers(rh_hook *h, int32_t kind) {
-    int32_t n = 0;
-    for (int32_t i = 0; i < h->n_consumers; i++)
-        if (h->consumers[i].kind->kind != kind) h->consumers[n++] = h->consumers[i];
-    h->n_consumers = n;
-}
 
 const char *rh_error(const rh_hook *h) { return h->msg; }
 int32_t rh_n_events(const rh_hook *h) { return h->n_events; }
@@ -503,16 +266,6 @@ void rh_abort_batch(rh_hook *h) {
 
 /* ---- reading a tensor ---------------------------------------------------------------------- */
 
-/* a ggml_tensor's type, ne and nb, read through the offsets the hook was given */
-static int32_t tensor_meta(const rh_hook *h, const void *t, int64_t ne[4], size_t nb[4]) {
-    const char *base = (const char *) t;
-    int32_t type;
-    memcpy(&type, base + h->type_off, sizeof type);
-    memcpy(ne, base + h->ne_off, 4 * sizeof *ne);
-    memcpy(nb, base + h->nb_off, 4 * sizeof *nb);
-    return type;
-}
-
 /* the tensor's elements in (ne3, ne2, ne1, ne0) order as int32 or float; the count, or -1 */
 static int64_t read_elems(rh_hook *h, const void *t, int want_type, void **out) {
     int64_t ne[4];
@@ -630,74 +383,11 @@ static bool eval_native(rh_hook *h, void *tensor, bool ask) {
     return true;
 }
 
-/* ---- imposed routing ---------------------------------------------------------------------- */
-
-/* "ffn_moe_logits-L" or "ffn_moe_logits_biased-L" (the router's bias, gpt-oss, is added
- * after the first: both are set, the later wins): the layer, or -1; *biased says which */
-static int32_t logits_layer(const rh_hook *h, const char *name, int *biased) {
-    static const char base[] = "ffn_moe_logits";
-    if (strncmp(name, base, sizeof base - 1) != 0) return -1;
-    const char *rest = name + sizeof base - 1;
-    *biased = strncmp(rest, "_biased", 7) == 0;
-    if (*biased) rest += 7;
-    if (rest[0] != '-' || rest[1] < '0' || rest[1] > '9') return -1;
-    char *end;
-    const long l = strtol(rest + 1, &end, 10);
-    if (*end != '\0' || l >= h->n_layer || !h->is_moe[l]) return -1;
-    return (int32_t) l;
-}
-
-/* Write the imposed logits of layer `layer` into `tensor` ((n_expert, rows) f32, contiguous):
- * the trace's experts get their log-weights (descending in slot order), every other expert a
- * floor no softmax, sigmoid or top-k lets through. Rows map to positions as the events do
- * (ub_frame). */
-static bool impose(rh_hook *h, void *tensor, int32_t layer, int biased) {
-    int64_t ne[4];
-    size_t nb[4];
-    const int32_t type = tensor_meta(h, tensor, ne, nb);
-    if (type != 0 || ne[0] != h->route_n_expert || nb[0] != 4 || nb[1] != 4 * (size_t) ne[0] ||
-        ne[2] != 1 || ne[3] != 1) {
-        char msg[128];
-        snprintf(msg, sizeof msg, "route trace: layer %d's router logits are not (%d, rows) "
-                 "f32", layer, h->route_n_expert);
-        route_fail(h, msg);
-        return false;
-    }
-    const int32_t rows = (int32_t) ne[1];
-    frame_node(&h->route_frame, 2 * layer + biased, rows);   /* graph order in a ubatch */
-    if (rows == 0) return true;
-    const int64_t n = (int64_t) rows * ne[0];
-    if (array_grow((void **) &h->route_row, &h->cap_route_row, n, sizeof(float))) {
-        route_fail(h, "route trace: out of memory");
-        return false;
-    }
-    const int64_t first = h->route_start + frame_first(&h->route_frame, rows);
-    for (int32_t r = 0; r < rows; r++) {
-        const int64_t pos = first + r;
-        if (pos < 0 || pos >= h->route_n_pos) {
-            char msg[128];
-            snprintf(msg, sizeof msg, "route trace: position %lld is past the trace's %lld "
-                     "tokens", (long long) pos, (long long) h->route_n_pos);
-            route_fail(h, msg);
-            return false;
-        }
-        float *row = h->route_row + (int64_t) r * ne[0];
-        for (int64_t e = 0; e < ne[0]; e++) row[e] = -1.0e4f;
-        const size_t at = ((size_t) pos * (size_t) h->n_layer + (size_t) layer) * (size_t) h->k;
-        for (int32_t s = 0; s < h->k; s++)
-            row[h->route_experts[at + s]] = h->route_logits[at + s];
-    }
-    h->tensor_set(tensor, h->route_row, 0, (size_t) n * sizeof(float));
-    return true;
-}
-
 bool rh_eval(void *tensor, bool ask, void *user_data) {
     rh_hook *h = (rh_hook *) user_data;
     if (h->route_n_pos > 0 && !h->route_error) {
-        int biased = 0;
-        const int32_t layer = logits_layer(h, (const char *) tensor + h->name_off, &biased);
-        if (layer >= 0)                  /* ask: compute up to here; data: go on, or stop */
-            return ask || impose(h, tensor, layer, biased);
+        const int imposed = rh_impose_node(h, tensor, ask);
+        if (imposed >= 0) return imposed;
     }
     if (h->mode == RH_ROUTE_ONLY) return false;
     return eval_native(h, tensor, ask);

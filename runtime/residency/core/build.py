@@ -35,14 +35,14 @@ SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE 
            HERE / "policies.c", HERE / "prefetch.c", HERE / "verify.c", HERE / "step.c",
            HERE / "next_visit.c", HERE / "nv_victim.c",
            HERE / "affinity.c", HERE / "neighbours.c",
-           ENGINE / "route_hook.c",
+           ENGINE / "route_hook.c", ENGINE / "route_consumers.c", ENGINE / "route_impose.c",
            NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
-INTERNAL = (HERE / "core_impl.h", HERE / "order_heap.h", HERE / "next_visit.h", HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h",
-            HERE / "neighbours.h", HERE / "grow.h",
-            RAMTIER / "file_pages.h")
+INTERNAL = (HERE / "core_impl.h", HERE / "order_heap.h", HERE / "next_visit.h",
+            HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h", HERE / "neighbours.h",
+            HERE / "grow.h", ENGINE / "route_hook_impl.h", RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 
