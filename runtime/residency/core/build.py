@@ -33,7 +33,7 @@ NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
 SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE / "order.c",
            HERE / "policies.c", HERE / "prefetch.c", HERE / "verify.c", HERE / "step.c",
-           HERE / "next_visit.c", HERE / "nv_victim.c",
+           HERE / "next_visit.c", HERE / "nv_victim.c", HERE / "nv_lists.c",
            HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c", ENGINE / "route_consumers.c", ENGINE / "route_impose.c",
            NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
@@ -41,8 +41,8 @@ HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_ca
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
 INTERNAL = (HERE / "core_impl.h", HERE / "order_heap.h", HERE / "next_visit.h",
-            HERE / "nv_victim.h", HERE / "v2d.h", HERE / "affinity.h", HERE / "neighbours.h",
-            HERE / "grow.h", ENGINE / "route_hook_impl.h", RAMTIER / "file_pages.h")
+            HERE / "nv_victim.h", HERE / "nv_victim_impl.h", HERE / "v2d.h",
+            HERE / "affinity.h", HERE / "neighbours.h", HERE / "grow.h", ENGINE / "route_hook_impl.h", RAMTIER / "file_pages.h")
 _lock = threading.Lock()
 _loaded: tuple | None = None
 

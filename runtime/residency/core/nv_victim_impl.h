@@ -1,0 +1,31 @@
+/* nv_victim's private parts, shared by nv_victim.c (the candidates and the victim) and
+ * nv_lists.c (each layer's list of its lowest keys, the membership bitmap). */
+#ifndef NV_VICTIM_IMPL_H
+#define NV_VICTIM_IMPL_H
+#include "nv_victim.h"
+
+/* (z, last seq, flat) of a below b (b -1: none) */
+static inline int z_below(const nv_victim *s, double za, int32_t a, double zb, int32_t b) {
+    if (b < 0) return 1;
+    if (za != zb) return za < zb;
+    if (s->last_seq[a] != s->last_seq[b]) return s->last_seq[a] < s->last_seq[b];
+    return a < b;
+}
+
+static inline int list_valid(const nv_victim *s, int32_t l) {
+    return s->list_vis[l] == s->nv->vis[l] && s->list_ver[l] == s->nv->version;
+}
+
+/* for each key g of the layer in the order (its bitmap), in flat order */
+#define FOR_MEMBERS(s, layer, g)                                                              \
+    for (int32_t w_ = 0; w_ < (s)->n_words; w_++)                                            \
+        for (uint64_t b_ = (s)->members[(layer) * (s)->n_words + w_]; b_; b_ &= b_ - 1)     \
+            for (int32_t g = (layer) * (s)->n_expert + w_ * 64 + __builtin_ctzll(b_), o_ = 1; \
+                 o_; o_ = 0)
+
+/* the layer's list refilled from its members (every member scored) / re-sorted after a
+ * weight update (its listed keys rescored; those still below the bound stay) */
+void nvl_fill_list(nv_victim *s, int32_t layer);
+void nvl_resort_list(nv_victim *s, int32_t layer);
+
+#endif
