@@ -82,6 +82,7 @@ def write_dense_gguf(path: Path) -> Path:
 
     w = GGUFWriter(path, "llama")
     w.add_block_count(1)
+    w.add_embedding_length(8)
     w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

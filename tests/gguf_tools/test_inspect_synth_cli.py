@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFWriter
-import numpy as np
 
 from gguf_tools.synth import SynthSpec
+from tests.conftest import write_dense_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,18 +56,6 @@ def test_inspect_table(tiny_model: Path) -> None:
     assert "24,576" in result.stdout          # bytes of one f32 expert: 3 * 64 * 32 * 4
 
 
-def _dense_gguf(path: Path) -> Path:
-    w = GGUFWriter(path, "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(8)
-    w.add_tensor("blk.0.ffn_up.weight", np.ones((8, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_inspect_bad_inputs(tmp_path: Path, tiny_model: Path) -> None:
     data = tiny_model.read_bytes()
     cases = {
@@ -78,7 +65,7 @@ def test_inspect_bad_inputs(tmp_path: Path, tiny_model: Path) -> None:
         "empty": (tmp_path / "empty.gguf", "not a GGUF file"),
         "cut in metadata": (tmp_path / "head.gguf", "truncated or corrupt GGUF"),
         "cut in data": (tmp_path / "cut.gguf", "truncated GGUF file"),
-        "dense": (_dense_gguf(tmp_path / "dense.gguf"), "not a mixture-of-experts model"),
+        "dense": (write_dense_gguf(tmp_path / "dense.gguf"), "not a mixture-of-experts model"),
     }
     (tmp_path / "notes.txt").write_text("just some text\n")
     (tmp_path / "empty.gguf").write_bytes(b"")
