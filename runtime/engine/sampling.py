@@ -112,21 +112,19 @@ class Sampler:
             for token in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)):
                 if token >= 0:
                     bias[int(token)] = float("-inf")
-        if bias:
-            try:
+        try:
+            if bias:
                 check_token_ids(bias, n_vocab, "logit_bias")
-            except UserError:
-                self.close()
-                raise
+            if params.grammar is not None:
+                check_grammar_nesting(params.grammar)
+        except UserError:
+            self.close()
+            raise
+        if bias:
             items = (ll.llama_logit_bias * len(bias))(
                 *[ll.llama_logit_bias(int(t), float(b)) for t, b in bias.items()])
             add(ll.llama_sampler_init_logit_bias(n_vocab, len(bias), items))
         if params.grammar is not None:
-            try:
-                check_grammar_nesting(params.grammar)
-            except UserError:
-                self.close()
-                raise
             grammar = ll.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"),
                                                     b"root")
             if not grammar:
@@ -152,7 +150,7 @@ class Sampler:
         ptr = self._ll.llama_get_logits_ith(ctx, idx)
         if not ptr:
             raise RuntimeError(f"llama.cpp has no logits for output {idx}")
-        return self.sample_candidates(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)), 1)[0]
+        return self._pick(np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)))[0]
 
     def _accept(self, token: int) -> None:
         """Accept ``token`` into the chain; with a grammar, only a token the grammar allows
@@ -171,14 +169,9 @@ class Sampler:
                                      "removed every token it allows)")
         ll.llama_sampler_accept(self._chain, token)
 
-    def sample_candidates(self, logits,
-                          k: int) -> tuple[int, float, list[tuple[int, float]]]:
-        """Pick a token from ``logits`` ((n_vocab,) float32) as ``sample`` does (the same
-        apply-then-accept steps, so a seeded chain picks the same tokens), and return the
-        token's probability after the chain, and the candidates the chain left with theirs,
-        the ``k`` most probable first. A greedy chain computes no distribution: as
-        llama-server's greedy chain with n_probs (top-k n_probs, softmax, greedy), the ``k``
-        highest logits share a softmax."""
+    def _pick(self, logits):
+        """Apply the chain to ``logits`` ((n_vocab,) float32), accept the token it selects:
+        (token, the candidates the chain left (TOKEN_DATA records), the selected index)."""
         import ctypes  # noqa: PLC0415
 
         import numpy as np  # noqa: PLC0415
@@ -197,6 +190,19 @@ class Sampler:
             raise RuntimeError("llama.cpp's sampler chain selected no token")
         token = int(left["id"][cur.selected])
         self._accept(token)
+        return token, left, int(cur.selected)
+
+    def sample_candidates(self, logits,
+                          k: int) -> tuple[int, float, list[tuple[int, float]]]:
+        """Pick a token from ``logits`` ((n_vocab,) float32) as ``sample`` does (the same
+        apply-then-accept steps, so a seeded chain picks the same tokens), and return the
+        token's probability after the chain, and the candidates the chain left with theirs,
+        the ``k`` most probable first. A greedy chain computes no distribution: as
+        llama-server's greedy chain with n_probs (top-k n_probs, softmax, greedy), the ``k``
+        highest logits share a softmax."""
+        import numpy as np  # noqa: PLC0415
+
+        token, left, selected = self._pick(logits)
         if not left["p"].any():                # greedy: no distribution was computed
             best = np.argsort(-left["logit"], kind="stable")[:max(k, 1)]
             weights = np.exp(left["logit"][best].astype(np.float64) - left["logit"][best[0]])
@@ -204,7 +210,7 @@ class Sampler:
             top = [(int(left["id"][i]), float(p)) for i, p in zip(best, probs)]
             return token, dict(top).get(token, float(probs[0])), top
         order = np.argsort(-left["p"], kind="stable")[:max(k, 1)]
-        return token, float(left["p"][cur.selected]), [
+        return token, float(left["p"][selected]), [
             (int(left["id"][i]), float(left["p"][i])) for i in order if left["p"][i] > 0]
 
     def close(self) -> None:
