@@ -295,6 +295,7 @@ async def count_tokens(body: MessagesRequest, request: Request) -> dict:
     chat = to_chat_request(body)
     engine = request.app.state.host.engine()
     settings = request.app.state.settings
-    prep = await anyio.to_thread.run_sync(prepare_chat, engine, chat, None, settings.reasoning,
-                                          settings.reasoning_format)
+    prep = await anyio.to_thread.run_sync(lambda: prepare_chat(
+        engine, chat, None, settings.reasoning, settings.reasoning_format,
+        limits=settings.limits))
     return {"input_tokens": prep.prompt_tokens}

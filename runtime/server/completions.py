@@ -23,7 +23,6 @@ from runtime.server import shapes, structured
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.errors import APIError
 from runtime.server.jobs import SHUTDOWN_GRACE_S, chat_frames, collect, submit
-from runtime.server.limits import check_request
 from runtime.server.requests import Prepared, prepare_chat, prepare_completion
 from runtime.server.queue import Job
 from runtime.server.reasoning import split_reasoning
@@ -72,7 +71,7 @@ async def submit_chat(request: Request, body: ChatCompletionRequest) -> tuple[Pr
     defaults, settings = request.app.state.defaults, request.app.state.settings
     return await submit(request, lambda e: prepare_chat(
         e, body, defaults, settings.reasoning, settings.reasoning_format,
-        limits=settings.limits), body)
+        limits=settings.limits))
 
 
 def chat_base(request: Request) -> dict:
@@ -141,9 +140,9 @@ def _usage_with_cache(prep: Prepared, results: list) -> dict:
 async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
     """How many prompt tokens the request would take (llama-server's)."""
     engine = request.app.state.host.engine()
-    check_request(body, request.app.state.settings.limits)
-    prep = await anyio.to_thread.run_sync(prepare_chat, engine, body, None,
-                                          request.app.state.settings.reasoning)
+    settings = request.app.state.settings
+    prep = await anyio.to_thread.run_sync(lambda: prepare_chat(
+        engine, body, None, settings.reasoning, limits=settings.limits))
     return {"input_tokens": prep.prompt_tokens}
 
 
@@ -152,7 +151,7 @@ async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion, streamed or not (``n`` choices, logprobs, echo)."""
     defaults, limits = request.app.state.defaults, request.app.state.settings.limits
     prep, job = await submit(request, lambda e: prepare_completion(e, body, defaults,
-                                                                    limits=limits), body)
+                                                                    limits=limits))
     cid, created = _ids("cmpl")
     base = {"id": cid, "object": "text_completion", "created": created,
             "model": request.app.state.host.model_id, "system_fingerprint": fingerprint(request)}

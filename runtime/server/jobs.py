@@ -22,7 +22,6 @@ from runtime.errors import UserError
 from runtime.rpc.setup import RemoteDeviceLost
 from runtime.server import shapes
 from runtime.server.errors import APIError
-from runtime.server.limits import check_request
 from runtime.server.requests import Prepared, context_error
 from runtime.server.queue import Job, QueueClosed, QueueFull
 from runtime.server.request_log import record_for
@@ -83,18 +82,15 @@ def engine_failure(exc: BaseException) -> APIError:
     return APIError(500, f"Generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 
 
-async def submit(request: Request, prepare: Callable[[Any], Prepared],
-                  body: Any = None) -> tuple[Prepared, Job]:
-    """Check ``body``'s grammars and schemas against the limits, prepare the request off the
-    event loop, then queue its generation (429 when full)."""
+async def submit(request: Request, prepare: Callable[[Any], Prepared]) -> tuple[Prepared, Job]:
+    """Prepare the request off the event loop (its checks, the limits' included), then queue
+    its generation (429 when full)."""
     state = request.app.state
     if state.settings.embedding:
         raise APIError(501, "This server does not support completions. Start it without "
                             "`--embeddings`", code="not_supported",
                        error_type="not_supported_error")
     engine = state.host.engine()                      # 503 while loading
-    if body is not None:
-        check_request(body, state.settings.limits)
     try:
         prep = await anyio.to_thread.run_sync(prepare, engine)
     except APIError:

@@ -26,13 +26,13 @@ from runtime.engine.types import CANCELLED, Timings
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError, llama_error, register_route_shape
 from runtime.server.jobs import collect, engine_failure, submit
-from runtime.server.limits import Limits, check_prompt_tokens
+from runtime.server.limits import Limits, check_prompt_tokens, check_request
 from runtime.server.llama_schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.schemas import ChatCompletionRequest
 from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_slot,
                                      json_object, sampling_params, template_variables)
 from runtime.server.stream_sessions import resumable
-from runtime.server.token_ids import checked_id, checked_ids, engine_vocab
+from runtime.server.token_ids import checked_ids, engine_vocab
 
 router = APIRouter()
 
@@ -77,15 +77,16 @@ def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> 
 
 def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
              limits: Limits | None = None) -> Prepared:
+    if limits is not None:               # grammars and schemas, before any is converted
+        check_request(req, limits)
     prompt = req.prompt_tokens_or_text(engine)
     if isinstance(prompt, list):
         check_prompt_tokens(len(prompt), limits, "prompt")
         prompt = checked_ids(prompt, engine_vocab(engine), "prompt")
-    n_prompt = len(prompt) if isinstance(prompt, list) else \
-        len(engine.tokenize(prompt, add_special=True))
+    tokens = prompt if isinstance(prompt, list) else engine.tokenize(prompt, add_special=True)
+    n_prompt = len(tokens)
     truncated = n_prompt >= engine.n_ctx and engine.settings.context_shift
     if truncated:       # as llama-server: --context-shift cuts a prompt that does not fit
-        tokens = prompt if isinstance(prompt, list) else engine.tokenize(prompt, add_special=True)
         prompt = truncate_prompt(tokens, engine.n_ctx, req.n_keep or 0)
         n_prompt = len(prompt)
     n_predict = req.n_predict_value()
@@ -97,8 +98,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
     grammar = structured.grammar_for_output(None, req.json_schema, req.grammar)
     fields = req.as_fields(defaults, engine.eog_tokens(),
                            lambda text: engine.tokenize(text, add_special=False))
-    for token in fields.bias:
-        checked_id(token, engine_vocab(engine), "logit_bias")
+    checked_ids(fields.bias, engine_vocab(engine), "logit_bias")
     params = sampling_params(fields, max(max_tokens, 1),
                              logprobs=req.n_probs or None,
                              post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
@@ -141,7 +141,7 @@ def pick_fields(answer: dict, fields: list[str]) -> dict:
 
 async def _answer(body: NativeCompletionRequest, request: Request, index: int = 0):
     defaults, limits = request.app.state.defaults, request.app.state.settings.limits
-    prep, job = await submit(request, lambda e: _prepare(e, body, defaults, limits), body)
+    prep, job = await submit(request, lambda e: _prepare(e, body, defaults, limits))
     engine = request.app.state.host.engine()
     model = request.app.state.host.model_id
     prompt_text = prep.prompt if isinstance(prep.prompt, str) else engine.detokenize(prep.prompt)

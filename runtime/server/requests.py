@@ -13,7 +13,7 @@ from runtime.engine.sampling import SamplingParams, check_grammar
 from runtime.errors import UserError
 from runtime.server import structured
 from runtime.server.errors import APIError
-from runtime.server.limits import Limits, check_prompt_tokens
+from runtime.server.limits import Limits, check_prompt_tokens, check_request
 from runtime.server.reasoning import thinking_forced_open
 from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from runtime.server.token_ids import checked_id, checked_ids, engine_vocab
@@ -144,6 +144,8 @@ def template_variables(reasoning: str, kwargs: dict | None) -> dict:
 def prepare_chat(engine: Any, req: ChatCompletionRequest,
                  defaults: SamplingParams | None = None, reasoning: str = "auto",
                  reasoning_format: str = "auto", *, limits: Limits | None = None) -> Prepared:
+    if limits is not None:               # grammars and schemas, before any is converted
+        check_request(req, limits)
     tools = req.tool_dicts()
     if tools:
         structured.check_tool_schemas(tools)
@@ -197,6 +199,8 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
 def prepare_completion(engine: Any, req: CompletionRequest,
                        defaults: SamplingParams | None = None, *,
                        limits: Limits | None = None) -> Prepared:
+    if limits is not None:               # grammars and schemas, before any is converted
+        check_request(req, limits)
     prompt = req.prompt_input()
     if isinstance(prompt, list):
         check_prompt_tokens(len(prompt), limits, "prompt")

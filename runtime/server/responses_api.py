@@ -265,6 +265,7 @@ async def input_tokens(body: ResponsesRequest, request: Request) -> dict:
     chat = to_chat_request(body)
     engine = request.app.state.host.engine()
     settings = request.app.state.settings
-    prep = await anyio.to_thread.run_sync(prepare_chat, engine, chat, None, settings.reasoning,
-                                          settings.reasoning_format)
+    prep = await anyio.to_thread.run_sync(lambda: prepare_chat(
+        engine, chat, None, settings.reasoning, settings.reasoning_format,
+        limits=settings.limits))
     return {"object": "response.input_tokens", "input_tokens": prep.prompt_tokens}
