@@ -145,7 +145,8 @@ def resolve_target(url: str, allow: tuple[str, ...]) -> Target:
     addresses = tuple((family, sockaddr) for family, _, _, _, sockaddr in infos)
     if host.lower().rstrip(".") in allow:
         return Target(url, host, addresses)
-    networks = [ipaddress.ip_network(a) for a in allow if a[:1].isdigit() or ":" in a]
+    # proxy_allow_list writes networks normalised ("a.b.c.d/n"), host names without a "/"
+    networks = [ipaddress.ip_network(a) for a in allow if "/" in a]
     for _, sockaddr in addresses:
         ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
         kind = internal_kind(ip)

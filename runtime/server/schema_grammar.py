@@ -11,6 +11,7 @@ and llama.cpp refuses the left recursion it makes) is refused as a "recursive $r
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 from runtime.server.errors import APIError
@@ -51,17 +52,22 @@ def _head_refs(node: Any) -> list[str]:
     return refs
 
 
-def _all_refs(node: Any) -> list[str]:
-    refs, stack = [], [node]
+def _ref_nodes(node: Any) -> Iterator[dict]:
+    """Every dict under ``node`` holding a string ``$ref`` (a property may be named "$ref":
+    only a string is a reference), depth first."""
+    stack = [node]
     while stack:
         n = stack.pop()
         if isinstance(n, dict):
-            if isinstance(n.get("$ref"), str):      # (a property may be named "$ref")
-                refs.append(n["$ref"])
             stack.extend(v for k, v in n.items() if k != "$ref")
+            if isinstance(n.get("$ref"), str):
+                yield n
         elif isinstance(n, list):
             stack.extend(n)
-    return refs
+
+
+def _all_refs(node: Any) -> list[str]:
+    return [n["$ref"] for n in _ref_nodes(node)]
 
 
 def check_refs(schema: Any, param: str) -> None:
@@ -100,18 +106,11 @@ def _converter():
     class Converter(SchemaConverter):
         def resolve_refs(self, schema: dict, url: str) -> dict:
             """Every local ``$ref`` made absolute and registered, wherever it is."""
-            stack: list[Any] = [schema]
-            while stack:
-                n = stack.pop()
-                if isinstance(n, dict):
-                    ref = n.get("$ref")
-                    if isinstance(ref, str) and ref.startswith("#/"):
-                        target = _target(schema, ref, "schema")
-                        n["$ref"] = f"{url}{ref}"
-                        self._refs[n["$ref"]] = target
-                    stack.extend(v for k, v in n.items() if k != "$ref")
-                elif isinstance(n, list):
-                    stack.extend(n)
+            for n in list(_ref_nodes(schema)):
+                ref = n["$ref"]
+                if ref.startswith("#/"):
+                    n["$ref"] = f"{url}{ref}"
+                    self._refs[n["$ref"]] = _target(schema, ref, "schema")
             return schema
 
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)

@@ -10,13 +10,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
-from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.jobs import SHUTDOWN_GRACE_S, chat_frames
-from runtime.server.errors import APIError, validation_error
+from runtime.server.errors import APIError, pydantic_error
 from runtime.server.requests import Prepared
 from runtime.server.queue import Job
 from runtime.server.schemas import ChatCompletionRequest
@@ -29,7 +28,7 @@ def chat_request(fields: dict) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(
             {k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
-        raise validation_error(RequestValidationError(exc.errors())) from exc
+        raise pydantic_error(exc) from exc
 
 
 async def translated(frames: AsyncIterator[dict], translator: Any,
