@@ -29,8 +29,6 @@ from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, raise_failure
 from runtime.residency.types import Phase
 
-RH_NATIVE, RH_ROUTE_ONLY = 1, 2
-RH_CONSUMER_CORE, RH_CONSUMER_CACHE, RH_CONSUMER_TIER = 0, 1, 2
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
@@ -64,10 +62,10 @@ class CHook:
         self._on_event_c = ffi.callback("rh_event_cb", self._on_event)
         self._on_watch_c = ffi.callback("rh_eval_cb", self._on_watch)
         self._observing = False                       # the adapter is on the list
-        self._sync: list = []                         # this batch's synchronous observers
+        self._batch_observers: list = []              # this batch's observers (all)
+        self._sync: list = []                         # ... and the synchronous ones
         self._feed: ResidencyObserver | None = None   # reference cores: Python bookkeeping
-        self._n_consumers = 0                         # C consumers: cores, caches, tiers
-        self._n_cores = 0
+        self._n_cores = 0                             # C consumers: cores, caches, tiers
         self._caches: list = []
         self._tiers: list = []
         self._in_batch = False
@@ -80,30 +78,28 @@ class CHook:
     def feed(self, manager, devices) -> None:
         """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
         cores = [manager.core_handle(d) for d in devices]
-        self.lib.rh_clear_consumers(self.handle, RH_CONSUMER_CORE)
-        self._n_consumers -= self._n_cores
+        self.lib.rh_clear_consumers(self.handle, self.lib.RH_CONSUMER_CORE)
         self._n_cores, self._feed = 0, None
         if any(c is None for c in cores):         # the Python reference core
             self._feed = ResidencyObserver(manager, devices)
             return
         for c in cores:
-            self._add_consumer(RH_CONSUMER_CORE, c)
+            self._add_consumer(self.lib.RH_CONSUMER_CORE, c)
         self._n_cores = len(cores)
 
     def add_cache(self, cache) -> None:
         """A native device cache (runtime.native.device_cache.DeviceCache) to drive."""
-        self._add_consumer(RH_CONSUMER_CACHE, cache.native_handle)
+        self._add_consumer(self.lib.RH_CONSUMER_CACHE, cache.native_handle)
         self._caches.append(cache)
 
     def add_tier(self, tier) -> None:
         """A RAM tier (runtime.ramtier.RamTier) to step before each layer's expert matmul."""
-        self._add_consumer(RH_CONSUMER_TIER, tier.native_handle)
+        self._add_consumer(self.lib.RH_CONSUMER_TIER, tier.native_handle)
         self._tiers.append(tier)
 
     def _add_consumer(self, kind: int, handle) -> None:
         if self.lib.rh_add_consumer(self.handle, kind, handle) != 0:
             raise ValueError("too many consumers for the routing hook")
-        self._n_consumers += 1
 
     def watch(self, name: str, fn: Callable[[str, np.ndarray], None]) -> None:
         """Also read node ``name`` (exact match, e.g. ``"ffn_moe_probs-3"``; it must start with
@@ -173,19 +169,19 @@ class CHook:
         self._phase, self._n_tokens = Phase(phase), n_tokens
         if self._imposed is not None:
             self.lib.rh_route_batch(self.handle, first_step)
-        observers = self._observers()
+        observers = self._batch_observers = self._observers()
         # imposed routing and nothing to feed: the hook only sets the router's logits
-        self._route_only = self._imposed is not None and not self._n_consumers and \
-            not observers and not self.watchers
+        self._route_only = self._imposed is not None and not (
+            self._n_cores or self._caches or self._tiers or observers or self.watchers)
         if self._route_only:
-            self.lib.rh_set_mode(self.handle, RH_ROUTE_ONLY)
+            self.lib.rh_set_mode(self.handle, self.lib.RH_ROUTE_ONLY)
             return
         self._sync = [o for o in observers if getattr(o, "synchronous", True)]
         if bool(self._sync) != self._observing:
             self._observing = bool(self._sync)
             self.lib.rh_set_observer(self.handle, self._on_event_c if self._observing
                                      else self.ffi.NULL, self.ffi.NULL)
-        self.lib.rh_set_mode(self.handle, RH_NATIVE)
+        self.lib.rh_set_mode(self.handle, self.lib.RH_NATIVE)
         self._in_batch = True
         self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
                                 self.assembler.turn, int(self.assembler.strict))
@@ -203,7 +199,7 @@ class CHook:
             self._end_observers(failed=True)
 
     def _end_observers(self, failed: bool = False) -> None:
-        for observer in self._observers():
+        for observer in self._batch_observers:
             try:
                 observer.on_batch_end(self._phase, self._n_tokens)
             except Exception:  # noqa: BLE001 - after a failure, the original error is reported
@@ -238,7 +234,7 @@ class CHook:
             cache.check_failures()
         for tier in self._tiers:
             tier.after_batch()
-        waiting = [o for o in self.assembler.observers if not getattr(o, "synchronous", True)]
+        waiting = [o for o in self._batch_observers if not getattr(o, "synchronous", True)]
         if waiting:
             events = self._events()
             for observer in waiting:
