@@ -315,16 +315,16 @@ class ExpertResidencyManager:
 
     def _prefetch_results(self, dev: Device, prefetched, phase: Phase, submit: list,
                           drops: list) -> list[Ticket]:
-        """Transfer notices of the prefetches a core call issued (under the lock)."""
-        out = []
+        """Transfer notices of the prefetches a core call issued (under the lock): appended to
+        ``submit``, and returned."""
+        start = len(submit)
         keys = self._keys
         for flat, victims in prefetched:
             ticket = self._notice(dev.name, keys[flat], tuple(keys[v] for v in victims),
                                   phase, True)
             drops.extend(ticket.victims)
             submit.append(ticket)
-            out.append(ticket)
-        return out
+        return submit[start:]
 
     def _after_unlock(self, device: str, submit: list[Ticket], drops: list[ExpertKey]) -> None:
         """Drops first (their space is free to reuse), then the transfers."""

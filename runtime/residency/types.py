@@ -77,8 +77,8 @@ class ReplayOutcome:
     """What ``replay`` reports beyond the counters: per row and per prefetch."""
 
     miss_kind: np.ndarray       # (n_rows,) int8: at the first row of each missed key 1
-                                # admitted, 2 transient, 3 joined a transfer; 4 at the first
-                                # use (a hit) of a prefetched key; 0 elsewhere
+                                # admitted, 2 transient; 4 at the first use (a hit) of a
+                                # prefetched key; 0 elsewhere
     prefetch_event: np.ndarray  # (n_rows,) int64: at rows of kind 4, the prefetch's index
                                 # in prefetch_batch / prefetch_flat; -1 elsewhere
     prefetch_batch: np.ndarray  # (n_prefetches,) int64 the batch that issued it, issue order

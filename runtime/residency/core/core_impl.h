@@ -105,6 +105,11 @@ struct rc_core {
 };
 
 static inline pool *pool_of(rc_core *c, int32_t f) { return &c->pools[c->pool_of_flat[f]]; }
+/* how often f was routed, every phase together (lfu's score, reuse admission, popularity) */
+static inline int64_t total_uses(const rc_core *c, int32_t f) {
+    const int32_t n = c->n_flat;
+    return c->uses[f] + c->uses[n + f] + c->uses[2 * n + f];
+}
 
 /* ---- policies.c: pure functions of the core's statistics ------------------------------ */
 typedef double (*rc_score_fn)(const rc_core *c, int32_t order, int32_t f);

@@ -14,9 +14,7 @@ static double score_lru(const rc_core *c, int32_t o, int32_t f) {
 
 static double score_lfu(const rc_core *c, int32_t o, int32_t f) {
     (void) o;
-    const int64_t *u = c->uses;
-    const int32_t n = c->n_flat;
-    return (double) (u[f] + u[n + f] + u[2 * n + f]);
+    return (double) total_uses(c, f);
 }
 
 static double score_lfu_decay(const rc_core *c, int32_t o, int32_t f) {
@@ -70,9 +68,7 @@ static int admit_reuse(const rc_core *c, int32_t phase, int32_t f, const int32_t
                        int32_t nv) {
     (void) victims; (void) nv;
     if (phase == 0) return 1;
-    const int32_t n = c->n_flat;
-    return (double) (c->uses[f] + c->uses[n + f] + c->uses[2 * n + f])
-           >= c->pol.admission_p1[phase];
+    return (double) total_uses(c, f) >= c->pol.admission_p1[phase];
 }
 
 /* unless the first victim was used within `window` accesses */

@@ -36,7 +36,7 @@ static int plan_popularity(rc_core *c, const rc_step_view *s, ivec *plan, const 
     (void) mine;
     const int32_t top_n = (int32_t) c->pol.prefetch_p1[s->phase];
     if (s->first_next >= c->n_moe || top_n <= 0) return RC_OK;
-    const int32_t ne = c->n_expert, nf = c->n_flat;
+    const int32_t ne = c->n_expert;
     const int32_t l = c->moe_layers[s->first_next];
     const int32_t top = top_n < ne ? top_n : ne;
     uint8_t *taken = calloc((size_t) ne, 1);
@@ -47,7 +47,7 @@ static int plan_popularity(rc_core *c, const rc_step_view *s, ivec *plan, const 
         for (int32_t e = 0; e < ne; e++) {
             if (taken[e]) continue;
             const int32_t f = l * ne + e;
-            const int64_t u = c->uses[f] + c->uses[nf + f] + c->uses[2 * nf + f];
+            const int64_t u = total_uses(c, f);
             if (u > best_u) { best_u = u; best = e; }
         }
         if (best < 0) break;
