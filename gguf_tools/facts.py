@@ -271,10 +271,7 @@ def kv_bytes_per_token(path: str) -> int:
     arch = field_value(reader, "general.architecture")
 
     def num(key: str, default: int = 0) -> int:
-        v = field_value(reader, f"{arch}.{key}")
-        if isinstance(v, list):
-            v = max(v) if v else default
-        return int(v) if v is not None else default
+        return _as_int(field_value(reader, f"{arch}.{key}"), default)
 
     n_layer, embd = num("block_count"), num("embedding_length")
     heads = num("attention.head_count", 1) or 1

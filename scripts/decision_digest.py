@@ -24,8 +24,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_manager import decode_stream  # noqa: E402
-from runtime.residency.config import load_config, parse_config, preset_config  # noqa: E402
+from bench_manager import _config, decode_stream  # noqa: E402
+from runtime.residency.config import parse_config  # noqa: E402
 from runtime.residency.manager import ExpertResidencyManager  # noqa: E402
 from runtime.residency.types import Phase  # noqa: E402
 
@@ -85,7 +85,7 @@ def stream() -> list[tuple[int, np.ndarray, Phase]]:
 def config(name: str):
     if name in MIXES:
         return parse_config(MIXES[name], source=name)
-    return load_config(str(ROOT / name)) if name.endswith(".toml") else preset_config(name)
+    return _config(str(ROOT / name) if name.endswith(".toml") else name)
 
 
 def digests(name: str, capacity: int, steps) -> tuple[str, str]:

@@ -15,7 +15,6 @@ Issue 23's bound: no single request stalls other slots by more than one decode s
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -26,20 +25,15 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import soak  # noqa: E402  (scripts/soak.py: its server start)
+
 REPO = Path(__file__).resolve().parents[1]
 # a decode step of several ms on a small CPU: well above the noise of the HTTP stream
 SPEC = dict(arch="qwen3moe", layers=8, experts=16, top_k=4, embd=768, ff=768, dtype="f16",
             seed=0)
 N_CTX = 4096                     # two slots of 2048
 REPEAT = 1000                    # the default --max-grammar-repeat
-
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("soak", REPO / "scripts" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def heavy_requests(prompt_tokens: int) -> dict[str, dict]:
@@ -76,7 +70,6 @@ def gaps_within(arrivals: list[float], t0: float, t1: float) -> list[float]:
 
 
 def run(model: str, tokens: int) -> dict:
-    soak = _soak()
     proc, base = soak.start_server(model, 2, ["-c", str(N_CTX)])
     try:
         with httpx.Client(base_url=base, timeout=600) as http:

@@ -64,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
                    help="no repacked CPU weight layouts (llama.cpp's extra buffer types)")
     g.add_argument("--list-devices", action=_ListDevices,
                    help="list the devices llama.cpp sees here, then exit")
-    g.add_argument("--version", action="version", version=_version())
+    g.add_argument("--version", action="version", version=version_line())
     add_placement_args(parser.add_argument_group(
         "static placement (llama.cpp's flags; the README says how they meet the budgets)"))
     if residency:
@@ -76,10 +76,6 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
                             "warm-starts eviction next-visit and prefetch affinity")
         add_config_arguments(parser)
         show_residency_defaults(parser)
-
-
-def _version() -> str:
-    return version_line()
 
 
 class _ListDevices(argparse.Action):
