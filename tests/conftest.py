@@ -7,6 +7,7 @@ while a fixture works for minutes (the native build), past its output capture.
 """
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 from contextlib import nullcontext
@@ -90,3 +91,9 @@ def write_dense_gguf(path: Path) -> Path:
     w.close()
     return path
 
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

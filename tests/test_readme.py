@@ -18,13 +18,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -71,12 +72,6 @@ BLOCKS = readme_blocks(README.read_text())
 SHELL_BLOCKS = [b for b in BLOCKS if b.lang in SHELLS]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("readme")
@@ -107,7 +102,7 @@ def test_readme_shell_block_runs(block: Block, workdir: Path):
         pytest.skip(f"README line {block.line}: {block.skip}")
     if "curl " in block.text and shutil.which("curl") is None:
         pytest.skip(f"README line {block.line}: curl is not installed here")
-    script = block.text.replace("8080", str(_free_port()))
+    script = block.text.replace("8080", str(free_port()))
     proc = subprocess.Popen(["bash", "-eu", "-c", script], cwd=workdir, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

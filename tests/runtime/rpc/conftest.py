@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gguf_tools.synth import SynthSpec
+from tests.conftest import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).with_name("rpc_child.py")
@@ -41,12 +41,6 @@ def rpc_build():
         return build(BuildRequest(backend="cpu", rpc=True), log=say)
     except UserError as exc:
         pytest.skip(f"the RPC build (moe-offload native build --rpc) cannot be made here: {exc}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(lib_dir: str) -> dict:

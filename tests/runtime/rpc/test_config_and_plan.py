@@ -13,6 +13,7 @@ from runtime.residency.config import parse_config
 from runtime.rpc.endpoint import parse_rpc_device
 from runtime.rpc.plan import LayerBytes, Link, plan_remotes
 from runtime.rpc.probe import RemoteUnreachable, probe
+from tests.conftest import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -60,14 +61,8 @@ def test_config_keeps_remotes_apart_from_managed_devices():
                      source="c")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_probe_of_a_closed_port_names_the_remote():
-    dev = parse_rpc_device(f"rpc:127.0.0.1:{_free_port()}")
+    dev = parse_rpc_device(f"rpc:127.0.0.1:{free_port()}")
     with pytest.raises(RemoteUnreachable) as err:
         probe(dev, timeout=1.0)
     assert dev.name in str(err.value) and "unreachable" in str(err.value)
@@ -84,7 +79,7 @@ def test_probe_of_a_silent_listener_times_out():
 
 def test_config_check_of_an_unreachable_remote_is_one_line(tmp_path):
     cfg = tmp_path / "remote.toml"
-    port = _free_port()
+    port = free_port()
     cfg.write_text(f'[devices]\n"rpc:127.0.0.1:{port}" = "1GiB"\n')
     r = subprocess.run([sys.executable, "-m", "runtime.cli", "config", "check", str(cfg)],
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
@@ -180,7 +175,7 @@ def test_without_an_rpc_build_rpc_server_says_how_to_make_one(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "out of range" in r.stderr                  # port 0 is refused first
     r = subprocess.run([sys.executable, "-m", "runtime.cli", "rpc-server", "--port",
-                        str(_free_port())], cwd=REPO_ROOT, capture_output=True, text=True,
+                        str(free_port())], cwd=REPO_ROOT, capture_output=True, text=True,
                        timeout=60, env=env)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "moe-offload native build --rpc" in r.stderr and r.stderr.strip().count("\n") == 0
