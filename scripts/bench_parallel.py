@@ -10,32 +10,17 @@ client and prints tokens/s summed over the streams, and the ratio to one stream.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import soak  # noqa: E402  (scripts/soak.py: its server start)
+
 PROMPTS = ["Once upon a time", "The king saw a river", "hello world", "In the morning the sun",
            "A story about", "The old house", "Water and fire", "Far away there"]
-
-
-def start(model: str, parallel: int, threads: str | None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", "-m", model, "--port", "0",
-           "-np", str(parallel), "-c", str(1024 * parallel)] + (["-t", threads] if threads else [])
-    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = None
-    for line in proc.stderr:
-        match = re.search(r"listening on (http://\S+)", line)
-        url = url or (match.group(1) if match else None)
-        if "serving" in line:
-            break
-    threading.Thread(target=proc.stderr.read, daemon=True).start()
-    return proc, url
 
 
 def run(client, streams: int, n: int) -> float:
@@ -71,7 +56,8 @@ def main() -> int:
         from runtime.commands.demo import default_spec
         args.model = str(cached_model(default_spec()))
     levels = [int(s) for s in args.streams.split(",")]
-    proc, url = start(args.model, max(levels), args.threads)
+    proc, url = soak.start_server(args.model, max(levels),
+                                  ["-t", args.threads] if args.threads else [])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
         # warm up at full length: the first generation of a fresh server runs at about a third
