@@ -179,11 +179,12 @@ struct rc_core {
                                      manager's (Python's, from 1) */
     rc_policy pol;
     /* the policies of pol's kinds, copied at rc_create (the hot path reads them here) */
-    rc_eviction_policy evict[3];  /* per order */
-    rc_admission_policy admit[3]; /* per phase */
-    rc_prefetch_policy planner[3];/* per phase */
+    rc_eviction_policy evict[3];      /* per order */
+    rc_admission_policy admit[3];     /* per phase */
+    rc_prefetch_policy planner[3];    /* per phase */
     ivec *pins_by_layer;          /* (n_layer,) */
-    ivec *last_experts;           /* (3 * n_layer,) chunk-plan history, or NULL */
+    ivec *last_experts;           /* (3 * n_layer,) each phase's latest experts per layer
+                                     (a planner's needs_history), or NULL */
     lease *leases; int32_t n_leases, cap_leases;
     /* results of the last call (valid until the next one) */
     ivec r_touched, r_missed, r_missed_row, r_miss_kind, r_admitted, r_evicted, r_transient,

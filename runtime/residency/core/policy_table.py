@@ -15,10 +15,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# role: (its registration macro, its descriptor type, its table); the order is RC_ROLE_*'s
-ROLES = {"eviction": ("RC_EVICTION_POLICY", "rc_eviction_policy", "RC_EVICTION_POLICIES"),
-         "admission": ("RC_ADMISSION_POLICY", "rc_admission_policy", "RC_ADMISSION_POLICIES"),
-         "prefetch": ("RC_PREFETCH_POLICY", "rc_prefetch_policy", "RC_PREFETCH_POLICIES")}
+# the roles in RC_ROLE_* order; a role's registration macro is RC_<ROLE>_POLICY, its descriptor
+# type rc_<role>_policy, its table RC_<ROLE>_POLICIES (core_impl.h)
+ROLES = ("eviction", "admission", "prefetch")
 _REGISTRATION = re.compile(r'^RC_(EVICTION|ADMISSION|PREFETCH)_POLICY\(\s*(\w+)\s*,\s*"([^"]*)"',
                            re.M)
 
@@ -33,11 +32,13 @@ def registrations(files) -> dict[str, list[tuple[str, str]]]:
     registration, an id that is not its name's, or a name registered twice."""
     found: dict[str, list[tuple[str, str]]] = {role: [] for role in ROLES}
     for path in files:
-        regs = _REGISTRATION.findall(Path(path).read_text())
-        if len(regs) != 1:
-            raise ValueError(f"{path}: {len(regs)} policy registrations (a policy file has "
-                             "exactly one: RC_<ROLE>_POLICY(id, \"name\", ...))")
-        role, ident, name = regs[0][0].lower(), regs[0][1], regs[0][2]
+        text = Path(path).read_text()
+        matches = list(_REGISTRATION.finditer(text))
+        tail = text[matches[0].start():].rstrip() if len(matches) == 1 else ""
+        if not tail.endswith(";") or tail.count(";") != 1:    # the last statement
+            raise ValueError(f"{path}: a policy file ends with its one registration, "
+                             "RC_<ROLE>_POLICY(id, \"name\", ...);")
+        role, ident, name = matches[0][1].lower(), matches[0][2], matches[0][3]
         if ident != name.replace("-", "_"):
             raise ValueError(f"{path}: policy {name!r} registered as {ident!r} (its id is its "
                              f"name with '-' as '_': {name.replace('-', '_')!r})")
@@ -58,7 +59,8 @@ def table_source(files) -> str:
            " * here (rc_policy_kind) */",
            '#include "core_impl.h"', ""]
     regs = registrations(files)
-    for role, (_macro, ctype, table) in ROLES.items():
+    for role in ROLES:
+        ctype, table = f"rc_{role}_policy", f"RC_{role.upper()}_POLICIES"
         out += [f"extern const {ctype} rc_{role}_{ident};" for _name, ident in regs[role]]
         out.append(f"const {ctype} *const {table}[] = {{")
         out += [f"    &rc_{role}_{ident},  /* {kind}: {name} */"
