@@ -17,13 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from runtime.residency.policies.factory import c_kinds, policy_entry
+from runtime.residency.policies.factory import policy_entry
 from runtime.residency.types import Phase
-
-# the core's kind of each policy name (the registry's: runtime/residency/policies/factory.py)
-EVICTION_KINDS = c_kinds("eviction")
-ADMISSION_KINDS = c_kinds("admission")
-PREFETCH_KINDS = c_kinds("prefetch")
 
 
 def _c_params(role: str, spec, n: int) -> tuple[float, ...]:

@@ -26,17 +26,19 @@ from cffi import FFI
 
 from runtime.cache import cache_dir
 from runtime.errors import UserError
+from runtime.residency.core.policy_table import policy_files, table_source
 
 HERE = Path(__file__).resolve().parent
 ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
 SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE / "order.c",
-           HERE / "policies.c", HERE / "prefetch.c", HERE / "verify.c", HERE / "step.c",
+           HERE / "prefetch.c", HERE / "verify.c", HERE / "step.c",
            HERE / "next_visit.c", HERE / "nv_victim.c", HERE / "nv_lists.c",
            HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c", ENGINE / "route_consumers.c", ENGINE / "route_impose.c",
-           NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
+           NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c",
+           *policy_files(HERE))   # one file per policy, and their generated table (_compile)
 HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
@@ -59,11 +61,13 @@ FLAGS = ("-O2", "-ffp-contract=off", "-shared", "-fPIC")
 
 def library_path() -> Path:
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS, *INTERNAL)))
+    digest.update(table_source(policy_files(HERE)).encode())
     digest.update(" ".join((os.environ.get("CC", ""), *FLAGS)).encode())   # another CC: its own
     return cache_dir("residency") / f"moe_offload_native-{digest.hexdigest()[:16]}.so"
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, sources: tuple[Path, ...] = SOURCES, core: Path = HERE) -> None:
+    """Build ``sources`` and ``core``'s generated policy table into the library ``target``."""
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")
                                                    or ""]
     if not cc[0]:
@@ -72,8 +76,10 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    table = Path(tmp).with_suffix(".policies.c")   # the generated unit, compiled with them
     try:
-        cmd = [*cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm",
+        table.write_text(table_source(policy_files(core)))
+        cmd = [*cc, *FLAGS, "-I", str(core), "-o", tmp, *map(str, sources), str(table), "-lm",
                "-lpthread"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -86,8 +92,8 @@ def _compile(target: Path) -> None:
             raise UserError(f"the residency core could not be compiled: {last}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (Path(tmp), table):
+            leftover.unlink(missing_ok=True)
 
 
 def load_core() -> tuple:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.residency.core import (ADMISSION_KINDS, COUNTERS, ERR_NEXT_USE_LEN, ERR_POOL,
-                                    EVICTION_KINDS, PREFETCH_KINDS, CoreAccess, CoreError,
+from runtime.errors import UserError
+from runtime.residency.core import (COUNTERS, ERR_NEXT_USE_LEN, ERR_POOL, CoreAccess, CoreError,
                                     CorePolicy, PoolStats, history_ok)
 from runtime.residency.core.build import load_core
 
@@ -32,6 +32,24 @@ def _int32(values) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32).reshape(-1)
 
 
+def c_policy_names(lib, ffi, role: str) -> tuple[str, ...]:
+    """The names of ``role``'s policies in a built core (its policy files), kind order."""
+    rc_role, names = getattr(lib, f"RC_ROLE_{role.upper()}"), []
+    while (name := lib.rc_policy_name(rc_role, len(names))) != ffi.NULL:
+        names.append(ffi.string(name).decode())
+    return tuple(names)
+
+
+def c_policy_kind(lib, ffi, role: str, name: str) -> int:
+    """The core's kind of a policy name (its index in the generated table: core_impl.h)."""
+    kind = lib.rc_policy_kind(getattr(lib, f"RC_ROLE_{role.upper()}"), name.encode())
+    if kind < 0:
+        raise UserError(f"the residency core has no {role} policy {name!r} (its {role} "
+                        f"policies: {', '.join(c_policy_names(lib, ffi, role))}); a policy "
+                        "needs its file in runtime/residency/core/policies/")
+    return kind
+
+
 class CCore:
     """One device: see runtime/residency/core/residency_core.h."""
 
@@ -41,15 +59,15 @@ class CCore:
         p = ffi.new("rc_policy *")
         p.n_orders = len(policy.orders)
         for i, (name, p1, p2) in enumerate(policy.orders):
-            p.order_kind[i] = EVICTION_KINDS[name]
+            p.order_kind[i] = c_policy_kind(lib, ffi, "eviction", name)
             p.order_p1[i], p.order_p2[i] = p1, p2
         p.decay_rate = policy.decay_rate
         p.nv_learning_rate = policy.nv_learning_rate
         for ph in range(3):
             p.phase_order[ph] = policy.phase_order[ph]
-            p.admission[ph] = ADMISSION_KINDS[policy.admission[ph][0]]
+            p.admission[ph] = c_policy_kind(lib, ffi, "admission", policy.admission[ph][0])
             p.admission_p1[ph] = policy.admission[ph][1]
-            p.prefetch[ph] = PREFETCH_KINDS[policy.prefetch[ph][0]]
+            p.prefetch[ph] = c_policy_kind(lib, ffi, "prefetch", policy.prefetch[ph][0])
             p.prefetch_p1[ph] = policy.prefetch[ph][1]
             if policy.prefetch[ph][0] == "affinity":
                 p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.affinity

@@ -1,18 +1,19 @@
 /* core_impl: the residency core's private parts, shared by its files (not part of the cdef).
  *
- *   residency_core.c  lifetime, pools, leases, access (the rules, in order), replay
+ *   residency_core.c  state changes, leases, access (the rules, in order), replay
+ *   lifetime.c        create, free, pools; the policies resolved by kind (rc_policy_kind)
  *   api.c             the public entry points (each takes the core's mutex), queries
  *   order.c           the eviction orders behind one interface (rc_order_ops) and the one
  *                     victim loop (take_victims)
- *   policies.c        the pure per-policy functions: each eviction score, each admission rule
- *   prefetch.c        the prefetch planners behind one interface (rc_planner) and the one
- *                     prefetch loop (prefetch_flats)
+ *   prefetch.c        the one prefetch loop (prefetch_flats) a planner's plan goes through
  *   verify.c          rc_verify: every bookkeeping invariant
+ *   policies/         one policy a file: its pure function(s) and its one registration
  *
- * Adding an eviction policy: its score in policies.c and one row of RC_ORDER_KINDS; an
- * admission rule: one function and one row of RC_ADMIT; a planner: one plan function and one
- * row of RC_PLANNERS (prefetch.c); plus the policy's Python reference class and registry line
- * (runtime/residency/policies/registry.py).
+ * Adding a policy is one file in policies/ that ends with its registration
+ * (RC_EVICTION_POLICY / RC_ADMISSION_POLICY / RC_PREFETCH_POLICY below, named exactly as the
+ * registry names it), its Python reference class (runtime/residency/policies/) and its
+ * registry line (policies/factory.py). The build generates the tables from the files present
+ * (policy_table.py); a kind is an index there, looked up by name (rc_policy_kind).
  */
 #ifndef CORE_IMPL_H
 #define CORE_IMPL_H
@@ -29,10 +30,6 @@
 #define ABSENT 8
 #define NEVER (((int64_t) 1) << 62)
 
-/* the C kinds (rc_policy; the Python registry names them) */
-enum { EV_LRU, EV_LFU, EV_LFU_DECAY, EV_PHASE_WEIGHTED, EV_BELADY, EV_NEXT_VISIT, EV_N_KINDS };
-enum { AD_ALWAYS, AD_REUSE, AD_TOP, AD_BELADY_BYPASS, AD_N_KINDS };
-enum { PF_NONE, PF_CHUNK_PLAN, PF_POPULARITY, PF_BELADY, PF_AFFINITY, PF_N_KINDS };
 enum { C_ACCESSES, C_MISSES, C_DEMAND_BYTES, C_ADMISSIONS, C_ADMITTED_BYTES, C_TRANSIENT,
        C_TRANSIENT_BYTES, C_EVICTIONS, C_EVICTED_BYTES, C_PF_ISSUED, C_PF_ISSUED_BYTES,
        C_PF_USED_BYTES, C_PF_WASTED_BYTES, C_TRANSITION_HITS };
@@ -61,6 +58,91 @@ typedef struct {
     heap h[3];
     int64_t counters[3][RC_N_COUNTERS];
 } pool;
+
+/* ---- the policy interface: one descriptor per policy (policies/) ------------------------- */
+/* an eviction score: the lowest (score, last seq, flat) is evicted first */
+typedef double (*rc_score_fn)(const rc_core *c, int32_t order, int32_t f);
+/* may f (a demand miss) be admitted over victims (the order's lowest first)? */
+typedef int (*rc_admit_fn)(const rc_core *c, int32_t phase, int32_t f, const int32_t *victims,
+                           int32_t n_victims);
+
+/* an eviction order implementation (order.c) */
+typedef struct {
+    int (*push)(rc_core *c, pool *p, int32_t o, int32_t f);      /* f joins (0, -1 nomem) */
+    void (*remove)(rc_core *c, pool *p, int32_t o, int32_t f);   /* f leaves (if in) */
+    /* the lowest unprotected key, left in the order, or -1; protected keys met on the way
+     * may wait in c->r_aside until settle() */
+    int32_t (*lowest)(rc_core *c, pool *p, int32_t o, int64_t seq0);
+    /* does v rank strictly below f, whose score is `own` (NAN: its own)? */
+    int (*ranks_below)(const rc_core *c, int32_t o, int32_t v, int32_t f, double own);
+    /* optional (NULL: nothing to do): the order's own state (rc_create, rc_free, new pools),
+     * a layer-step's experts before any is touched, the protection of a layer's keys
+     * changed, a profile's warm start, its own invariants (0 ok) */
+    int (*create)(rc_core *c);
+    void (*destroy)(rc_core *c);
+    void (*reset)(rc_core *c);
+    void (*visit)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
+    void (*stale)(const rc_core *c, int32_t layer);
+    void (*warm_start)(rc_core *c, const double *frequency);
+    int (*verify)(const rc_core *c);
+} rc_order_ops;
+extern const rc_order_ops rc_heap_order, rc_next_visit_order;   /* order.c */
+
+/* what a planner sees of the layer-step that ran */
+typedef struct {
+    int32_t layer, n, phase, n_missed;
+    int32_t up_layer, n_up;
+    const int32_t *experts, *up_experts;
+    const int64_t *up_index;
+    int32_t first_next;           /* index into moe_layers of the first MoE layer after it */
+} rc_step_view;
+
+typedef struct {
+    const char *name;             /* the registry's */
+    const rc_order_ops *ops;      /* the order that ranks by the score */
+    rc_score_fn score;
+    int score_is_last_seq;        /* score == last seq (lru): the heap compares last seqs
+                                     only, and stops at the first key touched in the call */
+    int planned_scores;           /* a planner's own scores (expected layer-steps to the next
+                                     use: prefetch affinity's) rank its keys in this order */
+} rc_eviction_policy;
+
+typedef struct {
+    const char *name;
+    rc_admit_fn admit;            /* pure */
+} rc_admission_policy;
+
+typedef struct {
+    const char *name;
+    /* the keys to bring in, priority order, into plan (+ *mine: their own scores, or left
+     * NULL); RC_OK, or an error. Pure but for its own model. NULL: no prefetch. */
+    int (*plan)(rc_core *c, const rc_step_view *s, ivec *plan, const double **mine);
+    /* optional (NULL: nothing to do): after the plan was brought in (its keys from
+     * r_pf_flats[first_brought] on); its own model, made from the first phase that names
+     * the policy (0 ok, -1 nomem) and freed (rc_free; also after a failed create) */
+    void (*after)(rc_core *c, const ivec *plan, int32_t first_brought);
+    int (*create)(rc_core *c, int32_t phase);
+    void (*destroy)(rc_core *c);
+    int needs_history;            /* each phase's latest experts per layer (c->last_experts) */
+    int needs_upcoming;           /* an access without the upcoming layer-step is refused */
+} rc_prefetch_policy;
+
+/* A policy file's one registration, its last statement: id is the registry's name with '-'
+ * as '_', the rest the descriptor's fields, e.g.
+ *     RC_EVICTION_POLICY(lru, "lru", .ops = &rc_heap_order, .score = score,
+ *                        .score_is_last_seq = 1);
+ * policy_table.py collects them into the tables below (generated at build time, sorted by
+ * name: a C kind is an index there). */
+#define RC_EVICTION_POLICY(id, name_, ...) \
+    const rc_eviction_policy rc_eviction_##id = {.name = name_, __VA_ARGS__}
+#define RC_ADMISSION_POLICY(id, name_, ...) \
+    const rc_admission_policy rc_admission_##id = {.name = name_, __VA_ARGS__}
+#define RC_PREFETCH_POLICY(id, name_, ...) \
+    const rc_prefetch_policy rc_prefetch_##id = {.name = name_, __VA_ARGS__}
+extern const rc_eviction_policy *const RC_EVICTION_POLICIES[];
+extern const rc_admission_policy *const RC_ADMISSION_POLICIES[];
+extern const rc_prefetch_policy *const RC_PREFETCH_POLICIES[];
+extern const int32_t RC_N_POLICIES[3];   /* per RC_ROLE_* */
 
 typedef struct { int64_t id; int32_t base, n; int32_t *experts; } lease;
 
@@ -96,8 +178,13 @@ struct rc_core {
     int64_t next_lease;           /* the lease ids rc_step mints (step.c), apart from the
                                      manager's (Python's, from 1) */
     rc_policy pol;
+    /* the policies of pol's kinds, copied at rc_create (the hot path reads them here) */
+    rc_eviction_policy evict[3];      /* per order */
+    rc_admission_policy admit[3];     /* per phase */
+    rc_prefetch_policy planner[3];    /* per phase */
     ivec *pins_by_layer;          /* (n_layer,) */
-    ivec *last_experts;           /* (3 * n_layer,) chunk-plan history, or NULL */
+    ivec *last_experts;           /* (3 * n_layer,) each phase's latest experts per layer
+                                     (a planner's needs_history), or NULL */
     lease *leases; int32_t n_leases, cap_leases;
     /* results of the last call (valid until the next one) */
     ivec r_touched, r_missed, r_missed_row, r_miss_kind, r_admitted, r_evicted, r_transient,
@@ -111,45 +198,14 @@ static inline int64_t total_uses(const rc_core *c, int32_t f) {
     return c->uses[f] + c->uses[n + f] + c->uses[2 * n + f];
 }
 
-/* ---- policies.c: pure functions of the core's statistics ------------------------------ */
-typedef double (*rc_score_fn)(const rc_core *c, int32_t order, int32_t f);
-typedef int (*rc_admit_fn)(const rc_core *c, int32_t phase, int32_t f, const int32_t *victims,
-                           int32_t n_victims);
-double rc_score(const rc_core *c, int32_t order, int32_t f);   /* the order's score of f */
-/* may f (a demand miss) be admitted over victims (the order's lowest first)? */
-int rc_admit(const rc_core *c, int32_t phase, int32_t f, const int32_t *victims, int32_t nv);
+/* the order's score of f */
+static inline double rc_score(const rc_core *c, int32_t o, int32_t f) {
+    return c->evict[o].score(c, o, f);
+}
 
-/* ---- order.c: the eviction order interface -------------------------------------------- */
-typedef struct {
-    int (*push)(rc_core *c, pool *p, int32_t o, int32_t f);      /* f joins (0, -1 nomem) */
-    void (*remove)(rc_core *c, pool *p, int32_t o, int32_t f);   /* f leaves (if in) */
-    /* the lowest unprotected key, left in the order, or -1; protected keys met on the way
-     * may wait in c->r_aside until settle() */
-    int32_t (*lowest)(rc_core *c, pool *p, int32_t o, int64_t seq0);
-    /* does v rank strictly below f, whose score is `own` (NAN: its own)? */
-    int (*ranks_below)(const rc_core *c, int32_t o, int32_t v, int32_t f, double own);
-    /* optional (NULL: nothing to do): the order's own state (rc_create, rc_free, new pools),
-     * a layer-step's experts before any is touched, the protection of a layer's keys
-     * changed, a profile's warm start, its own invariants (0 ok) */
-    int (*create)(rc_core *c);
-    void (*destroy)(rc_core *c);
-    void (*reset)(rc_core *c);
-    void (*visit)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
-    void (*stale)(const rc_core *c, int32_t layer);
-    void (*warm_start)(rc_core *c, const double *frequency);
-    int (*verify)(const rc_core *c);
-} rc_order_ops;
-
-typedef struct {
-    const rc_order_ops *ops;
-    rc_score_fn score;
-    int planned_scores;           /* a planner's own scores (expected layer-steps to the next
-                                     use: prefetch affinity's) rank its keys in this order */
-} rc_order_kind;
-extern const rc_order_kind RC_ORDER_KINDS[EV_N_KINDS];
-
+/* ---- order.c -------------------------------------------------------------------------- */
 static inline const rc_order_ops *order_ops(const rc_core *c, int32_t o) {
-    return RC_ORDER_KINDS[c->pol.order_kind[o]].ops;
+    return c->evict[o].ops;
 }
 
 int order_create(rc_core *c);                      /* the orders' own state (rc_create) */
@@ -175,22 +231,8 @@ int make_resident(rc_core *c, int32_t f, int32_t phase, int prefetched);
 void evict(rc_core *c, int32_t f, int32_t phase);
 
 /* ---- prefetch.c --------------------------------------------------------------------------- */
-/* what a planner sees of the layer-step that ran */
-typedef struct {
-    int32_t layer, n, phase, n_missed;
-    int32_t up_layer, n_up;
-    const int32_t *experts, *up_experts;
-    const int64_t *up_index;
-    int32_t first_next;           /* index into moe_layers of the first MoE layer after it */
-} rc_step_view;
-/* a planner: the keys to bring in, priority order, into plan (+ *mine: their own scores, or
- * left NULL); RC_OK, or an error. Pure but for its own model. */
-typedef struct {
-    int (*plan)(rc_core *c, const rc_step_view *s, ivec *plan, const double **mine);
-    /* optional: after the plan was brought in (its keys from r_pf_flats[first_brought] on) */
-    void (*after)(rc_core *c, const ivec *plan, int32_t first_brought);
-} rc_planner;
-extern const rc_planner RC_PLANNERS[PF_N_KINDS];
+int prefetch_create(rc_core *c);                   /* each planner's own model (rc_create) */
+void prefetch_free(rc_core *c);
 int run_prefetch(rc_core *c, const rc_step_view *s, int64_t seq0);
 int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, int64_t seq0,
                    const double *mine);

@@ -6,6 +6,27 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* ---- the policies by kind (the tables policy_table.py generates) ----------------------- */
+
+const char *rc_policy_name(int32_t role, int32_t kind) {
+    if (role < RC_ROLE_EVICTION || role > RC_ROLE_PREFETCH || kind < 0 ||
+        kind >= RC_N_POLICIES[role])
+        return NULL;
+    return role == RC_ROLE_EVICTION ? RC_EVICTION_POLICIES[kind]->name
+         : role == RC_ROLE_ADMISSION ? RC_ADMISSION_POLICIES[kind]->name
+         : RC_PREFETCH_POLICIES[kind]->name;
+}
+
+int32_t rc_policy_kind(int32_t role, const char *name) {
+    for (int32_t k = 0; rc_policy_name(role, k) != NULL; k++)
+        if (strcmp(rc_policy_name(role, k), name) == 0) return k;
+    return -1;
+}
+
+static int valid_kind(int32_t role, int32_t kind) {
+    return kind >= 0 && kind < RC_N_POLICIES[role];
+}
+
 /* ---- create, free -------------------------------------------------------------------------- */
 
 rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_bytes,
@@ -14,10 +35,10 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         policy->n_orders > 3)
         return NULL;
     for (int32_t o = 0; o < policy->n_orders; o++)
-        if (policy->order_kind[o] < 0 || policy->order_kind[o] >= EV_N_KINDS) return NULL;
+        if (!valid_kind(RC_ROLE_EVICTION, policy->order_kind[o])) return NULL;
     for (int32_t ph = 0; ph < 3; ph++)
-        if (policy->admission[ph] < 0 || policy->admission[ph] >= AD_N_KINDS ||
-            policy->prefetch[ph] < 0 || policy->prefetch[ph] >= PF_N_KINDS ||
+        if (!valid_kind(RC_ROLE_ADMISSION, policy->admission[ph]) ||
+            !valid_kind(RC_ROLE_PREFETCH, policy->prefetch[ph]) ||
             policy->phase_order[ph] < 0 || policy->phase_order[ph] >= policy->n_orders)
             return NULL;
     rc_core *c = calloc(1, sizeof *c);
@@ -27,6 +48,14 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     c->n_expert = n_expert;
     c->n_flat = n;
     c->pol = *policy;
+    int history = 0;
+    for (int32_t o = 0; o < policy->n_orders; o++)
+        c->evict[o] = *RC_EVICTION_POLICIES[policy->order_kind[o]];
+    for (int32_t ph = 0; ph < 3; ph++) {
+        c->admit[ph] = *RC_ADMISSION_POLICIES[policy->admission[ph]];
+        c->planner[ph] = *RC_PREFETCH_POLICIES[policy->prefetch[ph]];
+        history |= c->planner[ph].needs_history;
+    }
     c->next_lease = ((int64_t) 1) << 50;
     pthread_mutex_init(&c->mu, NULL);
     c->bytes_flat = malloc((size_t) n * sizeof *c->bytes_flat);
@@ -45,13 +74,11 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     c->pins_by_layer = calloc((size_t) n_layer, sizeof *c->pins_by_layer);
     if (policy->decay_rate > 0) c->decay_log = malloc((size_t) n * sizeof *c->decay_log);
     if (policy->track_next_use) c->next_use = malloc((size_t) n * sizeof *c->next_use);
-    int chunk = 0;
-    for (int p = 0; p < 3; p++) chunk |= policy->prefetch[p] == PF_CHUNK_PLAN;
-    if (chunk) c->last_experts = calloc((size_t) 3 * n_layer, sizeof *c->last_experts);
+    if (history) c->last_experts = calloc((size_t) 3 * n_layer, sizeof *c->last_experts);
     if (!c->bytes_flat || !c->pool_of_layer || !c->pool_of_flat || !c->moe_layers || !c->state ||
         !c->last_seq || !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen ||
         !c->pf_event_of || !c->pins_by_layer || (policy->decay_rate > 0 && !c->decay_log) ||
-        (policy->track_next_use && !c->next_use) || (chunk && !c->last_experts)) {
+        (policy->track_next_use && !c->next_use) || (history && !c->last_experts)) {
         rc_free(c);
         return NULL;
     }
@@ -61,25 +88,10 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         if (expert_bytes[l] > 0) c->moe_layers[c->n_moe++] = l;
     }
     memset(c->state, ABSENT, (size_t) n);
-    if (order_create(c) < 0) {
+    if (order_create(c) < 0 || prefetch_create(c) < 0) {
         rc_free(c);
         return NULL;
     }
-    for (int32_t ph = 0; ph < 3; ph++)
-        if (policy->prefetch[ph] == PF_AFFINITY && c->af == NULL) {
-            int64_t b_max = 0;                    /* the largest expert */
-            for (int32_t l = 0; l < n_layer; l++)
-                if (expert_bytes[l] > b_max) b_max = expert_bytes[l];
-            c->af = af_create(n_layer, n_expert, c->moe_layers, c->n_moe, policy->prefetch_p1[ph],
-                              policy->prefetch_p2[ph], policy->prefetch_p3[ph], (double) b_max,
-                              policy->affinity_rates, policy->n_expert_used);
-            c->af_plan = malloc((size_t) n_expert * sizeof *c->af_plan);
-            c->af_q = malloc((size_t) n_expert * sizeof *c->af_q);
-            if (c->af == NULL || c->af_plan == NULL || c->af_q == NULL) {
-                rc_free(c);
-                return NULL;
-            }
-        }
     for (int32_t i = 0; i < n; i++) {
         c->last_seq[i] = -1;
         if (c->decay_log) c->decay_log[i] = -INFINITY;
@@ -109,9 +121,7 @@ void rc_free(rc_core *c) {
     pthread_mutex_destroy(&c->mu);
     free_pools(c);
     order_free(c);
-    af_free(c->af);
-    free(c->af_plan);
-    free(c->af_q);
+    prefetch_free(c);
     for (int32_t i = 0; i < c->n_leases; i++) free(c->leases[i].experts);
     if (c->pins_by_layer)
         for (int32_t l = 0; l < c->n_layer; l++) free(c->pins_by_layer[l].v);

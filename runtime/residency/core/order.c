@@ -3,7 +3,7 @@
  *
  *   rc_heap_order        an indexed binary min-heap of a pool's resident keys ordered by
  *                        (score, last seq, flat), the score the policy's pure function
- *                        (policies.c): lru, lfu, lfu-decay, phase-weighted, belady
+ *                        (policies/evict_*.c: lru, lfu, lfu-decay, phase-weighted, belady)
  *   rc_next_visit_order  next-visit's own index (nv_victim.h): its scores move with the layer
  *                        cycle, so the heap is only the membership set and the index searches
  *
@@ -24,8 +24,8 @@ static int32_t heap_lowest(rc_core *c, pool *p, int32_t o, int64_t seq0) {
     heap *h = &p->h[o];
     while (h->n > 0) {
         const int32_t f = h->items[0];
-        if (c->pol.order_kind[o] == EV_LRU && c->last_seq[f] >= seq0) return -1;  /* the rest
-                                                                      is newer still */
+        if (c->evict[o].score_is_last_seq && c->last_seq[f] >= seq0)
+            return -1;                            /* the rest is newer still */
         if (!protected_key(c, f, seq0)) return f;
         heap_remove(c, p, o, f);
         if (ivec_push(&c->r_aside, f) < 0) return -1;

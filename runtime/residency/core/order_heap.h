@@ -5,15 +5,13 @@
 #define ORDER_HEAP_H
 #include "core_impl.h"
 
-extern const rc_order_ops rc_heap_order;
-
 /* (score, last seq, flat) of a < b */
 static inline int key_less(const rc_core *c, int32_t o, int32_t a, int32_t b) {
-    if (c->pol.order_kind[o] == EV_LRU) {       /* score == last seq */
+    if (c->evict[o].score_is_last_seq) {
         const int64_t la = c->last_seq[a], lb = c->last_seq[b];
         return la != lb ? la < lb : a < b;
     }
-    const rc_score_fn score = RC_ORDER_KINDS[c->pol.order_kind[o]].score;
+    const rc_score_fn score = c->evict[o].score;
     const double sa = score(c, o, a), sb = score(c, o, b);
     if (sa != sb) return sa < sb;
     if (c->last_seq[a] != c->last_seq[b]) return c->last_seq[a] < c->last_seq[b];

@@ -1,108 +1,33 @@
-/* prefetch: the residency core's prefetch planners behind one interface (rc_planner,
- * core_impl.h) and the one loop that brings a plan in. A planner names keys in priority
- * order from what the layer-step left (rc_step_view) and changes nothing but its own model;
- * prefetch_flats brings each absent key in while victims rank strictly below it.
+/* prefetch: the one loop that brings a prefetch planner's plan in. A planner (one file in
+ * policies/, rc_prefetch_policy in core_impl.h) names keys in priority order from what the
+ * layer-step left (rc_step_view) and changes nothing but its own model; prefetch_flats brings
+ * each absent key in while victims rank strictly below it.
  */
 #include "core_impl.h"
 #include "order_heap.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
-/* prefill: the next `depth` MoE layers' experts of the previous chunk (sorted, distinct) */
-static int plan_chunk(rc_core *c, const rc_step_view *s, ivec *plan, const double **mine) {
-    (void) mine;
-    if (s->phase != 0) return RC_OK;
-    const int32_t ne = c->n_expert;
-    const int32_t depth = (int32_t) c->pol.prefetch_p1[s->phase];
-    for (int32_t k = s->first_next; k < c->n_moe && k < s->first_next + depth; k++) {
-        const int32_t l = c->moe_layers[k];
-        const ivec *prev = &c->last_experts[0 * c->n_layer + l];
-        if (prev->n == 0 && prev->v == NULL) continue;
-        uint8_t *mark = calloc((size_t) ne, 1);   /* np.unique: sorted distinct experts */
-        if (mark == NULL) return RC_ERR_NOMEM;
-        for (int32_t i = 0; i < prev->n; i++) mark[prev->v[i]] = 1;
-        for (int32_t e = 0; e < ne; e++)
-            if (mark[e] && ivec_push(plan, l * ne + e) < 0) { free(mark); return RC_ERR_NOMEM; }
-        free(mark);
-    }
-    return RC_OK;
+/* each distinct planner's hook once, with the first phase that names it */
+static int first_phase_of(const rc_core *c, int32_t ph) {
+    for (int32_t q = 0; q < ph; q++)
+        if (c->pol.prefetch[q] == c->pol.prefetch[ph]) return 0;
+    return 1;
 }
 
-/* the next MoE layer's top_n most routed experts (most used first, then lower id; only keys
- * used at all) */
-static int plan_popularity(rc_core *c, const rc_step_view *s, ivec *plan, const double **mine) {
-    (void) mine;
-    const int32_t top_n = (int32_t) c->pol.prefetch_p1[s->phase];
-    if (s->first_next >= c->n_moe || top_n <= 0) return RC_OK;
-    const int32_t ne = c->n_expert;
-    const int32_t l = c->moe_layers[s->first_next];
-    const int32_t top = top_n < ne ? top_n : ne;
-    uint8_t *taken = calloc((size_t) ne, 1);
-    if (taken == NULL) return RC_ERR_NOMEM;
-    for (int32_t k = 0; k < top; k++) {
-        int32_t best = -1;
-        int64_t best_u = -1;
-        for (int32_t e = 0; e < ne; e++) {
-            if (taken[e]) continue;
-            const int32_t f = l * ne + e;
-            const int64_t u = total_uses(c, f);
-            if (u > best_u) { best_u = u; best = e; }
-        }
-        if (best < 0) break;
-        taken[best] = 1;
-        if (best_u > 0 && ivec_push(plan, l * ne + best) < 0) { free(taken); return RC_ERR_NOMEM; }
-    }
-    free(taken);
-    return RC_OK;
+int prefetch_create(rc_core *c) {
+    for (int32_t ph = 0; ph < 3; ph++)
+        if (c->planner[ph].create != NULL && first_phase_of(c, ph) &&
+            c->planner[ph].create(c, ph) < 0)
+            return -1;
+    return 0;
 }
 
-/* offline: the next layer-step's distinct experts */
-static int plan_belady(rc_core *c, const rc_step_view *s, ivec *plan, const double **mine) {
-    (void) mine;
-    if (s->up_layer < 0) return RC_OK;
-    c->call++;
-    for (int32_t i = 0; i < s->n_up; i++) {
-        const int32_t f = s->up_layer * c->n_expert + s->up_experts[i];
-        if (c->seen[f] == c->call) continue;
-        c->seen[f] = c->call;
-        if (ivec_push(plan, f) < 0) return RC_ERR_NOMEM;
-    }
-    return RC_OK;
+void prefetch_free(rc_core *c) {
+    for (int32_t ph = 0; ph < 3; ph++)
+        if (c->planner[ph].destroy != NULL && first_phase_of(c, ph)) c->planner[ph].destroy(c);
 }
-
-/* decode: affinity's plan (affinity.h), each key ranked by its predicted expected time */
-static int plan_affinity(rc_core *c, const rc_step_view *s, ivec *plan, const double **mine) {
-    if (s->phase != 1) return RC_OK;
-    const int32_t np = af_plan(c->af, s->layer, s->n - s->n_missed, s->n_missed, c->state,
-                               ABSENT, c->bytes_flat, c->af_plan, c->af_q);
-    for (int32_t i = 0; i < np; i++) {
-        if (ivec_push(plan, c->af_plan[i]) < 0) return RC_ERR_NOMEM;
-        /* plan_lead layers ahead: plan_lead + n_moe (1/q - 1) */
-        c->af_q[i] = -((double) c->af->plan_lead + (double) c->n_moe * (1.0 / c->af_q[i] - 1.0));
-    }
-    *mine = c->af_q;
-    return RC_OK;
-}
-
-/* affinity's link budget: what it planned, less what was brought in, goes back */
-static void refund_affinity(rc_core *c, const ivec *plan, int32_t first_brought) {
-    double spent = 0.0;                           /* every planned key is absent */
-    for (int32_t i = 0; i < plan->n; i++)
-        spent = spent + af_transfer_cost(c->af, c->bytes_flat[plan->v[i]]);
-    for (int32_t i = first_brought; i < c->r_pf_flats.n; i++)
-        spent = spent - af_transfer_cost(c->af, c->bytes_flat[c->r_pf_flats.v[i]]);
-    af_refund(c->af, spent);
-}
-
-const rc_planner RC_PLANNERS[PF_N_KINDS] = {
-    [PF_NONE] = {NULL, NULL},
-    [PF_CHUNK_PLAN] = {plan_chunk, NULL},
-    [PF_POPULARITY] = {plan_popularity, NULL},
-    [PF_BELADY] = {plan_belady, NULL},
-    [PF_AFFINITY] = {plan_affinity, refund_affinity},
-};
 
 /* bring `flats` in (priority order) where victims rank strictly below each one; mine[i]
  * (or NULL) overrides flats[i]'s own score in an order that takes planned scores
@@ -110,7 +35,7 @@ const rc_planner RC_PLANNERS[PF_N_KINDS] = {
 int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, int64_t seq0,
                    const double *mine) {
     const int32_t o = c->pol.phase_order[phase];
-    const int planned = RC_ORDER_KINDS[c->pol.order_kind[o]].planned_scores;
+    const int planned = c->evict[o].planned_scores;
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = flats[i];
         if (c->state[f] != ABSENT) continue;
@@ -165,7 +90,7 @@ int run_prefetch(rc_core *c, const rc_step_view *s, int64_t seq0) {
     ivec *plan = &c->r_plan;
     plan->n = 0;
     const double *mine = NULL;
-    const rc_planner *planner = &RC_PLANNERS[c->pol.prefetch[s->phase]];
+    const rc_prefetch_policy *planner = &c->planner[s->phase];
     int rc = planner->plan(c, s, plan, &mine);
     if (rc != RC_OK || plan->n == 0) return rc;
     const int32_t before = c->r_pf_flats.n;

@@ -163,7 +163,7 @@ static int handle_misses(rc_core *c, int32_t base, int32_t phase, int64_t seq0) 
             if (transient(c, f) != RC_OK) return RC_ERR_NOMEM;
             continue;
         }
-        if (!rc_admit(c, phase, f, c->r_victims.v, c->r_victims.n)) {
+        if (!c->admit[phase].admit(c, phase, f, c->r_victims.v, c->r_victims.n)) {
             untake_victims(c, p, o);
             if (transient(c, f) != RC_OK) return RC_ERR_NOMEM;
             continue;
@@ -204,7 +204,7 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
             return RC_ERR_EXPERT;
         }
     if (c->is_static) return access_static(c, layer, el, n, phase, lease_id, out);
-    if (c->pol.prefetch[phase] == PF_BELADY && up_layer < 0) return RC_ERR_UPCOMING;
+    if (c->planner[phase].needs_upcoming && up_layer < 0) return RC_ERR_UPCOMING;
     if (c->next_use != NULL && next_use == NULL) return RC_ERR_NEXT_USE;
     const int32_t base = layer * c->n_expert;
     const int32_t nf = c->n_flat;
@@ -283,7 +283,7 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
     int rc = RC_OK;
     if (c->r_missed.n) rc = handle_misses(c, base, phase, seq0);
     /* 5. prefetch */
-    if (rc == RC_OK && phase != 2 && c->pol.prefetch[phase] != PF_NONE) {
+    if (rc == RC_OK && phase != 2 && c->planner[phase].plan != NULL) {
         rc_step_view s = {layer, n, phase, c->r_missed.n, up_layer, n_up, el, up_experts,
                           up_index, 0};
         while (s.first_next < c->n_moe && c->moe_layers[s.first_next] <= layer) s.first_next++;

@@ -20,7 +20,12 @@
  * runs it):
  *
  *     int64_t expert_bytes[2] = {0, 3 << 20};         // layer 0 dense, layer 1 MoE
- *     rc_policy policy = {.n_orders = 1};              // lru in every phase, no prefetch
+ *     rc_policy policy = {.n_orders = 1};              // one order for every phase:
+ *     policy.order_kind[0] = rc_policy_kind(RC_ROLE_EVICTION, "lru");
+ *     for (int ph = 0; ph < 3; ph++) {                 // always admit, no prefetch
+ *         policy.admission[ph] = rc_policy_kind(RC_ROLE_ADMISSION, "always");
+ *         policy.prefetch[ph] = rc_policy_kind(RC_ROLE_PREFETCH, "none");
+ *     }
  *     rc_core *c = rc_create(2, 128, expert_bytes, &policy);
  *     int32_t pool_of_layer[2] = {-1, 0};
  *     int64_t capacity[1] = {64 << 20};                // bytes
@@ -48,21 +53,27 @@
 typedef struct rc_core rc_core;
 
 /* policies: one eviction order per distinct eviction spec; per phase an order index, an
- * admission and a prefetch policy (kind + one parameter each). The kinds are the C kinds of
- * runtime/residency/policies/registry.py (core_impl.h's enums). */
+ * admission and a prefetch policy (kind + parameters). A kind is a policy's index in its
+ * role's table, which the build generates from the policy files present (core/policies/,
+ * sorted by name): look kinds up by name (rc_policy_kind), never write their numbers. */
+enum { RC_ROLE_EVICTION = 0, RC_ROLE_ADMISSION = 1, RC_ROLE_PREFETCH = 2 };
+/* the kind of the policy `name` (the registry's, runtime/residency/policies/factory.py) in
+ * `role`, or -1: none of that name */
+int32_t rc_policy_kind(int32_t role, const char *name);
+/* the name of kind `kind` in `role`, or NULL past the last (kinds count from 0) */
+const char *rc_policy_name(int32_t role, int32_t kind);
+
 typedef struct {
     int32_t n_orders;             /* 1..3 */
-    int32_t order_kind[3];        /* 0 lru, 1 lfu, 2 lfu-decay, 3 phase-weighted, 4 belady,
-                                     5 next-visit */
+    int32_t order_kind[3];        /* eviction kinds */
     double order_p1[3];           /* phase-weighted: w_prefill */
     double order_p2[3];           /* phase-weighted: w_decode */
     double decay_rate;            /* lfu-decay: ln 2 / half_life (0: no decayed counts) */
     double nv_learning_rate;      /* next-visit: the model's learning rate (next_visit.h) */
     int32_t phase_order[3];       /* phase -> order index */
-    int32_t admission[3];         /* 0 always, 1 reuse-threshold, 2 transient-on-pressure,
-                                     3 belady-bypass */
+    int32_t admission[3];         /* admission kinds */
     double admission_p1[3];       /* break_even | window */
-    int32_t prefetch[3];          /* 0 none, 1 chunk-plan, 2 popularity, 3 belady, 4 affinity */
+    int32_t prefetch[3];          /* prefetch kinds */
     double prefetch_p1[3];        /* depth | top_n */
     double prefetch_p2[3];        /* affinity: min_precision */
     double prefetch_p3[3];        /* affinity: link bytes per layer-step (affinity.h) */

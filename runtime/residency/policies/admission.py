@@ -1,6 +1,6 @@
 """Admission policies' Python references: each one pure ``admit`` (may a demand miss that found
-its victims become resident, or is it used transiently?). The C twins: rc_admit's table in
-runtime/residency/core/policies.c."""
+its victims become resident, or is it used transiently?). The C twins: one file each,
+runtime/residency/core/policies/admit_*.c."""
 from __future__ import annotations
 
 

@@ -49,43 +49,43 @@ ROLES = ("admission", "prefetch", "eviction")
 
 @dataclass(frozen=True)
 class Policy:
-    """One registry line: a policy's C kind (the core's enum, core/core_impl.h), its
-    parameters with their defaults, its Python reference class (policies/eviction.py,
-    admission.py, prefetch.py), and which parameters the core reads in its p1 / p2 slots."""
+    """One registry line: a policy's parameters with their defaults, its Python reference
+    class (policies/eviction.py, admission.py, prefetch.py), and which parameters the core
+    reads in its p1 / p2 slots. Its C twin is the file in core/policies/ that registers the
+    same name (the core's kind is looked up by it: CCore)."""
 
-    kind: int
     params: dict[str, float]
     reference: type
     c_params: tuple[str, ...] = ()
 
 
 # role -> name -> Policy: the one registry. A new policy is one line here, one reference
-# class and one C function (+ its row in the C kind's table).
+# class and one C file (core/policies/, registering the same name; core/core_impl.h).
 _REGISTRY: dict[str, dict[str, Policy]] = {
     "eviction": {
-        "lru": Policy(0, {}, eviction.Lru),
-        "lfu": Policy(1, {}, eviction.Lfu),
-        "lfu-decay": Policy(2, {"half_life": 4096.0}, eviction.LfuDecay),
-        "phase-weighted": Policy(3, {"w_prefill": 1.0, "w_decode": 4.0},
-                                 eviction.PhaseWeighted, ("w_prefill", "w_decode")),
-        "belady": Policy(4, {}, eviction.Belady),
-        "next-visit": Policy(5, {"learning_rate": 0.016}, eviction.NextVisit),
+        "lru": Policy({}, eviction.Lru),
+        "lfu": Policy({}, eviction.Lfu),
+        "lfu-decay": Policy({"half_life": 4096.0}, eviction.LfuDecay),
+        "phase-weighted": Policy({"w_prefill": 1.0, "w_decode": 4.0},
+                              eviction.PhaseWeighted, ("w_prefill", "w_decode")),
+        "belady": Policy({}, eviction.Belady),
+        "next-visit": Policy({"learning_rate": 0.016}, eviction.NextVisit),
     },
     "admission": {
-        "always": Policy(0, {}, admission.Always),
-        "reuse-threshold": Policy(1, {"break_even": 2.0}, admission.ReuseThreshold,
-                                  ("break_even",)),
-        "transient-on-pressure": Policy(2, {"window": 4096.0}, admission.TransientOnPressure,
-                                        ("window",)),
-        "belady-bypass": Policy(3, {}, admission.BeladyBypass),
+        "always": Policy({}, admission.Always),
+        "reuse-threshold": Policy({"break_even": 2.0}, admission.ReuseThreshold,
+                               ("break_even",)),
+        "transient-on-pressure": Policy({"window": 4096.0}, admission.TransientOnPressure,
+                                     ("window",)),
+        "belady-bypass": Policy({}, admission.BeladyBypass),
     },
     "prefetch": {
-        "none": Policy(0, {}, prefetch.NoPrefetch),
-        "chunk-plan": Policy(1, {"depth": 1.0}, prefetch.ChunkPlan, ("depth",)),
-        "popularity": Policy(2, {"top_n": 4.0}, prefetch.Popularity, ("top_n",)),
-        "belady": Policy(3, {}, prefetch.BeladyPrefetch),
-        "affinity": Policy(4, {"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
-                           prefetch.Affinity),   # (its parameters: CorePolicy.affinity)
+        "none": Policy({}, prefetch.NoPrefetch),
+        "chunk-plan": Policy({"depth": 1.0}, prefetch.ChunkPlan, ("depth",)),
+        "popularity": Policy({"top_n": 4.0}, prefetch.Popularity, ("top_n",)),
+        "belady": Policy({}, prefetch.BeladyPrefetch),
+        "affinity": Policy({"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
+                        prefetch.Affinity),   # (its parameters: CorePolicy.affinity)
     },
 }
 
@@ -94,11 +94,6 @@ def policy_entry(role: str, name: str) -> Policy:
     """The registry line of a valid policy name (KeyError otherwise: names are validated by
     make_spec first)."""
     return _REGISTRY[role][name]
-
-
-def c_kinds(role: str) -> dict[str, int]:
-    """name -> the core's kind number, for one role."""
-    return {name: p.kind for name, p in _REGISTRY[role].items()}
 
 
 # parameters that must be > 0 (the rest must be >= 0)

@@ -1,7 +1,7 @@
 """Prefetch planners' Python references: each one ``plan`` (the keys to bring in after a
 layer-step, priority order, and optionally their own priorities) from what the step left
 (``PlanStep``) and the core's statistics; ``after`` (optional) sees what was brought in. The
-C twins: RC_PLANNERS in runtime/residency/core/prefetch.c."""
+C twins: one file each, runtime/residency/core/policies/prefetch_*.c."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -64,16 +64,70 @@ def test_header_usage_example_compiles_and_runs(tmp_path):
     assert subprocess.run([str(exe)]).returncode == 0
 
 
-def test_registry_kinds_are_the_cores():
-    """The one registry (policies/factory.py) names each policy's C kind: the core's enums
-    (core/core_impl.h) agree, row for row."""
-    import re
+def test_registry_names_are_the_cores():
+    """The one registry (policies/factory.py) and the C core's generated tables (one file per
+    policy in core/policies/) name the same policies, role by role; a kind is looked up by
+    name, an unknown name is -1 (CCore: one clear line)."""
+    import pytest
 
-    from runtime.residency.policies.factory import c_kinds
+    from runtime.errors import UserError
+    from runtime.residency.core.build import load_core
+    from runtime.residency.core.c_core import c_policy_kind, c_policy_names
+    from runtime.residency.policies.factory import ROLES, policy_names
 
-    impl = (REPO / "runtime/residency/core/core_impl.h").read_text()
-    for role, prefix in (("eviction", "EV_"), ("admission", "AD_"), ("prefetch", "PF_")):
-        enum = re.search(r"enum \{ (%s[A-Z_, ]+) \};" % prefix, impl).group(1)
-        names = [n.strip() for n in enum.split(",")]
-        assert names[-1] == f"{prefix}N_KINDS"
-        assert sorted(c_kinds(role).values()) == list(range(len(names) - 1)), role
+    lib, ffi = load_core()
+    for role in ROLES:
+        names = c_policy_names(lib, ffi, role)
+        assert sorted(names) == sorted(policy_names(role)), role
+        assert [c_policy_kind(lib, ffi, role, n) for n in names] == list(range(len(names)))
+    assert lib.rc_policy_kind(lib.RC_ROLE_EVICTION, b"no-such") == -1
+    assert lib.rc_policy_name(lib.RC_ROLE_PREFETCH, -1) == ffi.NULL
+    with pytest.raises(UserError, match="no eviction policy 'mru'"):
+        c_policy_kind(lib, ffi, "eviction", "mru")
+
+
+MRU = '''/* mru (a test's): evict the most recently accessed key */
+#include "../core_impl.h"
+
+static double score(const rc_core *c, int32_t o, int32_t f) {
+    (void) o;
+    return -(double) c->last_seq[f];
+}
+
+RC_EVICTION_POLICY(mru, "mru", .ops = &rc_heap_order, .score = score);
+'''
+
+
+def test_a_policy_is_one_file(tmp_path):
+    """A copy of the core's sources plus one new file in policies/ builds (the same build
+    function) into a core that knows the policy by name and decides by it."""
+    import shutil
+
+    from cffi import FFI
+
+    from runtime.residency.core import build
+
+    core = tmp_path / "core"
+    shutil.copytree(build.HERE, core, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    (core / "policies" / "evict_mru.c").write_text(MRU)
+    sources = (*(core / s.name for s in build.SOURCES if s.parent == build.HERE),
+               *build.policy_files(core))
+    target = tmp_path / "core.so"
+    build._compile(target, sources, core)
+    ffi = FFI()
+    ffi.cdef(build._cdef())
+    lib = ffi.dlopen(str(target))
+    p = ffi.new("rc_policy *", {"n_orders": 1})
+    p.order_kind[0] = lib.rc_policy_kind(lib.RC_ROLE_EVICTION, b"mru")
+    assert p.order_kind[0] >= 0
+    for ph in range(3):
+        p.admission[ph] = lib.rc_policy_kind(lib.RC_ROLE_ADMISSION, b"always")
+        p.prefetch[ph] = lib.rc_policy_kind(lib.RC_ROLE_PREFETCH, b"none")
+    c = ffi.gc(lib.rc_create(1, 8, ffi.new("int64_t[]", [100]), p), lib.rc_free)
+    assert lib.rc_set_pools(c, 1, ffi.new("int32_t[]", [0]), ffi.new("int64_t[]", [300])) == 0
+    r = ffi.new("rc_result *")
+    for expert in (0, 1, 2, 3):                   # three fit; the fourth evicts the newest
+        assert lib.rc_access(c, 0, ffi.new("int32_t[]", [expert]), 1, lib.RC_DECODE, ffi.NULL,
+                             -1, ffi.NULL, ffi.NULL, 0, 0, 0, r) == 0
+    assert ffi.unpack(r.evicted, r.n_evicted) == [2]
+    assert lib.rc_verify(c) == 0

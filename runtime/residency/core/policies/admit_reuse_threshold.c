@@ -1,0 +1,12 @@
+/* reuse-threshold: decode admits a key once routed break_even times (the phase's p1);
+ * prefill always (admission.ReuseThreshold). */
+#include "../core_impl.h"
+
+static int admit(const rc_core *c, int32_t phase, int32_t f, const int32_t *victims,
+                 int32_t nv) {
+    (void) victims; (void) nv;
+    if (phase == 0) return 1;
+    return (double) total_uses(c, f) >= c->pol.admission_p1[phase];
+}
+
+RC_ADMISSION_POLICY(reuse_threshold, "reuse-threshold", .admit = admit);
