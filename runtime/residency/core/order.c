@@ -5,7 +5,9 @@
  *                        (score, last seq, flat), the score the policy's pure function
  *                        (policies.c): lru, lfu, lfu-decay, phase-weighted, belady
  *   rc_next_visit_order  next-visit's own index (nv_victim.h): its scores move with the layer
- *                        cycle, so the heap is only the membership set and the index searches
+ *                        cycle, so the heap is only the membership set and the index searches;
+ *                        the index keeps its own copies of what it reads (a member's last
+ *                        seq, given at push; each key's hold, through .hold)
  *
  * Invariant: a key is in every order of its pool iff it is resident (rc_verify checks 1, 2).
  */
@@ -52,7 +54,7 @@ const rc_order_ops rc_heap_order = {
 static int nv_push(rc_core *c, pool *p, int32_t o, int32_t f) {
     heap *h = &p->h[o];
     if (h->pos[f] >= 0) return 0;
-    nvv_push(c->nvv, f);
+    nvv_push(c->nvv, f, c->last_seq[f]);          /* its own until f leaves (unchanged) */
     return set_push(h, f);
 }
 
@@ -71,8 +73,7 @@ static int32_t nv_lowest(rc_core *c, pool *p, int32_t o, int64_t seq0) {
 static int nv_create_order(rc_core *c) {
     c->nv = nv_create(c->n_layer, c->n_expert, c->moe_layers, c->n_moe, c->pol.nv_learning_rate);
     c->nvv = c->nv == NULL ? NULL
-             : nvv_create(c->nv, c->n_layer, c->n_expert, c->moe_layers, c->n_moe,
-                          c->last_seq, c->lease_count, c->pinned);
+             : nvv_create(c->nv, c->n_layer, c->n_expert, c->moe_layers, c->n_moe);
     return c->nvv == NULL ? -1 : 0;
 }
 
@@ -91,19 +92,23 @@ static void nv_visit_layer(rc_core *c, int32_t layer, const int32_t *el, int32_t
     nvv_stale(c->nvv, layer);                 /* its keys' z moved */
 }
 
-static void nv_stale_layer(const rc_core *c, int32_t layer) { nvv_stale(c->nvv, layer); }
+static void nv_hold(rc_core *c, int32_t f, int held) { nvv_hold(c->nvv, f, held); }
 
 static void nv_warm(rc_core *c, const double *frequency) {
     if (frequency != NULL) nv_warm_start(c->nv, frequency);
     nvv_stale_all(c->nvv);
 }
 
-static int nv_verify_order(const rc_core *c) { return nvv_verify(c->nvv) ? 11 : 0; }
+/* 11 the index's own invariants, 12 its copies of the core's state */
+static int nv_verify_order(const rc_core *c) {
+    const int code = nvv_verify(c->nvv, c->last_seq, c->lease_count, c->pinned);
+    return code == 0 ? 0 : code >= 9 ? 12 : 11;
+}
 
 const rc_order_ops rc_next_visit_order = {
     .push = nv_push, .remove = nv_remove, .lowest = nv_lowest,
     .ranks_below = score_ranks_below, .create = nv_create_order, .destroy = nv_destroy,
-    .reset = nv_reset, .visit = nv_visit_layer, .stale = nv_stale_layer, .warm_start = nv_warm,
+    .reset = nv_reset, .visit = nv_visit_layer, .hold = nv_hold, .warm_start = nv_warm,
     .verify = nv_verify_order,
 };
 
@@ -125,7 +130,7 @@ int order_create(rc_core *c) {
 
 void order_free(rc_core *c) { EACH_ORDER_HOOK(destroy, c); }
 void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset, c); }
-void order_stale(const rc_core *c, int32_t layer) { EACH_ORDER_HOOK(stale, c, layer); }
+void order_hold(rc_core *c, int32_t f, int held) { EACH_ORDER_HOOK(hold, c, f, held); }
 void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     EACH_ORDER_HOOK(visit, c, layer, el, n, phase);
 }
