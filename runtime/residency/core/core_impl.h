@@ -134,13 +134,13 @@ typedef struct {
     /* does v rank strictly below f, whose score is `own` (NAN: its own)? */
     int (*ranks_below)(const rc_core *c, int32_t o, int32_t v, int32_t f, double own);
     /* optional (NULL: nothing to do): the order's own state (rc_create, rc_free, new pools),
-     * a layer-step's experts before any is touched, a key's hold flipped (order_hold), a
+     * a layer-step's experts before any is touched, keys' holds flipped (order_hold), a
      * profile's warm start, its own invariants (0 ok) */
     int (*create)(rc_core *c);
     void (*destroy)(rc_core *c);
     void (*reset)(rc_core *c);
     void (*visit)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
-    void (*hold)(rc_core *c, int32_t f, int held);
+    void (*hold)(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held);
     void (*warm_start)(rc_core *c, const double *frequency);
     int (*verify)(const rc_core *c);
 } rc_order_ops;
@@ -161,10 +161,11 @@ int order_create(rc_core *c);                      /* the orders' own state (rc_
 void order_free(rc_core *c);
 void order_reset(rc_core *c);                      /* every order empty (new pools) */
 /* order_add (f joins every order of its pool), order_discard (f leaves them): order_heap.h */
-/* f's hold flipped: held 1, now leased or pinned (lease_count[f] > 0 || pinned[f]); 0, neither.
- * The core calls it exactly at each flip (residency_core.c), member of an order or not: an
- * order may keep its own copy (next-visit's index does; it never reads the core's arrays) */
-void order_hold(rc_core *c, int32_t f, int held);
+/* the hold of each of flats (n distinct keys of `layer`) flipped: held 1, now leased or
+ * pinned (lease_count[f] > 0 || pinned[f]); 0, neither. leases.c calls it exactly at the flips
+ * (batched), members of an order or not: an order may keep its own copy (next-visit's index
+ * does; it never reads the core's arrays) */
+void order_hold(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held);
 /* a layer-step's experts before any is touched (next-visit learns from them) */
 void order_visit(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
 void order_warm_start(rc_core *c, const double *frequency);

@@ -87,9 +87,16 @@ void nvv_stale(nv_victim *s, int32_t layer) {
     if (k >= 0) mark(s, k);
 }
 
-void nvv_hold(nv_victim *s, int32_t f, int held) {
-    s->held[f] = (uint8_t) held;
-    if (is_member(s, f)) nvv_stale(s, f / s->n_expert);   /* (a key rejoins dirty) */
+void nvv_hold(nv_victim *s, int32_t layer, const int32_t *flats, int32_t n, int held) {
+    const uint64_t *members = &s->members[layer * s->n_words];
+    const int32_t base = layer * s->n_expert;
+    uint64_t any = 0;                             /* a member's: a key rejoins dirty anyway */
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t f = flats[i], e = f - base;
+        s->held[f] = (uint8_t) held;
+        any |= members[e >> 6] >> (e & 63);
+    }
+    if (any & 1) nvv_stale(s, layer);
 }
 
 void nvv_stale_all(nv_victim *s) {

@@ -91,8 +91,9 @@ static inline const uint64_t *nvv_members(const nv_victim *s, int32_t layer) {
  * it leaves) / left the order */
 void nvv_push(nv_victim *s, int32_t flat, int64_t last_seq);
 void nvv_remove(nv_victim *s, int32_t flat);
-/* flat's hold flipped: held 1, it is now leased or pinned; 0, neither any more */
-void nvv_hold(nv_victim *s, int32_t flat, int held);
+/* the hold of each of flats (n, keys of layer) flipped: held 1, now leased or pinned; 0,
+ * neither any more */
+void nvv_hold(nv_victim *s, int32_t layer, const int32_t *flats, int32_t n, int held);
 /* the layer was visited (its keys' z moved) */
 void nvv_stale(nv_victim *s, int32_t layer);
 /* every key's z changed (a warm start) */

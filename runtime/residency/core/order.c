@@ -92,7 +92,9 @@ static void nv_visit_layer(rc_core *c, int32_t layer, const int32_t *el, int32_t
     nvv_stale(c->nvv, layer);                 /* its keys' z moved */
 }
 
-static void nv_hold(rc_core *c, int32_t f, int held) { nvv_hold(c->nvv, f, held); }
+static void nv_hold(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held) {
+    nvv_hold(c->nvv, layer, flats, n, held);
+}
 
 static void nv_warm(rc_core *c, const double *frequency) {
     if (frequency != NULL) nv_warm_start(c->nv, frequency);
@@ -130,7 +132,9 @@ int order_create(rc_core *c) {
 
 void order_free(rc_core *c) { EACH_ORDER_HOOK(destroy, c); }
 void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset, c); }
-void order_hold(rc_core *c, int32_t f, int held) { EACH_ORDER_HOOK(hold, c, f, held); }
+void order_hold(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held) {
+    EACH_ORDER_HOOK(hold, c, layer, flats, n, held);
+}
 void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     EACH_ORDER_HOOK(visit, c, layer, el, n, phase);
 }
