@@ -44,9 +44,9 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
     if (!s->moe_layers || !s->last_seq || !s->held || !s->members || !s->in_list || !s->ids ||
         !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis ||
-        !s->list_ver || !s->list_bound || !s->list_w || !s->cand || !s->pool || !s->cand_z || !s->cand_le || !s->cand_lo || !s->cand_s ||
-        !s->masked || !s->exact || !s->dirty || !s->dep ||
-        !s->dirty_list) {
+        !s->list_ver || !s->list_bound || !s->list_w || !s->cand || !s->pool || !s->cand_z ||
+        !s->cand_le || !s->cand_lo || !s->cand_s || !s->masked || !s->exact || !s->dirty ||
+        !s->dep || !s->dirty_list) {
         nvv_free(s);
         return NULL;
     }
@@ -115,7 +115,6 @@ void nvv_reset(nv_victim *s, const int32_t *pool_of_layer) {
     }
     nvv_stale_all(s);
 }
-
 
 /* -expected's lower bound of MoE index k's candidate (cand_s: from the upper bound of its
  * wait) and its upper bound, seen from the model's current layer (rounding is monotone: the
@@ -308,9 +307,10 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     return pick(s, pool);
 }
 
-/* every layer with a list: listed keys are members, in order, below every unlisted member,
- * whose z are >= the bound; list_all: no unlisted member. z from the features under the
- * weights the list's order is for (list_w). 0 ok, else 1 + the first failed check */
+/* the copies: each key's hold and each member's last seq are the core's (9, 10). Every
+ * layer with a list: listed keys are members, in order, below every unlisted member, whose z
+ * are >= the bound; list_all: no unlisted member. z from the features under the weights the
+ * list's order is for (list_w). 0 ok, else the first failed check (nv_victim.h) */
 int nvv_verify(const nv_victim *s, const int64_t *last_seq, const int32_t *lease_count,
                const uint8_t *pinned) {
     const nv_model *m = s->nv;
