@@ -2,7 +2,7 @@
  *
  *   residency_core.c  state changes, access (the rules, in order), replay
  *   lifetime.c        creation, pools and their capacities
- *   leases.c          the holds (leases, prefetch pins) and their flips (order_hold)
+ *   leases.c          the holds (leases, prefetch pins), each told to the orders (order_hold)
  *   api.c             the public entry points (each takes the core's mutex), queries
  *   order.c           the eviction orders behind one interface (rc_order_ops) and the one
  *                     victim loop (take_victims)
@@ -91,9 +91,9 @@ struct rc_core {
     lvec log_batch; ivec log_flat;
     int64_t *pf_event_of;         /* (n_flat,) */
     uint8_t *pinned, *pf_unused;  /* (n_flat,) pinned: prefetched, until its layer's access */
-    int32_t *lease_count;         /* (n_flat,) a key's hold is lease_count > 0 || pinned; both
-                                     change only in leases.c, which calls order_hold at
-                                     each flip */
+    int32_t *lease_count;         /* (n_flat,) the leases' shares of each key; its holds are
+                                     lease_count + pinned, both changed only in leases.c
+                                     (each change told to order_hold) */
     int64_t *seen;                /* (n_flat,) call stamp: first occurrence within a call */
     int64_t call;
     int64_t n_pf_unused;
@@ -134,13 +134,13 @@ typedef struct {
     /* does v rank strictly below f, whose score is `own` (NAN: its own)? */
     int (*ranks_below)(const rc_core *c, int32_t o, int32_t v, int32_t f, double own);
     /* optional (NULL: nothing to do): the order's own state (rc_create, rc_free, new pools),
-     * a layer-step's experts before any is touched, keys' holds flipped (order_hold), a
+     * a layer-step's experts before any is touched, holds taken or ended (order_hold), a
      * profile's warm start, its own invariants (0 ok) */
     int (*create)(rc_core *c);
     void (*destroy)(rc_core *c);
     void (*reset)(rc_core *c);
     void (*visit)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
-    void (*hold)(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held);
+    void (*hold)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t delta);
     void (*warm_start)(rc_core *c, const double *frequency);
     int (*verify)(const rc_core *c);
 } rc_order_ops;
@@ -161,11 +161,12 @@ int order_create(rc_core *c);                      /* the orders' own state (rc_
 void order_free(rc_core *c);
 void order_reset(rc_core *c);                      /* every order empty (new pools) */
 /* order_add (f joins every order of its pool), order_discard (f leaves them): order_heap.h */
-/* the hold of each of flats (n distinct keys of `layer`) flipped: held 1, now leased or
- * pinned (lease_count[f] > 0 || pinned[f]); 0, neither. leases.c calls it exactly at the flips
- * (batched), members of an order or not: an order may keep its own copy (next-visit's index
- * does; it never reads the core's arrays) */
-void order_hold(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held);
+/* each of layer's experts (n, a repeat counts again) took (delta 1) or ended (-1) one hold:
+ * a lease's share or a prefetch pin, so that a key's holds are lease_count[f] + pinned[f] and
+ * it is protected while they are > 0. leases.c calls it at every change, for members of an
+ * order or not: an order may keep its own count (next-visit's index does; it never reads the
+ * core's arrays) */
+void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t delta);
 /* a layer-step's experts before any is touched (next-visit learns from them) */
 void order_visit(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
 void order_warm_start(rc_core *c, const double *frequency);
@@ -179,7 +180,7 @@ int take_victims(rc_core *c, pool *p, int32_t o, int64_t seq0, int64_t need, int
 /* victims taken but not used go back into the order */
 void untake_victims(rc_core *c, pool *p, int32_t o);
 
-/* ---- leases.c: the holds (leases, prefetch pins; each flip -> order_hold) ----------------- */
+/* ---- leases.c: the holds (leases, prefetch pins; each change -> order_hold) --------------- */
 int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *experts, int32_t n);
 int pin_key(rc_core *c, int32_t f);                /* until its layer's access (0, -1 nomem) */
 void unpin_layer(rc_core *c, int32_t layer);       /* the layer's access: its pins end */

@@ -18,7 +18,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     const size_t k = (size_t) (n_moe ? n_moe : 1), n_flat = (size_t) n_layer * n_expert;
     s->moe_layers = malloc(k * sizeof *s->moe_layers);
     s->last_seq = malloc(n_flat * sizeof *s->last_seq);
-    s->held = calloc(n_flat, 1);
+    s->holds = calloc(n_flat, sizeof *s->holds);
     s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
     s->in_list = calloc((size_t) n_layer * n_expert, 1);
     s->ids = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->ids);
@@ -42,7 +42,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->moe_layers || !s->last_seq || !s->held || !s->members || !s->in_list || !s->ids ||
+    if (!s->moe_layers || !s->last_seq || !s->holds || !s->members || !s->in_list || !s->ids ||
         !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis ||
         !s->list_ver || !s->list_bound || !s->list_w || !s->cand || !s->pool || !s->cand_z ||
         !s->cand_le || !s->cand_lo || !s->cand_s || !s->masked || !s->exact || !s->dirty ||
@@ -66,7 +66,7 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
-    free(s->moe_layers); free(s->last_seq); free(s->held);
+    free(s->moe_layers); free(s->last_seq); free(s->holds);
     free(s->members); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list);
     free(s->list_n); free(s->list_all); free(s->list_vis);
     free(s->list_ver); free(s->list_bound); free(s->list_w);
@@ -87,16 +87,11 @@ void nvv_stale(nv_victim *s, int32_t layer) {
     if (k >= 0) mark(s, k);
 }
 
-void nvv_hold(nv_victim *s, int32_t layer, const int32_t *flats, int32_t n, int held) {
-    const uint64_t *members = &s->members[layer * s->n_words];
-    const int32_t base = layer * s->n_expert;
-    uint64_t any = 0;                             /* a member's: a key rejoins dirty anyway */
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t f = flats[i], e = f - base;
-        s->held[f] = (uint8_t) held;
-        any |= members[e >> 6] >> (e & 63);
-    }
-    if (any & 1) nvv_stale(s, layer);
+void nvv_hold(nv_victim *s, int32_t layer, const int32_t *restrict experts, int32_t n,
+              int32_t delta) {
+    int32_t *restrict holds = &s->holds[layer * s->n_expert];
+    for (int32_t i = 0; i < n; i++) holds[experts[i]] += delta;
+    nvv_stale(s, layer);
 }
 
 void nvv_stale_all(nv_victim *s) {
@@ -148,7 +143,7 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     uint8_t dep = 0;
     for (int32_t i = 0; i < s->list_n[layer]; i++) {
         const int32_t g = list[i];
-        if (s->held[g]) continue;
+        if (s->holds[g]) continue;
         if (s->last_seq[g] >= seq0) { dep = 1; continue; }
         f = g;
         break;
@@ -156,7 +151,7 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     if (f < 0 && !s->list_all[layer]) {          /* every listed key protected: scan */
         double bz = 0.0;
         FOR_MEMBERS(s, layer, g) {
-            if (s->held[g]) continue;
+            if (s->holds[g]) continue;
             if (s->last_seq[g] >= seq0) { dep = 1; continue; }
             const double z = nv_logit(s->nv, layer, g);
             if (z_below(s, z, g, bz, f)) { f = g; bz = z; }
@@ -307,7 +302,7 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     return pick(s, pool);
 }
 
-/* the copies: each key's hold and each member's last seq are the core's (9, 10). Every
+/* the copies: each key's holds and each member's last seq are the core's (9, 10). Every
  * layer with a list: listed keys are members, in order, below every unlisted member, whose z
  * are >= the bound; list_all: no unlisted member. z from the features under the weights the
  * list's order is for (list_w). 0 ok, else the first failed check (nv_victim.h) */
@@ -315,7 +310,7 @@ int nvv_verify(const nv_victim *s, const int64_t *last_seq, const int32_t *lease
                const uint8_t *pinned) {
     const nv_model *m = s->nv;
     for (int32_t f = 0; f < s->n_layer * s->n_expert; f++) {     /* the copies */
-        if (s->held[f] != (lease_count[f] > 0 || pinned[f])) return 9;
+        if (s->holds[f] != lease_count[f] + pinned[f]) return 9;
         if (is_member(s, f) && s->last_seq[f] != last_seq[f]) return 10;
     }
     if (s->list[s->n_layer * NV_LIST] != -1) return 7;          /* a list overran */

@@ -10,7 +10,8 @@
  *   - each member's last seq, given when the key joins the order (nvv_push). The core never
  *     changes a key's last seq while it is in the orders: a touched key leaves them first and
  *     rejoins at its new seq (residency_core.c), a prefetch touches only absent keys;
- *   - each key's hold (leased or pinned), told by the core exactly when it flips (nvv_hold);
+ *   - each key's holds (its leases' shares and its prefetch pin: protected while any), which
+ *     the core tells it as each is taken or ended (nvv_hold);
  *   - the MoE layers (n_moe,), copied at creation.
  * The model (nv_model, next_visit.h) is the order's own, shared with nv_visit; visits and
  * weight updates reach the index through the model's counters (vis, version).
@@ -24,8 +25,8 @@
  *     are rescored and those still strictly below the bound's new value stay, in order
  *     (resort_list), so a weight update costs each layer its listed keys, not all of them;
  *   - per layer, its candidate with z and n_moe wait, until marked dirty: a key of the
- *     layer joined or left the order, a member's hold flipped, the layer was visited, the
- *     model's weights moved (once per token's worth of layer-steps), or a key skipped
+ *     layer joined or left the order, one of its holds was taken or ended, it was visited,
+ *     the model's weights moved (once per token's worth of layer-steps), or a key skipped
  *     for being touched at or after seq0 may no longer be (seq0 moved). The wait is first
  *     only bounded, with no exp (nv_wait_bounds: about 1e-5 apart); the search computes it
  *     (nv_wait, four exp) only for a candidate whose bounds do not yet set it apart from
@@ -51,7 +52,8 @@ typedef struct {
     int32_t n_layer, n_expert, n_moe, n_words;
     int32_t *moe_layers;          /* (n_moe,) a copy */
     int64_t *last_seq;            /* (n_flat,) each member's, given at nvv_push (others: stale) */
-    uint8_t *held;                /* (n_flat,) leased or pinned (nvv_hold), every key */
+    int32_t *holds;               /* (n_flat,) its leases' shares + its pin, every key
+                                     (nvv_hold): protected while > 0 */
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
     int32_t *ids, *sel; double *zs;  /* (n_expert,) scratch: a layer's members, their z */
     uint8_t *in_list;             /* (n_flat,) the key is in its layer's list */
@@ -91,9 +93,9 @@ static inline const uint64_t *nvv_members(const nv_victim *s, int32_t layer) {
  * it leaves) / left the order */
 void nvv_push(nv_victim *s, int32_t flat, int64_t last_seq);
 void nvv_remove(nv_victim *s, int32_t flat);
-/* the hold of each of flats (n, keys of layer) flipped: held 1, now leased or pinned; 0,
- * neither any more */
-void nvv_hold(nv_victim *s, int32_t layer, const int32_t *flats, int32_t n, int held);
+/* each of layer's experts (n, a repeat counts again) took (delta 1) or ended (-1) one hold
+ * (a lease's share, a prefetch pin) */
+void nvv_hold(nv_victim *s, int32_t layer, const int32_t *experts, int32_t n, int32_t delta);
 /* the layer was visited (its keys' z moved) */
 void nvv_stale(nv_victim *s, int32_t layer);
 /* every key's z changed (a warm start) */
@@ -101,7 +103,7 @@ void nvv_stale_all(nv_victim *s);
 /* the lowest unprotected key of pool in the order, or -1 (it stays in the order) */
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0);
 /* the index's invariants (nv_victim.c): 0 ok, else which check failed: 1..8 the lists and
- * the candidates; 9 a key's hold, 10 a member's last seq is not the core's (its arrays,
+ * the candidates; 9 a key's holds, 10 a member's last seq are not the core's (its arrays,
  * (n_flat,) each, only read here) */
 int nvv_verify(const nv_victim *s, const int64_t *last_seq, const int32_t *lease_count,
                const uint8_t *pinned);

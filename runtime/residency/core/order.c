@@ -7,7 +7,7 @@
  *   rc_next_visit_order  next-visit's own index (nv_victim.h): its scores move with the layer
  *                        cycle, so the heap is only the membership set and the index searches;
  *                        the index keeps its own copies of what it reads (a member's last
- *                        seq, given at push; each key's hold, through .hold)
+ *                        seq, given at push; each key's holds, counted through .hold)
  *
  * Invariant: a key is in every order of its pool iff it is resident (rc_verify checks 1, 2).
  */
@@ -92,8 +92,9 @@ static void nv_visit_layer(rc_core *c, int32_t layer, const int32_t *el, int32_t
     nvv_stale(c->nvv, layer);                 /* its keys' z moved */
 }
 
-static void nv_hold(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held) {
-    nvv_hold(c->nvv, layer, flats, n, held);
+static void nv_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n,
+                    int32_t delta) {
+    nvv_hold(c->nvv, layer, experts, n, delta);
 }
 
 static void nv_warm(rc_core *c, const double *frequency) {
@@ -132,8 +133,8 @@ int order_create(rc_core *c) {
 
 void order_free(rc_core *c) { EACH_ORDER_HOOK(destroy, c); }
 void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset, c); }
-void order_hold(rc_core *c, int32_t layer, const int32_t *flats, int32_t n, int held) {
-    EACH_ORDER_HOOK(hold, c, layer, flats, n, held);
+void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t delta) {
+    EACH_ORDER_HOOK(hold, c, layer, experts, n, delta);
 }
 void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     EACH_ORDER_HOOK(visit, c, layer, el, n, phase);
