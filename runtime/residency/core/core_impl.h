@@ -166,7 +166,13 @@ void order_reset(rc_core *c);                      /* every order empty (new poo
  * it is protected while they are > 0. leases.c calls it at every change, for members of an
  * order or not: an order may keep its own count (next-visit's index does; it never reads the
  * core's arrays) */
-void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t delta);
+static inline void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n,
+                              int32_t delta) {
+    for (int32_t o = 0; o < c->pol.n_orders; o++) {   /* inline: most orders have no hook */
+        const rc_order_ops *ops = order_ops(c, o);
+        if (ops->hold != NULL) ops->hold(c, layer, experts, n, delta);
+    }
+}
 /* a layer-step's experts before any is touched (next-visit learns from them) */
 void order_visit(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
 void order_warm_start(rc_core *c, const double *frequency);

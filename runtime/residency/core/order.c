@@ -133,9 +133,6 @@ int order_create(rc_core *c) {
 
 void order_free(rc_core *c) { EACH_ORDER_HOOK(destroy, c); }
 void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset, c); }
-void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t delta) {
-    EACH_ORDER_HOOK(hold, c, layer, experts, n, delta);
-}
 void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     EACH_ORDER_HOOK(visit, c, layer, el, n, phase);
 }
