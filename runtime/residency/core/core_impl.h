@@ -157,6 +157,15 @@ static inline const rc_order_ops *order_ops(const rc_core *c, int32_t o) {
     return RC_ORDER_KINDS[c->pol.order_kind[o]].ops;
 }
 
+/* an optional hook of every order of c, with these arguments. The orders are distinct specs
+ * with one rate each: an implementation with state of its own (next-visit) appears at most
+ * once, so each hook runs once */
+#define EACH_ORDER_HOOK(hook, ...)                                          \
+    for (int32_t o_ = 0; o_ < c->pol.n_orders; o_++) {                      \
+        const rc_order_ops *ops_ = order_ops(c, o_);                        \
+        if (ops_->hook != NULL) ops_->hook(__VA_ARGS__);                    \
+    }
+
 int order_create(rc_core *c);                      /* the orders' own state (rc_create) */
 void order_free(rc_core *c);
 void order_reset(rc_core *c);                      /* every order empty (new pools) */
@@ -168,10 +177,7 @@ void order_reset(rc_core *c);                      /* every order empty (new poo
  * core's arrays) */
 static inline void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n,
                               int32_t delta) {
-    for (int32_t o = 0; o < c->pol.n_orders; o++) {   /* inline: most orders have no hook */
-        const rc_order_ops *ops = order_ops(c, o);
-        if (ops->hold != NULL) ops->hold(c, layer, experts, n, delta);
-    }
+    EACH_ORDER_HOOK(hold, c, layer, experts, n, delta);   /* inline: most have no hook */
 }
 /* a layer-step's experts before any is touched (next-visit learns from them) */
 void order_visit(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);

@@ -117,13 +117,7 @@ const rc_order_ops rc_next_visit_order = {
 
 /* ---- every order of a core ------------------------------------------------------------- */
 
-/* the orders are distinct specs with one rate each: an implementation with state of its own
- * (next-visit) appears at most once, so each hook runs once */
-#define EACH_ORDER_HOOK(hook, ...)                                          \
-    for (int32_t o_ = 0; o_ < c->pol.n_orders; o_++) {                      \
-        const rc_order_ops *ops_ = order_ops(c, o_);                        \
-        if (ops_->hook != NULL) ops_->hook(__VA_ARGS__);                    \
-    }
+/* (each optional hook runs through EACH_ORDER_HOOK, core_impl.h) */
 
 int order_create(rc_core *c) {
     for (int32_t o = 0; o < c->pol.n_orders; o++)
