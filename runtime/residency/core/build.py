@@ -33,7 +33,7 @@ ENGINE = HERE.parents[1] / "engine"
 NATIVE = HERE.parents[1] / "native"
 RAMTIER = HERE.parents[1] / "ramtier"
 SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE / "order.c",
-           HERE / "prefetch.c", HERE / "verify.c", HERE / "step.c",
+           HERE / "prefetch.c", HERE / "verify.c", HERE / "step.c", HERE / "leases.c",
            HERE / "next_visit.c", HERE / "nv_victim.c", HERE / "nv_lists.c",
            HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c", ENGINE / "route_consumers.c", ENGINE / "route_impose.c",

@@ -1,7 +1,8 @@
 /* core_impl: the residency core's private parts, shared by its files (not part of the cdef).
  *
- *   residency_core.c  state changes, leases, access (the rules, in order), replay
+ *   residency_core.c  state changes, access (the rules, in order), replay
  *   lifetime.c        create, free, pools; the policies resolved by kind (rc_policy_kind)
+ *   leases.c          the holds (leases, prefetch pins), each told to the orders (order_hold)
  *   api.c             the public entry points (each takes the core's mutex), queries
  *   order.c           the eviction orders behind one interface (rc_order_ops) and the one
  *                     victim loop (take_victims)
@@ -76,13 +77,13 @@ typedef struct {
     /* does v rank strictly below f, whose score is `own` (NAN: its own)? */
     int (*ranks_below)(const rc_core *c, int32_t o, int32_t v, int32_t f, double own);
     /* optional (NULL: nothing to do): the order's own state (rc_create, rc_free, new pools),
-     * a layer-step's experts before any is touched, the protection of a layer's keys
-     * changed, a profile's warm start, its own invariants (0 ok) */
+     * a layer-step's experts before any is touched, holds taken or ended (order_hold), a
+     * profile's warm start, its own invariants (0 ok) */
     int (*create)(rc_core *c);
     void (*destroy)(rc_core *c);
     void (*reset)(rc_core *c);
     void (*visit)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
-    void (*stale)(const rc_core *c, int32_t layer);
+    void (*hold)(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t delta);
     void (*warm_start)(rc_core *c, const double *frequency);
     int (*verify)(const rc_core *c);
 } rc_order_ops;
@@ -155,7 +156,8 @@ struct rc_core {
     int32_t *moe_layers; int32_t n_moe;
     pool *pools;
     uint8_t *state;               /* (n_flat,) 0..2 resident (admitting phase), ABSENT */
-    int64_t *last_seq;            /* (n_flat,) */
+    int64_t *last_seq;            /* (n_flat,) never changed while the key is in the orders
+                                     (they rank by it): a touched key leaves them first */
     int64_t *uses;                /* (3, n_flat) routed count per phase */
     double *decay_log;            /* (n_flat,) or NULL */
     int64_t *next_use;            /* (n_flat,) or NULL */
@@ -169,8 +171,10 @@ struct rc_core {
     int64_t replay_batch;         /* the batch rc_replay runs, -1 outside it */
     lvec log_batch; ivec log_flat;
     int64_t *pf_event_of;         /* (n_flat,) */
-    uint8_t *pinned, *pf_unused;  /* (n_flat,) */
-    int32_t *lease_count;         /* (n_flat,) */
+    uint8_t *pinned, *pf_unused;  /* (n_flat,) pinned: prefetched, until its layer's access */
+    int32_t *lease_count;         /* (n_flat,) the leases' shares of each key; its holds are
+                                     lease_count + pinned, both changed only in leases.c
+                                     (each change told to order_hold) */
     int64_t *seen;                /* (n_flat,) call stamp: first occurrence within a call */
     int64_t call;
     int64_t n_pf_unused;
@@ -208,11 +212,28 @@ static inline const rc_order_ops *order_ops(const rc_core *c, int32_t o) {
     return c->evict[o].ops;
 }
 
+/* an optional hook of every order of c, with these arguments. The orders are distinct specs
+ * with one rate each: an implementation with state of its own (next-visit) appears at most
+ * once, so each hook runs once */
+#define EACH_ORDER_HOOK(hook, ...)                                          \
+    for (int32_t o_ = 0; o_ < c->pol.n_orders; o_++) {                      \
+        const rc_order_ops *ops_ = order_ops(c, o_);                        \
+        if (ops_->hook != NULL) ops_->hook(__VA_ARGS__);                    \
+    }
+
 int order_create(rc_core *c);                      /* the orders' own state (rc_create) */
 void order_free(rc_core *c);
 void order_reset(rc_core *c);                      /* every order empty (new pools) */
 /* order_add (f joins every order of its pool), order_discard (f leaves them): order_heap.h */
-void order_stale(const rc_core *c, int32_t layer); /* the protection of layer's keys changed */
+/* each of layer's experts (n, a repeat counts again) took (delta 1) or ended (-1) one hold:
+ * a lease's share or a prefetch pin, so that a key's holds are lease_count[f] + pinned[f] and
+ * it is protected while they are > 0. leases.c calls it at every change, for members of an
+ * order or not: an order may keep its own count (next-visit's index does; it never reads the
+ * core's arrays) */
+static inline void order_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n,
+                              int32_t delta) {
+    EACH_ORDER_HOOK(hold, c, layer, experts, n, delta);   /* inline: most have no hook */
+}
 /* a layer-step's experts before any is touched (next-visit learns from them) */
 void order_visit(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
 void order_warm_start(rc_core *c, const double *frequency);
@@ -226,7 +247,14 @@ int take_victims(rc_core *c, pool *p, int32_t o, int64_t seq0, int64_t need, int
 /* victims taken but not used go back into the order */
 void untake_victims(rc_core *c, pool *p, int32_t o);
 
+/* ---- leases.c: the holds (leases, prefetch pins; each change -> order_hold) --------------- */
+int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *experts, int32_t n);
+int pin_key(rc_core *c, int32_t f);                /* until its layer's access (0, -1 nomem) */
+void unpin_layer(rc_core *c, int32_t layer);       /* the layer's access: its pins end */
+
 /* ---- residency_core.c: state changes ---------------------------------------------------- */
+/* f becomes resident, admitted in `phase`; a prefetched key is pinned until its layer's next
+ * access (0, -1 nomem) */
 int make_resident(rc_core *c, int32_t f, int32_t phase, int prefetched);
 void evict(rc_core *c, int32_t f, int32_t phase);
 

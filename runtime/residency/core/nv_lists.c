@@ -14,9 +14,10 @@ static inline void unlisted(nv_victim *s, int32_t l, double z) {
     if (z < s->list_bound[l]) s->list_bound[l] = z;
 }
 
-void nvv_push(nv_victim *s, int32_t f) {
+void nvv_push(nv_victim *s, int32_t f, int64_t last_seq) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] |= (uint64_t) 1 << (e % 64);
+    s->last_seq[f] = last_seq;
     nvv_stale(s, l);
     if (!list_valid(s, l)) {                      /* refilled on its next use anyway */
         s->list_vis[l] = -1;                      /* (not re-sorted: f's z is not bounded) */

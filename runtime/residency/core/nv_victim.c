@@ -9,16 +9,16 @@
 #endif
 
 nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
-                      const int32_t *moe_layers, int32_t n_moe, const int64_t *last_seq,
-                      const int32_t *lease_count, const uint8_t *pinned) {
+                      const int32_t *moe_layers, int32_t n_moe) {
     nv_victim *s = calloc(1, sizeof *s);
     if (s == NULL) return NULL;
     s->nv = nv;
     s->n_layer = n_layer; s->n_expert = n_expert; s->n_moe = n_moe;
     s->n_words = (n_expert + 63) / 64;
-    s->moe_layers = moe_layers; s->last_seq = last_seq;
-    s->lease_count = lease_count; s->pinned = pinned;
-    const size_t k = (size_t) (n_moe ? n_moe : 1);
+    const size_t k = (size_t) (n_moe ? n_moe : 1), n_flat = (size_t) n_layer * n_expert;
+    s->moe_layers = malloc(k * sizeof *s->moe_layers);
+    s->last_seq = malloc(n_flat * sizeof *s->last_seq);
+    s->holds = calloc(n_flat, sizeof *s->holds);
     s->members = calloc((size_t) n_layer * s->n_words, sizeof *s->members);
     s->in_list = calloc((size_t) n_layer * n_expert, 1);
     s->ids = malloc((size_t) (n_expert ? n_expert : 1) * sizeof *s->ids);
@@ -42,14 +42,16 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
     s->dirty = calloc(k, 1);
     s->dep = calloc(k, 1);
     s->dirty_list = malloc(k * sizeof *s->dirty_list);
-    if (!s->members || !s->in_list || !s->ids || !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis || !s->list_ver ||
-        !s->list_bound || !s->list_w || !s->cand ||
-        !s->pool || !s->cand_z || !s->cand_le || !s->cand_lo || !s->cand_s ||
-        !s->masked || !s->exact || !s->dirty || !s->dep ||
-        !s->dirty_list) {
+    if (!s->moe_layers || !s->last_seq || !s->holds || !s->members || !s->in_list || !s->ids ||
+        !s->zs || !s->sel || !s->list || !s->list_n || !s->list_all || !s->list_vis ||
+        !s->list_ver || !s->list_bound || !s->list_w || !s->cand || !s->pool || !s->cand_z ||
+        !s->cand_le || !s->cand_lo || !s->cand_s || !s->masked || !s->exact || !s->dirty ||
+        !s->dep || !s->dirty_list) {
         nvv_free(s);
         return NULL;
     }
+    memcpy(s->moe_layers, moe_layers, (size_t) n_moe * sizeof *moe_layers);
+    for (size_t f = 0; f < n_flat; f++) s->last_seq[f] = -1;
     for (int32_t i = 0; i < n_moe; i++) {
         s->cand[i] = -1;
         s->cand_s[i] = INFINITY;
@@ -64,7 +66,9 @@ nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
 
 void nvv_free(nv_victim *s) {
     if (s == NULL) return;
-    free(s->members); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list); free(s->list_n); free(s->list_all); free(s->list_vis);
+    free(s->moe_layers); free(s->last_seq); free(s->holds);
+    free(s->members); free(s->in_list); free(s->ids); free(s->zs); free(s->sel); free(s->list);
+    free(s->list_n); free(s->list_all); free(s->list_vis);
     free(s->list_ver); free(s->list_bound); free(s->list_w);
     free(s->cand); free(s->pool); free(s->cand_z); free(s->cand_le); free(s->cand_lo);
     free(s->cand_s); free(s->masked); free(s->exact);
@@ -83,6 +87,13 @@ void nvv_stale(nv_victim *s, int32_t layer) {
     if (k >= 0) mark(s, k);
 }
 
+void nvv_hold(nv_victim *s, int32_t layer, const int32_t *restrict experts, int32_t n,
+              int32_t delta) {
+    int32_t *restrict holds = &s->holds[layer * s->n_expert];
+    for (int32_t i = 0; i < n; i++) holds[experts[i]] += delta;
+    nvv_stale(s, layer);
+}
+
 void nvv_stale_all(nv_victim *s) {
     for (int32_t l = 0; l < s->n_layer; l++) s->list_vis[l] = -1;
     for (int32_t k = 0; k < s->n_moe; k++) mark(s, k);
@@ -98,10 +109,6 @@ void nvv_reset(nv_victim *s, const int32_t *pool_of_layer) {
         if (s->pool[k] != s->pool[0]) s->one_pool = 0;
     }
     nvv_stale_all(s);
-}
-
-static inline int protected_by_use(const nv_victim *s, int32_t f) {
-    return s->lease_count[f] > 0 || s->pinned[f];
 }
 
 /* -expected's lower bound of MoE index k's candidate (cand_s: from the upper bound of its
@@ -136,7 +143,7 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     uint8_t dep = 0;
     for (int32_t i = 0; i < s->list_n[layer]; i++) {
         const int32_t g = list[i];
-        if (protected_by_use(s, g)) continue;
+        if (s->holds[g]) continue;
         if (s->last_seq[g] >= seq0) { dep = 1; continue; }
         f = g;
         break;
@@ -144,7 +151,7 @@ static void find_candidate(nv_victim *s, int32_t k, int64_t seq0) {
     if (f < 0 && !s->list_all[layer]) {          /* every listed key protected: scan */
         double bz = 0.0;
         FOR_MEMBERS(s, layer, g) {
-            if (protected_by_use(s, g)) continue;
+            if (s->holds[g]) continue;
             if (s->last_seq[g] >= seq0) { dep = 1; continue; }
             const double z = nv_logit(s->nv, layer, g);
             if (z_below(s, z, g, bz, f)) { f = g; bz = z; }
@@ -295,11 +302,17 @@ int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0) {
     return pick(s, pool);
 }
 
-/* every layer with a list: listed keys are members, in order, below every unlisted member,
- * whose z are >= the bound; list_all: no unlisted member. z from the features under the
- * weights the list's order is for (list_w). 0 ok, else 1 + the first failed check */
-int nvv_verify(const nv_victim *s) {
+/* the copies: each key's holds and each member's last seq are the core's (9, 10). Every
+ * layer with a list: listed keys are members, in order, below every unlisted member, whose z
+ * are >= the bound; list_all: no unlisted member. z from the features under the weights the
+ * list's order is for (list_w). 0 ok, else the first failed check (nv_victim.h) */
+int nvv_verify(const nv_victim *s, const int64_t *last_seq, const int32_t *lease_count,
+               const uint8_t *pinned) {
     const nv_model *m = s->nv;
+    for (int32_t f = 0; f < s->n_layer * s->n_expert; f++) {     /* the copies */
+        if (s->holds[f] != lease_count[f] + pinned[f]) return 9;
+        if (is_member(s, f) && s->last_seq[f] != last_seq[f]) return 10;
+    }
     if (s->list[s->n_layer * NV_LIST] != -1) return 7;          /* a list overran */
     for (int32_t k = 0; k < s->n_moe && s->version == m->version; k++) {
         const int32_t layer = s->moe_layers[k], f = s->cand[k];  /* the wait's bounds hold */
@@ -316,9 +329,8 @@ int nvv_verify(const nv_victim *s) {
         const int32_t n = s->list_n[layer];
         double lz[NV_LIST];
         for (int32_t i = 0; i < n; i++) {
-            const int32_t g = list[i], e = g - layer * s->n_expert;
-            if (g / s->n_expert != layer ||
-                !(s->members[layer * s->n_words + e / 64] >> (e % 64) & 1)) return 1;
+            const int32_t g = list[i];
+            if (g / s->n_expert != layer || !is_member(s, g)) return 1;
             double x[NV_F];
             nv_features(m, layer, g, x);
             lz[i] = nv_dot(wb, x);

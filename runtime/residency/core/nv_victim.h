@@ -3,8 +3,18 @@
  * The rule (next_visit.h): a layer's candidate is its lowest unprotected (z, last seq, flat),
  * found with no exp; the victim is the candidate lowest in (-expected, z, last seq, flat),
  * expected = distance + n_moe wait, with z, the rolled wait and the distance from the model.
- * Protected: touched at or after the call's first sequence number (seq0), leased or pinned
- * (the core's arrays).
+ * Protected: touched at or after the call's first sequence number (seq0), leased or pinned.
+ *
+ * The index owns what it reads: it never points into the core. Its copies, and who keeps
+ * them true (rc_verify's check 12 compares them with the core's arrays):
+ *   - each member's last seq, given when the key joins the order (nvv_push). The core never
+ *     changes a key's last seq while it is in the orders: a touched key leaves them first and
+ *     rejoins at its new seq (residency_core.c), a prefetch touches only absent keys;
+ *   - each key's holds (its leases' shares and its prefetch pin: protected while any), which
+ *     the core tells it as each is taken or ended (nvv_hold);
+ *   - the MoE layers (n_moe,), copied at creation.
+ * The model (nv_model, next_visit.h) is the order's own, shared with nv_visit; visits and
+ * weight updates reach the index through the model's counters (vis, version).
  *
  * Kept between calls, so a call costs O(layers) plus the layers that changed:
  *   - per layer, a list: a prefix of its keys in (z, last seq, flat), at most NV_LIST long
@@ -15,19 +25,19 @@
  *     are rescored and those still strictly below the bound's new value stay, in order
  *     (resort_list), so a weight update costs each layer its listed keys, not all of them;
  *   - per layer, its candidate with z and n_moe wait, until marked dirty: a key of the
- *     layer joined or left the order, its leases or pins changed, it was visited, the model's
- *     weights moved (once per token's worth of layer-steps), or a key skipped
+ *     layer joined or left the order, one of its holds was taken or ended, it was visited,
+ *     the model's weights moved (once per token's worth of layer-steps), or a key skipped
  *     for being touched at or after seq0 may no longer be (seq0 moved). The wait is first
  *     only bounded, with no exp (nv_wait_bounds: about 1e-5 apart); the search computes it
  *     (nv_wait, four exp) only for a candidate whose bounds do not yet set it apart from
  *     every other's: most candidates are never the victim, and the victim is most often
  *     apart from the rest by more than its bounds' width;
  *   - every layer's -expected (its bounds), recomputed when the model's current layer moves.
- * nvv_verify checks the lists' invariants and the candidates' bounds (rc_verify's check
- * 11); every decision is the reference's (runtime/residency/reference.py sorts every key;
- * tests compare).
+ * nvv_verify checks the lists' invariants, the candidates' bounds and the copies (rc_verify's
+ * checks 11 and 12); every decision is the reference's (runtime/residency/reference.py sorts
+ * every key; tests compare).
  * The core keeps the order's membership (its heap, with no order) and tells this search every
- * change through the functions below.
+ * change through the functions below (order.c's next-visit section).
  */
 #ifndef NV_VICTIM_H
 #define NV_VICTIM_H
@@ -40,10 +50,10 @@
 typedef struct {
     nv_model *nv;
     int32_t n_layer, n_expert, n_moe, n_words;
-    const int32_t *moe_layers;    /* (n_moe,) the core's */
-    const int64_t *last_seq;      /* (n_flat,) the core's */
-    const int32_t *lease_count;   /* (n_flat,) the core's */
-    const uint8_t *pinned;        /* (n_flat,) the core's */
+    int32_t *moe_layers;          /* (n_moe,) a copy */
+    int64_t *last_seq;            /* (n_flat,) each member's, given at nvv_push (others: stale) */
+    int32_t *holds;               /* (n_flat,) its leases' shares + its pin, every key
+                                     (nvv_hold): protected while > 0 */
     uint64_t *members;            /* (n_layer, n_words) bitmap: the layer's keys in the order */
     int32_t *ids, *sel; double *zs;  /* (n_expert,) scratch: a layer's members, their z */
     uint8_t *in_list;             /* (n_flat,) the key is in its layer's list */
@@ -71,8 +81,7 @@ typedef struct {
 } nv_victim;
 
 nv_victim *nvv_create(nv_model *nv, int32_t n_layer, int32_t n_expert,
-                      const int32_t *moe_layers, int32_t n_moe, const int64_t *last_seq,
-                      const int32_t *lease_count, const uint8_t *pinned);
+                      const int32_t *moe_layers, int32_t n_moe);
 void nvv_free(nv_victim *s);
 /* the orders are empty again; pool_of_layer (n_layer,) the pools */
 void nvv_reset(nv_victim *s, const int32_t *pool_of_layer);
@@ -80,16 +89,23 @@ void nvv_reset(nv_victim *s, const int32_t *pool_of_layer);
 static inline const uint64_t *nvv_members(const nv_victim *s, int32_t layer) {
     return &s->members[layer * s->n_words];
 }
-/* flat joined / left the order */
-void nvv_push(nv_victim *s, int32_t flat);
+/* flat joined the order, last accessed at sequence number last_seq (which stays its own until
+ * it leaves) / left the order */
+void nvv_push(nv_victim *s, int32_t flat, int64_t last_seq);
 void nvv_remove(nv_victim *s, int32_t flat);
-/* the protection of layer's keys changed, or the layer was visited */
+/* each of layer's experts (n, a repeat counts again) took (delta 1) or ended (-1) one hold
+ * (a lease's share, a prefetch pin) */
+void nvv_hold(nv_victim *s, int32_t layer, const int32_t *experts, int32_t n, int32_t delta);
+/* the layer was visited (its keys' z moved) */
 void nvv_stale(nv_victim *s, int32_t layer);
 /* every key's z changed (a warm start) */
 void nvv_stale_all(nv_victim *s);
 /* the lowest unprotected key of pool in the order, or -1 (it stays in the order) */
 int32_t nvv_lowest(nv_victim *s, int32_t pool, int64_t seq0);
-/* the lists' invariants (nv_victim.c): 0 ok, else which check failed */
-int nvv_verify(const nv_victim *s);
+/* the index's invariants (nv_victim.c): 0 ok, else which check failed: 1..8 the lists and
+ * the candidates; 9 a key's holds, 10 a member's last seq are not the core's (its arrays,
+ * (n_flat,) each, only read here) */
+int nvv_verify(const nv_victim *s, const int64_t *last_seq, const int32_t *lease_count,
+               const uint8_t *pinned);
 
 #endif

@@ -12,6 +12,12 @@ static inline int z_below(const nv_victim *s, double za, int32_t a, double zb, i
     return a < b;
 }
 
+/* f is in the order */
+static inline int is_member(const nv_victim *s, int32_t f) {
+    const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
+    return (int) (s->members[l * s->n_words + e / 64] >> (e % 64) & 1);
+}
+
 static inline int list_valid(const nv_victim *s, int32_t l) {
     return s->list_vis[l] == s->nv->vis[l] && s->list_ver[l] == s->nv->version;
 }

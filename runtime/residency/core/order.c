@@ -5,7 +5,9 @@
  *                        (score, last seq, flat), the score the policy's pure function
  *                        (policies/evict_*.c: lru, lfu, lfu-decay, phase-weighted, belady)
  *   rc_next_visit_order  next-visit's own index (nv_victim.h): its scores move with the layer
- *                        cycle, so the heap is only the membership set and the index searches
+ *                        cycle, so the heap is only the membership set and the index searches;
+ *                        the index keeps its own copies of what it reads (a member's last
+ *                        seq, given at push; each key's holds, counted through .hold)
  *
  * Invariant: a key is in every order of its pool iff it is resident (rc_verify checks 1, 2).
  */
@@ -52,7 +54,7 @@ const rc_order_ops rc_heap_order = {
 static int nv_push(rc_core *c, pool *p, int32_t o, int32_t f) {
     heap *h = &p->h[o];
     if (h->pos[f] >= 0) return 0;
-    nvv_push(c->nvv, f);
+    nvv_push(c->nvv, f, c->last_seq[f]);          /* its own until f leaves (unchanged) */
     return set_push(h, f);
 }
 
@@ -71,8 +73,7 @@ static int32_t nv_lowest(rc_core *c, pool *p, int32_t o, int64_t seq0) {
 static int nv_create_order(rc_core *c) {
     c->nv = nv_create(c->n_layer, c->n_expert, c->moe_layers, c->n_moe, c->pol.nv_learning_rate);
     c->nvv = c->nv == NULL ? NULL
-             : nvv_create(c->nv, c->n_layer, c->n_expert, c->moe_layers, c->n_moe,
-                          c->last_seq, c->lease_count, c->pinned);
+             : nvv_create(c->nv, c->n_layer, c->n_expert, c->moe_layers, c->n_moe);
     return c->nvv == NULL ? -1 : 0;
 }
 
@@ -91,31 +92,32 @@ static void nv_visit_layer(rc_core *c, int32_t layer, const int32_t *el, int32_t
     nvv_stale(c->nvv, layer);                 /* its keys' z moved */
 }
 
-static void nv_stale_layer(const rc_core *c, int32_t layer) { nvv_stale(c->nvv, layer); }
+static void nv_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n,
+                    int32_t delta) {
+    nvv_hold(c->nvv, layer, experts, n, delta);
+}
 
 static void nv_warm(rc_core *c, const double *frequency) {
     if (frequency != NULL) nv_warm_start(c->nv, frequency);
     nvv_stale_all(c->nvv);
 }
 
-static int nv_verify_order(const rc_core *c) { return nvv_verify(c->nvv) ? 11 : 0; }
+/* 11 the index's own invariants, 12 its copies of the core's state */
+static int nv_verify_order(const rc_core *c) {
+    const int code = nvv_verify(c->nvv, c->last_seq, c->lease_count, c->pinned);
+    return code == 0 ? 0 : code >= 9 ? 12 : 11;
+}
 
 const rc_order_ops rc_next_visit_order = {
     .push = nv_push, .remove = nv_remove, .lowest = nv_lowest,
     .ranks_below = score_ranks_below, .create = nv_create_order, .destroy = nv_destroy,
-    .reset = nv_reset, .visit = nv_visit_layer, .stale = nv_stale_layer, .warm_start = nv_warm,
+    .reset = nv_reset, .visit = nv_visit_layer, .hold = nv_hold, .warm_start = nv_warm,
     .verify = nv_verify_order,
 };
 
 /* ---- every order of a core ------------------------------------------------------------- */
 
-/* the orders are distinct specs with one rate each: an implementation with state of its own
- * (next-visit) appears at most once, so each hook runs once */
-#define EACH_ORDER_HOOK(hook, ...)                                          \
-    for (int32_t o_ = 0; o_ < c->pol.n_orders; o_++) {                      \
-        const rc_order_ops *ops_ = order_ops(c, o_);                        \
-        if (ops_->hook != NULL) ops_->hook(__VA_ARGS__);                    \
-    }
+/* (each optional hook runs through EACH_ORDER_HOOK, core_impl.h) */
 
 int order_create(rc_core *c) {
     for (int32_t o = 0; o < c->pol.n_orders; o++)
@@ -125,7 +127,6 @@ int order_create(rc_core *c) {
 
 void order_free(rc_core *c) { EACH_ORDER_HOOK(destroy, c); }
 void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset, c); }
-void order_stale(const rc_core *c, int32_t layer) { EACH_ORDER_HOOK(stale, c, layer); }
 void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
     EACH_ORDER_HOOK(visit, c, layer, el, n, phase);
 }

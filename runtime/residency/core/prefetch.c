@@ -54,8 +54,6 @@ int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, i
             if (lvec_push(&c->log_batch, c->replay_batch) < 0 || ivec_push(&c->log_flat, f) < 0)
                 return RC_ERR_NOMEM;
         }
-        c->pinned[f] = 1;
-        if (ivec_push(&c->pins_by_layer[f / c->n_expert], f) < 0) return RC_ERR_NOMEM;
         for (int32_t j = 0; j < c->r_victims.n; j++)
             if (ivec_push(&c->r_pf_victims, c->r_victims.v[j]) < 0) return RC_ERR_NOMEM;
         if (ivec_push(&c->r_pf_flats, f) < 0 || ivec_push(&c->r_pf_nv, c->r_victims.n) < 0)

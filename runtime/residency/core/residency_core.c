@@ -1,5 +1,5 @@
-/* residency_core: see residency_core.h. This file: lifetime, pools, leases and the rules of
- * one access, in the order it applies them (the other parts: core_impl.h):
+/* residency_core: see residency_core.h. This file: state changes and the rules of one
+ * access, in the order it applies them (the other parts: core_impl.h):
  *
  *  1. Checks first (layer, expert ids, offline inputs): a rejected call changes nothing.
  *  2. Membership is decided at entry: an element whose key is resident is a hit. Every element
@@ -32,6 +32,7 @@ int make_resident(rc_core *c, int32_t f, int32_t phase, int prefetched) {
     if (prefetched) {
         c->pf_unused[f] = 1;
         c->n_pf_unused++;
+        if (pin_key(c, f) < 0) return -1;
     }
     return order_add(c, f);
 }
@@ -51,38 +52,6 @@ void evict(rc_core *c, int32_t f, int32_t phase) {
         c->pf_unused[f] = 0;
         c->n_pf_unused--;
         t[C_PF_WASTED_BYTES] += b;
-    }
-}
-
-/* ---- leases ---------------------------------------------------------------------------- */
-
-static int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *experts, int32_t n) {
-    if (c->n_leases == c->cap_leases) {
-        int32_t cap = c->cap_leases ? 2 * c->cap_leases : 8;
-        lease *v = realloc(c->leases, (size_t) cap * sizeof *v);
-        if (v == NULL) return -1;
-        c->leases = v; c->cap_leases = cap;
-    }
-    lease *l = &c->leases[c->n_leases];
-    l->experts = malloc((size_t) (n ? n : 1) * sizeof *l->experts);
-    if (l->experts == NULL) return -1;
-    memcpy(l->experts, experts, (size_t) n * sizeof *experts);
-    l->id = id; l->base = base; l->n = n;
-    for (int32_t i = 0; i < n; i++) c->lease_count[base + experts[i]]++;
-    order_stale(c, base / c->n_expert);
-    c->n_leases++;
-    return 0;
-}
-
-void core_release(rc_core *c, int64_t lease_id) {
-    for (int32_t i = 0; i < c->n_leases; i++) {
-        lease *l = &c->leases[i];
-        if (l->id != lease_id) continue;
-        for (int32_t j = 0; j < l->n; j++) c->lease_count[l->base + l->experts[j]]--;
-        order_stale(c, l->base / c->n_expert);
-        free(l->experts);
-        *l = c->leases[--c->n_leases];
-        return;
     }
 }
 
@@ -247,10 +216,7 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
         if (order_add(c, c->r_touched.v[i]) < 0) return RC_ERR_NOMEM;
     /* 3. lease, pins, history, prefetch use */
     if (lease_id > 0 && take_lease(c, lease_id, base, el, n) < 0) return RC_ERR_NOMEM;
-    ivec *pins = &c->pins_by_layer[layer];
-    for (int32_t i = 0; i < pins->n; i++) c->pinned[pins->v[i]] = 0;
-    if (pins->n) order_stale(c, layer);
-    pins->n = 0;
+    unpin_layer(c, layer);
     if (c->last_experts != NULL) {
         ivec *h = &c->last_experts[phase * c->n_layer + layer];
         h->n = 0;

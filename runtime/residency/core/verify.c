@@ -4,6 +4,7 @@
  *   3 a pool's resident bytes or count disagree     5 a pool holds more than its capacity
  *   6 an order's structure is broken                8 a negative lease count
  *  10 the prefetched-unused count disagrees        11 next-visit's index (nv_victim.h)
+ *  12 next-visit's index's copies (a key's holds, a member's last seq) are not the core's
  */
 #include "core_impl.h"
 
