@@ -24,6 +24,7 @@ from runtime.replay.timing import PrefetchTiming, prefetch_timing
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.errors import UserError
 from runtime.residency.manager import ExpertResidencyManager, PoolSpec
+from runtime.residency.policies.factory import offline_needs as policy_offline_needs
 from runtime.residency.types import Phase
 from runtime.traces.trace import PHASE_PREFILL, RouteTrace
 
@@ -195,12 +196,7 @@ class CellResult:
 
 def offline_needs(config: ResidencyConfig) -> tuple[bool, bool]:
     """(needs next_use, needs upcoming) for the policies ``config`` names in any phase."""
-    nxt = upcoming = False
-    for phase in PHASES:
-        pol = config.policies_for(phase)
-        nxt |= pol.eviction.name == "belady" or pol.admission.name == "belady-bypass"
-        upcoming |= pol.prefetch.name == "belady"
-    return nxt, upcoming
+    return policy_offline_needs([config.policies_for(phase) for phase in PHASES])
 
 
 def replay_cell(prep: PreparedTrace, capacity_bytes: int | None, config: ResidencyConfig, *,

@@ -11,13 +11,12 @@ Both answer with the records below (``CoreAccess``, ``PoolStats``), never bare t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from runtime.residency.policies.factory import policy_entry
+from runtime.residency.policies.factory import offline_needs, policy_entry
 from runtime.residency.types import Phase
 
 
@@ -102,11 +101,12 @@ class CorePolicy:
     """The three phases' policies in the core's terms (see residency_core.h, rc_policy)."""
 
     orders: tuple[tuple[str, float, float], ...]   # distinct eviction specs: (name, p1, p2)
-    decay_rate: float                              # lfu-decay: ln 2 / half_life; 0: none
     phase_order: tuple[int, int, int]              # phase -> index into orders
     admission: tuple[tuple[str, float], ...]       # per phase: (name, parameter)
     prefetch: tuple[tuple[str, float], ...]        # per phase: (name, parameter); MIXED none
     track_next_use: bool                           # an offline policy: accesses need next_use
+    # the models of the core's own, set by the policies using them (the registry's `shared`)
+    decay_rate: float = 0.0                        # lfu-decay: ln 2 / half_life; 0: none
     nv_learning_rate: float = 0.0                  # next-visit's model; 0: none
     affinity: tuple[float, float, float] = (0.0, 0.0, 0.0)   # prefetch affinity: top_n,
                                                    # min_precision, link bytes per layer-step
@@ -128,42 +128,31 @@ class CorePolicy:
         for pp in phases:
             if pp.eviction not in specs:
                 specs.append(pp.eviction)
-        rates = set()
-        nv_rates = set()
-        orders = []
-        for spec in specs:
-            kw = spec.kwargs()
-            if spec.name == "lfu-decay":
-                rates.add(math.log(2.0) / kw["half_life"])
-            if spec.name == "next-visit":
-                nv_rates.add(kw["learning_rate"])
-            orders.append((spec.name, *_c_params("eviction", spec, 2)))
-        if len(rates) > 1:
-            raise UserError(f"{config.source}: lfu-decay half_life must be the same in every "
-                            "phase")
-        if len(nv_rates) > 1:
-            raise UserError(f"{config.source}: next-visit learning_rate must be the same in "
-                            "every phase")
+        orders = [(spec.name, *_c_params("eviction", spec, 2)) for spec in specs]
         admission = tuple((pp.admission.name, *_c_params("admission", pp.admission, 1))
                           for pp in phases)
         prefetch = [(pp.prefetch.name, *_c_params("prefetch", pp.prefetch, 1)) for pp in phases]
         prefetch[Phase.MIXED] = ("none", 0.0)
-        affinity = {(kw["top_n"], kw["min_precision"],
-                     config.cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6)
-                    for kw in (pp.prefetch.kwargs() for pp in phases[:2]
-                               if pp.prefetch.name == "affinity")}
-        if len(affinity) > 1:
-            raise UserError(f"{config.source}: prefetch affinity's parameters must be the same "
-                            "in every phase")
-        offline = any(pp.eviction.name == "belady" or pp.admission.name == "belady-bypass"
-                      for pp in phases)
-        return cls(orders=tuple(orders), decay_rate=rates.pop() if rates else 0.0,
-                   phase_order=tuple(specs.index(pp.eviction) for pp in phases),
-                   admission=admission, prefetch=tuple(prefetch), track_next_use=offline,
-                   nv_learning_rate=nv_rates.pop() if nv_rates else 0.0,
-                   affinity=affinity.pop() if affinity else (0.0, 0.0, 0.0),
+        # the models of the core's own (one per core): each policy's setting, one per phase
+        shared: dict[tuple[str, str, str], set] = {}
+        for role, spec in [("eviction", s) for s in specs] + [
+                ("prefetch", pp.prefetch) for pp in phases[:Phase.MIXED]]:
+            entry = policy_entry(role, spec.name)
+            if entry.shared is not None:
+                field, value = entry.shared(spec.kwargs(), config.cost)
+                shared.setdefault((field, role, spec.name), set()).add(value)
+        settings = {}
+        for (field, role, name), values in shared.items():
+            if len(values) > 1:
+                raise UserError(f"{config.source}: {role} policy {name!r} must have the same "
+                                "parameters in every phase (it keeps one model)")
+            settings[field] = values.pop()
+        return cls(orders=tuple(orders), phase_order=tuple(specs.index(pp.eviction)
+                                                           for pp in phases),
+                   admission=admission, prefetch=tuple(prefetch),
+                   track_next_use=offline_needs(phases)[0], **settings,
                    affinity_rates=(config.cost.link_gbps * 1e9, config.cost.link_latency_us * 1e-6,
                                    config.cost.gpu_mem_gbps * 1e9, config.cost.cpu_mem_gbps * 1e9))
 
     def needs_upcoming(self, phase: int) -> bool:
-        return self.prefetch[phase][0] == "belady"
+        return policy_entry("prefetch", self.prefetch[phase][0]).offline

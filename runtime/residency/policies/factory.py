@@ -39,6 +39,8 @@ Python reference); what each one does:
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.errors import UserError
@@ -52,24 +54,42 @@ class Policy:
     """One registry line: a policy's parameters with their defaults, its Python reference
     class (policies/eviction.py, admission.py, prefetch.py), and which parameters the core
     reads in its p1 / p2 slots. Its C twin is the file in core/policies/ that registers the
-    same name (the core's kind is looked up by it: CCore)."""
+    same name (the core's kind is looked up by it: CCore).
+
+    ``offline``: it reads the future (eviction, admission: each access's next use; prefetch:
+    the upcoming layer-step), so only replay can run it. ``shared``: for a policy with a
+    model of the core's own (one per core, whatever phases use it), the CorePolicy field it
+    sets and that field's value from the policy's parameters and the [cost] section; every
+    phase that uses the policy must give the same value."""
 
     params: dict[str, float]
     reference: type
     c_params: tuple[str, ...] = ()
+    offline: bool = False
+    shared: Callable[[dict[str, float], object], tuple[str, object]] | None = None
+
+
+def _affinity_settings(kw: dict[str, float], cost) -> tuple[str, object]:
+    """prefetch affinity: top_n, min_precision and the link's bytes per layer-step"""
+    return "affinity", (kw["top_n"], kw["min_precision"],
+                        cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6)
 
 
 # role -> name -> Policy: the one registry. A new policy is one line here, one reference
-# class and one C file (core/policies/, registering the same name; core/core_impl.h).
+# class and one C file (core/policies/, registering the same name; core/core_impl.h); what
+# the runtime needs to know of it beyond that (offline, a model of the core's own) is a
+# field of its line, never a name tested elsewhere.
 _REGISTRY: dict[str, dict[str, Policy]] = {
     "eviction": {
         "lru": Policy({}, eviction.Lru),
         "lfu": Policy({}, eviction.Lfu),
-        "lfu-decay": Policy({"half_life": 4096.0}, eviction.LfuDecay),
+        "lfu-decay": Policy({"half_life": 4096.0}, eviction.LfuDecay, shared=lambda kw, _: (
+            "decay_rate", math.log(2.0) / kw["half_life"])),
         "phase-weighted": Policy({"w_prefill": 1.0, "w_decode": 4.0},
                               eviction.PhaseWeighted, ("w_prefill", "w_decode")),
-        "belady": Policy({}, eviction.Belady),
-        "next-visit": Policy({"learning_rate": 0.016}, eviction.NextVisit),
+        "belady": Policy({}, eviction.Belady, offline=True),
+        "next-visit": Policy({"learning_rate": 0.016}, eviction.NextVisit, shared=lambda kw, _: (
+            "nv_learning_rate", kw["learning_rate"])),
     },
     "admission": {
         "always": Policy({}, admission.Always),
@@ -77,15 +97,15 @@ _REGISTRY: dict[str, dict[str, Policy]] = {
                                ("break_even",)),
         "transient-on-pressure": Policy({"window": 4096.0}, admission.TransientOnPressure,
                                      ("window",)),
-        "belady-bypass": Policy({}, admission.BeladyBypass),
+        "belady-bypass": Policy({}, admission.BeladyBypass, offline=True),
     },
     "prefetch": {
         "none": Policy({}, prefetch.NoPrefetch),
         "chunk-plan": Policy({"depth": 1.0}, prefetch.ChunkPlan, ("depth",)),
         "popularity": Policy({"top_n": 4.0}, prefetch.Popularity, ("top_n",)),
-        "belady": Policy({}, prefetch.BeladyPrefetch),
+        "belady": Policy({}, prefetch.BeladyPrefetch, offline=True),
         "affinity": Policy({"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
-                        prefetch.Affinity),   # (its parameters: CorePolicy.affinity)
+                           prefetch.Affinity, shared=_affinity_settings),
     },
 }
 
@@ -96,9 +116,16 @@ def policy_entry(role: str, name: str) -> Policy:
     return _REGISTRY[role][name]
 
 
+def offline_needs(phases) -> tuple[bool, bool]:
+    """(accesses need next_use, accesses need the upcoming step) for ``phases``' policies
+    (PhasePolicies, one per phase that runs them)."""
+    nxt = any(policy_entry("eviction", pp.eviction.name).offline
+              or policy_entry("admission", pp.admission.name).offline for pp in phases)
+    return nxt, any(policy_entry("prefetch", pp.prefetch.name).offline for pp in phases)
+
+
 # parameters that must be > 0 (the rest must be >= 0)
 _POSITIVE = {"half_life", "depth", "learning_rate", "layer_us"}
-OFFLINE_ONLY = {("eviction", "belady"), ("admission", "belady-bypass"), ("prefetch", "belady")}
 
 
 @dataclass(frozen=True)

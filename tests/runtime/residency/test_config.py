@@ -155,3 +155,35 @@ def test_config_check_cli_errors_and_success(tmp_path, tiny_model):
     gpu_share = write(tmp_path, '[devices]\n"cuda:0" = "80%"\n', "share.toml")
     proc = cli("config", "check", str(gpu_share))
     assert proc.returncode != 0 and "devices.cuda:0" in proc.stderr and "6GiB" in proc.stderr
+
+
+@pytest.mark.parametrize("role,name,params,other", [
+    ("eviction", "lfu-decay", "half_life = 1024", "half_life = 2048"),
+    ("eviction", "next-visit", "learning_rate = 0.01", "learning_rate = 0.02"),
+    ("prefetch", "affinity", "top_n = 2", "top_n = 3"),
+])
+def test_a_policy_with_its_own_model_takes_one_setting(tmp_path, role, name, params, other):
+    """lfu-decay's decay, next-visit's and affinity's models are one per core: the phases that
+    use the policy must agree on its parameters (registry line's `shared`)."""
+    from runtime.residency.core import CorePolicy
+
+    def config(decode_params: str):
+        return load_config(write(tmp_path, f"""
+[policy]
+phase_specific = true
+[policy.prefill]
+{role} = "{name}"
+{role}_params = {{ {params} }}
+[policy.decode]
+{role} = "{name}"
+{role}_params = {{ {decode_params} }}
+"""))
+
+    agreed = CorePolicy.from_config(config(params))
+    field = {"lfu-decay": "decay_rate", "next-visit": "nv_learning_rate",
+             "affinity": "affinity"}[name]
+    assert getattr(agreed, field) != getattr(CorePolicy.from_config(load_config(
+        write(tmp_path, "[policy]\n"))), field)           # set by the policy, not the default
+    with pytest.raises(UserError, match=f"{role} policy '{name}' must have the same "
+                                        "parameters in every phase"):
+        CorePolicy.from_config(config(other))
