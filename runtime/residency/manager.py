@@ -17,9 +17,10 @@ Usage (simulated: no device, no llama.cpp; the live runtime runs the same code):
 Live: ``m = ExpertResidencyManager(load_config(path), transport=...)``, then
 ``m.bind_model(facts.expert_bytes, facts.n_expert)`` and ``m.resolve_devices()``.
 
-The manager is a lock, lease ids and the transport over one residency core per device
+The manager is a lock and the transport over one residency core per device
 (runtime/residency/core: the C core; tests may pick its Python reference). The core owns
-every per-access decision and the state behind it; the manager turns its flat keys into
+every per-access decision, the state behind it and the lease ids (``step`` is its step,
+rc_step, for a consumer that holds one lease at a time); the manager turns its flat keys into
 ``ExpertKey``s, hands transfers to the transport after the lock is released, and reports.
 Each device is split into pools (layers that share a capacity; one pool unless the native
 cache reports several layouts): admission, eviction and counters are per pool.
@@ -52,6 +53,7 @@ from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, Re
                                      Ticket)
 
 _EMPTY: tuple = ()
+_NONE: list = []           # no notices, no drops (never appended to)
 _new_tuple = tuple.__new__   # builds a LayerAccess without its Python-level __new__
 
 
@@ -71,7 +73,6 @@ class ExpertResidencyManager:
         self._expert_bytes: np.ndarray | None = None
         self._moe_layers: tuple[int, ...] = ()
         self._key_list: list[ExpertKey] | None = None   # ExpertKey per flat key (lazy)
-        self._next_lease = 1
         self._next_job = 1                # ids of transfer notices (Ticket.id)
         self._transport.bind(self)
 
@@ -279,31 +280,57 @@ class ExpertResidencyManager:
                     release_id = release.lease_id
                 else:
                     self._release_locked(release)
-            lease_id = 0
-            if lease:
-                lease_id = self._next_lease
-                self._next_lease = lease_id + 1
+            lease_id = dev.core.lease_id() if lease else 0
             try:
                 r = dev.core.access(layer, experts, int(phase), next_use, up, lease_id,
                                     release_id)
             except CoreError as err:
                 raise refusal(err, layer, self._n_expert) from None
-            hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
-            keys = self._keys
-            adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
-            ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
-            tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
-            access = _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm, ev,
-                                              tra, tr, lease_id))
-            if dev.sim:
-                return access
-            submit = [self._notice(device, key, (), phase, False) for key in adm] if adm \
-                else []
-            drops = list(ev)
-            if prefetched:
-                self._prefetch_results(dev, prefetched, phase, submit, drops)
-        self._after_unlock(device, submit, drops)
+            access, submit, drops = self._decided(dev, layer, phase, r, lease_id)
+        if submit or drops:
+            self._after_unlock(device, submit, drops)
         return access
+
+    def step(self, device: str, held: int, layer: int, experts, phase: Phase) -> LayerAccess:
+        """One consumer's layer-step, the core's step (rc_step): lease ``layer``'s experts and
+        end ``held`` (an earlier step's ``lease_id``, 0: none) in one call. The access's
+        ``lease_id`` is the new lease: hand it to the next step, then to ``step_end``. A
+        refusal (UserError) has ended ``held`` all the same."""
+        dev = self._device(device)
+        with self._lock:
+            try:
+                lease_id, r = dev.core.step(held, layer, experts, int(phase))
+            except CoreError as err:
+                raise refusal(err, layer, self._n_expert) from None
+            access, submit, drops = self._decided(dev, layer, phase, r, lease_id)
+        if submit or drops:
+            self._after_unlock(device, submit, drops)
+        return access
+
+    def step_end(self, device: str, held: int) -> None:
+        """End a consumer's last step's lease (rc_step_end: its batch ended)."""
+        dev = self._device(device)
+        with self._lock:
+            dev.core.step_end(held)
+
+    def _decided(self, dev: Device, layer: int, phase: Phase, r, lease_id: int
+                 ) -> tuple[LayerAccess, list[Ticket], list[ExpertKey]]:
+        """A core call's decisions (``CoreAccess``) as a LayerAccess, and the transfer notices
+        and drops it owes a real transport (under the lock)."""
+        hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
+        keys = self._keys
+        adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
+        ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
+        tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
+        access = _new_tuple(LayerAccess, (dev.name, layer, phase, hits, misses, dmb, adm, ev,
+                                          tra, tr, lease_id))
+        if dev.sim:
+            return access, _NONE, _NONE
+        submit = [self._notice(dev.name, key, (), phase, False) for key in adm] if adm else []
+        drops = list(ev)
+        if prefetched:
+            self._prefetch_results(dev, prefetched, phase, submit, drops)
+        return access, submit, drops
 
     def _notice(self, device: str, key: ExpertKey, victims: tuple, phase: Phase,
                 prefetch: bool) -> Ticket:

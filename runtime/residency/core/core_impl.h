@@ -93,8 +93,7 @@ struct rc_core {
     int64_t call;
     int64_t n_pf_unused;
     int64_t seq;
-    int64_t next_lease;           /* the lease ids rc_step mints (step.c), apart from the
-                                     manager's (Python's, from 1) */
+    int64_t next_lease;           /* the next lease id (rc_lease_id: every lease's, from 1) */
     rc_policy pol;
     ivec *pins_by_layer;          /* (n_layer,) */
     ivec *last_experts;           /* (3 * n_layer,) chunk-plan history, or NULL */
