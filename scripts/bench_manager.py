@@ -6,10 +6,10 @@ A Qwen3-30B-A3B-shaped decode stream (48 MoE layers, 128 experts, top-8, skewed 
 through ``ExpertResidencyManager`` as the live hooks drive it: a transport attached to the
 device, driven two ways: from C as the routing hook's consumers step it (``rc_step`` per
 layer-step: a lease the core mints, the previous one released in the same call; no Python per
-step), and from Python as ResidencyObserver does for the reference core (an inline transport attached, as
-the native device cache and the RAM tier are: every eviction is a ``drop`` call and every
-admission a ``submit``; it moves nothing here, so what is timed is the manager; one
-``access_layer`` per layer-step with ``release=`` the previous access). The same arrays also
+step), and from Python as ResidencyObserver does for the reference core (an inline transport
+attached, as the native device cache and the RAM tier are: every eviction is a ``drop`` call and
+every admission a ``submit``; it moves nothing here, so what is timed is the manager; one
+``manager.step`` per layer-step, the previous step's lease handed back to end it). The same arrays also
 run through a bare ``OrderedDict`` LRU loop, in the same run. Prints µs/token for each, the ratio
 to the bare loop, the hit rates (which must agree closely) and the command line.
 
@@ -91,21 +91,21 @@ class ManagerRun:
         self.m.bind_model([expert_bytes] * layers, 128, TOP_K)   # as the live setup does
         self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.layers = layers
-        self.held = None       # the previous layer-step's access, leased until the next one
+        self.held = 0          # the previous layer-step's lease (core's step), 0: none
         self.token = 0
 
     def run(self, rows: list) -> None:
-        access_layer, release, decode = self.m.access_layer, self.m.release, Phase.DECODE
+        step, decode = self.m.step, Phase.DECODE
         held, token = self.held, self.token
         for row in rows:
             for layer in range(self.layers):
-                held = access_layer("cuda:0", layer, row[layer], decode, release=held)
+                held = step("cuda:0", held, layer, row[layer], decode).lease_id
             token += 1
         self.held, self.token = held, token
 
     def hits(self) -> int:
-        if self.held is not None:
-            self.m.release(self.held)
+        self.m.step_end("cuda:0", self.held)
+        self.held = 0
         self.m.verify()
         return self.m.snapshot().device("cuda:0").phase(Phase.DECODE).hits
 
@@ -231,7 +231,7 @@ def main() -> int:
         us = s / args.tokens * 1e6
         label = {"bare": "bare OrderedDict LRU",
                  "native": f"live, C hook -> core ({policy})",
-                 "manager": f"live, Python access_layer ({policy})"}[name]
+                 "manager": f"live, Python manager.step ({policy})"}[name]
         ratio = "" if name == "bare" else f"  ratio {us / bare_us:.2f}x"
         print(f"{label:34s} {us:8.1f} us/token  ({accesses / s / 1e3:.0f}k accesses/s)  "
               f"hit rate {hits[name] / accesses:.4f}{ratio}")

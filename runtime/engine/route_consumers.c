@@ -56,18 +56,21 @@ static void observer_error(const consumer *u, int32_t layer, int status, char *m
 }
 
 static const consumer_kind k_kinds[] = {
-    [RH_CONSUMER_CORE] = {RH_CONSUMER_CORE, core_step, core_end, core_error},
-    [RH_CONSUMER_CACHE] = {RH_CONSUMER_CACHE, cache_step, cache_end, cache_error},
-    [RH_CONSUMER_TIER] = {RH_CONSUMER_TIER, tier_step, tier_end, tier_error},
-    [RH_CONSUMER_OBSERVER] = {RH_CONSUMER_OBSERVER, observer_step, observer_end, observer_error},
+    [RH_CONSUMER_CORE] = {core_step, core_end, core_error},
+    [RH_CONSUMER_CACHE] = {cache_step, cache_end, cache_error},
+    [RH_CONSUMER_TIER] = {tier_step, tier_end, tier_error},
+    [RH_CONSUMER_OBSERVER] = {observer_step, observer_end, observer_error},
 };
+
+/* a consumer's RH_CONSUMER_* kind: its entry's index in k_kinds */
+static int32_t kind_of(const consumer *u) { return (int32_t) (u->kind - k_kinds); }
 
 static int add_consumer(rh_hook *h, int32_t kind, void *obj) {
     if (kind < 0 || kind > RH_CONSUMER_OBSERVER || obj == NULL ||
         h->n_consumers >= MAX_CONSUMERS)
         return -1;
     int32_t at = h->n_consumers;                    /* after every entry of its kind or before */
-    while (at > 0 && h->consumers[at - 1].kind->kind > kind) {
+    while (at > 0 && kind_of(&h->consumers[at - 1]) > kind) {
         h->consumers[at] = h->consumers[at - 1];
         at--;
     }
@@ -90,7 +93,7 @@ void rh_set_observer(rh_hook *h, rh_event_cb cb, void *user_data) {
 void rh_clear_consumers(rh_hook *h, int32_t kind) {
     int32_t n = 0;
     for (int32_t i = 0; i < h->n_consumers; i++)
-        if (h->consumers[i].kind->kind != kind) h->consumers[n++] = h->consumers[i];
+        if (kind_of(&h->consumers[i]) != kind) h->consumers[n++] = h->consumers[i];
     h->n_consumers = n;
 }
 

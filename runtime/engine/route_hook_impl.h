@@ -53,8 +53,7 @@ typedef struct {
     int32_t n;                                      /* n_rows * k */
 } step_event;
 typedef struct consumer consumer;
-typedef struct {
-    int kind;                                       /* RH_CONSUMER_* */
+typedef struct {                                    /* one per RH_CONSUMER_*, in that order */
     int (*step)(consumer *u, const step_event *e);
     void (*batch_end)(consumer *u);
     void (*error)(const consumer *u, int32_t layer, int status, char *msg, int32_t cap);

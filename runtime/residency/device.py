@@ -1,6 +1,7 @@
 """One device of the residency manager (``Device``: its core, pools and static state), its
-reports (``snapshot``, ``expert_map``) and what its refusals say (``refusal``,
-``replay_problem``): the manager has one per device and guards them with its lock."""
+reports (``snapshot``, ``expert_map``), its pools' layer map (``pool_of_layer``) and what its
+refusals say (``refusal``, ``replay_problem``): the manager has one per device and guards them
+with its lock."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,6 +34,24 @@ def refusal(err: CoreError, layer: int, n_expert: int) -> Exception:
         return RuntimeError(f"residency core: status {err.status}")
     return UserError("access_layer: " + message.format(layer=layer, bad=err.bad_value,
                                                        n=n_expert))
+
+
+def pool_of_layer(device: str, pools, n_layer: int, moe_layers: tuple[int, ...]) -> list[int]:
+    """(n_layer,) the pool of each layer (-1: dense) for ``pools`` (PoolSpecs): UserError
+    unless every MoE layer is in exactly one pool and every capacity is >= 0."""
+    of_layer = [-1] * n_layer
+    for i, pool in enumerate(pools):
+        if pool.capacity_bytes < 0:
+            raise UserError(f"{device}: pool {i}: capacity must be >= 0")
+        for layer in pool.layers:
+            if layer not in moe_layers or of_layer[layer] != -1:
+                raise UserError(f"{device}: pool {i}: layer {layer} is not a MoE layer, or "
+                                "is in two pools")
+            of_layer[layer] = i
+    missing = [layer for layer in moe_layers if of_layer[layer] < 0]
+    if missing:
+        raise UserError(f"{device}: layers {missing} are in no pool")
+    return of_layer
 
 
 class Device:
@@ -78,10 +97,12 @@ class Device:
                               self.static_bytes if self.static else None, tuple(pools))
 
 
-def replay_problem(experts: np.ndarray, layers: np.ndarray, n_expert: int,
-                   moe: np.ndarray) -> str | None:
+def replay_problem(experts: np.ndarray, layers: np.ndarray, n_expert: int, n_layer: int,
+                   moe_layers: tuple[int, ...]) -> str | None:
     """What is wrong with a trace's rows (an expert id out of range, a layer without routed
-    experts: moe (n_layer,) bool), or None; checked before the core changes anything."""
+    experts), or None; checked before the core changes anything."""
+    moe = np.zeros(n_layer, dtype=bool)
+    moe[list(moe_layers)] = True
     bad = experts[(experts < 0) | (experts >= n_expert)]
     if bad.size:
         return f"expert id {int(bad[0])} out of range [0, {n_expert})"

@@ -17,18 +17,17 @@ Usage (simulated: no device, no llama.cpp; the live runtime runs the same code):
 Live: ``m = ExpertResidencyManager(load_config(path), transport=...)``, then
 ``m.bind_model(facts.expert_bytes, facts.n_expert)`` and ``m.resolve_devices()``.
 
-The manager is a lock, lease ids and the transport over one residency core per device
+The manager is a lock and the transport over one residency core per device
 (runtime/residency/core: the C core; tests may pick its Python reference). The core owns
-every per-access decision and the state behind it; the manager turns its flat keys into
+every per-access decision, the state behind it and the lease ids (``step`` is its step,
+rc_step, for a consumer that holds one lease at a time); the manager turns its flat keys into
 ``ExpertKey``s, hands transfers to the transport after the lock is released, and reports.
 Each device is split into pools (layers that share a capacity; one pool unless the native
 cache reports several layouts): admission, eviction and counters are per pool.
 
-A decision takes effect at once: an admitted expert is resident from its admission on,
-whatever the transport's copy is doing, so replay and the live runtime decide alike. The
-transport (simulation, the native device cache, the RAM tier) is then told what to drop and
-what to move (``Ticket``: a transfer notice); should a move fail, it calls
-``transfer_failed`` and the expert leaves the device (docs/design/contracts.md).
+A decision takes effect at once (replay and the live runtime decide alike); the transport is
+then told what to drop and move (``TransferNotices``, runtime/residency/transport.py), and a
+failed move calls ``transfer_failed``: the expert leaves the device.
 """
 from __future__ import annotations
 
@@ -45,13 +44,16 @@ from runtime.residency.capacity import probe_device_memory, resolve_budget
 from runtime.residency.config import ResidencyConfig, preset_config
 from runtime.residency.core import RESIDENT_MAX, CoreError, CorePolicy
 from runtime.residency.cores import make_core
-from runtime.residency.device import Device, expert_map, refusal, replay_problem
+from runtime.residency.device import (Device, expert_map, pool_of_layer, refusal,
+                                      replay_problem)
 from runtime.residency.telemetry import ResidencySnapshot
-from runtime.residency.transport import SimulatedTransport, Transport
+from runtime.residency.transport import (SimulatedTransport, TransferNotices, Transport,
+                                         simulated)
 from runtime.residency.types import (ExpertKey, LayerAccess, Phase, PoolSpec, ReplayOutcome,
                                      Ticket)
 
 _EMPTY: tuple = ()
+_NONE: list = []           # no notices, no drops (never appended to)
 _new_tuple = tuple.__new__   # builds a LayerAccess without its Python-level __new__
 
 
@@ -71,8 +73,7 @@ class ExpertResidencyManager:
         self._expert_bytes: np.ndarray | None = None
         self._moe_layers: tuple[int, ...] = ()
         self._key_list: list[ExpertKey] | None = None   # ExpertKey per flat key (lazy)
-        self._next_lease = 1
-        self._next_job = 1                # ids of transfer notices (Ticket.id)
+        self._notices = TransferNotices()   # what a real transport is told (Ticket ids)
         self._transport.bind(self)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -126,17 +127,10 @@ class ExpertResidencyManager:
                               for e in range(ne)]
         return self._key_list
 
-    def _simulated(self, device: str) -> bool:
-        """Whether nothing moves on ``device`` (its transport, a mux serving several, is the
-        simulated one)."""
-        pick = getattr(self._transport, "transport_for", None)
-        transport = pick(device) if pick is not None else self._transport
-        return isinstance(transport, SimulatedTransport)
-
     def _add_device(self, name: str) -> Device:
         core = make_core(self._core_kind, len(self._expert_bytes), self._n_expert,
                          self._expert_bytes.tolist(), self.policy)
-        dev = Device(name, core, self._moe_layers, self._simulated(name))
+        dev = Device(name, core, self._moe_layers, simulated(self._transport, name))
         self._devices[name] = dev
         return dev
 
@@ -157,7 +151,7 @@ class ExpertResidencyManager:
 
     def _refresh_locked(self) -> None:
         for dev in self._devices.values():
-            dev.sim = self._simulated(dev.name)
+            dev.sim = simulated(self._transport, dev.name)
 
     @property
     def transport(self) -> Transport:
@@ -216,19 +210,8 @@ class ExpertResidencyManager:
             if self._expert_bytes is None:
                 raise UserError(f"{device}: set_pools needs a bound model (bind_model)")
             dev = self._devices.get(device) or self._add_device(device)
-            pool_of_layer = [-1] * len(self._expert_bytes)
-            for i, pool in enumerate(pools):
-                if pool.capacity_bytes < 0:
-                    raise UserError(f"{device}: pool {i}: capacity must be >= 0")
-                for layer in pool.layers:
-                    if layer not in self._moe_layers or pool_of_layer[layer] != -1:
-                        raise UserError(f"{device}: pool {i}: layer {layer} is not a MoE "
-                                        "layer, or is in two pools")
-                    pool_of_layer[layer] = i
-            missing = [layer for layer in self._moe_layers if pool_of_layer[layer] < 0]
-            if missing:
-                raise UserError(f"{device}: layers {missing} are in no pool")
-            rc = dev.core.set_pools(pool_of_layer, [p.capacity_bytes for p in pools])
+            of_layer = pool_of_layer(device, pools, len(self._expert_bytes), self._moe_layers)
+            rc = dev.core.set_pools(of_layer, [p.capacity_bytes for p in pools])
             if rc == core_api.ERR_STATE:
                 raise UserError(f"{device}: pools change only while the device holds nothing")
             if rc != 0:
@@ -279,60 +262,55 @@ class ExpertResidencyManager:
                     release_id = release.lease_id
                 else:
                     self._release_locked(release)
-            lease_id = 0
-            if lease:
-                lease_id = self._next_lease
-                self._next_lease = lease_id + 1
+            lease_id = dev.core.lease_id() if lease else 0
             try:
                 r = dev.core.access(layer, experts, int(phase), next_use, up, lease_id,
                                     release_id)
             except CoreError as err:
                 raise refusal(err, layer, self._n_expert) from None
-            hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
-            keys = self._keys
-            adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
-            ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
-            tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
-            access = _new_tuple(LayerAccess, (device, layer, phase, hits, misses, dmb, adm, ev,
-                                              tra, tr, lease_id))
-            if dev.sim:
-                return access
-            submit = [self._notice(device, key, (), phase, False) for key in adm] if adm \
-                else []
-            drops = list(ev)
-            if prefetched:
-                self._prefetch_results(dev, prefetched, phase, submit, drops)
-        self._after_unlock(device, submit, drops)
+            access, submit, drops = self._decided(dev, layer, phase, r, lease_id)
+        if submit or drops:
+            TransferNotices.send(self._transport, device, submit, drops)
         return access
 
-    def _notice(self, device: str, key: ExpertKey, victims: tuple, phase: Phase,
-                prefetch: bool) -> Ticket:
-        """A transfer notice for the transport (under the lock: the manager mints its id)."""
-        ticket = Ticket(self._next_job, device, key, int(self._expert_bytes[key.layer]),
-                        victims, phase, prefetch)
-        self._next_job += 1
-        return ticket
+    def step(self, device: str, held: int, layer: int, experts, phase: Phase) -> LayerAccess:
+        """One consumer's layer-step, the core's step (rc_step): lease ``layer``'s experts and
+        end ``held`` (an earlier step's ``lease_id``, 0: none) in one call. The access's
+        ``lease_id`` is the new lease: hand it to the next step, then to ``step_end``. A
+        refusal (UserError) has ended ``held`` all the same."""
+        dev = self._device(device)
+        with self._lock:
+            try:
+                lease_id, r = dev.core.step(held, layer, experts, int(phase))
+            except CoreError as err:
+                raise refusal(err, layer, self._n_expert) from None
+            access, submit, drops = self._decided(dev, layer, phase, r, lease_id)
+        if submit or drops:
+            TransferNotices.send(self._transport, device, submit, drops)
+        return access
 
-    def _prefetch_results(self, dev: Device, prefetched, phase: Phase, submit: list,
-                          drops: list) -> list[Ticket]:
-        """Transfer notices of the prefetches a core call issued (under the lock): appended to
-        ``submit``, and returned."""
-        start = len(submit)
+    def step_end(self, device: str, held: int) -> None:
+        """End a consumer's last step's lease (rc_step_end: its batch ended)."""
+        dev = self._device(device)
+        with self._lock:
+            dev.core.step_end(held)
+
+    def _decided(self, dev: Device, layer: int, phase: Phase, r, lease_id: int
+                 ) -> tuple[LayerAccess, list[Ticket], list[ExpertKey]]:
+        """A core call's decisions (``CoreAccess``) as a LayerAccess, and the transfer notices
+        and drops it owes a real transport (under the lock)."""
+        hits, misses, tr, dmb, admitted, evicted, transient, prefetched = r  # CoreAccess
         keys = self._keys
-        for flat, victims in prefetched:
-            ticket = self._notice(dev.name, keys[flat], tuple(keys[v] for v in victims),
-                                  phase, True)
-            drops.extend(ticket.victims)
-            submit.append(ticket)
-        return submit[start:]
-
-    def _after_unlock(self, device: str, submit: list[Ticket], drops: list[ExpertKey]) -> None:
-        """Drops first (their space is free to reuse), then the transfers."""
-        transport = self._transport
-        for key in drops:
-            transport.drop(device, key)
-        for ticket in submit:
-            transport.submit(ticket)
+        adm = tuple([keys[f] for f in admitted]) if admitted else _EMPTY
+        ev = tuple([keys[f] for f in evicted]) if evicted else _EMPTY
+        tra = tuple([keys[f] for f in transient]) if transient else _EMPTY
+        access = _new_tuple(LayerAccess, (dev.name, layer, phase, hits, misses, dmb, adm, ev,
+                                          tra, tr, lease_id))
+        if dev.sim:
+            return access, _NONE, _NONE
+        submit, drops = self._notices.of(dev.name, phase, adm, ev, prefetched, keys,
+                                         self._expert_bytes)
+        return access, submit, drops
 
     def replay(self, device: str, bounds: np.ndarray, layers: np.ndarray, phases: np.ndarray,
                experts: np.ndarray, next_use: np.ndarray | None = None,
@@ -347,9 +325,8 @@ class ExpertResidencyManager:
         if not dev.sim:
             raise RuntimeError(f"replay: {device} is served by a real transport")
         experts, layers = np.asarray(experts), np.asarray(layers)
-        moe = np.zeros(len(self._expert_bytes), dtype=bool)
-        moe[list(self._moe_layers)] = True
-        problem = replay_problem(experts, layers, self._n_expert, moe)
+        problem = replay_problem(experts, layers, self._n_expert, len(self._expert_bytes),
+                                 self._moe_layers)
         if problem is not None:
             raise UserError(f"replay: {problem}")
         with self._lock:
@@ -378,17 +355,16 @@ class ExpertResidencyManager:
         """
         dev = self._device(device)
         ne = self._n_expert
-        submit: list[Ticket] = []
-        drops: list[ExpertKey] = []
         with self._lock:
             try:
                 r = dev.core.prefetch([k.layer * ne + k.expert for k in keys], int(phase))
             except CoreError:
                 raise UserError(f"prefetch: {device}: a key is not a routed expert of the "
                                 "model") from None
-            issued = self._prefetch_results(dev, r.prefetched, phase, submit, drops)
+            issued, drops = self._notices.of(device, phase, _EMPTY, _EMPTY, r.prefetched,
+                                             self._keys, self._expert_bytes)
         if not dev.sim:
-            self._after_unlock(device, submit, drops)
+            TransferNotices.send(self._transport, device, issued, drops)
         return issued
 
     def transfer_failed(self, ticket: Ticket) -> bool:
@@ -409,9 +385,8 @@ class ExpertResidencyManager:
         capacity = self.capacity(device)
         if capacity is None:
             raise UserError(f"{device}: plan_static needs a resolved capacity (resolve_device)")
-        layers, used = static_plan.first_fitting_layers(self._expert_bytes.tolist(),
-                                                        self._n_expert, capacity, skip)
-        return static_plan.StaticPlan(device, layers, len(layers) * self._n_expert, used)
+        return static_plan.plan(device, self._expert_bytes.tolist(), self._n_expert, capacity,
+                                skip)
 
     def pin_static(self, device: str, plan: static_plan.StaticPlan) -> None:
         """Make ``plan``'s experts resident on ``device`` for good and mark it static; refused
@@ -428,11 +403,9 @@ class ExpertResidencyManager:
     def warm_start(self, device: str, profile) -> None:
         """Seed the device's learned policies (eviction next-visit, prefetch affinity) from a
         RoutingProfile (runtime/residency/profile.py); UserError for another model's."""
-        if self._expert_bytes is None:
-            raise UserError("residency manager: no model bound yet (call bind_model first)")
+        dev = self._device(device)            # UserError before bind_model too
         profile.check_model(len(self._expert_bytes), self._n_expert, self._expert_bytes,
                             "profile")
-        dev = self._device(device)
         with self._lock:
             dev.core.warm_start(profile.frequency, profile.pair, profile.count,
                                 profile.history)

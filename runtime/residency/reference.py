@@ -74,6 +74,7 @@ class ReferenceCore:
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
         self.leases: dict[int, tuple[int, list[int]]] = {}
+        self.next_lease = 1                 # the core owns every lease id (rc_lease_id)
         self.history: dict[tuple[int, int], list[int]] = {}
         self.seq = 0
         self.is_static = False
@@ -342,6 +343,19 @@ class ReferenceCore:
 
     def release(self, lease_id: int) -> None:
         self.leases.pop(lease_id, None)
+
+    def lease_id(self) -> int:
+        lease, self.next_lease = self.next_lease, self.next_lease + 1
+        return lease
+
+    # the step (step.c): one consumer's layer-step, its lease minted here, ``held`` ended
+    def step(self, held: int, layer: int, experts, phase: int) -> tuple[int, CoreAccess]:
+        lease = self.lease_id()
+        return lease, self.access(layer, experts, phase, lease_id=lease, release_id=held)
+
+    def step_end(self, held: int) -> None:
+        if held:
+            self.release(held)
 
     def prefetch(self, flats, phase: int):
         res = dict(admitted=[], evicted=[], transient=[], prefetched=[])

@@ -6,7 +6,7 @@ picks them, ``pin_static`` makes them resident for good and marks the device sta
 static device an access to a pinned expert is a hit; any other is a demand miss used
 transiently (counted in ``transient_uses``), never admitted, and nothing is evicted or
 prefetched (the residency core's static mode). The manager's ``plan_static``/``pin_static``
-take the rules here (``first_fitting_layers``, ``plan_problem``, ``pin``).
+take the rules here (``plan``, ``first_fitting_layers``, ``plan_problem``, ``pin``).
 """
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def first_fitting_layers(expert_bytes: Sequence[int], n_expert: int,
         chosen.append(layer)
         used += size
     return tuple(chosen), used
+
+
+def plan(device: str, expert_bytes: Sequence[int], n_expert: int, capacity_bytes: int,
+         skip: Sequence[int] = ()) -> StaticPlan:
+    """The static plan for ``device``: its ``first_fitting_layers``, whole."""
+    layers, used = first_fitting_layers(expert_bytes, n_expert, capacity_bytes, skip)
+    return StaticPlan(device, layers, len(layers) * n_expert, used)
 
 
 def plan_problem(plan: StaticPlan, device: str, *, capacity: int | None,

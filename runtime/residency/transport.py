@@ -3,7 +3,8 @@ while they do.
 
 A decision takes effect at once (an admitted expert is resident from its admission on):
 ``drop(device, key)`` is called for each victim, then ``submit(ticket)`` for each expert to
-move (a ``Ticket`` is a transfer notice). A move that fails calls
+move (a ``Ticket`` is a transfer notice; ``TransferNotices`` builds them from a core call's
+decisions and sends them). A move that fails calls
 ``manager.transfer_failed(ticket)``: the expert leaves the device. Transports: the
 ``SimulatedTransport`` (replay, tests: never called), the native device cache
 (runtime/native) and the RAM tier (runtime/ramtier).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from runtime.residency.types import ExpertKey, Ticket
+from runtime.residency.types import ExpertKey, Phase, Ticket
 
 
 class Transport(Protocol):
@@ -32,6 +33,48 @@ class SimulatedTransport:
 
     def drop(self, device: str, key: ExpertKey) -> None:
         return None
+
+
+class TransferNotices:
+    """What a transport is told of a core call's decisions: a ``Ticket`` per admitted key and
+    per prefetch, and the keys to drop (the evicted, the prefetches' victims). Mints the
+    tickets' ids (one numbering per manager). ``of`` runs under the manager's lock, ``send``
+    after it."""
+
+    def __init__(self):
+        self._next_id = 1
+
+    def _ticket(self, device: str, key: ExpertKey, nbytes: int, victims: tuple, phase: Phase,
+                prefetch: bool) -> Ticket:
+        ticket = Ticket(self._next_id, device, key, nbytes, victims, phase, prefetch)
+        self._next_id += 1
+        return ticket
+
+    def of(self, device: str, phase: Phase, admitted: tuple[ExpertKey, ...],
+           evicted: tuple[ExpertKey, ...], prefetched, keys: list[ExpertKey], expert_bytes
+           ) -> tuple[list[Ticket], list[ExpertKey]]:
+        """(tickets, drops) in issue order: the admitted keys', then each prefetch's
+        (``prefetched``: (flat key, victim flat keys) pairs; ``keys``: ExpertKey per flat
+        key; ``expert_bytes``: per layer)."""
+        submit = [self._ticket(device, key, int(expert_bytes[key.layer]), (), phase, False)
+                  for key in admitted]
+        drops = list(evicted)
+        for flat, victims in prefetched:
+            key = keys[flat]
+            ticket = self._ticket(device, key, int(expert_bytes[key.layer]),
+                                  tuple(keys[v] for v in victims), phase, True)
+            drops.extend(ticket.victims)
+            submit.append(ticket)
+        return submit, drops
+
+    @staticmethod
+    def send(transport: Transport, device: str, submit: list[Ticket],
+             drops: list[ExpertKey]) -> None:
+        """Drops first (their space is free to reuse), then the transfers."""
+        for key in drops:
+            transport.drop(device, key)
+        for ticket in submit:
+            transport.submit(ticket)
 
 
 # ---- one manager, several transports ---------------------------------------------------
@@ -67,6 +110,13 @@ class DeviceTransports:
 
     def drop(self, device: str, key: ExpertKey) -> None:
         self.by_device.get(device, self.default).drop(device, key)
+
+
+def simulated(transport, device: str) -> bool:
+    """Whether nothing moves on ``device``: ``transport`` (or, a mux, the one serving the
+    device) is the simulated one."""
+    pick = getattr(transport, "transport_for", None)
+    return isinstance(pick(device) if pick is not None else transport, SimulatedTransport)
 
 
 def claim_device(manager, device: str, transport) -> DeviceTransports:

@@ -1,6 +1,8 @@
 /* api: the residency core's public entry points (residency_core.h). The locking rule lives
  * here: each takes the core's mutex for its whole call, queries included, and calls the
  * unlocked body (core_impl.h); no body calls an entry point (the mutex is not recursive).
+ * rc_lease_id alone takes no mutex: its counter is atomic, so a step (step.c) can mint its id
+ * before rc_access takes the mutex.
  */
 #include "core_impl.h"
 
@@ -21,6 +23,10 @@ int rc_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
 
 int rc_set_capacity(rc_core *c, int32_t pool, int64_t capacity) {
     LOCKED(core_set_capacity(c, pool, capacity));
+}
+
+int64_t rc_lease_id(rc_core *c) {
+    return __atomic_fetch_add(&c->next_lease, 1, __ATOMIC_RELAXED);
 }
 
 void rc_release(rc_core *c, int64_t lease_id) {

@@ -84,6 +84,7 @@ class CCore:
         self.n_layer, self.n_expert = n_layer, n_expert
         self.n_moe = sum(1 for b in expert_bytes if int(b) > 0)
         self._stats = ffi.new("rc_pool_stats *")
+        self._held = ffi.new("int64_t *")         # step()'s lease, in and out
 
     # -- configuration -------------------------------------------------------------------
     def set_pools(self, pool_of_layer, capacities) -> int:
@@ -152,6 +153,29 @@ class CCore:
 
     def release(self, lease_id: int) -> None:
         self.lib.rc_release(self._c, lease_id)
+
+    def lease_id(self) -> int:
+        """A fresh lease id (the core owns every lease id: rc_lease_id)."""
+        return self.lib.rc_lease_id(self._c)
+
+    def step(self, held: int, layer: int, experts, phase: int) -> tuple[int, CoreAccess]:
+        """One consumer's layer-step (rc_step): lease the layer's experts under a new id and
+        end ``held`` (0: none) in the same call; (the new lease, the decisions). On CoreError
+        ``held`` has ended all the same and nothing is leased."""
+        el = _int32(experts)
+        h = self._held
+        h[0] = held
+        rc = self.lib.rc_step(self._c, h, layer, self.ffi.from_buffer("int32_t[]", el), len(el),
+                              phase, self._out)
+        if rc != 0:
+            raise CoreError(rc, self._out.bad_value)
+        return h[0], self._results()
+
+    def step_end(self, held: int) -> None:
+        """End a consumer's last lease (rc_step_end: the batch ended)."""
+        h = self._held
+        h[0] = held
+        self.lib.rc_step_end(self._c, h)
 
     def prefetch(self, flats, phase: int):
         """What a prefetch of ``flats`` (priority order) decided, as access()."""

@@ -179,8 +179,7 @@ struct rc_core {
     int64_t call;
     int64_t n_pf_unused;
     int64_t seq;
-    int64_t next_lease;           /* the lease ids rc_step mints (step.c), apart from the
-                                     manager's (Python's, from 1) */
+    int64_t next_lease;           /* the next lease id (rc_lease_id: every lease's, from 1) */
     rc_policy pol;
     /* the policies of pol's kinds, copied at rc_create (the hot path reads them here) */
     rc_eviction_policy evict[3];      /* per order */

@@ -56,7 +56,7 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
         c->planner[ph] = *RC_PREFETCH_POLICIES[policy->prefetch[ph]];
         history |= c->planner[ph].needs_history;
     }
-    c->next_lease = ((int64_t) 1) << 50;
+    c->next_lease = 1;                          /* the core's lease ids: rc_lease_id */
     pthread_mutex_init(&c->mu, NULL);
     c->bytes_flat = malloc((size_t) n * sizeof *c->bytes_flat);
     c->pool_of_layer = malloc((size_t) n_layer * sizeof *c->pool_of_layer);

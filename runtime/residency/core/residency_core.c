@@ -337,8 +337,6 @@ int core_pin_static(rc_core *c, const int32_t *flats, int32_t n) {
     return RC_OK;
 }
 
-int64_t rc_lease_id(rc_core *c) { return __atomic_fetch_add(&c->next_lease, 1, __ATOMIC_RELAXED); }
-
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase) {
     rc_result r;

@@ -32,10 +32,11 @@
  *     rc_set_pools(c, 1, pool_of_layer, capacity);
  *     int32_t experts[4] = {5, 17, 3, 90};             // one layer-step, routing order
  *     rc_result r;
+ *     int64_t lease = rc_lease_id(c);                  // the core mints every lease id
  *     int rc = rc_access(c, 1, experts, 4, RC_DECODE, NULL, -1, NULL, NULL, 0,
- *                        1, 0, &r);                    // lease 1 holds them, none released
+ *                        lease, 0, &r);                // the lease holds them, none released
  *     int admitted = r.n_admitted;                     // read r before the next call
- *     rc_release(c, 1);                                // the layer's experts ran
+ *     rc_release(c, lease);                            // the layer's experts ran
  *     rc_pool_stats stats;
  *     rc_pool_snapshot(c, 0, &stats);
  *     rc_free(c);
@@ -119,8 +120,8 @@ int rc_set_capacity(rc_core *c, int32_t pool, int64_t capacity);
 
 /* one layer-step: experts[n] in routing order; next_use[n] or NULL; upcoming (the next
  * layer-step, belady prefetch) as up_layer / up_experts[n_up] / up_index[n_up] or
- * up_layer -1. lease_id > 0 leases the call's experts until rc_release(lease_id);
- * release_id > 0 ends that lease first. */
+ * up_layer -1. lease_id > 0 (from rc_lease_id) leases the call's experts until
+ * rc_release(lease_id); release_id > 0 ends that lease first. */
 int rc_access(rc_core *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase,
               const int64_t *next_use, int32_t up_layer, const int32_t *up_experts,
               const int64_t *up_index, int32_t n_up, int64_t lease_id, int64_t release_id,
@@ -156,7 +157,10 @@ int rc_step(rc_core *c, int64_t *held, int32_t layer, const int32_t *experts, in
             int32_t phase, rc_result *out);
 void rc_step_end(rc_core *c, int64_t *held);
 void rc_step_message(char *buf, int32_t cap, const char *who, int32_t layer, int status);
-/* a fresh lease id (rc_step's; never one of the manager's, which count from 1) */
+/* a fresh lease id. The core is the one owner of its lease ids (1, 2, ...): rc_step mints its
+ * own, and a caller of rc_access that leases (the manager, through its device's core) takes
+ * its id here, so no two holders ever share one. A consumer that steps needs nothing but
+ * rc_step / rc_step_end. */
 int64_t rc_lease_id(rc_core *c);
 
 /* the live consumers' calling pattern, for benchmarks: n_steps layer-steps (layers[i],

@@ -11,9 +11,11 @@
 (function () {
   const $ = (id) => document.getElementById(id);
   const FAST_MS = 250, SLOW_MS = 2000, OFF_MS = 15000;
-  const COLORS = {gpu: [16, 185, 129], ram: [59, 130, 246], disk: [168, 162, 158],
-                  loading: [245, 158, 11]};
-  const LABEL = {gpu: "GPU", ram: "RAM", disk: "storage", loading: "moving in"};
+  // an expert's state in the map is "R" (resident) or "-" (absent): a decision takes effect
+  // at once, so nothing is ever half-way in (runtime/residency/telemetry.py, STATE_CHARS)
+  const COLORS = {gpu: [16, 185, 129], ram: [59, 130, 246], disk: [168, 162, 158]};
+  const MOVED = [245, 158, 11];  // the activity chart's bars: bytes moved in
+  const LABEL = {gpu: "GPU", ram: "RAM", disk: "storage"};
   let busy = false, timer = null, inFlight = false;
   let view = null;               // what the map shows now (for the tooltip)
   let lastRouted = null;         // routed counts at the previous update (change outlines)
@@ -90,7 +92,7 @@
     const where = new Array(rows * cols).fill("disk");
     const holder = new Array(rows * cols).fill("");
     const routed = new Float64Array(rows * cols);
-    const rank = {gpu: 3, ram: 2, loading: 1, disk: 0};
+    const rank = {gpu: 2, ram: 1, disk: 0};
     for (const [name, d] of named) {
       const kind = kindOf(name);
       for (let l = 0; l < rows; l++) {
@@ -98,9 +100,9 @@
         for (let e = 0; e < cols; e++) {
           const i = l * cols + e;
           routed[i] = Math.max(routed[i], uses[e]);   // every device sees every access
-          const c = state[e];
-          const here = c === "R" || c === "E" ? kind : c === "P" ? "loading" : null;
-          if (here && rank[here] > rank[where[i]]) { where[i] = here; holder[i] = name; }
+          if (state[e] === "R" && rank[kind] > rank[where[i]]) {
+            where[i] = kind; holder[i] = name;
+          }
         }
       }
     }
@@ -176,7 +178,7 @@
     const x0 = width - samples.length * step;
     let max = 1;
     for (const s of samples) max = Math.max(max, s.moved);
-    ctx.fillStyle = "rgba(" + COLORS.loading.join(",") + ",.55)";
+    ctx.fillStyle = "rgba(" + MOVED.join(",") + ",.55)";
     samples.forEach((s, i) => {
       const h = (height - 2) * s.moved / max;
       ctx.fillRect(x0 + i * step, height - h, Math.max(1, step - 1), h);

@@ -70,7 +70,7 @@ def same_state(cores) -> None:
 
 ops = st.lists(st.tuples(
     st.sampled_from(["access", "access", "access", "hold", "release", "prefetch", "forget",
-                     "capacity", "bad"]),
+                     "capacity", "bad", "step", "step", "step_end"]),
     st.sampled_from(MOE), st.lists(st.integers(0, N_EXPERT - 1), min_size=1, max_size=7),
     st.integers(0, 2), st.integers(0, 10)), min_size=5, max_size=60)
 
@@ -88,18 +88,29 @@ def test_core_equals_reference(ev, ad, pf, ev2, pools, steps):
         for c in cores:
             assert c.set_capacity(0, 550) == 0
     leases: list[int] = []
-    next_lease = 1
+    held = 0                                   # a stepping consumer's lease (the core's step)
     for op, layer, experts, phase, pick in steps:
         if op in ("access", "hold", "bad"):
             el = list(experts) + ([N_EXPERT + pick] if op == "bad" else [])
             lease = 0
-            if op == "hold":
-                lease, next_lease = next_lease, next_lease + 1
+            if op == "hold":                   # the core mints every lease id, in one order
+                lease = cores[0].lease_id()
+                assert cores[1].lease_id() == lease
             out = [outcome(c.access, layer, np.array(el, dtype=np.int32), phase,
                            lease_id=lease) for c in cores]
             assert out[0] == out[1]
             if out[0][0] != "refused" and lease:
                 leases.append(lease)
+        elif op == "step":                     # its previous lease ends, refused or not
+            el = list(experts) + ([N_EXPERT + pick] if pick == 10 else [])
+            out = [outcome(c.step, held, layer, np.array(el, dtype=np.int32), phase)
+                   for c in cores]
+            assert out[0] == out[1]
+            held = 0 if out[0][0] == "refused" else out[0][0]
+        elif op == "step_end":
+            for c in cores:
+                c.step_end(held)
+            held = 0
         elif op == "release" and leases:
             lease = leases.pop(pick % len(leases))
             for c in cores:

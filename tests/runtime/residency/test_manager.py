@@ -67,6 +67,31 @@ def test_held_lease_protects_other_layers_experts():
     m.verify()
 
 
+@pytest.mark.parametrize("core", ["native", "reference"])
+def test_step_holds_one_lease_the_core_mints(core):
+    # the core's step: a step's lease protects its experts until the next step or step_end;
+    # every lease id, access_layer's too, comes from the core (one numbering, from 1)
+    m = ExpertResidencyManager.create_simulated(expert_bytes=[100] * 4, n_expert=8,
+                                                capacity_bytes=200, policy="lru", core=core)
+    a = m.step("sim", 0, 0, np.array([0, 1]), Phase.DECODE)
+    assert a.lease_id == 1 and a.admitted == (K(0, 0), K(0, 1))
+    b = m.step("sim", 0, 1, np.array([3]), Phase.DECODE)     # a second consumer: a still held
+    assert b.lease_id == 2 and b.transient == (K(1, 3),)
+    c = m.access_layer("sim", 2, np.array([4]), Phase.DECODE, release=b)
+    assert c.lease_id == 3 and c.transient == (K(2, 4),)
+    m.release(c)
+    d = m.step("sim", a.lease_id, 1, np.array([3]), Phase.DECODE)   # ends a's lease
+    assert d.lease_id == 4 and d.admitted == (K(1, 3),) and d.evicted == (K(0, 0),)
+    with pytest.raises(UserError, match="expert id 9"):        # refused: d ended all the same
+        m.step("sim", d.lease_id, 1, np.array([9]), Phase.DECODE)
+    e = m.step("sim", 0, 0, np.array([5, 6]), Phase.DECODE)
+    assert e.evicted == (K(0, 1), K(1, 3))
+    m.step_end("sim", e.lease_id)
+    m.step_end("sim", 0)                                         # nothing held: nothing to do
+    assert m.snapshot().device("sim").resident_experts == 2
+    m.verify()
+
+
 def lru_reference(stream, capacity, sizes):
     """Independent lru with layer-step leases, in bytes: a step's misses (routing order) evict
     the least recent keys outside the step until they fit, or evict nothing and are used once."""

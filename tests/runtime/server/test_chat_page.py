@@ -353,7 +353,7 @@ def test_the_api_key_from_the_settings(browser, start_server, tiny_model):
 
 
 # A snapshot with a GPU and the RAM tier (what a CUDA machine serves), for the map's merge:
-# each expert shows the fastest tier holding it; one moving in shows as moving.
+# each expert shows the fastest tier holding it (a state is "R" resident or "-" absent).
 _FAKE_RESIDENCY = r"""
 const phases = {prefill: {accesses: 10, hits: 8, admitted_bytes: 0, prefetch_issued_bytes: 0,
                           evicted_bytes: 0},
@@ -363,7 +363,7 @@ const routed = [[5, 0, 1, 0], [0, 0, 9, 2]];
 const device = (state) => ({capacity_bytes: 100, resident_bytes: 50, resident_experts: 2,
   note: "", phases, pools: [],
   experts: {layers: [1, 3], state, routed}});
-const snapshot = {devices: {"cuda:0": device(["R-P-", "--R-"]), cpu: device(["RR--", "E---"])}};
+const snapshot = {devices: {"cuda:0": device(["R---", "--R-"]), cpu: device(["RR--", "R---"])}};
 const realFetch = window.fetch;
 window.fetch = (url, init) => String(url).includes("/v1/residency")
   ? Promise.resolve(new Response(JSON.stringify(snapshot), {status: 200}))
@@ -389,10 +389,11 @@ def test_heat_map_places_each_expert(page):
            == "17")
     assert page.find_element(By.ID, "heatmap").get_attribute("data-resident") == "4"
     assert page.find_element(By.ID, "map-caption").text.startswith("2 layers × 4 experts")
-    colors = {"gpu": (16, 185, 129), "ram": (59, 130, 246), "disk": (168, 162, 158),
-              "moving": (245, 158, 11)}
-    expected = ["gpu", "ram", "moving", "disk",
-                "ram", "disk", "gpu", "disk"]       # layer 1, then layer 3; E is still resident
+    colors = {"gpu": (16, 185, 129), "ram": (59, 130, 246), "disk": (168, 162, 158)}
+    expected = ["gpu", "ram", "disk", "disk",
+                "ram", "disk", "gpu", "disk"]       # layer 1, then layer 3
+    assert page.find_element(By.CSS_SELECTOR, ".legend").text.split() == ["GPU", "RAM",
+                                                                           "storage"]
     pixels = page.execute_script(_PIXELS, 2, 4)
     seen = [min(colors, key=lambda k: sum(abs(a - b) for a, b in zip(colors[k], p[:3])))
             for p in pixels]
