@@ -62,14 +62,12 @@ class ReferenceCore:
         self.uses = [[0] * n for _ in range(3)]
         self.decay = [-math.inf] * n
         self.next_use = [NEVER] * n
-        self.nv = (NextVisitModel(n_layer, n_expert, self.moe_layers, policy.nv_learning_rate)
-                   if any(o[0] == "next-visit" for o in policy.orders) else None)
-        self.af = None
-        if any(p[0] == "affinity" for p in policy.prefetch):
-            self.af = AffinityModel(n_layer, n_expert, self.moe_layers, *policy.affinity,
-                                    float(max(int(b) for b in expert_bytes)),
-                                    policy.affinity_rates, policy.n_expert_used)
-            self.af.bytes_of = lambda f: self.nbytes[f]
+        self.nv = self.af = None            # the learned policies' models (their create)
+        planners = [policy_entry("prefetch", p[0]).reference for p in policy.prefetch]
+        for model in {policy_entry("eviction", o[0]).reference for o in policy.orders} | set(
+                planners):
+            model.create(self)
+        self.keeps_history = any(p.needs_history for p in planners)
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
@@ -81,6 +79,19 @@ class ReferenceCore:
         self.pf_event_of: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------
+    def next_visit_model(self) -> NextVisitModel:
+        """eviction next-visit's model (its reference class's create)"""
+        return NextVisitModel(self.n_layer, self.n_expert, self.moe_layers,
+                              self.policy.nv_learning_rate)
+
+    def affinity_model(self) -> AffinityModel:
+        """prefetch affinity's model (its reference class's create)"""
+        p = self.policy
+        model = AffinityModel(self.n_layer, self.n_expert, self.moe_layers, *p.affinity,
+                              float(max(self.nbytes)), p.affinity_rates, p.n_expert_used)
+        model.bytes_of = lambda f: self.nbytes[f]
+        return model
+
     def set_pools(self, pool_of_layer, capacities) -> int:
         if not capacities:
             return ERR_POOL
@@ -212,8 +223,7 @@ class ReferenceCore:
             self.leases[lease_id] = (base, list(el))
         for f in self.pins_by_layer.pop(layer, []):
             self.pinned.discard(f)
-        if self.policy.prefetch[0][0] == "chunk-plan" or self.policy.prefetch[1][0] == \
-                "chunk-plan":
+        if self.keeps_history:
             self.history[(phase, layer)] = list(el)
         pool = self.pools[self.pool_layer[layer]]
         t = pool.counters[phase]
@@ -289,7 +299,7 @@ class ReferenceCore:
 
     def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict,
                       n_hits: int, n_misses: int) -> None:
-        name, param = self.policy.prefetch[phase]
+        name, param = self.policy.prefetch[phase][:2]
         ne = self.n_expert
         if upcoming is not None and self.policy.track_next_use:
             ul, ue, ui = upcoming

@@ -20,11 +20,11 @@ from runtime.residency.policies.factory import offline_needs, policy_entry
 from runtime.residency.types import Phase
 
 
-def _c_params(role: str, spec, n: int) -> tuple[float, ...]:
-    """The parameters a policy's registry line names for the core's p1 / p2 slots (0.0 in
-    the slots it leaves)."""
-    kw = spec.kwargs()
-    named = [kw[p] for p in policy_entry(role, spec.name).c_params]
+def _c_params(role: str, spec, n: int, cost) -> tuple[float, ...]:
+    """What a policy's registry line puts in the core's p1 / p2 / p3 slots (0.0 in the slots
+    it leaves)."""
+    kw, slots = spec.kwargs(), policy_entry(role, spec.name).c_params
+    named = list(slots(kw, cost)) if callable(slots) else [kw[p] for p in slots]
     return tuple(named + [0.0] * (n - len(named)))
 
 # counter order of the core (telemetry.PhaseCounters' fields, hits left out: derived)
@@ -103,7 +103,8 @@ class CorePolicy:
     orders: tuple[tuple[str, float, float], ...]   # distinct eviction specs: (name, p1, p2)
     phase_order: tuple[int, int, int]              # phase -> index into orders
     admission: tuple[tuple[str, float], ...]       # per phase: (name, parameter)
-    prefetch: tuple[tuple[str, float], ...]        # per phase: (name, parameter); MIXED none
+    prefetch: tuple[tuple[str, float, float, float], ...]   # per phase: (name, p1, p2, p3);
+                                                   # MIXED none
     track_next_use: bool                           # an offline policy: accesses need next_use
     # the models of the core's own, set by the policies using them (the registry's `shared`)
     decay_rate: float = 0.0                        # lfu-decay: ln 2 / half_life; 0: none
@@ -128,11 +129,13 @@ class CorePolicy:
         for pp in phases:
             if pp.eviction not in specs:
                 specs.append(pp.eviction)
-        orders = [(spec.name, *_c_params("eviction", spec, 2)) for spec in specs]
-        admission = tuple((pp.admission.name, *_c_params("admission", pp.admission, 1))
+        cost = config.cost
+        orders = [(spec.name, *_c_params("eviction", spec, 2, cost)) for spec in specs]
+        admission = tuple((pp.admission.name, *_c_params("admission", pp.admission, 1, cost))
                           for pp in phases)
-        prefetch = [(pp.prefetch.name, *_c_params("prefetch", pp.prefetch, 1)) for pp in phases]
-        prefetch[Phase.MIXED] = ("none", 0.0)
+        prefetch = [(pp.prefetch.name, *_c_params("prefetch", pp.prefetch, 3, cost))
+                    for pp in phases]
+        prefetch[Phase.MIXED] = ("none", 0.0, 0.0, 0.0)
         # the models of the core's own (one per core): each policy's setting, one per phase
         shared: dict[tuple[str, str, str], set] = {}
         for role, spec in [("eviction", s) for s in specs] + [

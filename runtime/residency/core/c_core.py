@@ -68,9 +68,7 @@ class CCore:
             p.admission[ph] = c_policy_kind(lib, ffi, "admission", policy.admission[ph][0])
             p.admission_p1[ph] = policy.admission[ph][1]
             p.prefetch[ph] = c_policy_kind(lib, ffi, "prefetch", policy.prefetch[ph][0])
-            p.prefetch_p1[ph] = policy.prefetch[ph][1]
-            if policy.prefetch[ph][0] == "affinity":
-                p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.affinity
+            p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.prefetch[ph][1:]
         for i, rate in enumerate(policy.affinity_rates):
             p.affinity_rates[i] = rate
         p.n_expert_used = policy.n_expert_used

@@ -13,6 +13,10 @@ class EvictionPolicy:
     planned_scores = False   # a planner's own scores (expected layer-steps) rank in it
 
     @staticmethod
+    def create(core) -> None:
+        """its own model (the C twin's order create hook), if any"""
+
+    @staticmethod
     def priority(stats, params: tuple[float, float], f: int) -> float:
         raise NotImplementedError
 
@@ -58,6 +62,10 @@ class NextVisit(EvictionPolicy):
     """-(expected layer-steps to the next use); its order is its own index (nv_victim.h)."""
 
     planned_scores = True
+
+    @staticmethod
+    def create(core) -> None:
+        core.nv = core.next_visit_model()
 
     @staticmethod
     def priority(stats, params, f):

@@ -64,7 +64,9 @@ class Policy:
 
     params: dict[str, float]
     reference: type
-    c_params: tuple[str, ...] = ()
+    # the core's p1 / p2 (/ p3) slots: parameter names, or a function of the parameters and
+    # the [cost] section
+    c_params: tuple[str, ...] | Callable[[dict[str, float], object], tuple[float, ...]] = ()
     offline: bool = False
     shared: Callable[[dict[str, float], object], tuple[str, object]] | None = None
 
@@ -105,7 +107,8 @@ _REGISTRY: dict[str, dict[str, Policy]] = {
         "popularity": Policy({"top_n": 4.0}, prefetch.Popularity, ("top_n",)),
         "belady": Policy({}, prefetch.BeladyPrefetch, offline=True),
         "affinity": Policy({"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
-                           prefetch.Affinity, shared=_affinity_settings),
+                           prefetch.Affinity, lambda kw, cost: _affinity_settings(kw, cost)[1],
+                           shared=_affinity_settings),
     },
 }
 

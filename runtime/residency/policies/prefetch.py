@@ -22,14 +22,31 @@ class PlanStep:
     next_layers: tuple[int, ...]   # the MoE layers after ``layer``, ascending
 
 
-class NoPrefetch:
+class Planner:
+    """One planner (the C twin's descriptor: rc_prefetch_policy). ``needs_history``: the core
+    keeps each (phase, layer)'s latest experts for it; ``create(core)``: its own model."""
+
+    needs_history = False
+
+    @staticmethod
+    def plan(core, step: PlanStep):
+        raise NotImplementedError
+
+    @staticmethod
+    def create(core) -> None:
+        pass
+
+
+class NoPrefetch(Planner):
     @staticmethod
     def plan(core, step: PlanStep):
         return [], None
 
 
-class ChunkPlan:
+class ChunkPlan(Planner):
     """prefill: the next ``depth`` MoE layers' experts of the previous chunk (sorted, distinct)."""
+
+    needs_history = True
 
     @staticmethod
     def plan(core, step):
@@ -43,7 +60,7 @@ class ChunkPlan:
         return out, None
 
 
-class Popularity:
+class Popularity(Planner):
     """the next MoE layer's ``top_n`` most routed experts (then lower id; used at all)."""
 
     @staticmethod
@@ -57,7 +74,7 @@ class Popularity:
         return [layer * ne + e for e in ranked if counts[e] > 0], None
 
 
-class BeladyPrefetch:
+class BeladyPrefetch(Planner):
     """offline: the next layer-step's distinct experts."""
 
     @staticmethod
@@ -68,9 +85,13 @@ class BeladyPrefetch:
         return list(dict.fromkeys(int(layer) * core.n_expert + int(e) for e in experts)), None
 
 
-class Affinity:
+class Affinity(Planner):
     """decode: affinity's plan (reference_affinity.py), each key ranked by its predicted
     expected time; what it planned but did not bring in goes back to its link budget."""
+
+    @staticmethod
+    def create(core) -> None:
+        core.af = core.affinity_model()
 
     @staticmethod
     def plan(core, step):
