@@ -7,7 +7,7 @@ through ``ExpertResidencyManager`` as the live hooks drive it: a transport attac
 device, driven two ways: from C as the routing hook's consumers step it (``rc_step`` per
 layer-step: a lease the core mints, the previous one released in the same call; no Python per
 step), and from Python as ResidencyObserver does for the reference core (an inline transport attached, as
-the native device cache and the RAM tier are: every eviction is a ``drop`` call and every
+the device cache and the RAM tier are: every eviction is a ``drop`` call and every
 admission a ``submit``; it moves nothing here, so what is timed is the manager; one
 ``access_layer`` per layer-step with ``release=`` the previous access). The same arrays also
 run through a bare ``OrderedDict`` LRU loop, in the same run. Prints µs/token for each, the ratio
@@ -111,7 +111,7 @@ class ManagerRun:
 
 
 class NativeRun:
-    """The same stream as the C routing hook and slot cache drive the core in the runtime
+    """The same stream as the C routing hook and device cache drive the core in the runtime
     (rc_access per layer-step with a lease, the previous released; no Python per step)."""
 
     def __init__(self, layers: int, capacity_experts: int, policy: str, expert_bytes: int = 1):

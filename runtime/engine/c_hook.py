@@ -88,7 +88,7 @@ class CHook:
         self._n_cores = len(cores)
 
     def add_cache(self, cache) -> None:
-        """A native device cache (runtime.native.device_cache.DeviceCache) to drive."""
+        """A device cache (runtime.native.device_cache.DeviceCache) to drive."""
         self._add_consumer(self.lib.RH_CONSUMER_CACHE, cache.native_handle)
         self._caches.append(cache)
 

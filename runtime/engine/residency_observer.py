@@ -6,7 +6,7 @@ One ``access_layer`` per route event and device: the manager records the accesse
 decides admissions and evictions, and leases the layer's experts. A layer's lease is released
 when the next layer routes (in the same call: the graph runs layers in order, so its matmuls
 are done) or when the batch ends: the rule of rc_step / rc_step_end (step.c). This observer
-only does bookkeeping; a tier that moves bytes (the RAM tier, the native device cache) is its
+only does bookkeeping; a tier that moves bytes (the RAM tier, the device cache) is its
 own consumer of the routing hook.
 """
 from __future__ import annotations

@@ -54,7 +54,7 @@ int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *
  * caches, RAM tiers, the observer adapter), each before the layer's expert matmuls run, and
  * ended at every batch's end (a failed or aborted one too). At most 24.
  *   RH_CONSUMER_CORE   an rc_core (residency_core.h): rc_step, the decisions only
- *   RH_CONSUMER_CACHE  a dc_cache (slot_cache.h): dc_route (copies, id planes), dc_batch_end
+ *   RH_CONSUMER_CACHE  a dc_cache (device_cache.h): dc_route (copies, id planes), dc_batch_end
  *   RH_CONSUMER_TIER   an rt_tier (tier_io.h): rt_step (page-ins), rt_batch_end
  * 0, or -1 (a full list, an unknown kind, NULL). rh_clear_consumers drops one kind's. */
 enum { RH_CONSUMER_CORE = 0, RH_CONSUMER_CACHE = 1, RH_CONSUMER_TIER = 2,

@@ -38,7 +38,7 @@ def is_gpu(device: str) -> bool:
 
 
 def is_cache_device(device: str) -> bool:
-    """A device the native slot cache serves: a GPU, cpu-slots (host slots, same code), or a
+    """A device the device cache serves: a GPU, cpu-slots (host slots, same code), or a
     remote one (rpc:HOST:PORT[/N]; managed only with ``[rpc] mode = "cache"``)."""
     return is_gpu(device) or device == "cpu-slots" or device.startswith("rpc:")
 

@@ -26,7 +26,7 @@ cache reports several layouts): admission, eviction and counters are per pool.
 
 A decision takes effect at once: an admitted expert is resident from its admission on,
 whatever the transport's copy is doing, so replay and the live runtime decide alike. The
-transport (simulation, the native device cache, the RAM tier) is then told what to drop and
+transport (simulation, the device cache, the RAM tier) is then told what to drop and
 what to move (``Ticket``: a transfer notice); should a move fail, it calls
 ``transfer_failed`` and the expert leaves the device (docs/design/contracts.md).
 """

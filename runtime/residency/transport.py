@@ -5,7 +5,7 @@ A decision takes effect at once (an admitted expert is resident from its admissi
 ``drop(device, key)`` is called for each victim, then ``submit(ticket)`` for each expert to
 move (a ``Ticket`` is a transfer notice). A move that fails calls
 ``manager.transfer_failed(ticket)``: the expert leaves the device. Transports: the
-``SimulatedTransport`` (replay, tests: never called), the native device cache
+``SimulatedTransport`` (replay, tests: never called), the device cache
 (runtime/native) and the RAM tier (runtime/ramtier).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ class SimulatedTransport:
 
 # ---- one manager, several transports ---------------------------------------------------
 # The engine builds the manager with its default (simulated) transport; tiers that move bytes
-# (the RAM tier, the native device cache) attach afterwards and claim their device.
+# (the RAM tier, the device cache) attach afterwards and claim their device.
 
 class DeviceTransports:
     """Dispatch by ``ticket.device``; unclaimed devices use ``default``."""

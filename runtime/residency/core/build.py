@@ -1,7 +1,7 @@
 """Build and load moe-offload's C library: the residency core (``residency_core.c`` and the
 files core_impl.h lists), the
 routing hook that calls it from llama.cpp's graph (``runtime/engine/route_hook.c``), the
-device cache's mechanism it drives (``runtime/native/slot_cache.c``) and the RAM tier's
+device cache's mechanism it drives (``runtime/native/device_cache.c``) and the RAM tier's
 per-layer reads and drops (``runtime/ramtier/tier_io.c``).
 
 Compiled on first use (``$CC``, else ``cc``; plain C, no Python headers) into the cache's
@@ -36,8 +36,8 @@ SOURCES = (HERE / "residency_core.c", HERE / "lifetime.c", HERE / "api.c", HERE 
            HERE / "next_visit.c", HERE / "nv_victim.c", HERE / "nv_lists.c",
            HERE / "affinity.c", HERE / "neighbours.c",
            ENGINE / "route_hook.c", ENGINE / "route_consumers.c", ENGINE / "route_impose.c",
-           NATIVE / "slot_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
-HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "slot_cache.h",
+           NATIVE / "device_cache.c", RAMTIER / "tier_io.c", RAMTIER / "file_pages.c")
+HEADERS = (HERE / "residency_core.h", ENGINE / "route_hook.h", NATIVE / "device_cache.h",
            RAMTIER / "tier_io.h")
 # included by the sources only (not part of the cdef)
 INTERNAL = (HERE / "core_impl.h", HERE / "order_heap.h", HERE / "next_visit.h",

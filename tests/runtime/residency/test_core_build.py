@@ -1,4 +1,4 @@
-"""The C library (residency core, routing hook, slot cache) builds with the system compiler on
+"""The C library (residency core, routing hook, device cache) builds with the system compiler on
 first use, into the cache; without a working compiler every command says so in one line."""
 from __future__ import annotations
 
