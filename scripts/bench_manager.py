@@ -119,8 +119,8 @@ class NativeRun:
         self.m.bind_model([expert_bytes] * layers, 128, TOP_K)   # as the live setup does
         self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.core = self.m.core_handle("cuda:0")
-        from runtime.residency.core.build import load_core
-        self.lib, self.ffi = load_core()
+        from runtime.clib import load_library
+        self.lib, self.ffi = load_library()
         self.layers = layers
         self.n_hits = 0
 

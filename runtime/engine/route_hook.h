@@ -1,5 +1,6 @@
-/* route_hook: llama.cpp's eval callback (cb_eval) in C, built into the residency core's
- * library (runtime/residency/core/build.py) so that it calls the core directly. The only live
+/* route_hook: llama.cpp's eval callback (cb_eval) in C, built into moe-offload's one C library
+ * with the residency core (runtime/clib.py; this part: clib.toml) so that it calls the core,
+ * the device cache and the RAM tier directly. The only live
  * framing of routing events (runtime/engine/routing_hook.py is its slow reference).
  *
  * Per MoE layer-step the hook reads the router output (ffn_moe_topk, the applied weight

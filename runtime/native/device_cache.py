@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.native.pools import ggml_device_name, pools_of
+from runtime.clib import load_library
 from runtime.native.build import STORE_LIB
 from runtime.native.device_cache_store import (PROJ_BY_TENSOR, DeviceCacheError, DeviceCacheStore,
                                                check_same_libllama, ffi, load_store)
+from runtime.native.pools import ggml_device_name, pools_of
 from runtime.residency.config import is_cache_device
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
@@ -99,10 +100,8 @@ class DeviceCache:
     def __init__(self, manager, device: str, store: DeviceCacheStore, source: ExpertSource, *,
                  n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True,
                  inline_copy_bytes: int = 0):
-        from runtime.residency.core.build import load_core  # noqa: PLC0415
-
         self.manager, self.device, self.store, self.source = manager, device, store, source
-        self.lib, self.ffi = load_core()
+        self.lib, self.ffi = load_library()
         n_layer, n_expert = store.n_layer, manager.n_expert
         self.n_expert = n_expert
         pool_of_layer = [store.layer_info(layer)[0] for layer in range(n_layer)]
@@ -253,14 +252,14 @@ def attach(engine) -> DeviceCaches | None:
     if lib_dir is None or not (lib_dir / STORE_LIB).is_file():
         backends = sorted({d.split(":")[0].replace("cpu-slots", "cpu") for d in devices})
         build = " && ".join(f"moe-offload native build --backend {b}" for b in backends)
-        notice(f"{', '.join(devices)}: the device expert cache needs the patched llama.cpp "
+        notice(f"{', '.join(devices)}: the device cache needs the patched llama.cpp "
                f"built for {'/'.join(b.upper() for b in backends)}, which is missing; "
                f"`{build}` makes it (it then loads by itself); running on the stock CPU "
                "libraries, where these devices are bookkeeping only")
         return None
     reason = check_same_libllama(lib_dir)
     if reason:
-        notice(f"device expert cache off: {reason}")
+        notice(f"device cache off: {reason}")
         return None
     from gguf_tools.expert_index import ExpertIndex  # noqa: PLC0415
     from runtime.residency.transport import claim_device  # noqa: PLC0415
@@ -271,7 +270,7 @@ def attach(engine) -> DeviceCaches | None:
     devices.sort(key=lambda d: d == "cpu-slots")       # a GPU first
     for device in devices:
         if caches:     # libllama holds one slot table per layer: one cache device per model
-            notice(f"{device}: the device expert cache serves one device per model "
+            notice(f"{device}: the device cache serves one device per model "
                    f"({caches[0].device}); {device} is not served")
             continue
         capacity = manager.capacity(device)
@@ -285,7 +284,7 @@ def attach(engine) -> DeviceCaches | None:
             store = DeviceCacheStore.create(lib, engine.model_ptr, name, capacity,
                                             max_tokens=engine.n_ubatch)
         except DeviceCacheError as exc:
-            notice(f"{device}: device expert cache off ({exc})")
+            notice(f"{device}: device cache off ({exc})")
             continue
         slot_bytes = sum(n * b for n, b in map(store.pool_info, range(store.n_pool)))
         if slot_bytes == 0:

@@ -21,14 +21,14 @@ def _replay(tmp_path, **env):
 def test_builds_into_an_empty_cache(tmp_path):
     proc = _replay(tmp_path)
     assert proc.returncode == 0, proc.stderr
-    built = list((tmp_path / "cache" / "residency").glob("moe_offload_native-*.so"))
+    built = list((tmp_path / "cache" / "clib").glob("libmoe_offload-*.so"))
     assert len(built) == 1
 
 
 def test_no_compiler_is_one_line(tmp_path):
     proc = _replay(tmp_path, CC=str(tmp_path / "no-such-cc"))
     assert proc.returncode == 2
-    assert proc.stderr.startswith("moe-offload: error: the residency core could not be "
+    assert proc.stderr.startswith("moe-offload: error: moe-offload's C library could not be "
                                   "compiled"), proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -41,18 +41,19 @@ def test_header_usage_example_compiles_and_runs(tmp_path):
 
     import pytest
 
-    from runtime.residency.core.build import HEADERS, load_core, library_path
+    from runtime.clib import library_path, load_library
 
-    header = (REPO / "runtime/residency/core/residency_core.h").read_text()
+    core_h = REPO / "runtime/residency/core/residency_core.h"
+    header = core_h.read_text()
     block = header.split(" * Usage", 1)[1].split(" */", 1)[0]
     body = "\n".join(ln[7:] for ln in block.splitlines() if ln.startswith(" *     "))
     assert "rc_access" in body and "rc_pool_snapshot" in body
     cc = shutil.which(os.environ.get("CC", "") or "cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    load_core()                                    # the library, built if it was not
+    load_library()                                 # the library, built if it was not
     src = tmp_path / "example.c"
-    src.write_text(f'#include "{HEADERS[0]}"\n#include <stddef.h>\n'
+    src.write_text(f'#include "{core_h}"\n#include <stddef.h>\n'
                    f"int main(void) {{\n{body}\n}}\n")
     lib = library_path()
     exe = tmp_path / "example"
