@@ -1,4 +1,4 @@
-"""Side-by-side run of the device expert cache through the Engine, for scripts/gpu_check.sh:
+"""Side-by-side run of the device cache through the Engine, for scripts/gpu_check.sh:
 speed, hit rates per phase, copies, and whether the greedy tokens equal a plain run.
 
     python -m runtime.bench.cache_check MODEL --config lru.toml --config phase.toml \

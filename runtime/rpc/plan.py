@@ -169,7 +169,7 @@ def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: s
         slots = tuple(RemoteShare(lk.device, (), max(0, lk.capacity - reserves["experts"]),
                                   lk.capacity) for lk in links)
         return RemotePlan("cache", slots, tuple(range(len(layers))), (),
-                          "every weight local; the device expert cache's slots on the remote, "
+                          "every weight local; the device cache's slots on the remote, "
                           "filled by the residency manager", link_info)
     candidates = {}
     for shape in ("layers", "experts"):
