@@ -51,7 +51,7 @@ def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: i
             pools = range(cache.store.n_pool)
             row.update(device=cache.device, copies=cache.copies,
                        slots=sum(cache.store.pool_info(p)[0] for p in pools),
-                       slot_bytes=cache.cache.allocated_bytes())
+                       slot_bytes=cache.store.allocated_bytes())
             for phase in ("prefill", "decode"):
                 acc = phases[phase]["accesses"]
                 row[f"{phase}_hit"] = 100.0 * phases[phase]["hits"] / acc if acc else None
