@@ -3,7 +3,7 @@ compiled helpers, the native llama.cpp builds.
 
 The root is ``$MOE_OFFLOAD_CACHE``, else ``$XDG_CACHE_HOME/moe-offload``, else
 ``~/.cache/moe-offload``; each user of it takes one subfolder (``models``, ``engine``,
-``residency``, ``native``).
+``clib``, ``native``).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the native device cache's machinery costs per token and per MoE layer, on the CPU.
+"""What the device cache's machinery costs per token and per MoE layer, on the CPU.
 
     python scripts/bench_cache_overhead.py [-n 128] [--reps 3] [-t 1] [--device cpu-slots]
                                            [-ngl 0] [--eviction lru]

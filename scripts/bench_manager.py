@@ -7,7 +7,7 @@ through ``ExpertResidencyManager`` as the live hooks drive it: a transport attac
 device, driven two ways: from C as the routing hook's consumers step it (``rc_step`` per
 layer-step: a lease the core mints, the previous one released in the same call; no Python per
 step), and from Python as ResidencyObserver does for the reference core (an inline transport
-attached, as the native device cache and the RAM tier are: every eviction is a ``drop`` call and
+attached, as the device cache and the RAM tier are: every eviction is a ``drop`` call and
 every admission a ``submit``; it moves nothing here, so what is timed is the manager; one
 ``manager.step`` per layer-step, the previous step's lease handed back to end it). The same arrays also
 run through a bare ``OrderedDict`` LRU loop, in the same run. Prints µs/token for each, the ratio
@@ -111,7 +111,7 @@ class ManagerRun:
 
 
 class NativeRun:
-    """The same stream as the C routing hook and slot cache drive the core in the runtime
+    """The same stream as the C routing hook and device cache drive the core in the runtime
     (rc_access per layer-step with a lease, the previous released; no Python per step)."""
 
     def __init__(self, layers: int, capacity_experts: int, policy: str, expert_bytes: int = 1):
@@ -119,8 +119,8 @@ class NativeRun:
         self.m.bind_model([expert_bytes] * layers, 128, TOP_K)   # as the live setup does
         self.m.reconfigure("cuda:0", capacity_experts * expert_bytes)
         self.core = self.m.core_handle("cuda:0")
-        from runtime.residency.core.build import load_core
-        self.lib, self.ffi = load_core()
+        from runtime.clib import load_library
+        self.lib, self.ffi = load_library()
         self.layers = layers
         self.n_hits = 0
 

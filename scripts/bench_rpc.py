@@ -11,7 +11,7 @@ placement, ``--repeats`` times interleaved (the median tok/s is reported):
 - ``experts``: the same budgets, expert tensors only (``[rpc] mode = "experts"``);
 - ``default``: llama.cpp's own split over the same two remotes (``[rpc] mode = "llama"``:
   every layer offloaded, split by the free memory each remote reports; budgets not applied).
-- ``cache``, ``cache-all`` (``--cache``): the device expert cache on remote A
+- ``cache``, ``cache-all`` (``--cache``): the device cache on remote A
   (``[rpc] mode = "cache"``, residency on: every weight local, hot experts computed in slots
   on the remote, copied there by ``ggml_backend_tensor_set``), at ``--budget-a`` and at a
   budget holding every expert; ``local-res`` is the same residency run with only local
@@ -202,7 +202,7 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=1, help="threads per process")
     ap.add_argument("-r", "--repeats", type=int, default=3, help="runs per row (median)")
     ap.add_argument("--cache", action="store_true",
-                    help="also the device expert cache on remote A (rows cache, cache-all, "
+                    help="also the device cache on remote A (rows cache, cache-all, "
                          "local-res)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU proof of the native device expert cache (issue 6), for an NVIDIA H200-class machine with
+# GPU proof of the device cache (issue 6), for an NVIDIA H200-class machine with
 # NO network: everything comes from the repository (native/offline/: the pruned llama.cpp
 # source archive and the Python wheels).
 #

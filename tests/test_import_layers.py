@@ -19,6 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
      "runtime.rpc.endpoint"),                    # parses `rpc:HOST:PORT` (device names)
     ("gguf_tools",),                             # GGUF reading, writing, model facts
     ("runtime.cache", "runtime.traces"),
+    ("runtime.clib",),                           # builds the one C library from the parts
+                                                 # the packages declare (their clib.toml)
     ("runtime.residency",),                      # the manager, its core and policies
     ("runtime.native", "runtime.ramtier", "runtime.replay"),
     ("runtime.rpc",),

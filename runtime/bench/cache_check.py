@@ -1,4 +1,4 @@
-"""Side-by-side run of the device expert cache through the Engine, for scripts/gpu_check.sh:
+"""Side-by-side run of the device cache through the Engine, for scripts/gpu_check.sh:
 speed, hit rates per phase, copies, and whether the greedy tokens equal a plain run.
 
     python -m runtime.bench.cache_check MODEL --config lru.toml --config phase.toml \
@@ -7,7 +7,7 @@ speed, hit rates per phase, copies, and whether the greedy tokens equal a plain 
 Rows: "plain" (residency off, llama.cpp's own placement with -ngl: on a GPU with room, every
 expert on the GPU: the upper bound); "experts on CPU" (the cache's placement without the cache:
 every routed expert in host memory, not repacked, dense layers per -ngl: the reference); then
-one row per residency TOML (its cuda:N / vulkan:N / cpu-slots device served by the native cache).
+one row per residency TOML (its cuda:N / vulkan:N / cpu-slots device served by the device cache).
 Every run is greedy over the same random prompt; "greedy = ref" compares the generated tokens
 with the reference. With cpu-slots every expert is computed by the same CPU kernel on the same
 bytes either way, so the tokens must be equal (exit 1 if not); on a GPU the resident experts run
@@ -48,10 +48,10 @@ def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: i
         if caches is not None and caches.caches:
             cache = caches.caches[0]
             phases = engine.manager.snapshot().to_dict()["devices"][cache.device]["phases"]
-            pools = range(cache.cache.n_pool)
+            pools = range(cache.store.n_pool)
             row.update(device=cache.device, copies=cache.copies,
-                       slots=sum(cache.cache.pool_info(p)[0] for p in pools),
-                       slot_bytes=cache.cache.allocated_bytes())
+                       slots=sum(cache.store.pool_info(p)[0] for p in pools),
+                       slot_bytes=cache.store.allocated_bytes())
             for phase in ("prefill", "decode"):
                 acc = phases[phase]["accesses"]
                 row[f"{phase}_hit"] = 100.0 * phases[phase]["hits"] / acc if acc else None

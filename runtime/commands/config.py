@@ -1,7 +1,7 @@
 """``moe-offload config check FILE [-m MODEL.gguf]``: validate a residency config.
 
 Prints each device's resolved capacity in bytes (and in experts, with a model), with a model
-the pools of each native-cache device (the layers that share an expert layout and the slots
+the pools of each device-cache device (the layers that share an expert layout and the slots
 each gets at that budget, as the cache allocates them at load), and the policies per phase;
 exit 0. Any problem is one line naming the file and the key, exit 2.
 """
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _pool_lines(model: str, device: str, capacity: int, facts) -> list[str]:
-    """The pools the native cache makes on ``device`` at ``capacity`` (cache devices only);
+    """The pools the device cache makes on ``device`` at ``capacity`` (cache devices only);
     devices without a cache hold one pool of every MoE layer."""
     from runtime.residency.config import is_cache_device  # noqa: PLC0415
 

@@ -1,4 +1,4 @@
-"""``moe-offload native build|status``: the patched llama.cpp with the device expert cache."""
+"""``moe-offload native build|status``: the patched llama.cpp with the device cache."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from runtime.errors import UserError
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("native", help="build / inspect the patched llama.cpp "
-                                   "(persistent device expert cache)")
+                                   "(persistent device cache)")
     sub = parser.add_subparsers(dest="native_command", metavar="ACTION")
     b = sub.add_parser("build", help="apply native/patches and build the libraries (cached)")
     b.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan (default cpu)")

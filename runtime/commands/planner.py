@@ -5,7 +5,7 @@ besides experts (dense weights, the KV cache, a reserve for compute buffers and 
 an expert budget, fastest device first:
 
 * with a GPU: the dense weights and the KV cache go to the GPU (``-ngl 99``), the rest of its
-  free memory (less GPU_RESERVE) holds experts (the native device cache); host RAM (less
+  free memory (less GPU_RESERVE) holds experts (the device cache); host RAM (less
   RAM_RESERVE) keeps the experts the GPU does not hold (the RAM tier), the rest stays on
   storage;
 * without one: dense weights and the KV cache stay in RAM, the rest of the available RAM

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from runtime.clib import load_library
 from runtime.engine.residency_observer import ResidencyObserver
 from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, raise_failure
 from runtime.residency.types import Phase
@@ -39,9 +40,7 @@ class CHook:
 
     def __init__(self, assembler: RouteAssembler, n_layer: int):
         from runtime.native import llama_lib  # noqa: PLC0415
-        from runtime.residency.core.build import load_core  # noqa: PLC0415
-
-        lib, ffi = load_core()
+        lib, ffi = load_library()
         self.lib, self.ffi, self._ll = lib, ffi, llama_lib
         self.assembler = assembler
         moe = set(assembler.moe_layers)
@@ -88,7 +87,7 @@ class CHook:
         self._n_cores = len(cores)
 
     def add_cache(self, cache) -> None:
-        """A native device cache (runtime.native.device_cache.DeviceCache) to drive."""
+        """A device cache (runtime.native.device_cache.DeviceCache) to drive."""
         self._add_consumer(self.lib.RH_CONSUMER_CACHE, cache.native_handle)
         self._caches.append(cache)
 

@@ -75,10 +75,10 @@ class Engine:
         self.manager, self.residency_devices = wiring.build_manager(
             self.config, self.facts, has_gpu=has_gpu, profile_path=settings.profile_path,
             remote=self.remote)
-        native_cache = settings.manage_residency and wiring.native_cache_ready(self.config, lib_dir)
+        device_cache = settings.manage_residency and wiring.device_cache_ready(self.config, lib_dir)
         self.placement = placement if placement is not None else wiring.plan(
             settings, self.config, self.facts, self.manager, has_gpu=has_gpu,
-            native_cache=native_cache)
+            device_cache=device_cache)
         remote_rules = list(self.remote.rules) if self.remote is not None else []
         self._overrides = llama_lib.BuftOverrides(remote_rules + [
             (pattern, wiring.buffer_type(target)) for pattern, target in self.placement.rules])
@@ -86,7 +86,7 @@ class Engine:
         # with lazy experts the RAM tier budgets host memory: dense weights stay in the mapping
         # (read once) rather than also copied into repacked anonymous buffers
         repack = settings.repack if settings.repack is not None else \
-            not (native_cache or self.lazy_experts)
+            not (device_cache or self.lazy_experts)
         self._check_memory(has_gpu)
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
@@ -162,7 +162,7 @@ class Engine:
 
     @property
     def tiers(self) -> tuple[object, ...]:
-        """The residency tiers attached to this engine (RAM tier, native device caches)."""
+        """The residency tiers attached to this engine (RAM tier, device caches)."""
         return tuple(self._attached)
 
     def add_route_observer(self, observer: RouteObserver) -> None:

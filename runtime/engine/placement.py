@@ -3,7 +3,7 @@
 Pure (no llama.cpp): the engine turns each rule's target into a buffer-type pointer.
 - residency off: no rules, llama.cpp's own placement (``-ngl`` decides everything);
 - residency on: every routed-expert tensor is overridden to the CPU buffer type (the manager
-  and its tiers move experts from there), except, with a GPU budget and no native device
+  and its tiers move experts from there), except, with a GPU budget and no device
   cache to manage slots, whole layers' experts that fit the budget are placed on the GPU
   statically (the ``--n-cpu-moe`` idea, sized from bytes instead of a layer count). The
   manager decides which (``ExpertResidencyManager.plan_static``) and pins them, so its
@@ -58,7 +58,7 @@ def plan_placement(*, manage_residency: bool, static: StaticPlan | None = None,
                    user_rules: tuple[tuple[str, str], ...] = ()) -> Placement:
     """The load-time placement for these settings (see the module docstring). ``static``:
     the manager's plan for the GPU (``ExpertResidencyManager.plan_static``), None when the
-    GPU is not a static device (no budget, or the native device cache manages it);
+    GPU is not a static device (no budget, or the device cache manages it);
     ``user_rules``: llama.cpp's static rules, ahead of everything."""
     if not manage_residency:
         return Placement(rules=tuple(user_rules))

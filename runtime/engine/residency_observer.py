@@ -5,7 +5,7 @@ reference hook (routing_hook.RoutingHook).
 A thin adapter over the core's step: each route event is one ``manager.step`` per device
 (lease this layer's experts, end the previous layer's lease) and a batch's end one
 ``manager.step_end`` (rc_step / rc_step_end, step.c: the rule lives there, not here). This
-observer only does bookkeeping; a tier that moves bytes (the RAM tier, the native device
+observer only does bookkeeping; a tier that moves bytes (the RAM tier, the device
 cache) is its own consumer of the routing hook.
 """
 from __future__ import annotations

@@ -7,6 +7,7 @@ import re
 import sys
 
 from runtime.native import llama_lib
+from runtime.native.build import STORE_LIB
 from runtime.engine.placement import Placement, plan_placement
 from runtime.engine.types import EngineSettings
 from runtime.errors import UserError
@@ -129,7 +130,7 @@ def lazy_experts(settings: EngineSettings, config, placement, lib_dir: str | Non
     the host)."""
     lib = lib_dir or os.environ.get(llama_lib.LIB_PATH_ENV)
     return (_has_ram_tier(settings, config) and lib is not None
-            and os.path.isfile(os.path.join(lib, "libmoe_cache.so"))
+            and os.path.isfile(os.path.join(lib, STORE_LIB))
             and all(target == "cpu" for _, target in placement.rules))
 
 
@@ -152,21 +153,21 @@ def _cache_devices(config) -> set[str]:
             if is_cache_device(b.device)} if config is not None else set()
 
 
-def native_cache_ready(config, lib_dir: str | None) -> bool:
+def device_cache_ready(config, lib_dir: str | None) -> bool:
     """True when the config names a device-cache device and the libllama this process loads
     (``lib_dir`` from ``library_dir``, else $LLAMA_CPP_LIB_PATH) is the patched build that
     carries the cache."""
     if not _cache_devices(config):
         return False
     lib = lib_dir or os.environ.get(llama_lib.LIB_PATH_ENV)
-    return lib is not None and os.path.isfile(os.path.join(lib, "libmoe_cache.so"))
+    return lib is not None and os.path.isfile(os.path.join(lib, STORE_LIB))
 
 
 def plan(settings: EngineSettings, config, facts, manager, *, has_gpu: bool,
-         native_cache: bool) -> Placement:
+         device_cache: bool) -> Placement:
     """The load-time placement for these settings (runtime/engine/placement.py). With a
-    configured cuda:0 budget and no native device cache (``native_cache``: see
-    ``native_cache_ready``), the manager plans which layers' experts stay on the GPU and pins
+    configured cuda:0 budget and no device cache (``device_cache``: see
+    ``device_cache_ready``), the manager plans which layers' experts stay on the GPU and pins
     them there (bookkeeping only: the model loads after)."""
     configured = {b.device for b in config.devices} if config is not None else set()
     user_rules = tuple(settings.tensor_rules)
@@ -175,7 +176,7 @@ def plan(settings: EngineSettings, config, facts, manager, *, has_gpu: bool,
         cpu_layers = _check_user_rules(user_rules, facts)
     static = None
     if (settings.manage_residency and has_gpu and manager is not None
-            and "cuda:0" in configured and not native_cache):
+            and "cuda:0" in configured and not device_cache):
         static = manager.plan_static("cuda:0", skip=cpu_layers)
         manager.pin_static("cuda:0", static)
     return plan_placement(manage_residency=settings.manage_residency, static=static,
@@ -222,7 +223,7 @@ def buffer_type(target: str) -> int:
 
 
 def attach_tiers(engine) -> list[object]:
-    """Let the RAM tier / native device cache attach; the engine's ResidencyObserver feeds
+    """Let the RAM tier / device cache attach; the engine's ResidencyObserver feeds
     every managed device none of them claimed. Returns the attached objects."""
     if engine.manager is None:
         return []

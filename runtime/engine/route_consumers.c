@@ -1,7 +1,7 @@
 /* route_hook's consumers (route_hook.h: RH_CONSUMER_*): one list, each entry a kind's
  * (step, batch_end, error) over its object. */
 #include "route_hook_impl.h"
-#include "../native/slot_cache.h"
+#include "../native/device_cache.h"
 #include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
 
@@ -18,7 +18,7 @@ static void core_error(const consumer *u, int32_t layer, int status, char *msg, 
     rc_step_message(msg, cap, "", layer, status);
 }
 
-/* a device cache: copies into slots, the id planes (slot_cache.h; it holds its own lease) */
+/* a device cache: copies into slots, the id planes (device_cache.h; it holds its own lease) */
 static int cache_step(consumer *u, const step_event *e) {
     return dc_route(u->obj, e->layer, e->experts, e->n, e->phase);
 }
@@ -27,7 +27,7 @@ static void cache_error(const consumer *u, int32_t layer, int status, char *msg,
     (void) u;
     if (status <= -100)
         snprintf(msg, (size_t) cap, "device cache: layer %d: the id planes could not be written "
-                 "(moe_cache_route status %d)", layer, -100 - status);
+                 "(dc_store_route status %d)", layer, -100 - status);
     else
         rc_step_message(msg, cap, "device cache: ", layer, status);
 }

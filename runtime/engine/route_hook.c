@@ -3,7 +3,7 @@
  * rule for rule; tests run both on the same model
  * and compare the events and the managers' counters. */
 #include "route_hook_impl.h"
-#include "../native/slot_cache.h"
+#include "../native/device_cache.h"
 #include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
 #include "../residency/core/grow.h"

@@ -1,5 +1,6 @@
-/* route_hook: llama.cpp's eval callback (cb_eval) in C, built into the residency core's
- * library (runtime/residency/core/build.py) so that it calls the core directly. The only live
+/* route_hook: llama.cpp's eval callback (cb_eval) in C, built into moe-offload's one C library
+ * with the residency core (runtime/clib.py; this part: clib.toml) so that it calls the core,
+ * the device cache and the RAM tier directly. The only live
  * framing of routing events (runtime/engine/routing_hook.py is its slow reference).
  *
  * Per MoE layer-step the hook reads the router output (ffn_moe_topk, the applied weight
@@ -54,7 +55,7 @@ int rh_set_watch(rh_hook *h, rh_eval_cb cb, void *user_data, const char *const *
  * caches, RAM tiers, the observer adapter), each before the layer's expert matmuls run, and
  * ended at every batch's end (a failed or aborted one too). At most 24.
  *   RH_CONSUMER_CORE   an rc_core (residency_core.h): rc_step, the decisions only
- *   RH_CONSUMER_CACHE  a dc_cache (slot_cache.h): dc_route (copies, id planes), dc_batch_end
+ *   RH_CONSUMER_CACHE  a dc_cache (device_cache.h): dc_route (copies, id planes), dc_batch_end
  *   RH_CONSUMER_TIER   an rt_tier (tier_io.h): rt_step (page-ins), rt_batch_end
  * 0, or -1 (a full list, an unknown kind, NULL). rh_clear_consumers drops one kind's. */
 enum { RH_CONSUMER_CORE = 0, RH_CONSUMER_CACHE = 1, RH_CONSUMER_TIER = 2,

@@ -43,7 +43,7 @@ class EngineSettings:
     route_trace: Any = None            # a routing trace's path, or its ImposedRouting, whose
     #                                    routing the model takes (imposed_routing.py)
     repack: bool | None = None         # CPU weight repacking (llama.cpp's extra buffer types);
-    #                                    None: off when a native device cache attaches (its cold
+    #                                    None: off when a device cache attaches (its cold
     #                                    path skips resident experts only over plain buffers),
     #                                    else llama.cpp's default (on)
                                        # (same logits as plain Llama(), hence the parity)

@@ -1,15 +1,16 @@
-"""Build the patched llama.cpp libraries and the moe_cache shim into a content-keyed cache.
+"""Build the patched llama.cpp libraries and the device cache store into a content-keyed cache.
 
     info = build(BuildRequest(backend="cpu"))     # minutes the first time, instant afterwards
     print(info.lib_dir)                           # LLAMA_CPP_LIB_PATH for llama-cpp-python
 
 Steps: resolve the source (runtime/native/source.py), key the build by sha256(source
-fingerprint, patch series, shim sources, backend, CMake arguments), and if that key is not built
-yet: extract the source to a fixed work directory (fixed, so ccache hits across keys), apply
-``native/patches/*.patch`` in order, configure and build the shared libraries with CMake (apps,
-tools, tests, examples off), compile ``native/shim/moe_cache.cpp`` against them, and copy the
-libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``; ``build.json`` is written last, so a
-directory without it is not a build.
+fingerprint, patch series, the device cache store's sources, backend, CMake arguments), and if
+that key is not built yet: extract the source to a fixed work directory (fixed, so ccache hits
+across keys), apply ``native/patches/*.patch`` in order, configure and build the shared
+libraries with CMake (apps, tools, tests, examples off), compile the device cache store
+(``native/device_cache/device_cache_store.cpp``, the device cache's slots and tables in
+llama.cpp) against them, and copy the libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``;
+``build.json`` is written last, so a directory without it is not a build.
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ from runtime.native.source import cache_root, resolve_source
 BUILD_FORMAT = 1
 BACKENDS = ("cpu", "cuda", "vulkan")
 NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
-SHIM_SOURCES = ("moe_cache.h", "moe_cache.cpp")
-SHIM_LIB = "libmoe_cache.so"
+# the device cache store: the device cache's slots and tables in llama.cpp (dc_store_*)
+STORE_DIR = NATIVE_DIR / "device_cache"
+STORE_SOURCES = ("device_cache_store.h", "device_cache_store.cpp")
+STORE_LIB = "libmoe_device_cache.so"
 
 _COMMON_ARGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
@@ -88,9 +91,9 @@ def patch_files() -> list[Path]:
 
 
 def patches_hash() -> str:
-    """sha256 over the patch series and the shim sources: what makes a build current."""
+    """sha256 over the patch series and the store's sources: what makes a build current."""
     h = hashlib.sha256(f"format {BUILD_FORMAT}\n".encode())
-    for p in patch_files() + [NATIVE_DIR / "shim" / s for s in SHIM_SOURCES]:
+    for p in patch_files() + [STORE_DIR / s for s in STORE_SOURCES]:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -150,9 +153,9 @@ def list_builds(root: Path | None = None) -> list[BuildInfo]:
 
 
 def find_build(backend: str | None = None, *, rpc: bool = False) -> BuildInfo | None:
-    """The newest build made from the current patches and shim (of ``backend``, if given;
-    with ``rpc``, only a build with the RPC backend). A build with RPC serves everything a
-    build without it does."""
+    """The newest build made from the current patches and device cache store (of ``backend``,
+    if given; with ``rpc``, only a build with the RPC backend). A build with RPC serves
+    everything a build without it does."""
     current = patches_hash()
     for b in list_builds():
         if (b.patches_hash == current and (backend is None or b.backend == backend)
@@ -189,13 +192,13 @@ def _build_env(work: Path) -> dict[str, str]:
     return env
 
 
-def _compile_shim(src: Path, bin_dir: Path, log_file: Path) -> None:
+def _compile_store(src: Path, bin_dir: Path, log_file: Path) -> None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise UserError("no C++ compiler (c++ / g++) on PATH; set CXX")
-    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", str(NATIVE_DIR / "shim" / "moe_cache.cpp"),
+    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", str(STORE_DIR / STORE_SOURCES[1]),
            f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}", f"-L{bin_dir}",
-           "-lllama", "-lggml", "-lggml-base", "-Wl,-rpath,$ORIGIN", "-o", str(bin_dir / SHIM_LIB)]
+           "-lllama", "-lggml", "-lggml-base", "-Wl,-rpath,$ORIGIN", "-o", str(bin_dir / STORE_LIB)]
     _run(cmd, log_file)
 
 
@@ -241,7 +244,7 @@ def _build_locked(req, source, fingerprint, key, root, log, vulkan) -> BuildInfo
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     _run([*nice, "cmake", "--build", str(bld), "-j", str(jobs)], log_file, env=env)
     bin_dir = bld / "bin"
-    _compile_shim(src, bin_dir, log_file)
+    _compile_store(src, bin_dir, log_file)
 
     staging = root / f"{key}.tmp"
     shutil.rmtree(staging, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The native device expert cache: slots on a device, filled and emptied by the residency
+"""The device cache: slots on a device, filled and emptied by the residency
 manager's decisions, read by the patched llama.cpp graph.
 
     cache = attach(engine)     # the engine calls this when the config has cuda:N / cpu-slots
@@ -28,9 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.clib import load_library
+from runtime.native.build import STORE_LIB
+from runtime.native.device_cache_store import (PROJ_BY_TENSOR, DeviceCacheError, DeviceCacheStore,
+                                               check_same_libllama, ffi, load_store)
 from runtime.native.pools import ggml_device_name, pools_of
-from runtime.native.shim import (PROJ_BY_TENSOR, ShimCache, ShimError, check_same_libllama, ffi,
-                                 load_shim)
 from runtime.residency.config import is_cache_device
 from runtime.residency.types import ExpertKey, LayerAccess, Phase, Ticket
 
@@ -75,13 +77,13 @@ class ExpertSource:
 def route_error(rc: int) -> str:
     """What a non-zero ``dc_route`` status means (one line)."""
     if rc <= -100:
-        return f"the id planes could not be written (moe_cache_route status {-100 - rc})"
+        return f"the id planes could not be written (dc_store_route status {-100 - rc})"
     return f"the residency core refused the layer-step (status {rc})"
 
 
 class DeviceCache:
-    """One device's slot cache: the manager's (inline) Transport for its device, and a
-    RouteObserver. The mechanism is C (runtime/native/slot_cache.c, one ``dc_cache``): the
+    """One device's cache: the manager's (inline) Transport for its device, and a
+    RouteObserver. The mechanism is C (runtime/native/device_cache.c, one ``dc_cache``): the
     routing hook's native mode calls it per layer-step without Python (``native_handle``);
     in the reference hook (routing_hook.py) ``on_route`` calls the same C code.
 
@@ -95,32 +97,30 @@ class DeviceCache:
 
     synchronous = True     # as an observer (the reference hook): between router and experts
 
-    def __init__(self, manager, device: str, cache: ShimCache, source: ExpertSource, *,
+    def __init__(self, manager, device: str, store: DeviceCacheStore, source: ExpertSource, *,
                  n_used: int, workers: int = COPY_WORKERS, wait_in_prefill: bool = True,
                  inline_copy_bytes: int = 0):
-        from runtime.residency.core.build import load_core  # noqa: PLC0415
-
-        self.manager, self.device, self.cache, self.source = manager, device, cache, source
-        self.lib, self.ffi = load_core()
-        n_layer, n_expert = cache.n_layer, manager.n_expert
+        self.manager, self.device, self.store, self.source = manager, device, store, source
+        self.lib, self.ffi = load_library()
+        n_layer, n_expert = store.n_layer, manager.n_expert
         self.n_expert = n_expert
-        pool_of_layer = [cache.layer_info(layer)[0] for layer in range(n_layer)]
-        slots = [cache.pool_info(p)[0] for p in range(cache.n_pool)]
-        shim_ffi = ffi()
-        table_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_table_set))
-        slot_set = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_slot_set))
-        route = int(shim_ffi.cast("uintptr_t", cache.lib.moe_cache_route))
+        pool_of_layer = [store.layer_info(layer)[0] for layer in range(n_layer)]
+        slots = [store.pool_info(p)[0] for p in range(store.n_pool)]
+        store_ffi = ffi()
+        table_set = int(store_ffi.cast("uintptr_t", store.lib.dc_store_table_set))
+        slot_set = int(store_ffi.cast("uintptr_t", store.lib.dc_store_slot_set))
+        route = int(store_ffi.cast("uintptr_t", store.lib.dc_store_route))
         f = self.ffi
         handle = self.lib.dc_create(
-            manager.core_handle(device), f.cast("void *", int(shim_ffi.cast("uintptr_t",
-                                                                            cache.handle))),
+            manager.core_handle(device),
+            f.cast("void *", int(store_ffi.cast("uintptr_t", store.handle))),
             f.cast("dc_table_set_fn", table_set), f.cast("dc_slot_set_fn", slot_set),
             f.cast("dc_route_fn", route), n_used, n_layer,
             n_expert, f.new("int32_t[]", pool_of_layer), len(slots), f.new("int32_t[]", slots),
-            f.cast("char *", int(shim_ffi.cast("uintptr_t", source.base))), max(workers, 4),
+            f.cast("char *", int(store_ffi.cast("uintptr_t", source.base))), max(workers, 4),
             int(wait_in_prefill))
         if handle == f.NULL:
-            raise ShimError(f"{device}: the slot cache could not start")
+            raise DeviceCacheError(f"{device}: the device cache could not start")
         self._dc = handle
         if inline_copy_bytes:
             self.lib.dc_set_inline_bytes(handle, int(inline_copy_bytes))
@@ -206,17 +206,17 @@ class DeviceCache:
 
     def pools(self) -> list:
         """The manager's pools for this cache (runtime/native/pools.py)."""
-        return pools_of(self.cache, self.manager.moe_layers)
+        return pools_of(self.store, self.manager.moe_layers)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
         """Finish the copies in flight, then free the slots (before the model is freed)."""
-        if self.cache.handle is None:
+        if self.store.handle is None:
             return
         if self._dc is not None:
             self.lib.dc_free(self._dc)
             self._dc = None
-        self.cache.close()
+        self.store.close()
         self.source.close()
 
 
@@ -242,35 +242,35 @@ def _loaded_lib_dir() -> Path | None:
 
 
 def attach(engine) -> DeviceCaches | None:
-    """Serve the engine's cuda:N / vulkan:N / cpu-slots devices with native slot caches.
+    """Serve the engine's cuda:N / vulkan:N / cpu-slots devices with device caches.
     Returns None (after saying why, once) when the loaded libllama is not the patched build."""
     manager = engine.manager
     devices = [b.device for b in engine.config.devices if is_cache_device(b.device)]
     if manager is None or not devices:
         return None
     lib_dir = _loaded_lib_dir()
-    if lib_dir is None or not (lib_dir / "libmoe_cache.so").is_file():
+    if lib_dir is None or not (lib_dir / STORE_LIB).is_file():
         backends = sorted({d.split(":")[0].replace("cpu-slots", "cpu") for d in devices})
         build = " && ".join(f"moe-offload native build --backend {b}" for b in backends)
-        notice(f"{', '.join(devices)}: the device expert cache needs the patched llama.cpp "
+        notice(f"{', '.join(devices)}: the device cache needs the patched llama.cpp "
                f"built for {'/'.join(b.upper() for b in backends)}, which is missing; "
                f"`{build}` makes it (it then loads by itself); running on the stock CPU "
                "libraries, where these devices are bookkeeping only")
         return None
     reason = check_same_libllama(lib_dir)
     if reason:
-        notice(f"device expert cache off: {reason}")
+        notice(f"device cache off: {reason}")
         return None
     from gguf_tools.expert_index import ExpertIndex  # noqa: PLC0415
     from runtime.residency.transport import claim_device  # noqa: PLC0415
 
-    lib = load_shim(lib_dir)
+    lib = load_store(lib_dir)
     index = ExpertIndex.open(engine.settings.model_path)
     caches: list[DeviceCache] = []
     devices.sort(key=lambda d: d == "cpu-slots")       # a GPU first
     for device in devices:
         if caches:     # libllama holds one slot table per layer: one cache device per model
-            notice(f"{device}: the device expert cache serves one device per model "
+            notice(f"{device}: the device cache serves one device per model "
                    f"({caches[0].device}); {device} is not served")
             continue
         capacity = manager.capacity(device)
@@ -281,20 +281,20 @@ def attach(engine) -> DeviceCaches | None:
         try:
             name = (engine.remote.ggml_name(device) if device.startswith("rpc:")
                     else ggml_device_name(device))
-            shim_cache = ShimCache.create(lib, engine.model_ptr, name, capacity,
-                                          max_tokens=engine.n_ubatch)
-        except ShimError as exc:
-            notice(f"{device}: device expert cache off ({exc})")
+            store = DeviceCacheStore.create(lib, engine.model_ptr, name, capacity,
+                                            max_tokens=engine.n_ubatch)
+        except DeviceCacheError as exc:
+            notice(f"{device}: device cache off ({exc})")
             continue
-        slot_bytes = sum(n * b for n, b in map(shim_cache.pool_info, range(shim_cache.n_pool)))
+        slot_bytes = sum(n * b for n, b in map(store.pool_info, range(store.n_pool)))
         if slot_bytes == 0:
-            shim_cache.close()
+            store.close()
             notice(f"{device}: a budget of {capacity} bytes holds no expert slot next to the "
                    f"{engine.facts.n_expert_used} sink slots the cache needs; no device cache")
             continue
         source = ExpertSource(engine.settings.model_path, index)
         host = name == "CPU"                  # host slots: small copies run inline
-        cache = DeviceCache(manager, device, shim_cache, source,
+        cache = DeviceCache(manager, device, store, source,
                             n_used=engine.facts.n_expert_used,
                             inline_copy_bytes=HOST_INLINE_COPY_BYTES if host else 0)
         # the cache's pools (one per expert layout, its slots' bytes: the sinks live inside

@@ -1,7 +1,7 @@
-"""The native cache's pools (layers that share an expert layout, and the slots each gets) as
+"""The device cache's pools (layers that share an expert layout, and the slots each gets) as
 the residency manager's pools, and a way to ask for them without running a model.
 
-    pools_of(shim_cache, moe_layers) -> [PoolSpec, ...]      # what DeviceCache hands the manager
+    pools_of(store, moe_layers)      -> [PoolSpec, ...]      # what DeviceCache hands the manager
     probe_pools(model_path, device, capacity) -> PoolProbe   # config check: load, ask, free
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ def ggml_device_name(device: str) -> str:
     kind, _, index = device.partition(":")
     if kind in _GGML_NAMES and index.isdigit():
         return f"{_GGML_NAMES[kind]}{int(index)}"
-    raise ValueError(f"{device}: not a device the native cache serves (cuda:N, vulkan:N, "
+    raise ValueError(f"{device}: not a device the device cache serves (cuda:N, vulkan:N, "
                      "cpu-slots)")
 
 
@@ -38,16 +38,16 @@ class PoolInfo:
         return self.slots * self.slot_bytes
 
 
-def pool_infos(cache, moe_layers) -> list[PoolInfo]:
-    """The cache's pools with slots, then one of 0 slots for MoE layers whose layout got none."""
+def pool_infos(store, moe_layers) -> list[PoolInfo]:
+    """The store's pools with slots, then one of 0 slots for MoE layers whose layout got none."""
     by_pool: dict[int, list[int]] = {}
-    for layer in range(cache.n_layer):
-        pool, _ = cache.layer_info(layer)
+    for layer in range(store.n_layer):
+        pool, _ = store.layer_info(layer)
         if pool >= 0:
             by_pool.setdefault(pool, []).append(layer)
     out = []
     for pool in sorted(by_pool):
-        n_slots, slot_bytes = cache.pool_info(pool)
+        n_slots, slot_bytes = store.pool_info(pool)
         out.append(PoolInfo(tuple(by_pool[pool]), n_slots, slot_bytes))
     covered = {layer for layers in by_pool.values() for layer in layers}
     rest = tuple(sorted(set(moe_layers) - covered))
@@ -56,10 +56,10 @@ def pool_infos(cache, moe_layers) -> list[PoolInfo]:
     return out
 
 
-def pools_of(cache, moe_layers) -> list[PoolSpec]:
-    """The manager's pools for a cache: capacity = slots x slot bytes (the sinks live inside
-    the budget but are never charged)."""
-    return [PoolSpec(p.layers, p.capacity_bytes) for p in pool_infos(cache, moe_layers)]
+def pools_of(store, moe_layers) -> list[PoolSpec]:
+    """The manager's pools for a device cache store: capacity = slots x slot bytes (the sinks
+    live inside the budget but are never charged)."""
+    return [PoolSpec(p.layers, p.capacity_bytes) for p in pool_infos(store, moe_layers)]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def probe_pools(model_path: str, device: str, capacity: int, moe_layers) -> Pool
     process that has not loaded llama.cpp yet (``config check``)."""
     from runtime.native import llama_lib  # noqa: PLC0415
     from runtime.native import preferred_lib_dir  # noqa: PLC0415
-    from runtime.native.shim import ShimCache, ShimError, load_shim  # noqa: PLC0415
+    from runtime.native.device_cache_store import (  # noqa: PLC0415
+        DeviceCacheError, DeviceCacheStore, load_store)
 
     lib_dir = preferred_lib_dir({device})
     if lib_dir is None:
@@ -92,13 +93,13 @@ def probe_pools(model_path: str, device: str, capacity: int, moe_layers) -> Pool
         return PoolProbe((), f"the model did not load ({exc})")
     try:
         try:
-            cache = ShimCache.create(load_shim(lib_dir), model, ggml_device_name(device),
-                                     capacity, max_tokens=1)
-        except ShimError as exc:
+            store = DeviceCacheStore.create(load_store(lib_dir), model,
+                                            ggml_device_name(device), capacity, max_tokens=1)
+        except DeviceCacheError as exc:
             return PoolProbe((), f"the cache could not be made here ({exc})")
         try:
-            return PoolProbe(tuple(pool_infos(cache, moe_layers)))
+            return PoolProbe(tuple(pool_infos(store, moe_layers)))
         finally:
-            cache.close()
+            store.close()
     finally:
         ll.llama_model_free(model)

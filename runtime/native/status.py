@@ -8,7 +8,8 @@ from runtime.native.source import cache_root
 def native_status() -> dict:
     """``{"built": bool, "dir": lib dir of the preferred current build or None, "backends":
     [backends with a current build], "builds": [...], "stale": n, "cache": root,
-    "patches": [names]}``. A build is current when made from today's patches and shim."""
+    "patches": [names]}``. A build is current when made from today's patches and device cache
+    store sources."""
     current = patches_hash()
     builds = list_builds()
     fresh = [b for b in builds if b.patches_hash == current]

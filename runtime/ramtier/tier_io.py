@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.clib import load_library
 from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.mapping import FileMapping
 
@@ -38,9 +39,7 @@ class TierIO:
 
     def __init__(self, core, layout: ExpertLayout, mapping: FileMapping, *, n_layer: int,
                  n_expert: int, fd: int, threads: int):
-        from runtime.residency.core.build import load_core  # noqa: PLC0415
-
-        self.lib, self.ffi = load_core()
+        self.lib, self.ffi = load_library()
         self.n_expert = n_expert
         self.n_flat = n_layer * n_expert
         self.held = np.zeros(self.n_flat, dtype=np.uint8)

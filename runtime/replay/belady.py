@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.clib import load_library
 from runtime.traces.trace import PHASE_PREFILL, RouteTrace
 
 NEVER = 2**62  # next_use of an access whose key is never used again
@@ -27,9 +28,7 @@ NEVER = 2**62  # next_use of an access whose key is never used again
 def next_use(trace: RouteTrace) -> np.ndarray:
     """(n,) int64: index of the next access to the same key, ``NEVER`` for the last one.
     One backward pass in the residency core's library (``rc_next_use``)."""
-    from runtime.residency.core.build import load_core  # noqa: PLC0415
-
-    lib, ffi = load_core()
+    lib, ffi = load_library()
     keys = np.ascontiguousarray(trace.keys(), dtype=np.int64)
     out = np.empty(len(keys), dtype=np.int64)
     n_keys = trace.header.n_layer * trace.header.n_expert

@@ -38,7 +38,7 @@ def is_gpu(device: str) -> bool:
 
 
 def is_cache_device(device: str) -> bool:
-    """A device the native slot cache serves: a GPU, cpu-slots (host slots, same code), or a
+    """A device the device cache serves: a GPU, cpu-slots (host slots, same code), or a
     remote one (rpc:HOST:PORT[/N]; managed only with ``[rpc] mode = "cache"``)."""
     return is_gpu(device) or device == "cpu-slots" or device.startswith("rpc:")
 
@@ -205,7 +205,7 @@ def parse_config(data: Mapping, *, source: str = "<config>") -> ResidencyConfig:
         cost_values[key] = float(value)
     if rpc_mode == "cache":          # the remotes hold device-cache slots: managed devices
         if len(remotes) > 1 or (remotes and any(is_cache_device(b.device) for b in devices)):
-            raise UserError(f"{source}: rpc.mode = \"cache\": the device expert cache serves "
+            raise UserError(f"{source}: rpc.mode = \"cache\": the device cache serves "
                             "one device per model; name one rpc device and no cuda/vulkan/"
                             "cpu-slots device")
         devices = devices + remotes

@@ -1,6 +1,6 @@
 """Static residency: whole layers' experts pinned on a device that nothing can move to.
 
-Without a native device cache, experts reach a GPU only at load time (tensor overrides), so
+Without a device cache, experts reach a GPU only at load time (tensor overrides), so
 the manager decides which layers' experts live there and pins them: ``plan_static`` (pure)
 picks them, ``pin_static`` makes them resident for good and marks the device static. On a
 static device an access to a pinned expert is a hit; any other is a demand miss used

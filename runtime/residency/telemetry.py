@@ -57,7 +57,7 @@ class PhaseCounters:
 
 @dataclass(frozen=True, slots=True)
 class PoolSnapshot:
-    """One pool of a device: layers sharing a capacity (one expert layout in the native cache)."""
+    """One pool of a device: layers sharing a capacity (one expert layout in the device cache)."""
 
     layers: tuple[int, ...]
     capacity_bytes: int | None       # None: not resolved yet

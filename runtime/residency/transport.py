@@ -6,7 +6,7 @@ A decision takes effect at once (an admitted expert is resident from its admissi
 move (a ``Ticket`` is a transfer notice; ``TransferNotices`` builds them from a core call's
 decisions and sends them). A move that fails calls
 ``manager.transfer_failed(ticket)``: the expert leaves the device. Transports: the
-``SimulatedTransport`` (replay, tests: never called), the native device cache
+``SimulatedTransport`` (replay, tests: never called), the device cache
 (runtime/native) and the RAM tier (runtime/ramtier).
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ class TransferNotices:
 
 # ---- one manager, several transports ---------------------------------------------------
 # The engine builds the manager with its default (simulated) transport; tiers that move bytes
-# (the RAM tier, the native device cache) attach afterwards and claim their device.
+# (the RAM tier, the device cache) attach afterwards and claim their device.
 
 class DeviceTransports:
     """Dispatch by ``ticket.device``; unclaimed devices use ``default``."""

@@ -87,7 +87,7 @@ class ReplayOutcome:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """Layers that share one capacity on a device (the native cache: one expert layout)."""
+    """Layers that share one capacity on a device (the device cache: one expert layout)."""
 
     layers: tuple[int, ...]
     capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)

@@ -26,7 +26,7 @@ from typing import Sequence
 from runtime.errors import UserError
 from runtime.units import format_ranges
 
-# llama: llama.cpp's own split (free memory); cache: the native device expert cache's slots on
+# llama: llama.cpp's own split (free memory); cache: the device cache's slots on
 # the remote (every weight loads locally; the manager fills the slots as on a local GPU)
 MODES = ("auto", "layers", "experts", "llama", "cache")
 RELIEF_SHARE = 0.75      # a shape must move >= this share of the best shape's bytes remote
@@ -169,7 +169,7 @@ def plan_remotes(layers: Sequence[LayerBytes], links: Sequence[Link], *, mode: s
         slots = tuple(RemoteShare(lk.device, (), max(0, lk.capacity - reserves["experts"]),
                                   lk.capacity) for lk in links)
         return RemotePlan("cache", slots, tuple(range(len(layers))), (),
-                          "every weight local; the device expert cache's slots on the remote, "
+                          "every weight local; the device cache's slots on the remote, "
                           "filled by the residency manager", link_info)
     candidates = {}
     for shape in ("layers", "experts"):

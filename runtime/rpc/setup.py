@@ -70,7 +70,7 @@ class RemoteSetup:
         for share in self.plan.shares:
             kinds = used.get(share.device, {})
             total = int(sum(kinds.values()) * 2**20)
-            if self.plan.mode == "cache":   # the cache's slots are allocated after, by the shim
+            if self.plan.mode == "cache":   # the cache's slots are allocated after, by the store
                 total += share.bytes
                 kinds = {**kinds, "expert slots": share.bytes / 2**20}
             if total > share.capacity:

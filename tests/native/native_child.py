@@ -8,8 +8,8 @@ Modes:
            optional "extra_bufts" (true: llama.cpp's AMX / repacked CPU weights allowed),
            "prompt_tokens", "greedy", optional "device" (ggml device of the slots, "CPU"),
            "ngl" (0), "experts_on_cpu" (false), "flash_attn" (null: llama.cpp's choice)} -> {"logits_npy", "greedy", ...}: prompt logits (every
-           token) and greedy continuation through the low-level API, with the slot cache made
-           through runtime.native.shim and filled through moe_cache_slot_load.
+           token) and greedy continuation through the low-level API, with the device cache
+           store made through runtime.native.device_cache_store and filled through dc_store_slot_load.
   capi    {"model"} -> results of C API calls (cffi).
   engine  {"model", "lib_dir", "slots" (a budget string or null), "policy", "prompt",
            "max_tokens", optional "device" ("cpu-slots"), "n_gpu_layers" (0), "repack" (null:
@@ -23,7 +23,7 @@ Modes:
            computed (read through cb_eval) for a prompt batch and one decode step.
   nodes   {"model", "capacity", "prompt_tokens"} -> {"plain": {...}, "cache": {...}}: the nodes
            of a one-token decode graph (every node the scheduler asks cb_eval about) without
-           and with a slot cache, and how many of them are the slot path's "*_hot" nodes.
+           and with a device cache store, and how many of them are the slot path's "*_hot" nodes.
 """
 from __future__ import annotations
 
@@ -100,15 +100,15 @@ def mode_logits(args):
                   args.get("extra_bufts", True))
     cache, resident, eval_cb = None, 0, None
     if args.get("capacity") is not None:
-        from runtime.native.shim import ShimCache, load_shim
-        from runtime.native.shim import ShimError, ffi
-        lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
+        from runtime.native.device_cache_store import DeviceCacheStore, load_store
+        from runtime.native.device_cache_store import DeviceCacheError, ffi
+        lib = load_store(os.environ["LLAMA_CPP_LIB_PATH"])
         try:
-            cache = ShimCache.create(lib, model, args.get("device", "CPU"), args["capacity"],
-                                     max_tokens=64)
-        except ShimError as exc:
+            cache = DeviceCacheStore.create(lib, model, args.get("device", "CPU"),
+                                            args["capacity"], max_tokens=64)
+        except DeviceCacheError as exc:
             return {"error": str(exc)}
-        # the shim's own cb_eval writes each cached layer's id planes from its table
+        # the store's own cb_eval writes each cached layer's id planes from its table
         eval_cb = (ll.ggml_backend_sched_eval_callback(cache.eval_callback),
                    ctypes.c_void_p(int(ffi().cast("uintptr_t", cache.handle))))
         n_expert = args["n_expert"]
@@ -149,22 +149,23 @@ def mode_logits(args):
 def mode_capi(args):
     from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
-    from runtime.native.shim import ShimCache, ShimError, ffi, load_shim
+    from runtime.native.device_cache_store import (DeviceCacheError, DeviceCacheStore, ffi,
+                                                   load_store)
     model = _load(ll, args["model"])
-    lib = load_shim(os.environ["LLAMA_CPP_LIB_PATH"])
+    lib = load_store(os.environ["LLAMA_CPP_LIB_PATH"])
     f = ffi()
     res = {}
-    out = f.new("moe_cache_t *")
-    res["unknown_device"] = lib.moe_cache_create(f.cast("struct llama_model *", model),
-                                                 b"NoSuchDevice0", 1 << 20, 64, out)
-    res["null_model"] = lib.moe_cache_create(f.NULL, b"CPU", 1 << 20, 64, out)
-    res["zero_tokens"] = lib.moe_cache_create(f.cast("struct llama_model *", model), b"CPU",
-                                              1 << 20, 0, out)
-    zero = ShimCache.create(lib, model, "CPU", 0, max_tokens=64)
+    out = f.new("dc_store_t *")
+    res["unknown_device"] = lib.dc_store_create(f.cast("struct llama_model *", model),
+                                                b"NoSuchDevice0", 1 << 20, 64, out)
+    res["null_model"] = lib.dc_store_create(f.NULL, b"CPU", 1 << 20, 64, out)
+    res["zero_tokens"] = lib.dc_store_create(f.cast("struct llama_model *", model), b"CPU",
+                                             1 << 20, 0, out)
+    zero = DeviceCacheStore.create(lib, model, "CPU", 0, max_tokens=64)
     res["zero_slots"] = zero.pool_info(0)[0]
     res["zero_allocated"] = zero.allocated_bytes()
     zero.close()
-    c = ShimCache.create(lib, model, "CPU", args["capacity"], max_tokens=16)
+    c = DeviceCacheStore.create(lib, model, "CPU", args["capacity"], max_tokens=16)
     res["n_layer"], res["n_pool"] = c.n_layer, c.n_pool
     res["layers"] = [c.layer_info(layer) for layer in range(c.n_layer)]
     res["pool"] = c.pool_info(0)
@@ -193,7 +194,7 @@ def mode_capi(args):
         try:
             call()
             errors[name] = "accepted"
-        except ShimError as exc:
+        except DeviceCacheError as exc:
             errors[name] = str(exc)
     c.table_set(0, 3, 0)
     res["table_0_3"] = c.table_get(0, 3)
@@ -201,7 +202,7 @@ def mode_capi(args):
     try:
         c.table_set(1, 4, 0)          # slot 0 already holds (0, 3): refused
         errors["slot_taken"] = "accepted"
-    except ShimError as exc:
+    except DeviceCacheError as exc:
         errors["slot_taken"] = str(exc)
     c.table_set(0, 3, -1)
     c.table_set(1, 4, 0)              # free again: accepted
@@ -233,7 +234,7 @@ def mode_engine(args):
         cache = attached[0].caches[0]
         res.update(copies=cache.copies, refused=cache.refused, failures=cache.copy_failures,
                    resident=len(cache.slot_of), slots=sum(
-                       cache.cache.pool_info(p)[0] for p in range(cache.cache.n_pool)))
+                       cache.store.pool_info(p)[0] for p in range(cache.store.n_pool)))
     if engine.manager is not None:
         res["snapshot"] = engine.manager.snapshot().to_dict()
     engine.close()
@@ -272,13 +273,13 @@ def mode_ids(args):
     from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from runtime.native import llama_lib
-    from runtime.native.shim import ShimCache, load_shim
+    from runtime.native.device_cache_store import DeviceCacheStore, load_store
 
     model = _load(ll, args["model"])
     seen: dict[str, list] = {}
 
-    cache = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
-                             args["capacity"], max_tokens=64)
+    cache = DeviceCacheStore.create(load_store(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
+                                    args["capacity"], max_tokens=64)
 
     @ll.ggml_backend_sched_eval_callback
     def on_eval(tensor, ask, user_data):
@@ -317,7 +318,7 @@ def mode_nodes(args):
     from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
     from runtime.native import llama_lib
-    from runtime.native.shim import ShimCache, load_shim
+    from runtime.native.device_cache_store import DeviceCacheStore, load_store
 
     model = _load(ll, args["model"])
     state = {"cache": None, "nodes": 0, "hot": 0}
@@ -339,8 +340,8 @@ def mode_nodes(args):
     for label, capacity in (("plain", None), ("cache", args["capacity"])):
         cache = None
         if capacity:
-            cache = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
-                                     capacity, max_tokens=64)
+            cache = DeviceCacheStore.create(load_store(os.environ["LLAMA_CPP_LIB_PATH"]), model,
+                                            "CPU", capacity, max_tokens=64)
             n_slots, _ = cache.pool_info(0)
             for layer in range(cache.n_layer):
                 for e in range(0, 16, 2):
@@ -378,7 +379,7 @@ def mode_churn(args):
     from types import SimpleNamespace
     from gguf_tools.expert_index import ExpertIndex
     from runtime.native.device_cache import DeviceCache, ExpertSource
-    from runtime.native.shim import PROJ_BY_TENSOR, ShimCache, load_shim
+    from runtime.native.device_cache_store import PROJ_BY_TENSOR, DeviceCacheStore, load_store
     from runtime.residency.transport import claim_device
     from runtime.residency.config import parse_config
     from runtime.residency.manager import ExpertResidencyManager
@@ -395,9 +396,9 @@ def mode_churn(args):
     manager = ExpertResidencyManager(config)
     manager.bind_model(facts.expert_bytes, facts.n_expert)
     manager.resolve_device("cpu-slots", free_bytes=None, total_bytes=None)
-    shim = ShimCache.create(load_shim(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
-                            manager.capacity("cpu-slots"), max_tokens=8)
-    cache = DeviceCache(manager, "cpu-slots", shim, ExpertSource(args["model"], index),
+    store = DeviceCacheStore.create(load_store(os.environ["LLAMA_CPP_LIB_PATH"]), model, "CPU",
+                                    manager.capacity("cpu-slots"), max_tokens=8)
+    cache = DeviceCache(manager, "cpu-slots", store, ExpertSource(args["model"], index),
                         n_used=facts.n_expert_used)
     manager.set_pools("cpu-slots", cache.pools())              # as attach() does
     claim_device(manager, "cpu-slots", cache)
@@ -424,7 +425,7 @@ def mode_churn(args):
                 mask = manager.resident_mask("cpu-slots", layer)
                 for e in range(facts.n_expert):
                     key = ExpertKey(layer, e)
-                    slot = shim.table_get(layer, e)
+                    slot = store.table_get(layer, e)
                     checks += 1
                     if (slot >= 0) != bool(mask[e]) or resident.get(key, -1) != slot:
                         mismatches += 1
@@ -432,7 +433,7 @@ def mode_churn(args):
                         for r in index.ranges(layer, e):
                             proj = PROJ_BY_TENSOR[r.tensor.split(".")[-2]]
                             file.seek(r.offset)
-                            if shim.slot_get(layer, slot, proj) != file.read(r.length):
+                            if store.slot_get(layer, slot, proj) != file.read(r.length):
                                 mismatches += 1
             manager.verify()
     snap = manager.snapshot().to_dict()["devices"]["cpu-slots"]
@@ -441,7 +442,7 @@ def mode_churn(args):
            "evictions": sum(p["evictions"] for p in snap["phases"].values()),
            "resident_experts": snap["resident_experts"],
            "resident": len(cache.resident()),
-           "slots": shim.pool_info(0)[0]}
+           "slots": store.pool_info(0)[0]}
     cache.close()
     return out
 

@@ -1,5 +1,5 @@
-"""The moe_cache C API through cffi (runtime/native/shim.py), in a process whose libllama is
-the patched build."""
+"""The device cache store's C API (dc_store_*) through cffi
+(runtime/native/device_cache_store.py), in a process whose libllama is the patched build."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
-"""What the patched graph feeds MUL_MAT_ID, read back through cb_eval (the id planes the shim's
-moe_cache_route writes). For batches a scheduler may offload (>= 32 tokens): slot ids are
-distinct within every token (resident experts at their slots, the rest at sink slots) and the
-cold path takes distinct non-resident ids. For small batches, which ggml-cpu computes, each
+"""What the patched graph feeds MUL_MAT_ID, read back through cb_eval (the id planes the device
+cache store's dc_store_route writes). For batches a scheduler may offload (>= 32 tokens): slot
+ids are distinct within every token (resident experts at their slots, the rest at sink slots)
+and the cold path takes distinct non-resident ids. For small batches, which ggml-cpu computes, each
 path names only its own rows and -1 elsewhere (no row computed). Every routing position is
 gathered back from the one path that computed it."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the slot cache costs the graph: the nodes of a one-token decode graph with and without
+"""What the device cache costs the graph: the nodes of a one-token decode graph with and without
 a registered cache (every node the scheduler asks cb_eval about, which is every node of every
 split). Per MoE layer the cache adds the slot path's expert chain (its matmuls, activation and
 weighting, named ``*_hot``) and at most 6 other nodes: the view the host writes the id planes

@@ -1,4 +1,4 @@
-"""Replay = runtime, exactly: a trace recorded live with a native device cache (``trace record
+"""Replay = runtime, exactly: a trace recorded live with a device cache (``trace record
 --config`` with a cpu-slots device, on a mixed-type model whose layers fall in two pools),
 replayed with the recorded pools and the same policy, gives the live run's per-phase hits,
 misses, admissions and evictions, for every eviction policy the runtime accepts (and the

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.clib import load_library
 from runtime.errors import UserError
 from runtime.residency.core import (COUNTERS, ERR_NEXT_USE_LEN, ERR_POOL, CoreAccess, CoreError,
                                     CorePolicy, PoolStats, history_ok)
-from runtime.residency.core.build import load_core
 
 _EMPTY: tuple = ()
 _new_access = tuple.__new__   # builds a CoreAccess without its Python-level __new__
@@ -54,7 +54,7 @@ class CCore:
     """One device: see runtime/residency/core/residency_core.h."""
 
     def __init__(self, n_layer: int, n_expert: int, expert_bytes, policy: CorePolicy):
-        lib, ffi = load_core()
+        lib, ffi = load_library()
         self.lib, self.ffi = lib, ffi
         p = ffi.new("rc_policy *")
         p.n_orders = len(policy.orders)

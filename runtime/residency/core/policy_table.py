@@ -8,7 +8,7 @@ turns them into one C translation unit: per role the descriptors sorted by name 
 C kind is its index there; ``rc_policy_kind`` looks it up by name) and their counts. There is
 no hand-kept list: adding the file adds the policy.
 
-    text = table_source(policy_files(core_dir))
+    text = table_source(policy_files(core_dir))   # generate(core_dir): runtime/clib.py
 """
 from __future__ import annotations
 
@@ -69,3 +69,8 @@ def table_source(files) -> str:
     counts = ", ".join(str(len(regs[role])) for role in ROLES)
     out.append(f"const int32_t RC_N_POLICIES[3] = {{{counts}}};")
     return "\n".join(out) + "\n"
+
+
+def generate(folder) -> str:
+    """The generated unit of a core's source folder (runtime/clib.py runs this by path)."""
+    return table_source(policy_files(Path(folder)))

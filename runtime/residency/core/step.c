@@ -1,6 +1,6 @@
 /* step: one consumer's layer-step on a residency core (residency_core.h: rc_step). The one
  * implementation of "lease this layer's experts, end the previous layer's lease, decide":
- * the routing hook's bookkeeping (route_hook.c), the device cache (slot_cache.c), the RAM
+ * the routing hook's bookkeeping (route_hook.c), the device cache (device_cache.c), the RAM
  * tier (tier_io.c) and rc_bench_live all step through it.
  *
  * Invariant: a consumer holds at most one lease per core, its latest layer-step's (the graph

@@ -115,7 +115,7 @@ def test_placement_plans():
 
 
 def test_engine_plan_pins_the_static_layers_in_the_manager():
-    """residency_setup.plan with a GPU and no native device cache: the manager plans and
+    """residency_setup.plan with a GPU and no device cache: the manager plans and
     pins, so its snapshot shows the GPU's experts; with the cache built it stays dynamic."""
     eb = (0, 100, 50, 100)
     facts = SimpleNamespace(expert_bytes=eb, n_expert=4, moe_layers=(1, 2, 3))
@@ -123,7 +123,7 @@ def test_engine_plan_pins_the_static_layers_in_the_manager():
     manager = _gpu_manager(eb, "700B")
     # no patched library loaded: the manager plans and pins
     placement = residency_setup.plan(settings, manager.config, facts, manager, has_gpu=True,
-                                     native_cache=False)
+                                     device_cache=False)
     assert placement.gpu_expert_layers == (1, 2) and placement.gpu_expert_bytes == 600
     d = manager.snapshot().device("cuda:0")
     assert (d.resident_experts, d.resident_bytes, d.static_bytes) == (8, 600, 600)
@@ -131,26 +131,26 @@ def test_engine_plan_pins_the_static_layers_in_the_manager():
     assert a.misses == 2 and a.admitted == () and len(a.transient) == 2
     cached = _gpu_manager(eb, "700B")
     placement = residency_setup.plan(settings, cached.config, facts, cached, has_gpu=True,
-                                     native_cache=True)
+                                     device_cache=True)
     assert placement.gpu_expert_layers == () and not cached.is_static("cuda:0")
     no_gpu = _gpu_manager(eb, "700B")
     placement = residency_setup.plan(settings, no_gpu.config, facts, no_gpu, has_gpu=False,
-                                     native_cache=False)
+                                     device_cache=False)
     assert placement.gpu_expert_layers == () and not no_gpu.is_static("cuda:0")
 
 
-def test_native_cache_ready_follows_the_library_actually_loaded(tmp_path, monkeypatch):
+def test_device_cache_ready_follows_the_library_actually_loaded(tmp_path, monkeypatch):
     """The static GPU plan is the fallback exactly when the libllama to load lacks the cache."""
     monkeypatch.delenv("LLAMA_CPP_LIB_PATH", raising=False)
     stock, patched = tmp_path / "stock", tmp_path / "patched"
     stock.mkdir()
     patched.mkdir()
-    (patched / "libmoe_cache.so").write_bytes(b"")
+    (patched / "libmoe_device_cache.so").write_bytes(b"")
     gpu = parse_config({"devices": {"cuda:0": "1GiB"}})
     plain = parse_config({"devices": {"cpu": "1GiB"}})
     def ready(lib_dir, config):      # as Engine.__init__ asks it
         settings = EngineSettings(model_path="m.gguf", lib_dir=lib_dir)
-        return residency_setup.native_cache_ready(
+        return residency_setup.device_cache_ready(
             config, residency_setup.library_dir(settings, config))
 
     assert ready(str(patched), gpu)
@@ -178,19 +178,19 @@ def test_static_rules_come_first_and_the_gpu_layers_start_after_the_cpu_ones():
     settings = EngineSettings(model_path="unused.gguf", tensor_rules=rules)
     manager = _gpu_manager(eb, "700B")
     placement = residency_setup.plan(settings, manager.config, facts, manager, has_gpu=True,
-                                     native_cache=False)
+                                     device_cache=False)
     assert placement.gpu_expert_layers == (2, 3) and placement.gpu_expert_bytes == 600
     assert placement.rules[:2] == rules and [t for _, t in placement.rules[2:]] == ["gpu", "cpu"]
     plain = _gpu_manager(eb, "700B")             # without the flag: from the first MoE layer
     assert residency_setup.plan(EngineSettings(model_path="unused.gguf"), plain.config, facts,
-                                plain, has_gpu=True, native_cache=False
+                                plain, has_gpu=True, device_cache=False
                                 ).gpu_expert_layers == (1, 2)
     to_gpu = EngineSettings(model_path="unused.gguf",
                             tensor_rules=tuple(parse_override_tensor([r"blk\.3\.=CUDA0"])))
     with pytest.raises(UserError, match="blk.3.ffn_.*CUDA0.*--devices.cuda:0"):
         residency_setup.plan(to_gpu, manager.config, facts, _gpu_manager(eb, "700B"),
-                             has_gpu=True, native_cache=False)
+                             has_gpu=True, device_cache=False)
     other = EngineSettings(model_path="unused.gguf", manage_residency=False,
                            tensor_rules=tuple(parse_override_tensor([r"blk\.3\.=CUDA0"])))
     assert residency_setup.plan(other, None, facts, None, has_gpu=True,
-                                native_cache=False).rules == ((r"blk\.3\.", "CUDA0"),)
+                                device_cache=False).rules == ((r"blk\.3\.", "CUDA0"),)

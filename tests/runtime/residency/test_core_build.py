@@ -1,4 +1,4 @@
-"""The C library (residency core, routing hook, slot cache) builds with the system compiler on
+"""The C library (residency core, routing hook, device cache) builds with the system compiler on
 first use, into the cache; without a working compiler every command says so in one line."""
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ def _replay(tmp_path, **env):
 def test_builds_into_an_empty_cache(tmp_path):
     proc = _replay(tmp_path)
     assert proc.returncode == 0, proc.stderr
-    built = list((tmp_path / "cache" / "residency").glob("moe_offload_native-*.so"))
+    built = list((tmp_path / "cache" / "clib").glob("libmoe_offload-*.so"))
     assert len(built) == 1
 
 
 def test_no_compiler_is_one_line(tmp_path):
     proc = _replay(tmp_path, CC=str(tmp_path / "no-such-cc"))
     assert proc.returncode == 2
-    assert proc.stderr.startswith("moe-offload: error: the residency core could not be "
+    assert proc.stderr.startswith("moe-offload: error: moe-offload's C library could not be "
                                   "compiled"), proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -41,18 +41,19 @@ def test_header_usage_example_compiles_and_runs(tmp_path):
 
     import pytest
 
-    from runtime.residency.core.build import HEADERS, load_core, library_path
+    from runtime.clib import library_path, load_library
 
-    header = (REPO / "runtime/residency/core/residency_core.h").read_text()
+    core_h = REPO / "runtime/residency/core/residency_core.h"
+    header = core_h.read_text()
     block = header.split(" * Usage", 1)[1].split(" */", 1)[0]
     body = "\n".join(ln[7:] for ln in block.splitlines() if ln.startswith(" *     "))
     assert "rc_access" in body and "rc_pool_snapshot" in body
     cc = shutil.which(os.environ.get("CC", "") or "cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    load_core()                                    # the library, built if it was not
+    load_library()                                 # the library, built if it was not
     src = tmp_path / "example.c"
-    src.write_text(f'#include "{HEADERS[0]}"\n#include <stddef.h>\n'
+    src.write_text(f'#include "{core_h}"\n#include <stddef.h>\n'
                    f"int main(void) {{\n{body}\n}}\n")
     lib = library_path()
     exe = tmp_path / "example"
@@ -71,11 +72,11 @@ def test_registry_names_are_the_cores():
     import pytest
 
     from runtime.errors import UserError
-    from runtime.residency.core.build import load_core
+    from runtime.clib import load_library
     from runtime.residency.core.c_core import c_policy_kind, c_policy_names
     from runtime.residency.policies.factory import ROLES, policy_names
 
-    lib, ffi = load_core()
+    lib, ffi = load_library()
     for role in ROLES:
         names = c_policy_names(lib, ffi, role)
         assert sorted(names) == sorted(policy_names(role)), role
@@ -99,24 +100,17 @@ RC_EVICTION_POLICY(mru, "mru", .ops = &rc_heap_order, .score = score);
 
 
 def test_a_policy_is_one_file(tmp_path):
-    """A copy of the core's sources plus one new file in policies/ builds (the same build
-    function) into a core that knows the policy by name and decides by it."""
+    """A copy of the core's part plus one new file in policies/ builds (the same build,
+    runtime/clib.py) into a core that knows the policy by name and decides by it."""
     import shutil
 
-    from cffi import FFI
+    from runtime.clib import MANIFEST, Library, Part, find_parts, open_library
 
-    from runtime.residency.core import build
-
+    here = next(p for p in find_parts() if (p.folder / "residency_core.h").is_file()).folder
     core = tmp_path / "core"
-    shutil.copytree(build.HERE, core, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    shutil.copytree(here, core, ignore=shutil.ignore_patterns("__pycache__"))
     (core / "policies" / "evict_mru.c").write_text(MRU)
-    sources = (*(core / s.name for s in build.SOURCES if s.parent == build.HERE),
-               *build.policy_files(core))
-    target = tmp_path / "core.so"
-    build._compile(target, sources, core)
-    ffi = FFI()
-    ffi.cdef(build._cdef())
-    lib = ffi.dlopen(str(target))
+    lib, ffi = open_library(Library.of((Part.read(core / MANIFEST),)))
     p = ffi.new("rc_policy *", {"n_orders": 1})
     p.order_kind[0] = lib.rc_policy_kind(lib.RC_ROLE_EVICTION, b"mru")
     assert p.order_kind[0] >= 0

@@ -4,13 +4,16 @@ error naming it."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
-from runtime.residency.core.build import HERE
+from runtime.residency.core import policy_table
 from runtime.residency.core.policy_table import (ROLES, policy_files, registrations,
                                                  table_source)
 from runtime.residency.policies.factory import policy_names
+
+HERE = Path(policy_table.__file__).resolve().parent   # the core's source folder
 
 
 def test_every_policy_file_registers_one_registry_policy():

@@ -78,7 +78,7 @@ def test_split_by_budget_is_token_identical_and_within_budget(
 
 def test_device_cache_on_a_remote_is_token_identical_and_within_budget(
         rpc_build, rpc_servers, split_model, local_tokens, tmp_path):
-    """[rpc] mode = "cache": every weight local, the native device cache's slots on the
+    """[rpc] mode = "cache": every weight local, the device cache's slots on the
     remote, filled by the manager: the remote computes the hot experts."""
     a, _ = rpc_servers
     budget = 30 * MiB                            # about half the experts, plus compute

@@ -1,8 +1,8 @@
-/* slot_cache: see slot_cache.h.
+/* device_cache: the device cache's mechanism in C; see device_cache.h.
  *
  * Invariant: a table entry points at a slot only while the slot holds that expert's bytes, and
  * a slot is written only when no table entry points at it and no other copy runs into it. */
-#include "slot_cache.h"
+#include "device_cache.h"
 #include "../residency/core/residency_core.h"
 
 #include <pthread.h>
@@ -22,7 +22,7 @@ typedef struct { int32_t n, proj[MAX_PARTS]; int64_t offset[MAX_PARTS], stride[M
 
 struct dc_cache {
     rc_core *core;
-    void *shim;
+    void *store;
     dc_table_set_fn table_set;
     dc_slot_set_fn slot_set;
     dc_route_fn route;
@@ -51,7 +51,7 @@ struct dc_cache {
 
 static void *worker(void *arg);
 
-dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
+dc_cache *dc_create(void *core, void *store, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
                     dc_route_fn route, int32_t n_used,
                     int32_t n_layer, int32_t n_expert, const int32_t *pool_of_layer,
                     int32_t n_pool, const int32_t *slots, const char *file_base,
@@ -61,7 +61,7 @@ dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_s
         return NULL;
     dc_cache *c = calloc(1, sizeof *c);
     if (c == NULL) return NULL;
-    c->core = core; c->shim = shim; c->table_set = table_set; c->slot_set = slot_set;
+    c->core = core; c->store = store; c->table_set = table_set; c->slot_set = slot_set;
     c->route = route; c->n_used = n_used;
     c->n_layer = n_layer; c->n_expert = n_expert; c->n_flat = n_layer * n_expert;
     c->n_pool = n_pool; c->wait_in_prefill = wait_in_prefill; c->base = file_base;
@@ -112,13 +112,13 @@ int dc_set_parts(dc_cache *c, int32_t layer, int32_t n, const int32_t *proj,
 
 /* ---- jobs and workers ---------------------------------------------------------------------- */
 
-/* the bytes of one job into its slot; 0 or the shim's status (-1: an injected failure) */
+/* the bytes of one job into its slot; 0 or the store's status (-1: an injected failure) */
 static int copy_job(dc_cache *c, const job *jb, int fail) {
     int rc = fail ? -1 : 0;
     const int32_t layer = jb->flat / c->n_expert, expert = jb->flat % c->n_expert;
     const parts *p = &c->layer_parts[layer];
     for (int32_t i = 0; rc == 0 && i < p->n; i++)
-        rc = c->slot_set(c->shim, layer, jb->slot, p->proj[i],
+        rc = c->slot_set(c->store, layer, jb->slot, p->proj[i],
                          c->base + p->offset[i] + (int64_t) expert * p->stride[i],
                          (size_t) p->stride[i]);
     return rc;
@@ -127,7 +127,7 @@ static int copy_job(dc_cache *c, const job *jb, int fail) {
 static void copy_failed(dc_cache *c, const job *jb, int fail) {
     snprintf(c->error, sizeof c->error, "copy of layer %d expert %d into slot %d failed (%s)",
              jb->flat / c->n_expert, jb->flat % c->n_expert, jb->slot,
-             fail ? "injected" : "shim status");
+             fail ? "injected" : "store status");
 }
 
 static void *worker(void *arg) {
@@ -212,7 +212,7 @@ static void publish_locked(dc_cache *c) {
             }
             continue;
         }
-        c->table_set(c->shim, layer, jb->flat % c->n_expert, jb->slot);
+        c->table_set(c->store, layer, jb->flat % c->n_expert, jb->slot);
         c->slot_of[jb->flat] = jb->slot;
         c->copies++;
         for (int32_t i = 0; i < c->layer_parts[layer].n; i++)
@@ -230,7 +230,7 @@ static void drop_locked(dc_cache *c, int32_t flat) {
     const int32_t slot = c->slot_of[flat];
     const int32_t layer = flat / c->n_expert;
     if (slot >= 0) {
-        c->table_set(c->shim, layer, flat % c->n_expert, -1);
+        c->table_set(c->store, layer, flat % c->n_expert, -1);
         c->free_slots[c->pool_of_layer[layer]][c->n_free[c->pool_of_layer[layer]]++] = slot;
         c->slot_of[flat] = -1;
     }
@@ -344,7 +344,7 @@ int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int3
     free(buf);
     if (c->n_inline) publish_locked(c);    /* copied already: computed from the slots now */
     /* the id planes from the table as published now: the graph reads them next */
-    const int src = c->route(c->shim, layer, experts, n / c->n_used);
+    const int src = c->route(c->store, layer, experts, n / c->n_used);
     pthread_mutex_unlock(&c->mu);
     return src == 0 ? 0 : -100 - src;
 }

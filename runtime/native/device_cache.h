@@ -1,21 +1,23 @@
-/* slot_cache: the mechanism of the native device expert cache, in C (one per cache device).
+/* device_cache: the device cache's mechanism, in C (one dc_cache per cache device).
  *
  * The residency core (rc_core, the manager's) decides; this moves bytes: per layer-step
- * (dc_route) it publishes finished copies into the slot tables (the moe_cache shim's
- * moe_cache_table_set), asks the core (rc_access: one lease per layer-step, the previous one
- * released), clears the victims' table entries and frees their slots, copies each admitted
- * or prefetched expert from the read-only file mapping into a free slot of its pool on worker
- * threads (moe_cache_slot_set), and last writes the layer's id planes from the table as it
- * then is (moe_cache_route: which path computes each routed pair in this layer-step). A prefill layer waits for its own copies; a decode layer does
- * not (the expert runs cold until its copy is published). dc_batch_end waits for every copy
- * the batch started and publishes: between batches the tables hold exactly the core's
- * resident set. A copy that fails frees its slot and the expert leaves the core (rc_forget).
+ * (dc_route) it publishes finished copies into the slot tables of the device cache store
+ * (native/device_cache/device_cache_store.h: dc_store_table_set), asks the core (rc_step: one
+ * lease per layer-step, the previous one released), clears the victims' table entries and
+ * frees their slots, copies each admitted or prefetched expert from the read-only file
+ * mapping into a free slot of its pool on worker threads (dc_store_slot_set), and last writes
+ * the layer's id planes from the table as it then is (dc_store_route: which path computes
+ * each routed pair in this layer-step). A prefill layer waits for its own copies; a decode
+ * layer does not (the expert runs cold until its copy is published). dc_batch_end waits for
+ * every copy the batch started and publishes: between batches the tables hold exactly the
+ * core's resident set. A copy that fails frees its slot and the expert leaves the core
+ * (rc_forget).
  *
  * Called from the routing hook's native mode (route_hook.c) or from Python
  * (runtime/native/device_cache.py: the reference hook, tests); the same code either way.
  */
-#ifndef SLOT_CACHE_H
-#define SLOT_CACHE_H
+#ifndef DEVICE_CACHE_H
+#define DEVICE_CACHE_H
 #include <stddef.h>
 #include <stdint.h>
 
@@ -25,8 +27,9 @@ typedef int (*dc_slot_set_fn)(void *cache, int32_t layer, int32_t slot, int32_t 
                               const void *src, size_t nbytes);
 typedef int (*dc_route_fn)(void *cache, int32_t layer, const int32_t *ids, int32_t n_tokens);
 
-/* pool_of_layer[n_layer]: the shim's pool (-1: none), slots[n_pool]: assignable slots */
-dc_cache *dc_create(void *core, void *shim, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
+/* store: a dc_store_t; pool_of_layer[n_layer]: the store's pool (-1: none), slots[n_pool]:
+ * assignable slots */
+dc_cache *dc_create(void *core, void *store, dc_table_set_fn table_set, dc_slot_set_fn slot_set,
                     dc_route_fn route, int32_t n_used,
                     int32_t n_layer, int32_t n_expert, const int32_t *pool_of_layer,
                     int32_t n_pool, const int32_t *slots, const char *file_base,
@@ -43,7 +46,7 @@ void dc_set_inline_bytes(dc_cache *c, int64_t nbytes);                  /* finis
 int dc_submit(dc_cache *c, int32_t flat, int32_t prefetch);
 void dc_drop(dc_cache *c, int32_t flat);
 
-/* observer side; a non-zero status: the core refused (RC_ERR_*), or -100 - the shim's status
+/* observer side; a non-zero status: the core refused (RC_ERR_*), or -100 - the store's status
  * when the id planes could not be written */
 int dc_route(dc_cache *c, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
 void dc_batch_end(dc_cache *c);

@@ -1,5 +1,5 @@
-// moe_cache: persistent per-expert slot cache (see moe_cache.h for the API and its rules).
-#include "moe_cache.h"
+// device cache store: the device cache's slots and tables in llama.cpp (see device_cache_store.h).
+#include "device_cache_store.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -19,12 +19,12 @@
 
 namespace {
 
-const char * const k_proj_names[MOE_CACHE_PROJ_COUNT] = {
+const char * const k_proj_names[DC_STORE_PROJ_COUNT] = {
     "ffn_up_exps", "ffn_gate_exps", "ffn_down_exps", "ffn_gate_up_exps",
 };
 
 struct layer_state {
-    ggml_tensor * exps[MOE_CACHE_PROJ_COUNT] = {};  // the model's tensors {ne0, ne1, n_expert}
+    ggml_tensor * exps[DC_STORE_PROJ_COUNT] = {};  // the model's tensors {ne0, ne1, n_expert}
     int32_t pool = -1;
     size_t expert_bytes = 0;                        // all projections of one expert
     int64_t n_expert = 0;
@@ -42,13 +42,13 @@ struct pool_state {
     std::vector<int32_t> layers;
     size_t slot_bytes = 0;
     int32_t n_slots = 0;
-    ggml_tensor * slots[MOE_CACHE_PROJ_COUNT] = {};
+    ggml_tensor * slots[DC_STORE_PROJ_COUNT] = {};
     std::vector<std::pair<int32_t, int32_t>> owner;  // slot -> (layer, expert), (-1, -1) = free
 };
 
 } // namespace
 
-struct moe_cache {
+struct dc_store {
     std::vector<layer_state> layers;
     std::vector<pool_state> pools;
     ggml_context * ctx = nullptr;
@@ -58,10 +58,10 @@ struct moe_cache {
     int32_t max_tokens = 0;
     int32_t min_batch = 32;  // GGML_OP_OFFLOAD_MIN_BATCH: larger batches may run on a GPU
     bool slots_plain = false;  // slots in a plain host buffer: ggml-cpu computes the hot path
-    // moe_cache_route's scratch (under table_mutex)
+    // dc_store_route's scratch (under table_mutex)
     std::vector<int32_t> planes, misses, seen, mark;
     int32_t seen_gen = 0, mark_gen = 0;
-    // moe_cache_eval: per layer, the router output of the evaluation running (nullptr once routed)
+    // dc_store_eval: per layer, the router output of the evaluation running (nullptr once routed)
     std::vector<const ggml_tensor *> eval_topk;
 };
 
@@ -76,7 +76,7 @@ static bool source_is_host(const ggml_tensor * t) {
 
 // may the cold path repeat an expert id within a token? Only ggml-cpu's generic MUL_MAT_ID
 // handles repeats: the tensor must sit in a plain host buffer (not repacked, not a device; the
-// scheduler offloads large batches to a GPU, which moe_cache_route checks per batch)
+// scheduler offloads large batches to a GPU, which dc_store_route checks per batch)
 static bool plain_host_buffer(ggml_backend_buffer_t buffer) {
     if (buffer == nullptr || !ggml_backend_buffer_is_host(buffer)) {
         return false;
@@ -91,10 +91,10 @@ static bool plain_host(const ggml_tensor * t) {
     return plain_host_buffer(t->buffer);
 }
 
-static void free_cache(moe_cache * c) {
+static void free_cache(dc_store * c) {
     for (auto & l : c->layers) {
         if (l.registered) {
-            llama_moe_cache_register(l.exps[MOE_CACHE_PROJ_DOWN], nullptr);
+            llama_moe_cache_register(l.exps[DC_STORE_PROJ_DOWN], nullptr);
         }
     }
     if (c->buffer != nullptr) {
@@ -106,17 +106,17 @@ static void free_cache(moe_cache * c) {
     delete c;
 }
 
-int moe_cache_create(const llama_model * model, const char * device, size_t capacity_bytes, int32_t max_tokens,
-                     moe_cache_t * out) {
+int dc_store_create(const llama_model * model, const char * device, size_t capacity_bytes, int32_t max_tokens,
+                    dc_store_t * out) {
     if (model == nullptr || device == nullptr || out == nullptr || max_tokens < 1) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     *out = nullptr;
     ggml_backend_dev_t dev = ggml_backend_dev_by_name(device);
     if (dev == nullptr) {
-        return MOE_CACHE_ERR_DEVICE;
+        return DC_STORE_ERR_DEVICE;
     }
-    auto * c = new moe_cache();
+    auto * c = new dc_store();
     c->max_tokens = max_tokens;
     if (const char * env = getenv("GGML_OP_OFFLOAD_MIN_BATCH")) {
         c->min_batch = atoi(env);
@@ -130,7 +130,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
     for (int32_t il = 0; il < n_layer; ++il) {
         layer_state & l = c->layers[il];
         std::vector<std::tuple<int, int64_t, int64_t>> sig;
-        for (int p = 0; p < MOE_CACHE_PROJ_COUNT; ++p) {
+        for (int p = 0; p < DC_STORE_PROJ_COUNT; ++p) {
             char name[128];
             snprintf(name, sizeof(name), "blk.%d.%s.weight", il, k_proj_names[p]);
             ggml_tensor * t = llama_moe_cache_model_tensor(model, name);
@@ -142,8 +142,8 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         }
         // per-expert biases and scales stay in the model tensors: the patched graph looks them
         // up by expert id on both paths
-        ggml_tensor * down = l.exps[MOE_CACHE_PROJ_DOWN];
-        if (down == nullptr || (l.exps[MOE_CACHE_PROJ_UP] == nullptr && l.exps[MOE_CACHE_PROJ_GATE_UP] == nullptr)) {
+        ggml_tensor * down = l.exps[DC_STORE_PROJ_DOWN];
+        if (down == nullptr || (l.exps[DC_STORE_PROJ_UP] == nullptr && l.exps[DC_STORE_PROJ_GATE_UP] == nullptr)) {
             l.expert_bytes = 0;
             continue;
         }
@@ -166,7 +166,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
     }
     if (c->pools.empty()) {
         delete c;
-        return MOE_CACHE_ERR_MODEL;
+        return DC_STORE_ERR_MODEL;
     }
 
     // sinks per pool: never-assigned slots for the zero-weighted work of non-resident experts
@@ -179,12 +179,12 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
     const int32_t n_sink = llama_model_meta_val_str(model, key, value, sizeof(value)) > 0 ? atoi(value) : 0;
     if (n_sink <= 0) {
         free_cache(c);
-        return MOE_CACHE_ERR_MODEL;
+        return DC_STORE_ERR_MODEL;
     }
     c->n_sink = n_sink;
     if ((int64_t) 3 * n_sink * max_tokens > INT32_MAX / 4) {
         free_cache(c);
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
 
     // slots per pool: the capacity split in proportion to the pool's expert bytes, sinks included
@@ -202,7 +202,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         n = n > (size_t) n_sink ? n - n_sink : 0;
         p.n_slots = (int32_t) (n < pool_experts ? n : pool_experts);
         p.owner.assign(p.n_slots, {-1, -1});
-        n_tensors += MOE_CACHE_PROJ_COUNT;
+        n_tensors += DC_STORE_PROJ_COUNT;
     }
     n_tensors += c->layers.size();
 
@@ -213,7 +213,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
             continue;
         }
         const layer_state & l0 = c->layers[p.layers[0]];
-        for (int q = 0; q < MOE_CACHE_PROJ_COUNT; ++q) {
+        for (int q = 0; q < DC_STORE_PROJ_COUNT; ++q) {
             const ggml_tensor * e = l0.exps[q];
             if (e != nullptr) {
                 p.slots[q] = ggml_new_tensor_3d(c->ctx, e->type, e->ne[0], e->ne[1], p.n_slots + n_sink);
@@ -227,7 +227,7 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         c->buffer = ggml_backend_alloc_ctx_tensors_from_buft(c->ctx, ggml_backend_dev_buffer_type(dev));
         if (c->buffer == nullptr) {
             free_cache(c);
-            return MOE_CACHE_ERR_ALLOC;
+            return DC_STORE_ERR_ALLOC;
         }
         c->slots_plain = plain_host_buffer(c->buffer);
         // zeroed: sink slots compute finite values (never used), id planes are valid ids
@@ -244,75 +244,75 @@ int moe_cache_create(const llama_model * model, const char * device, size_t capa
         for (int32_t il : p.layers) {
             layer_state & l = c->layers[il];
             llama_moe_cache_layer reg = {
-                p.slots[MOE_CACHE_PROJ_UP], p.slots[MOE_CACHE_PROJ_GATE], p.slots[MOE_CACHE_PROJ_GATE_UP],
-                p.slots[MOE_CACHE_PROJ_DOWN], l.remap, p.n_slots, n_sink, max_tokens,
+                p.slots[DC_STORE_PROJ_UP], p.slots[DC_STORE_PROJ_GATE], p.slots[DC_STORE_PROJ_GATE_UP],
+                p.slots[DC_STORE_PROJ_DOWN], l.remap, p.n_slots, n_sink, max_tokens,
             };
-            if (!llama_moe_cache_register(l.exps[MOE_CACHE_PROJ_DOWN], &reg)) {
+            if (!llama_moe_cache_register(l.exps[DC_STORE_PROJ_DOWN], &reg)) {
                 free_cache(c);
-                return MOE_CACHE_ERR_LLAMA;
+                return DC_STORE_ERR_LLAMA;
             }
             l.registered = true;
         }
     }
     *out = c;
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-void moe_cache_free(moe_cache_t cache) {
+void dc_store_free(dc_store_t cache) {
     if (cache != nullptr) {
         free_cache(cache);
     }
 }
 
-int moe_cache_counts(moe_cache_t c, int32_t * n_layer_out, int32_t * n_pool_out) {
+int dc_store_counts(dc_store_t c, int32_t * n_layer_out, int32_t * n_pool_out) {
     if (c == nullptr) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     if (n_layer_out) *n_layer_out = (int32_t) c->layers.size();
     if (n_pool_out)  *n_pool_out  = (int32_t) c->pools.size();
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_layer_info(moe_cache_t c, int32_t layer, int32_t * pool_out, size_t * expert_bytes_out) {
+int dc_store_layer_info(dc_store_t c, int32_t layer, int32_t * pool_out, size_t * expert_bytes_out) {
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size()) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     const layer_state & l = c->layers[layer];
     if (pool_out) *pool_out = (l.pool >= 0 && c->pools[l.pool].n_slots > 0) ? l.pool : -1;
     if (expert_bytes_out) *expert_bytes_out = l.expert_bytes;
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_pool_info(moe_cache_t c, int32_t pool, int32_t * n_slots_out, size_t * slot_bytes_out) {
+int dc_store_pool_info(dc_store_t c, int32_t pool, int32_t * n_slots_out, size_t * slot_bytes_out) {
     if (c == nullptr || pool < 0 || pool >= (int32_t) c->pools.size()) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     if (n_slots_out)    *n_slots_out    = c->pools[pool].n_slots;
     if (slot_bytes_out) *slot_bytes_out = c->pools[pool].slot_bytes;
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_proj_bytes(moe_cache_t c, int32_t layer, int32_t proj, size_t * bytes_out) {
+int dc_store_proj_bytes(dc_store_t c, int32_t layer, int32_t proj, size_t * bytes_out) {
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || proj < 0 ||
-        proj >= MOE_CACHE_PROJ_COUNT || bytes_out == nullptr) {
-        return MOE_CACHE_ERR_ARG;
+        proj >= DC_STORE_PROJ_COUNT || bytes_out == nullptr) {
+        return DC_STORE_ERR_ARG;
     }
     const ggml_tensor * t = c->layers[layer].exps[proj];
     *bytes_out = (t != nullptr && c->layers[layer].pool >= 0) ? t->nb[2] : 0;
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_allocated_bytes(moe_cache_t c, size_t * bytes_out) {
+int dc_store_allocated_bytes(dc_store_t c, size_t * bytes_out) {
     if (c == nullptr || bytes_out == nullptr) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     *bytes_out = c->buffer != nullptr ? ggml_backend_buffer_get_size(c->buffer) : 0;
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
 // the slot tensor of (layer, proj) and the byte offset of `slot` in it, or nullptr
-static ggml_tensor * slot_tensor(moe_cache * c, int32_t layer, int32_t slot, int32_t proj, size_t * offset) {
-    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || proj < 0 || proj >= MOE_CACHE_PROJ_COUNT) {
+static ggml_tensor * slot_tensor(dc_store * c, int32_t layer, int32_t slot, int32_t proj, size_t * offset) {
+    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || proj < 0 || proj >= DC_STORE_PROJ_COUNT) {
         return nullptr;
     }
     const layer_state & l = c->layers[layer];
@@ -327,73 +327,73 @@ static ggml_tensor * slot_tensor(moe_cache * c, int32_t layer, int32_t slot, int
     return p.slots[proj];
 }
 
-int moe_cache_slot_set(moe_cache_t c, int32_t layer, int32_t slot, int32_t proj, const void * src, size_t nbytes) {
+int dc_store_slot_set(dc_store_t c, int32_t layer, int32_t slot, int32_t proj, const void * src, size_t nbytes) {
     size_t offset = 0;
     ggml_tensor * t = slot_tensor(c, layer, slot, proj, &offset);
     if (t == nullptr || src == nullptr || nbytes != t->nb[2]) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     ggml_backend_tensor_set(t, src, offset, nbytes);
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_slot_get(moe_cache_t c, int32_t layer, int32_t slot, int32_t proj, void * dst, size_t nbytes) {
+int dc_store_slot_get(dc_store_t c, int32_t layer, int32_t slot, int32_t proj, void * dst, size_t nbytes) {
     size_t offset = 0;
     ggml_tensor * t = slot_tensor(c, layer, slot, proj, &offset);
     if (t == nullptr || dst == nullptr || nbytes != t->nb[2]) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     ggml_backend_tensor_get(t, dst, offset, nbytes);
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_slot_load(moe_cache_t c, int32_t layer, int32_t expert, int32_t slot) {
+int dc_store_slot_load(dc_store_t c, int32_t layer, int32_t expert, int32_t slot) {
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size()) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     const layer_state & l = c->layers[layer];
     if (expert < 0 || expert >= l.n_expert) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
-    for (int q = 0; q < MOE_CACHE_PROJ_COUNT; ++q) {
+    for (int q = 0; q < DC_STORE_PROJ_COUNT; ++q) {
         const ggml_tensor * e = l.exps[q];
         if (e != nullptr && !source_is_host(e)) {
-            return MOE_CACHE_ERR_SOURCE;
+            return DC_STORE_ERR_SOURCE;
         }
     }
-    for (int q = 0; q < MOE_CACHE_PROJ_COUNT; ++q) {
+    for (int q = 0; q < DC_STORE_PROJ_COUNT; ++q) {
         const ggml_tensor * e = l.exps[q];
         if (e == nullptr) {
             continue;
         }
         const char * src = (const char *) e->data + (size_t) expert * e->nb[2];
-        const int rc = moe_cache_slot_set(c, layer, slot, q, src, e->nb[2]);
-        if (rc != MOE_CACHE_OK) {
+        const int rc = dc_store_slot_set(c, layer, slot, q, src, e->nb[2]);
+        if (rc != DC_STORE_OK) {
             return rc;
         }
     }
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_table_set(moe_cache_t c, int32_t layer, int32_t expert, int32_t slot) {
+int dc_store_table_set(dc_store_t c, int32_t layer, int32_t expert, int32_t slot) {
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size()) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     layer_state & l = c->layers[layer];
     if (l.pool < 0 || expert < 0 || expert >= l.n_expert) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     pool_state & p = c->pools[l.pool];
     if (slot < -1 || slot >= p.n_slots) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     if (p.n_slots == 0) {
-        return MOE_CACHE_OK;  // no slots: nothing is ever resident
+        return DC_STORE_OK;  // no slots: nothing is ever resident
     }
     std::lock_guard<std::mutex> lock(c->table_mutex);
     // invariant: a slot holds at most one (layer, expert) of its pool
     if (slot >= 0 && p.owner[slot].first >= 0 && p.owner[slot] != std::make_pair(layer, expert)) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     const int32_t old = l.table[expert];
     if (old >= 0) {
@@ -403,36 +403,36 @@ int moe_cache_table_set(moe_cache_t c, int32_t layer, int32_t expert, int32_t sl
     if (slot >= 0) {
         p.owner[slot] = {layer, expert};
     }
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_table_get(moe_cache_t c, int32_t layer, int32_t expert, int32_t * slot_out) {
+int dc_store_table_get(dc_store_t c, int32_t layer, int32_t expert, int32_t * slot_out) {
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || slot_out == nullptr) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     const layer_state & l = c->layers[layer];
     if (expert < 0 || expert >= l.n_expert) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     std::lock_guard<std::mutex> lock(c->table_mutex);
     *slot_out = l.table[expert];
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
-int moe_cache_route(moe_cache_t c, int32_t layer, const int32_t * ids, int32_t n_tokens) {
+int dc_store_route(dc_store_t c, int32_t layer, const int32_t * ids, int32_t n_tokens) {
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || n_tokens < 0 ||
         (ids == nullptr && n_tokens > 0)) {
-        return MOE_CACHE_ERR_ARG;
+        return DC_STORE_ERR_ARG;
     }
     const layer_state & l = c->layers[layer];
     if (!l.registered || n_tokens == 0 || n_tokens > c->max_tokens) {
-        return MOE_CACHE_OK;   // the graph computes this layer without the cache
+        return DC_STORE_OK;   // the graph computes this layer without the cache
     }
     const int32_t k = c->n_sink;
     const int64_t n = (int64_t) n_tokens * k;
     for (int64_t i = 0; i < n; ++i) {
         if (ids[i] < 0 || ids[i] >= l.n_expert) {
-            return MOE_CACHE_ERR_ARG;
+            return DC_STORE_ERR_ARG;
         }
     }
     const int32_t n_slots = c->pools[l.pool].n_slots;
@@ -528,7 +528,7 @@ int moe_cache_route(moe_cache_t c, int32_t layer, const int32_t * ids, int32_t n
         }
     }
     ggml_backend_tensor_set(l.remap, c->planes.data(), 0, (size_t) (3 * n) * sizeof(int32_t));
-    return MOE_CACHE_OK;
+    return DC_STORE_OK;
 }
 
 // "<prefix><il>" with nothing after the layer number: the layer, else -1
@@ -545,8 +545,8 @@ static int layer_of(const char * name, const char * prefix) {
     return layer;
 }
 
-bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
-    auto * c = (moe_cache *) user_data;
+bool dc_store_eval(struct ggml_tensor * t, bool ask, void * user_data) {
+    auto * c = (dc_store *) user_data;
     if (c == nullptr || strncmp(t->name, "ffn_moe_", 8) != 0) {
         return false;
     }
@@ -584,5 +584,5 @@ bool moe_cache_eval(struct ggml_tensor * t, bool ask, void * user_data) {
             ids[(size_t) (r * c->n_sink + i)] = span[(size_t) ((r * ids_t->nb[1] + i * ids_t->nb[0]) / sizeof(int32_t))];
         }
     }
-    return moe_cache_route(c, layer, ids.data(), (int32_t) n_tokens) == MOE_CACHE_OK;
+    return dc_store_route(c, layer, ids.data(), (int32_t) n_tokens) == DC_STORE_OK;
 }

@@ -1,12 +1,13 @@
-"""cffi (ABI mode) access to the moe_cache shim (native/shim/moe_cache.h) of a native build.
+"""cffi (ABI mode) access to the device cache store (native/device_cache/device_cache_store.h:
+the device cache's slots and tables in llama.cpp, ``dc_store_*``) of a native build.
 
-    lib = load_shim(lib_dir)                    # the build's libmoe_cache.so
-    cache = ShimCache.create(lib, model_ptr, "CPU", capacity_bytes, max_tokens=512)
-    pool, expert_bytes = cache.layer_info(3)
-    cache.slot_load(3, expert=17, slot=0); cache.table_set(3, 17, 0)
-    cache.close()
+    lib = load_store(lib_dir)                   # the build's libmoe_device_cache.so
+    store = DeviceCacheStore.create(lib, model_ptr, "CPU", capacity_bytes, max_tokens=512)
+    pool, expert_bytes = store.layer_info(3)
+    store.slot_load(3, expert=17, slot=0); store.table_set(3, 17, 0)
+    store.close()
 
-The shim links the libllama of its own directory by soname; load it only into a process whose
+The store links the libllama of its own directory by soname; load it only into a process whose
 llama-cpp-python bindings loaded that same directory (``LLAMA_CPP_LIB_PATH``), or the slot
 registry lives in a second, unused copy of libllama (``check_same_libllama``).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from runtime.native.build import NATIVE_DIR, SHIM_LIB
+from runtime.native.build import STORE_DIR, STORE_LIB, STORE_SOURCES
 
 STATUS_NAMES = {0: "ok", 1: "bad argument", 2: "no such ggml device", 3: "allocation failed",
                 4: "no MoE layer the cache can serve", 5: "expert tensors not in host memory",
@@ -31,15 +32,15 @@ _ffi: FFI | None = None
 _libs: dict[str, object] = {}
 
 
-class ShimError(RuntimeError):
-    """A moe_cache call returned an error status."""
+class DeviceCacheError(RuntimeError):
+    """A device cache store call returned an error status (or the cache could not start)."""
 
 
 def ffi() -> FFI:
-    """The FFI with the declarations of moe_cache.h (preprocessor lines dropped)."""
+    """The FFI with the declarations of device_cache_store.h (preprocessor lines dropped)."""
     global _ffi
     if _ffi is None:
-        text = (NATIVE_DIR / "shim" / "moe_cache.h").read_text()
+        text = (STORE_DIR / STORE_SOURCES[0]).read_text()
         text = re.sub(r"//[^\n]*", "", text)
         keep = [ln for ln in text.splitlines()
                 if not ln.lstrip().startswith("#") and 'extern "C"' not in ln and ln.strip() != "}"]
@@ -49,9 +50,9 @@ def ffi() -> FFI:
     return _ffi
 
 
-def load_shim(lib_dir: str | os.PathLike[str]):
-    """dlopen ``lib_dir/libmoe_cache.so`` (once per directory)."""
-    path = str(Path(lib_dir) / SHIM_LIB)
+def load_store(lib_dir: str | os.PathLike[str]):
+    """dlopen ``lib_dir/libmoe_device_cache.so`` (once per directory)."""
+    path = str(Path(lib_dir) / STORE_LIB)
     if path not in _libs:
         _libs[path] = ffi().dlopen(path)
     return _libs[path]
@@ -59,93 +60,94 @@ def load_shim(lib_dir: str | os.PathLike[str]):
 
 def check(rc: int, what: str) -> None:
     if rc != 0:
-        raise ShimError(f"{what}: {STATUS_NAMES.get(rc, f'status {rc}')}")
+        raise DeviceCacheError(f"{what}: {STATUS_NAMES.get(rc, f'status {rc}')}")
 
 
-class ShimCache:
-    """One ``moe_cache_t``: thin, checked wrappers; the policy lives in the residency manager."""
+class DeviceCacheStore:
+    """One ``dc_store_t``: thin, checked wrappers; the policy lives in the residency manager."""
 
     def __init__(self, lib, handle):
         self.lib, self.handle = lib, handle
         f = ffi()
         n_layer, n_pool = f.new("int32_t *"), f.new("int32_t *")
-        check(lib.moe_cache_counts(handle, n_layer, n_pool), "moe_cache_counts")
+        check(lib.dc_store_counts(handle, n_layer, n_pool), "dc_store_counts")
         self.n_layer, self.n_pool = int(n_layer[0]), int(n_pool[0])
 
     @classmethod
     def create(cls, lib, model_ptr: int, device: str, capacity_bytes: int, *,
-               max_tokens: int) -> ShimCache:
+               max_tokens: int) -> DeviceCacheStore:
         """``max_tokens``: the context's n_ubatch (larger ubatches compute without the cache)."""
         f = ffi()
-        out = f.new("moe_cache_t *")
-        rc = lib.moe_cache_create(f.cast("struct llama_model *", model_ptr), device.encode(),
-                                  int(capacity_bytes), int(max_tokens), out)
-        check(rc, f"moe_cache_create({device}, {capacity_bytes} bytes)")
+        out = f.new("dc_store_t *")
+        rc = lib.dc_store_create(f.cast("struct llama_model *", model_ptr), device.encode(),
+                                 int(capacity_bytes), int(max_tokens), out)
+        check(rc, f"dc_store_create({device}, {capacity_bytes} bytes)")
         return cls(lib, out[0])
 
     def close(self) -> None:
         if self.handle is not None:
-            self.lib.moe_cache_free(self.handle)
+            self.lib.dc_store_free(self.handle)
             self.handle = None
 
     def layer_info(self, layer: int) -> tuple[int, int]:
         """(pool or -1, bytes of one expert of the layer)."""
         f = ffi()
         pool, nbytes = f.new("int32_t *"), f.new("size_t *")
-        check(self.lib.moe_cache_layer_info(self.handle, layer, pool, nbytes), "moe_cache_layer_info")
+        check(self.lib.dc_store_layer_info(self.handle, layer, pool, nbytes), "dc_store_layer_info")
         return int(pool[0]), int(nbytes[0])
 
     def pool_info(self, pool: int) -> tuple[int, int]:
         """(slots, bytes of one slot)."""
         f = ffi()
         n, nbytes = f.new("int32_t *"), f.new("size_t *")
-        check(self.lib.moe_cache_pool_info(self.handle, pool, n, nbytes), "moe_cache_pool_info")
+        check(self.lib.dc_store_pool_info(self.handle, pool, n, nbytes), "dc_store_pool_info")
         return int(n[0]), int(nbytes[0])
 
     def proj_bytes(self, layer: int, proj: int) -> int:
         out = ffi().new("size_t *")
-        check(self.lib.moe_cache_proj_bytes(self.handle, layer, proj, out), "moe_cache_proj_bytes")
+        check(self.lib.dc_store_proj_bytes(self.handle, layer, proj, out), "dc_store_proj_bytes")
         return int(out[0])
 
     def allocated_bytes(self) -> int:
         out = ffi().new("size_t *")
-        check(self.lib.moe_cache_allocated_bytes(self.handle, out), "moe_cache_allocated_bytes")
+        check(self.lib.dc_store_allocated_bytes(self.handle, out), "dc_store_allocated_bytes")
         return int(out[0])
 
     def slot_set(self, layer: int, slot: int, proj: int, src_ptr, nbytes: int) -> None:
         """Copy ``nbytes`` from a cffi pointer into one projection of a slot (GIL released)."""
-        check(self.lib.moe_cache_slot_set(self.handle, layer, slot, proj, src_ptr, nbytes),
-              f"moe_cache_slot_set(layer {layer}, slot {slot}, proj {proj})")
+        check(self.lib.dc_store_slot_set(self.handle, layer, slot, proj, src_ptr, nbytes),
+              f"dc_store_slot_set(layer {layer}, slot {slot}, proj {proj})")
 
     def slot_get(self, layer: int, slot: int, proj: int) -> bytes:
         n = self.proj_bytes(layer, proj)
         buf = ffi().new("char[]", n)
-        check(self.lib.moe_cache_slot_get(self.handle, layer, slot, proj, buf, n), "moe_cache_slot_get")
+        check(self.lib.dc_store_slot_get(self.handle, layer, slot, proj, buf, n),
+              "dc_store_slot_get")
         return bytes(ffi().buffer(buf, n))
 
     def slot_load(self, layer: int, expert: int, slot: int) -> None:
-        check(self.lib.moe_cache_slot_load(self.handle, layer, expert, slot),
-              f"moe_cache_slot_load(layer {layer}, expert {expert}, slot {slot})")
+        check(self.lib.dc_store_slot_load(self.handle, layer, expert, slot),
+              f"dc_store_slot_load(layer {layer}, expert {expert}, slot {slot})")
 
     def table_set(self, layer: int, expert: int, slot: int) -> None:
-        check(self.lib.moe_cache_table_set(self.handle, layer, expert, slot),
-              f"moe_cache_table_set(layer {layer}, expert {expert}, slot {slot})")
+        check(self.lib.dc_store_table_set(self.handle, layer, expert, slot),
+              f"dc_store_table_set(layer {layer}, expert {expert}, slot {slot})")
 
     def route(self, layer: int, ids) -> None:
         """Write a layer's id planes for routed ``ids`` (n_tokens, n_expert_used) (tests)."""
         import numpy as np  # noqa: PLC0415
         arr = np.ascontiguousarray(ids, dtype=np.int32)
-        check(self.lib.moe_cache_route(self.handle, layer, ffi().from_buffer("int32_t[]", arr),
-                                       arr.shape[0]), f"moe_cache_route(layer {layer})")
+        check(self.lib.dc_store_route(self.handle, layer, ffi().from_buffer("int32_t[]", arr),
+                                      arr.shape[0]), f"dc_store_route(layer {layer})")
 
     @property
     def eval_callback(self):
-        """``moe_cache_eval`` as a C function pointer (cb_eval; user data: ``self.handle``)."""
-        return int(ffi().cast("uintptr_t", self.lib.moe_cache_eval))
+        """``dc_store_eval`` as a C function pointer (cb_eval; user data: ``self.handle``)."""
+        return int(ffi().cast("uintptr_t", self.lib.dc_store_eval))
 
     def table_get(self, layer: int, expert: int) -> int:
         out = ffi().new("int32_t *")
-        check(self.lib.moe_cache_table_get(self.handle, layer, expert, out), "moe_cache_table_get")
+        check(self.lib.dc_store_table_get(self.handle, layer, expert, out), "dc_store_table_get")
         return int(out[0])
 
 
