@@ -48,6 +48,8 @@ class ModelFacts:
     dense_bytes: int               # every other tensor byte
     file_bytes: int
     tensor_types: dict[str, str]   # tensor name -> ggml type name
+    kv_bytes_per_token: int = 0    # K and V bytes per context token, all layers (f16 cache)
+    sliding_window: int = 0        # attention.sliding_window in tokens; 0 none
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready dict of every field (lists for tuples)."""
@@ -59,6 +61,7 @@ class ModelFacts:
             "moe_layers": list(self.moe_layers), "expert_bytes": list(self.expert_bytes),
             "total_expert_bytes": self.total_expert_bytes, "dense_bytes": self.dense_bytes,
             "file_bytes": self.file_bytes, "tensor_types": dict(self.tensor_types),
+            "kv_bytes_per_token": self.kv_bytes_per_token, "sliding_window": self.sliding_window,
         }
 
 
@@ -243,7 +246,9 @@ def scan_model(reader: GGUFReader, path: str | os.PathLike[str], *,
         moe_layers=tuple(sorted({e.layer for e in experts})),
         expert_bytes=tuple(per_layer), total_expert_bytes=total_expert,
         dense_bytes=total_bytes - total_expert, file_bytes=Path(path).stat().st_size,
-        tensor_types={t.name: t.tensor_type.name for t in reader.tensors})
+        tensor_types={t.name: t.tensor_type.name for t in reader.tensors},
+        kv_bytes_per_token=_kv_bytes_per_token(reader, arch),
+        sliding_window=max(_as_int(field_value(reader, f"{arch}.attention.sliding_window")), 0))
     return facts, experts
 
 
@@ -265,11 +270,8 @@ def read_model_facts(path: str | os.PathLike[str], *, require_moe: bool = True) 
     return scan_model(open_gguf(path), path, require_moe=require_moe)[0]
 
 
-def kv_bytes_per_token(path: str) -> int:
+def _kv_bytes_per_token(reader: GGUFReader, arch: str) -> int:
     """K and V bytes per context token over all layers (f16 cache), from the GGUF metadata."""
-    reader = open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-
     def num(key: str, default: int = 0) -> int:
         return _as_int(field_value(reader, f"{arch}.{key}"), default)
 

@@ -29,7 +29,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf_tools.facts import kv_bytes_per_token
 from runtime.errors import UserError
 from runtime.units import format_size
 
@@ -227,7 +226,7 @@ def plan_model(path: str, ctx: int, stated: dict[str, int] | None = None,
         raise UserError(f"-c: the context size must be positive, got {ctx}")
     facts = read_model_facts(path)
     result = plan(facts, measured_memory(stated or {}), ctx=ctx,
-                  kv_per_token=kv_bytes_per_token(path))
+                  kv_per_token=facts.kv_bytes_per_token)
     if not remotes:
         return result
     planned, notes = plan_remotes(facts, path, ctx, remotes, warn=warn)

@@ -63,27 +63,15 @@ class Room:
 
 def load_need(settings, facts, *, on_gpu: bool, ram_tier_bytes: int) -> LoadNeed:
     """What loading ``facts``' model with ``settings`` holds in host RAM."""
-    from gguf_tools.facts import kv_bytes_per_token  # noqa: PLC0415
-
     n_ctx = settings.n_ctx or facts.context_length
     ubatch = min(settings.n_ubatch, settings.n_batch, n_ctx or settings.n_ubatch)
-    window = _sliding_window(facts.path)
+    window = facts.sliding_window
     kv_tokens = n_ctx if not window else (n_ctx + min(n_ctx, window)) // 2
     return LoadNeed(
         dense_bytes=0 if on_gpu else facts.dense_bytes,
-        kv_bytes=kv_bytes_per_token(facts.path) * kv_tokens, n_ctx=n_ctx,
+        kv_bytes=facts.kv_bytes_per_token * kv_tokens, n_ctx=n_ctx,
         compute_bytes=ubatch * facts.n_embd * 4 * COMPUTE_ACTIVATIONS,
         ram_tier_bytes=min(max(ram_tier_bytes, 0), facts.total_expert_bytes))
-
-
-def _sliding_window(path: str) -> int:
-    """The model's attention.sliding_window in tokens; 0 when it has none."""
-    from gguf_tools.facts import field_value, open_gguf  # noqa: PLC0415
-
-    reader = open_gguf(path)
-    arch = field_value(reader, "general.architecture")
-    value = field_value(reader, f"{arch}.attention.sliding_window")
-    return int(value) if isinstance(value, (int, float)) and value > 0 else 0
 
 
 def memory_room() -> Room | None:

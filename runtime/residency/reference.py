@@ -62,12 +62,15 @@ class ReferenceCore:
         self.uses = [[0] * n for _ in range(3)]
         self.decay = [-math.inf] * n
         self.next_use = [NEVER] * n
+        # each order's and phase's reference class, resolved once (as rc_create copies the
+        # C descriptors into the core)
+        self.evictions = [policy_entry("eviction", o[0]).reference for o in policy.orders]
+        self.admissions = [policy_entry("admission", a[0]).reference for a in policy.admission]
+        self.planners = [policy_entry("prefetch", p[0]).reference for p in policy.prefetch]
         self.nv = self.af = None            # the learned policies' models (their create)
-        planners = [policy_entry("prefetch", p[0]).reference for p in policy.prefetch]
-        for model in {policy_entry("eviction", o[0]).reference for o in policy.orders} | set(
-                planners):
+        for model in set(self.evictions) | set(self.planners):
             model.create(self)
-        self.keeps_history = any(p.needs_history for p in planners)
+        self.keeps_history = any(p.needs_history for p in self.planners)
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
         self.pf_unused: set[int] = set()
@@ -132,9 +135,8 @@ class ReferenceCore:
 
     def order_key(self, order: int, f: int) -> tuple:
         """(priority, last seq, flat) of ``f`` in eviction order ``order``: lowest goes first."""
-        name, p1, p2 = self.policy.orders[order]
-        return (policy_entry("eviction", name).reference.priority(self, (p1, p2), f),
-                self.last[f], f)
+        _, p1, p2 = self.policy.orders[order]
+        return self.evictions[order].priority(self, (p1, p2), f), self.last[f], f
 
     def _protected(self, f: int, seq0: int) -> bool:
         leased = any(base + e == f for base, el in self.leases.values() for e in el)
@@ -144,8 +146,7 @@ class ReferenceCore:
         """The pool's evictable resident keys in the order's eviction order."""
         keys = [f for f in range(len(self.state)) if self.state[f] <= RESIDENT_MAX
                 and self._pool(f) is pool and not self._protected(f, seq0)]
-        name = self.policy.orders[order][0]
-        return policy_entry("eviction", name).reference.victim_order(self, order, keys)
+        return self.evictions[order].victim_order(self, order, keys)
 
     # -- state changes -------------------------------------------------------------------
     def _make_resident(self, f: int, phase: int, prefetched: bool) -> None:
@@ -271,7 +272,7 @@ class ReferenceCore:
         if res["transient"]:
             t[C["transient_uses"]] += len(res["transient"])
             t[C["transient_bytes"]] += len(res["transient"]) * b
-        if phase != 2 and self.policy.prefetch[phase][0] != "none":
+        if phase != 2 and self.planners[phase].plan is not None:
             self._run_prefetch(layer, phase, upcoming, seq0, res, len(el) - len(missed),
                                len(missed))
         return CoreAccess(len(el) - len(missed), len(missed), tr, len(missed) * b,
@@ -279,8 +280,8 @@ class ReferenceCore:
                           tuple(res["transient"]), tuple(res["prefetched"]))
 
     def _admit(self, phase: int, f: int, victims: list[int]) -> bool:
-        name, param = self.policy.admission[phase]
-        return policy_entry("admission", name).reference.admit(self, phase, f, victims, param)
+        param = self.policy.admission[phase][1]
+        return self.admissions[phase].admit(self, phase, f, victims, param)
 
     def _access_static(self, layer: int, el: list[int], phase: int, lease_id: int):
         base = layer * self.n_expert
@@ -299,13 +300,13 @@ class ReferenceCore:
 
     def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict,
                       n_hits: int, n_misses: int) -> None:
-        name, param = self.policy.prefetch[phase][:2]
+        param = self.policy.prefetch[phase][1]
         ne = self.n_expert
         if upcoming is not None and self.policy.track_next_use:
             ul, ue, ui = upcoming
             for e, idx in zip(reversed(list(ue)), reversed(list(ui))):
                 self.next_use[int(ul) * ne + int(e)] = int(idx)
-        planner = policy_entry("prefetch", name).reference
+        planner = self.planners[phase]
         step = PlanStep(layer, phase, param, upcoming, n_hits, n_misses,
                         tuple(x for x in self.moe_layers if x > layer))
         plan, mine = planner.plan(self, step)
@@ -328,8 +329,7 @@ class ReferenceCore:
             self.last[f] = self.seq
             self.seq += 1
             own = self.order_key(order, f)
-            if mine is not None and policy_entry(
-                    "eviction", self.policy.orders[order][0]).reference.planned_scores:
+            if mine is not None and self.evictions[order].planned_scores:
                 own = (mine[i], self.last[f], f)
             free = pool.capacity - pool.resident_bytes
             victims: list[int] = []

@@ -38,9 +38,9 @@ class Planner:
 
 
 class NoPrefetch(Planner):
-    @staticmethod
-    def plan(core, step: PlanStep):
-        return [], None
+    """none: no plan (its C twin's plan is NULL)"""
+
+    plan = None
 
 
 class ChunkPlan(Planner):

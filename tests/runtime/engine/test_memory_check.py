@@ -104,10 +104,10 @@ def test_a_sliding_window_counts_half_the_layers_at_the_window(synth_model_facto
     """gpt-oss alternates full and 128-token sliding-window layers: llama.cpp's KV cache for
     the window layers holds the window, so counting every layer at n_ctx would refuse loads
     that fit."""
-    from gguf_tools.facts import kv_bytes_per_token
     path = synth_model_factory(SynthSpec(arch="gpt-oss", layers=2, experts=4, top_k=2, embd=64,
                                          ff=32, heads=4, heads_kv=2))
     facts = read_model_facts(str(path))
     need = load_need(EngineSettings(model_path=str(path), n_ctx=4096), facts, on_gpu=False,
                      ram_tier_bytes=0)
-    assert need.kv_bytes == kv_bytes_per_token(str(path)) * (4096 + 128) // 2
+    assert facts.sliding_window == 128
+    assert need.kv_bytes == facts.kv_bytes_per_token * (4096 + 128) // 2
