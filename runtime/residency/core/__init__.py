@@ -142,7 +142,7 @@ class CorePolicy:
                 ("prefetch", pp.prefetch) for pp in phases[:Phase.MIXED]]:
             entry = policy_entry(role, spec.name)
             if entry.shared is not None:
-                field, value = entry.shared(spec.kwargs(), config.cost)
+                field, value = entry.shared(spec.kwargs(), cost)
                 shared.setdefault((field, role, spec.name), set()).add(value)
         settings = {}
         for (field, role, name), values in shared.items():
@@ -154,8 +154,8 @@ class CorePolicy:
                                                            for pp in phases),
                    admission=admission, prefetch=tuple(prefetch),
                    track_next_use=offline_needs(phases)[0], **settings,
-                   affinity_rates=(config.cost.link_gbps * 1e9, config.cost.link_latency_us * 1e-6,
-                                   config.cost.gpu_mem_gbps * 1e9, config.cost.cpu_mem_gbps * 1e9))
+                   affinity_rates=(cost.link_gbps * 1e9, cost.link_latency_us * 1e-6,
+                                   cost.gpu_mem_gbps * 1e9, cost.cpu_mem_gbps * 1e9))
 
     def needs_upcoming(self, phase: int) -> bool:
         return policy_entry("prefetch", self.prefetch[phase][0]).offline
