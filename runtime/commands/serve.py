@@ -96,8 +96,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        metavar="ORIGINS",
                        help="comma-separated browser origins allowed by CORS: a listed "
                             "origin (or 'localhost': any port on localhost, 127.0.0.1, [::1]) "
-                            "is echoed with credentials allowed; '*' (the default) answers "
-                            "any origin with '*' and no credentials; '' = no CORS headers")
+                            "is echoed with credentials allowed; '*' (the default) lets any "
+                            "origin read answers without credentials (a preflight echoes the "
+                            "origin with credentials, as llama-server's; the answers carry "
+                            "'*'); '' = no CORS headers")
     group.add_argument("--metrics", dest="metrics", action="store_true", default=True,
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",

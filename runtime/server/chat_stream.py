@@ -19,7 +19,11 @@ class ChatFramer:
 
     def __init__(self, base: dict, prep: Prepared, timings: bool = False):
         self.base, self.prep = base, prep
-        self.timings = timings       # timings_per_token: llama-server's timings on each end
+        # timings_per_token: llama-server's timings on every frame after the opening (so far;
+        # the engine's own on a choice's last frame and the usage frame)
+        self.timings = timings
+        self._clock = shapes.RunningTimings(prep.prompt_tokens)
+        self._generated: dict[int, int] = {}            # choice index -> tokens so far
         self._tools: dict[int, ToolCallStream] = {}
         self._reasoning: dict[int, ReasoningStream] = {}
         self._held_lp: dict[int, list] = {}
@@ -36,11 +40,20 @@ class ChatFramer:
 
     def chunk(self, index: int, chunk: Any) -> list[dict]:
         if chunk.progress is not None:          # return_progress: llama-server's frame
+            self._clock.prompt = chunk.progress
             frame = self.base | {"choices": [],
                                  "prompt_progress": shapes.prompt_progress(chunk.progress)}
             if self.timings:
                 frame["timings"] = shapes.progress_timings(chunk.progress)
             return [frame]
+        if chunk.token is not None:
+            self._generated[index] = self._generated.get(index, 0) + 1
+        frames = self._frames(index, chunk)
+        if self.timings and frames and "timings" not in frames[-1]:
+            frames[-1]["timings"] = self._clock.now(self._generated.get(index, 0))
+        return frames
+
+    def _frames(self, index: int, chunk: Any) -> list[dict]:
         want_lp = self.prep.params.logprobs is not None
         entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
         finish = chunk.finish_reason if chunk.finish_reason not in (None, CANCELLED) else None
