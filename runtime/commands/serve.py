@@ -281,8 +281,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
 
     def on_ready() -> None:
-        log.info("model %s loaded in %.1f s; serving %s", model_id, time.perf_counter() - t0,
-                 ", ".join(f"{_url(s)}/v1" for s in socks))
+        page = f"; the chat page: {_url(socks[0])}/" if args.web_ui else ""
+        log.info("model %s loaded in %.1f s; serving %s%s", model_id, time.perf_counter() - t0,
+                 ", ".join(f"{_url(s)}/v1" for s in socks), page)
 
     def on_failure(message: str) -> None:      # from the loader thread
         load_errors.append(message)

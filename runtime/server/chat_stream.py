@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.engine.types import CANCELLED
-from runtime.server import shapes
+from runtime.server import shapes, structured
 from runtime.server.requests import Prepared
 from runtime.server.reasoning import ReasoningStream
 from runtime.server.tool_stream import ToolCallStream
@@ -94,13 +94,19 @@ class ChatFramer:
         return frames if finish is None else frames + self._release(index, finish)
 
     def _release(self, index: int, finish: str) -> list[dict]:
-        text, calls = self._tools.pop(index).finish()
+        stream = self._tools.pop(index)
+        began = stream.calling
+        text, calls = stream.finish()
         entries = self._held_lp.pop(index, [])
         lp = entries if self.prep.params.logprobs is not None else None
         content = text.strip()
         if not calls:
             frames = [self._frame(index, {"content": text}, logprobs=lp)] if text or lp else []
-            return frames + [self._frame(index, {}, finish)]
+            last = self._frame(index, {}, finish)
+            if finish == "length" and began:       # max_tokens ended the answer in a call
+                last["choices"][0]["note"] = structured.cut_call_note(
+                    self.prep.params.max_tokens)
+            return frames + [last]
         frames = []
         if content:
             frames.append(self._frame(index, {"content": content}, logprobs=lp))
