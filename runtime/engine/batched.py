@@ -51,6 +51,7 @@ from runtime.errors import UserError
 from runtime.residency.types import Phase
 
 _END = object()
+PROMPT_THREADS_MIN_ROWS = 32     # a prompt step of fewer rows runs on the decode threads
 log = logging.getLogger("moe_offload.server.slots")
 
 
@@ -356,8 +357,16 @@ class BatchScheduler:
         engine, batch = self.engine, self._batch
         # llama.cpp takes its prompt thread count for any batch of more than one token, so a
         # step of N decode rows would run on every core; decode rows run on the decode count
-        # (a thread pool woken per graph piece on all of a small machine's cores cost 3-5x)
-        threads = self._threads[0] if phase == Phase.DECODE else self._threads[1]
+        # (a thread pool woken per graph piece on all of a small machine's cores cost 3-5x).
+        # A MIXED step too: its prompt chunk is paced to about a decode step's cost, and the
+        # prompt count's threads spin-wait on each other, so on a loaded machine MIXED steps
+        # on them stalled every stream (4 streams at once: 0.12-0.65x the sequential rate,
+        # first tokens up to 3.5 s; on the decode count 0.76-1.64x, first tokens <= 0.09 s:
+        # docs/benchmarks/2026-12-06-parallel-slots.md). A short prompt step likewise: under
+        # PROMPT_THREADS_MIN_ROWS rows its compute is about that of starting the thread pool
+        # (4 short prompts admitted at once stalled 0.37 s on a loaded machine).
+        threads = self._threads[1] if phase == Phase.PREFILL and \
+            batch.n >= PROMPT_THREADS_MIN_ROWS else self._threads[0]
         if threads != self._threads_now:
             self._ll.llama_set_n_threads(engine.ctx_ptr, self._threads[0], threads)
             self._threads_now = threads
