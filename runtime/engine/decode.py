@@ -22,10 +22,13 @@ def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs
     """Run ``batch`` (a ``runtime.engine.batch`` batch) through ``engine``'s context, framed
     for its routing hook. ``first_pos``: the context position of the batch's first token as
     the hook reports it; ``where``: the batch in a failure's message ("at position 7").
-    Raises RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a
-    unified KV pool is full), RuntimeError (another llama_decode failure), the hook's
-    RouteCaptureError; the hook's batch is ended or aborted either way."""
+    Raises ModelFileChanged (the model file is not the one loaded: nothing decoded),
+    RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a unified KV
+    pool is full), RuntimeError (another llama_decode failure), the hook's RouteCaptureError;
+    the hook's batch is ended or aborted either way."""
     hook, remote, ll = engine.hook, engine.remote, engine._ll  # noqa: SLF001
+    if engine.model_file is not None:
+        engine.model_file.check()          # a cut file read through the mapping is a SIGBUS
     if remote is not None:
         remote.check()                     # a lost remote: RemoteDeviceLost, nothing decoded
     if hook is not None:
