@@ -97,8 +97,11 @@ def read(path: str, n_vocab: int, n_ctx: int) -> SlotImage:
     if data[:4] == LLAMA_MAGIC:
         raise SlotFileError(f"{name}: unsupported state version 0 (llama.cpp's own format, "
                             "without moe-offload's header and checksum); save the slot again")
-    if len(data) < HEADER.size or data[:8] != MAGIC:
+    if not data or not (data[:8] == MAGIC or MAGIC.startswith(bytes(data[:8]))):
         raise SlotFileError(f"{name}: not a slot file (no {MAGIC[:7].decode()} header)")
+    if len(data) < HEADER.size:
+        raise SlotFileError(f"{name}: {len(data)} bytes, less than a slot file's header: cut "
+                            "short")
     _, version, header, n_tokens, state_bytes, digest = HEADER.unpack_from(data)
     if version != VERSION:
         raise SlotFileError(f"{name}: unsupported state version {version} (this server "

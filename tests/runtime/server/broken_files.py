@@ -4,10 +4,11 @@ fill with NaN, and a small full file system for the writers.
 ``model_copy(model, dir)`` copies a model (the copy may be broken; the session's fixture stays
 whole); ``tensor_range(path, name)`` is a tensor's (offset, bytes) in the file;
 ``poison_experts(path, value)`` writes ``value`` (NaN, Inf) over every routed expert's f32
-weights in place, keeping the file's size and modification time (a damaged file, as a bit rot
-or a bad conversion leaves it); ``restore_bytes(path, source, loaded)`` writes ``source``'s bytes
-back in place with the modification time of ``loaded`` (``cp -p`` over the same file). ``small_filesystem(dir,
-bytes)``: a tmpfs of that size mounted at ``dir`` (root only; None where mounting is refused).
+weights in place, keeping the file's size and modification time (a damaged file, as bit rot or
+a bad conversion leaves it); ``restore_bytes(path, source, loaded)`` writes ``source``'s bytes
+back in place with the modification time of ``loaded`` (``cp -p`` over the same file).
+``small_filesystem(dir, bytes)``: a tmpfs of that size mounted at ``dir`` (root only; None
+where mounting is refused).
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_a_rewritten_or_replaced_model_file(start_server, tiny_model, tmp_path):
     os.utime(copy, ns=(loaded.st_atime_ns, loaded.st_mtime_ns))           # as it was
     _assert_serving(server)
     (tmp_path / "new").mkdir()
-    os.replace(model_copy(tiny_model, tmp_path / "new"), copy)                                   # the same bytes, another file
+    os.replace(model_copy(tiny_model, tmp_path / "new"), copy)   # the same bytes, a new file
     _assert_refused(server, copy, "replaced")
     logged = [line for line in server.log().splitlines() if CHANGED in line]
     assert len(logged) == 2, server.log()                     # one line per change

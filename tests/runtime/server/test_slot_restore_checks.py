@@ -45,6 +45,7 @@ def _broken_files(good: bytes) -> dict[str, tuple[bytes, str]]:
             "newer.bin": (bytes(newer), "unsupported state version 2"),
             "legacy.bin": (legacy, "unsupported state version 0"),
             "short.bin": (good[:-100], "cut short"),
+            "header.bin": (good[:20], "cut short"),
             "empty.bin": (b"", "not a slot file")}
 
 
