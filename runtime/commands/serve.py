@@ -205,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.server.exposure import exposure_warning
     from runtime.server.limits import Limits
 
+    from runtime.engine.file_lease import handle_breaks
+
+    handle_breaks()     # the model file is leased through each batch (engine/model_file.py)
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
     check_model_path(str(model_path))

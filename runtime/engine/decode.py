@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 from runtime.native import interrupt
 from runtime.engine.logprobs import sample_token
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -26,9 +28,14 @@ def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs
     RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a unified KV
     pool is full), RuntimeError (another llama_decode failure), the hook's RouteCaptureError;
     the hook's batch is ended or aborted either way."""
+    watch = engine.model_file              # a cut file read through the mapping is a SIGBUS
+    with watch.batch() if watch is not None else contextlib.nullcontext():
+        _decode(engine, batch, phase, first_pos, n_tokens, n_outputs, where)
+
+
+def _decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,
+            where: str) -> None:
     hook, remote, ll = engine.hook, engine.remote, engine._ll  # noqa: SLF001
-    if engine.model_file is not None:
-        engine.model_file.check()          # a cut file read through the mapping is a SIGBUS
     if remote is not None:
         remote.check()                     # a lost remote: RemoteDeviceLost, nothing decoded
     if hook is not None:

@@ -94,7 +94,7 @@ class Engine:
         self._check_memory(has_gpu)
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
         if settings.use_mmap:     # the weights are read through a mapping of the file: watched
-            self.model_file = ModelFileWatch(path)
+            self.model_file = ModelFileWatch(path, guard=True)   # leased where serve can
             self._fault_sources.append(self.model_file.fault)
         self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
                                             repack=repack, remote=self.remote,
@@ -306,6 +306,8 @@ class Engine:
         if self.model_ptr:
             self._ll.llama_model_free(self.model_ptr)
             self.model_ptr = 0
+        if self.model_file is not None:
+            self.model_file.close()             # its leases: nothing reads the file now
 
     def __enter__(self) -> Engine:
         return self

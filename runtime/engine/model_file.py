@@ -1,20 +1,28 @@
 """The served model file, watched: its identity (device, inode), size and modification time
-are compared before each batch with what they were at load.
+are compared before each batch with what they were at load, and, where the server can, it is
+leased through each batch so that nobody cuts it while llama.cpp reads it.
 
 llama.cpp reads the weights through a mapping of the file (``mmap``): a page past the end of a
 file cut short under a running process is a SIGBUS at the next read, which ends the process with
-no log line. So the engine checks the file before every ``llama_decode`` (one ``stat`` per part:
-about a microsecond) and fails the batch with ``ModelFileChanged`` while the file differs:
+no log line. So every ``llama_decode`` runs inside ``batch()``, which fails with
+``ModelFileChanged`` while the file differs (one ``stat`` a part: a few microseconds):
 
-    watch = ModelFileWatch("model.gguf")   # before the load: the identity llama.cpp maps
-    watch.check()                          # before each batch: ModelFileChanged, or nothing
+    watch = ModelFileWatch("model.gguf", guard=True)  # before the load: what llama.cpp maps
+    with watch.batch():                    # ModelFileChanged, or the batch runs
+        llama_decode(...)
     watch.fault()                          # for /health: a Fault while it differs, else None
 
 Truncated, replaced (another inode under the name, or the name gone) and rewritten (same inode,
 a new size or modification time) all differ. A file put back as it was loaded (the same inode,
 size and mtime: ``cp -p`` or ``touch -r`` over the same file) serves again: the mapping reads
-the file's bytes again. A replaced file is not reloaded: restart the server. A change that lands
-during a batch (its milliseconds) is not seen before it (this is a check, not a lock).
+the file's bytes again. A replaced file is not reloaded: restart the server.
+
+A check alone misses a change that lands during a batch (a truncation while the server
+generates killed it 3 times in 4). With ``guard`` (``serve``: runtime/engine/file_lease.py) each
+part is read-leased: another process's truncate or open for writing waits until the batch in
+flight ends and the lease is given back; the batches after it fail while the file is open for
+writing or differs. Where no lease can be had (not Linux, NFS, another user's file) the check
+is all there is.
 """
 from __future__ import annotations
 
@@ -23,9 +31,12 @@ import re
 import threading
 from dataclasses import dataclass
 
+from runtime.engine import file_lease
+from runtime.engine.file_lease import FileLease
 from runtime.engine.types import Fault, ModelFileChanged
 
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")     # llama.cpp's split parts
+WRITING = "being written: another process has it open for writing"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +81,86 @@ def model_parts(path: str) -> list[str]:
 
 class ModelFileWatch:
     """A model's files as they were at load (see the module docstring). Thread-safe: the
-    engine's thread checks before each batch, ``/health`` asks from another."""
+    engine's thread runs each batch inside ``batch()``, ``/health`` asks from another.
 
-    def __init__(self, path: str):
+    ``guard``: hold a read lease on each part through every batch (runtime/engine/file_lease:
+    Linux, once ``file_lease.handle_breaks()`` ran on the main thread), so that a writer or a
+    truncation from another process waits for the batch in flight to end, and the batches
+    after it fail: without it a file cut during a batch is read past its end (SIGBUS)."""
+
+    def __init__(self, path: str, *, guard: bool = False):
         self.path = path
         parts = [p for p in model_parts(path) if os.path.exists(p)] or [path]
         self._loaded = {p: FileIdentity.of(p) for p in parts}   # taken before the load maps them
         self._lock = threading.Lock()
         self._change: str | None = None      # the change the last check saw (None: as loaded)
+        self._batch = threading.Lock()       # held through each batch
+        self._breaking = threading.Event()   # a lease's break is pending: give them back
+        self._writing: str | None = None     # a part another process has open for writing
+        self._leases: list[FileLease] = []
+        if guard and file_lease.breaks_handled():
+            try:
+                self._leases = [FileLease(p, self._on_break) for p in parts]
+            except OSError:
+                self._leases = []            # cannot open them for a lease: the check alone
+
+    def batch(self) -> ModelFileWatch:
+        """``with watch.batch():`` runs one batch: ``ModelFileChanged`` unless every part is
+        as loaded (and, guarded, leased so that nobody changes it until the batch ends)."""
+        return self
+
+    def __enter__(self) -> None:           # a plain context manager: ~1 us less than contextlib
+        self._batch.acquire()
+        try:
+            self._hold_leases()
+            self.check()
+        except BaseException:
+            self._batch.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self._batch.release()
+
+    def _hold_leases(self) -> None:
+        if self._breaking.is_set():          # a writer waits: let it go, then refuse batches
+            self._breaking.clear()           # until the file is as loaded again
+            for lease in self._leases:
+                lease.release()
+        for lease in self._leases:
+            if lease.held:
+                continue
+            try:
+                taken = lease.take()
+            except file_lease.LeaseUnavailable:
+                self._drop_leases()          # this file system or owner: the check alone
+                return
+            if not taken:
+                self._writing = lease.path
+                self._raise(lease.path, WRITING)
+        self._writing = None
+
+    def _on_break(self) -> None:
+        """A lease's break (main thread, from SIGIO: no blocking here): the leases go back
+        once the batch in flight, if any, has ended."""
+        self._breaking.set()
+        threading.Thread(target=self._give_back, name="moe-offload-lease", daemon=True).start()
+
+    def _give_back(self) -> None:
+        with self._batch:                    # after the batch in flight
+            if self._breaking.is_set():
+                self._breaking.clear()
+                for lease in self._leases:
+                    lease.release()
+
+    def _drop_leases(self) -> None:
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.close()
+
+    def close(self) -> None:
+        """Let the leases go (the engine is closing)."""
+        with self._batch:
+            self._drop_leases()
 
     def _compare(self) -> tuple[str, str] | None:
         """(part, change) for the first part that differs from its load, or None."""
@@ -108,17 +191,22 @@ class ModelFileWatch:
                     self._change = None
             return
         found = self._compare()
-        with self._lock:
-            if found is None:
+        if found is None:
+            with self._lock:
                 self._change = None
-                return
-            part, change = found
+            return
+        self._raise(*found)
+
+    def _raise(self, part: str, change: str) -> None:
+        with self._lock:
             first, self._change = change != self._change, change
         raise ModelFileChanged(part, change, first=first)
 
     def fault(self) -> Fault | None:
         """The file's state for /health, looked at now."""
         found = self._compare()
+        if found is None and self._writing is not None:
+            found = self._writing, WRITING
         if found is None:
             return None
         part, change = found

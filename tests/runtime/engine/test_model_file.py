@@ -1,11 +1,16 @@
 """ModelFileWatch (runtime/engine/model_file.py) on plain files: what it calls a change, that
-it says each change once as new, and that a file put back as loaded passes again."""
+it says each change once as new, that a file put back as loaded passes again, and that a
+guarded (leased) batch holds another process's truncation off until it ends."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
+from runtime.engine import file_lease
 from runtime.engine.model_file import ModelFileWatch, model_parts
 from runtime.engine.types import ModelFileChanged
 
@@ -74,3 +79,49 @@ def test_every_part_of_a_split_model_is_watched(tmp_path):
     os.truncate(parts[1], 5)
     err = _change(watch)
     assert err.path == str(parts[1]) and "truncated" in err.change
+
+
+@pytest.fixture
+def lease_breaks():
+    """SIGIO handled as ``serve`` handles it, for one test."""
+    assert file_lease.handle_breaks()
+    yield
+    file_lease.handle_breaks(False)
+
+
+def test_a_guarded_batch_holds_a_truncation_off_until_it_ends(tmp_path, lease_breaks):
+    """A check alone misses a cut that lands during a batch (llama.cpp then reads past the
+    end: SIGBUS). Leased, the other process's truncate waits for the batch to end."""
+    path = _file(tmp_path / "m.gguf")
+    watch = ModelFileWatch(str(path), guard=True)
+    try:
+        with watch.batch():
+            cut = subprocess.Popen([sys.executable, "-c",
+                                    f"import os; os.truncate({str(path)!r}, 10)"])
+            deadline = time.monotonic() + 60
+            while not watch._breaking.is_set():      # noqa: SLF001 - the lease's break came
+                assert time.monotonic() < deadline and cut.poll() is None, "no lease break"
+                time.sleep(0.01)
+            assert cut.poll() is None and path.stat().st_size == 4096   # it waits on us
+        assert cut.wait(timeout=60) == 0 and path.stat().st_size == 10
+        with pytest.raises(ModelFileChanged, match="truncated to 10 bytes"):
+            with watch.batch():
+                pass
+    finally:
+        watch.close()
+
+
+def test_a_file_held_open_for_writing_fails_guarded_batches(tmp_path, lease_breaks):
+    path = _file(tmp_path / "m.gguf")
+    watch = ModelFileWatch(str(path), guard=True)
+    try:
+        with open(path, "r+b"):                      # this process: no lease break, but no lease
+            with pytest.raises(ModelFileChanged, match="being written"):
+                with watch.batch():
+                    pass
+            assert "being written" in watch.fault().message
+        with watch.batch():                          # closed again, unchanged: served
+            pass
+        assert watch.fault() is None
+    finally:
+        watch.close()

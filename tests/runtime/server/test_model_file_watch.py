@@ -4,6 +4,7 @@ the next request, no log line), the log says so once, /health reports it, the ot
 on, and once the file is back as it was loaded the next request is served."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -95,3 +96,29 @@ def test_a_rewritten_or_replaced_model_file(start_server, tiny_model, tmp_path):
     _assert_refused(server, copy, "replaced")
     logged = [line for line in server.log().splitlines() if CHANGED in line]
     assert len(logged) == 2, server.log()                     # one line per change
+
+
+def test_a_file_cut_while_the_server_reads_it(start_server, tiny_model, tmp_path):
+    """The cut lands during a batch (a 2000-token prompt's, seconds long here, cut as its
+    first progress event comes, in the last layer's attention, read by every ubatch), not
+    between requests: before the lease, llama.cpp read past the new end and the server died
+    of SIGBUS."""
+    copy = model_copy(tiny_model, tmp_path)
+    server = start_server(copy, "-c", "4096", "-b", "2048")
+    loaded = copy.stat()
+    offset, nbytes = tensor_range(copy, "blk.3.attn_q.weight")
+    body = {"prompt": "the sea " * 1000, "n_predict": 4, "stream": True,
+            "return_progress": True}
+    with httpx.stream("POST", f"{server.base_url}/completion", json=body, timeout=120) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 1:              # the prompt's batch starts now: cut
+                    assert "prompt_progress" in events[0], events[0]
+                    os.truncate(copy, offset + nbytes // 2)
+    assert CHANGED in events[-1]["error"]["message"], events[-1]
+    server.assert_alive()
+    _assert_refused(server, copy, "truncated to")
+    restore_bytes(copy, tiny_model, loaded)
+    _assert_serving(server)
