@@ -182,9 +182,11 @@ class ModelFileChanged(UserError):
         self.path, self.change, self.first = path, change, first
 
 
-class NonFiniteLogits(RuntimeError):
+class NonFiniteLogits(UserError):
     """The model's output row holds NaN or Inf (broken weights, e.g. a damaged file, or a
-    broken restored state): nothing is sampled from it, and the sequence's KV is dropped."""
+    broken restored state): nothing is sampled from it, and the sequence's KV is dropped. A
+    one-line error on the command line; the server's 500 (the model's fault, not the
+    request's)."""
 
 
 @dataclass(frozen=True, slots=True)
