@@ -96,10 +96,10 @@ class Engine:
         if settings.use_mmap:     # the weights are read through a mapping of the file: watched
             self.model_file = ModelFileWatch(path, guard=True)   # leased where serve can
             self._fault_sources.append(self.model_file.fault)
-        self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
-                                            repack=repack, remote=self.remote,
-                                            lazy_experts=self.lazy_experts)
         try:
+            self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
+                                                repack=repack, remote=self.remote,
+                                                lazy_experts=self.lazy_experts)
             self._init_context()
             if self.remote is not None:     # what llama.cpp really put on each remote
                 self.remote.verify_buffers(llama_lib.set_logging(settings.verbose).buffers)
