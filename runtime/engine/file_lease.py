@@ -5,7 +5,7 @@ it by a signal (SIGIO). The model file's watch (model_file.py) holds one through
 so that a file cut short is never cut while llama.cpp reads its mapping (a SIGBUS).
 
     handle_breaks()                  # the main thread, once: SIGIO tells the leases
-    lease = FileLease(path, on_break)   # on_break() runs on the main thread: must not block
+    lease = FileLease(path, on_break)   # on_break(): in a signal handler, so set a flag only
     lease.take()                     # False: another process has the file open for writing
     lease.release(); lease.close()
 
@@ -25,7 +25,9 @@ from collections.abc import Callable
 F_SETLEASE = 1024            # linux/fcntl.h (F_LINUX_SPECIFIC_BASE + 0)
 F_GETLEASE = 1025
 
-_LEASES: set[FileLease] = set()
+# the open leases: a tuple replaced whole (under _LOCK), so that the signal handler reads it
+# without a lock (the main thread it interrupts may hold _LOCK)
+_LEASES: tuple[FileLease, ...] = ()
 _LOCK = threading.Lock()
 _handled = False
 
@@ -51,9 +53,9 @@ def breaks_handled() -> bool:
 
 
 def _on_signal(_signum, _frame) -> None:
-    with _LOCK:
-        leases = [lease for lease in _LEASES if lease.held]
-    for lease in leases:
+    # a signal handler: it may interrupt the main thread anywhere, even holding a lock, so it
+    # takes none and only tells (on_break sets a flag)
+    for lease in [lease for lease in _LEASES if lease.held]:
         try:
             current = fcntl.fcntl(lease.fd, F_GETLEASE)
         except OSError:
@@ -70,8 +72,9 @@ class FileLease:
         self.on_break = on_break
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.held = False
+        global _LEASES
         with _LOCK:
-            _LEASES.add(self)
+            _LEASES = (*_LEASES, self)
 
     def take(self) -> bool:
         """Hold the lease; False while another process has the file open for writing."""
@@ -96,9 +99,10 @@ class FileLease:
                 pass                     # broken by the kernel already (lease-break-time)
 
     def close(self) -> None:
+        global _LEASES
         self.release()
         with _LOCK:
-            _LEASES.discard(self)
+            _LEASES = tuple(lease for lease in _LEASES if lease is not self)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -98,11 +98,15 @@ class ModelFileWatch:
         self._breaking = threading.Event()   # a lease's break is pending: give them back
         self._writing: str | None = None     # a part another process has open for writing
         self._leases: list[FileLease] = []
+        self._closed = False
         if guard and file_lease.breaks_handled():
             try:
-                self._leases = [FileLease(p, self._on_break) for p in parts]
+                self._leases = [FileLease(p, self._breaking.set) for p in parts]
             except OSError:
                 self._leases = []            # cannot open them for a lease: the check alone
+            else:                            # gives the leases back when no batch runs
+                threading.Thread(target=self._keep, name="moe-offload-lease",
+                                 daemon=True).start()
 
     def batch(self) -> ModelFileWatch:
         """``with watch.batch():`` runs one batch: ``ModelFileChanged`` unless every part is
@@ -139,18 +143,16 @@ class ModelFileWatch:
                 self._raise(lease.path, WRITING)
         self._writing = None
 
-    def _on_break(self) -> None:
-        """A lease's break (main thread, from SIGIO: no blocking here): the leases go back
-        once the batch in flight, if any, has ended."""
-        self._breaking.set()
-        threading.Thread(target=self._give_back, name="moe-offload-lease", daemon=True).start()
-
-    def _give_back(self) -> None:
-        with self._batch:                    # after the batch in flight
-            if self._breaking.is_set():
-                self._breaking.clear()
-                for lease in self._leases:
-                    lease.release()
+    def _keep(self) -> None:
+        """A lease's break (SIGIO sets ``_breaking``): the leases go back once the batch in
+        flight, if any, has ended (or at the next batch's start, whichever comes first)."""
+        while not self._closed:
+            self._breaking.wait()
+            with self._batch:                # after the batch in flight
+                if self._breaking.is_set():
+                    self._breaking.clear()
+                    for lease in self._leases:
+                        lease.release()
 
     def _drop_leases(self) -> None:
         leases, self._leases = self._leases, []
@@ -160,7 +162,9 @@ class ModelFileWatch:
     def close(self) -> None:
         """Let the leases go (the engine is closing)."""
         with self._batch:
+            self._closed = True
             self._drop_leases()
+        self._breaking.set()                 # the keeper wakes and ends
 
     def _compare(self) -> tuple[str, str] | None:
         """(part, change) for the first part that differs from its load, or None."""
