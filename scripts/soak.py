@@ -223,7 +223,7 @@ def client(base: str, seed: int, stop_at: float, tally: Tally, slots: Path | Non
     rng = random.Random(seed)
     with httpx.Client(base_url=base, timeout=120) as http:
         while time.monotonic() < stop_at:
-            if slots is not None and rng.random() < 0.03:     # a broken slot, then a request
+            if slots is not None and rng.random() < 0.05:     # a broken slot, then a request
                 slot_attack(http, rng, slots, parallel, tally)
                 continue
             roll = rng.random()
