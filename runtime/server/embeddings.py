@@ -18,6 +18,7 @@ from runtime.engine.embedding import embed, pooled
 from runtime.engine.types import Timings
 from runtime.errors import UserError
 from runtime.server.errors import APIError
+from runtime.server.jobs import queue_refusal
 from runtime.server.requests import json_object
 from runtime.server.token_ids import checked_ids, engine_vocab
 from runtime.server.queue import QueueClosed, QueueFull
@@ -112,9 +113,7 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
         try:
             job = state.queue.submit(work)
         except (QueueFull, QueueClosed) as exc:
-            raise APIError(429 if isinstance(exc, QueueFull) else 503, str(exc),
-                           code="queue_full" if isinstance(exc, QueueFull) else
-                           "server_shutdown") from exc
+            raise queue_refusal(state, exc) from exc
         try:
             async for vectors in job:
                 results.append((ids, vectors))
