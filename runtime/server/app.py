@@ -209,6 +209,8 @@ async def metrics(request: Request) -> Response:
     decodes = batcher.steps if batcher is not None else getattr(engine, "decode_calls", 0)
     busy = batcher.busy_per_step() if batcher is not None else float(bool(decodes))
     text += state.llamacpp.render(queue, decodes, busy)
+    if getattr(state, "side_work", None) is not None:
+        text += state.side_work.to_prometheus()
     remote = getattr(engine, "remote", None) if engine is not None else None
     if remote is not None:
         text += remote.to_prometheus()

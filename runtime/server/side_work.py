@@ -41,6 +41,17 @@ class SideWork:
         return stats.borrowed_tokens < stats.total_tokens or \
             stats.tasks_waiting < self.max_waiting
 
+    def to_prometheus(self) -> str:
+        """Gauges of the pool for ``/metrics``: jobs running, requests waiting."""
+        stats = self._limiter.statistics()
+        return "".join(
+            f"# HELP moe_server_side_work_{name} {text}\n"
+            f"# TYPE moe_server_side_work_{name} gauge\nmoe_server_side_work_{name} {value}\n"
+            for name, text, value in (
+                ("running", "Side work (tokenize, templates, schema preparation) running now.",
+                 stats.borrowed_tokens),
+                ("waiting", "Requests waiting for a side thread.", stats.tasks_waiting)))
+
     async def run(self, work: Callable[[], T], *, queued: bool = False) -> T:
         """``work()`` on a side thread, once one is free; ``QueueFull`` when none is and the
         waiting places are taken (unless ``queued``: the request holds a queue place)."""
