@@ -3,10 +3,12 @@
 
 Clients send OpenAI chat and text completions, llama-server ``/completion``s, streamed and
 not, structured (json_schema) and tool-call requests, drop some of them mid-answer or while
-they wait, and send invalid ones (from the error contract's corpus). Every answer is checked:
-a 2xx must be well formed (a stream ends properly, a structured answer that stopped is JSON, a
-forced tool call is a call), an invalid request must get a 4xx in the route's shape, and
-nothing may be a 5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
+they wait, send invalid ones (from the error contract's corpus and issue 32's attacks:
+scripts/soak_attacks.py), bursts of costly requests (big-enum schemas, saves of one slot) and
+half-open connections. Every answer is checked: a 2xx must be well formed (a stream ends
+properly, a structured answer that stopped is JSON, a forced tool call is a call), an invalid
+request must get a 4xx in the route's shape, a burst's answers are 200 or 429, and nothing may
+be a 5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
 server's RSS after warm-up and at the end, the validation failures, and /metrics' request
 totals against the client's own counts (they must be equal, path by path).
 
@@ -24,6 +26,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -34,6 +37,11 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+from runtime.server.metrics import COUNTED_PATHS  # noqa: E402 - after the path is set
+from soak_attacks import (BURST, INVALID, SCHEMA_BURST, SERVE_FLAGS, SLOT_BURST,  # noqa: E402
+                          Malformed, burst, check_error, half_open, send_invalid)
+
 PROMPTS = ["Once upon a time", "The king saw a river", "hello world", "In the morning",
            "A story about the sea", "The old house by the road", "Water and fire"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -41,18 +49,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string", "maxLength": 10}},
     "required": ["q"]}}}
-INVALID = [("/completion", '{"prompt":[99999]}'), ("/completion", '{"prompt":[[5,1000000]]}'),
-           ("/v1/completions", '{"prompt":"a\\ud800b"}'), ("/completion", '{"prompt":[]}'),
-           ("/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],'
-                                    '"temperature":1e999}'),
-           ("/completion", '{"prompt":"x","json_schema":{"type":"string","minLength":100000000}}'),
-           ("/completion", '{"prompt":"x","json_schema":{"$ref":"#/$defs/a","$defs":'
-                           '{"a":{"$ref":"#/$defs/a"}}}}'),
-           ("/apply-template", "{}"), ("/detokenize", '{"tokens":[-1]}'),
-           ("/v1/chat/completions", "{not json"), ("/tokenize", '{"content":"\\udc00"}')]
-NATIVE = ("/completion", "/tokenize", "/detokenize", "/apply-template")
-
-
 @dataclass
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -70,10 +66,6 @@ class Tally:
                 self.failures.append(failure)
 
 
-class Malformed(Exception):
-    """An answer that broke its contract."""
-
-
 def _sse(lines) -> list[dict | str]:
     events = []
     for line in lines:
@@ -81,14 +73,6 @@ def _sse(lines) -> list[dict | str]:
             data = line[6:]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-def _check_error(path: str, r: httpx.Response) -> None:
-    err = r.json().get("error")
-    if not isinstance(err, dict) or not err.get("message"):
-        raise Malformed(f"{path} {r.status_code}: no error object: {r.text[:200]}")
-    if path in NATIVE and err.get("code") != r.status_code:
-        raise Malformed(f"{path}: not llama-server's error shape: {err}")
 
 
 def _check_ok(kind: str, path: str, r: httpx.Response, stream: bool) -> None:
@@ -141,32 +125,64 @@ def _request(rng: random.Random) -> tuple[str, str, dict, bool]:
                                           "tool_choice": "required"}, False
 
 
+def _label(path: str) -> str:
+    """The path as /metrics counts it."""
+    path = path.split("?")[0]
+    return path if path in COUNTED_PATHS else "other"
+
+
+def _hostile(http: httpx.Client, base: str, rng: random.Random, tally: Tally,
+             held: list) -> None:
+    """One burst (a 200 or 429 each) or a batch of half-open connections."""
+    kind = rng.choice(["schema_burst", "slot_burst", "half_open"])
+    try:
+        if kind == "half_open":
+            held.extend(half_open(base))
+            tally.add("half_open_sent")
+            return
+        path, body = SCHEMA_BURST if kind == "schema_burst" else SLOT_BURST
+        with tally.lock:
+            tally.sent[_label(path)] += BURST
+        answers = burst(http, path, body)
+        tally.add(f"{kind}_ok")
+        with tally.lock:
+            tally.outcomes["burst_429"] += sum(r.status_code == 429 for r in answers)
+    except Malformed as exc:
+        tally.add("malformed", failure=str(exc))
+    except (httpx.TransportError, OSError) as exc:
+        tally.add("transport_error", failure=f"{kind}: {exc!r}")
+
+
 def client(base: str, seed: int, stop_at: float, tally: Tally) -> None:
     rng = random.Random(seed)
+    held: list = []                                   # half-open sockets sent by this client
     with httpx.Client(base_url=base, timeout=120) as http:
         while time.monotonic() < stop_at:
             roll = rng.random()
-            if roll < 0.15:                                  # an invalid request
-                path, raw = rng.choice(INVALID)
+            if roll < 0.14:                                  # an invalid request
+                method, path, raw = rng.choice(INVALID)
                 with tally.lock:
-                    tally.sent[path] += 1
+                    tally.sent[_label(path)] += 1
                 try:
-                    r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+                    r = send_invalid(http, method, path, raw)
                     if r.status_code >= 500 or r.status_code < 400:
-                        tally.add(f"invalid_got_{r.status_code}",
-                                  failure=f"{path} {raw[:60]}: {r.status_code} {r.text[:150]}")
+                        tally.add(f"invalid_got_{r.status_code}", failure=f"{method} {path} "
+                                  f"{(raw or b'')[:60]!r}: {r.status_code} {r.text[:150]}")
                     else:
-                        _check_error(path, r)
+                        check_error(path, r)
                         tally.add("invalid_refused")
-                except Malformed as exc:
-                    tally.add("malformed", failure=str(exc))
+                except (Malformed, ValueError) as exc:
+                    tally.add("malformed", failure=f"{method} {path}: {exc}")
                 except httpx.TransportError as exc:
                     tally.add("transport_error", failure=f"{path}: {exc!r}")
+                continue
+            if roll < 0.15:                                  # a burst, or half-open sockets
+                _hostile(http, base, rng, tally, held)
                 continue
             kind, path, body, stream = _request(rng)
             drop = roll < 0.30                               # a client that leaves early
             with tally.lock:
-                tally.sent[path] += 1
+                tally.sent[_label(path)] += 1
             t0 = time.monotonic()
             try:
                 if drop and not stream:                      # gives up while waiting/generating
@@ -181,7 +197,7 @@ def client(base: str, seed: int, stop_at: float, tally: Tally) -> None:
                 with http.stream("POST", path, json=body) as r:
                     if r.status_code == 429:
                         r.read()
-                        _check_error(path, r)
+                        check_error(path, r)
                         tally.add("queue_full_429")
                         continue
                     if r.status_code != 200:
@@ -203,6 +219,8 @@ def client(base: str, seed: int, stop_at: float, tally: Tally) -> None:
                 tally.add("malformed", failure=f"{kind} {path}: {type(exc).__name__}: {exc}")
             except httpx.TransportError as exc:
                 tally.add("transport_error", failure=f"{kind} {path}: {exc!r}")
+    for sock in held:
+        sock.close()
 
 
 def start_server(model: str, parallel: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -244,7 +262,9 @@ def percentile(values: list[float], q: float) -> float | None:
 def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int = 0,
          extra: list[str] = ()) -> dict:
     """Run the soak; the report as a dict (``ok``: the pass verdict)."""
-    proc, base = start_server(model, parallel, list(extra))
+    slots = tempfile.TemporaryDirectory(prefix="soak-slots-")      # SLOT_BURST's file
+    proc, base = start_server(model, parallel, [*SERVE_FLAGS, "--slot-save-path", slots.name,
+                                                *extra])
     server = psutil.Process(proc.pid)
     tally = Tally()
     t0 = time.monotonic()
@@ -277,6 +297,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        slots.cleanup()
     mismatched = {p: {"client": tally.sent[p], "metrics": by_path.get(p, 0)}
                   for p in tally.sent if tally.sent[p] != by_path.get(p, 0)}
     fivexx = sum(n for k, n in tally.outcomes.items()
@@ -298,10 +319,14 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
                     "client_dropped": tally.outcomes["dropped_waiting"]
                     + tally.outcomes["dropped_streaming"]},
         "health_after": health, "traceback_in_log": "Traceback" in log,
+        # a limit hit over and over is said once, then at most once a minute
+        "limit_notices": sum("(--header-timeout)" in line or "(--max-connections)" in line
+                             for line in log.splitlines()),
     }
     report["ok"] = (fivexx == 0 and tally.outcomes["malformed"] == 0 and not mismatched
                     and tally.outcomes["transport_error"] == 0 and health == 200
                     and not report["traceback_in_log"]
+                    and report["limit_notices"] <= 2 * (minutes + 1)
                     and not any(k.startswith("invalid_got_") or k.startswith("status_")
                                 for k in tally.outcomes))
     return report
@@ -343,6 +368,8 @@ def main() -> int:
               + (f" (differ: {m['mismatched']})" if m["mismatched"] else ""))
         print(f"  cancelled in /metrics: {m['cancelled_total']:.0f}; clients that hung up: "
               f"{m['client_dropped']}")
+        print(f"  limit notices in the log: {report['limit_notices']} (said once, then at most "
+              "once a minute)")
         for failure in report["validation_failures"]:
             print(f"  FAILED: {failure}")
     return 0 if report["ok"] else 1
