@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("moe_offload.server")
 
 QUIET_PATHS = frozenset({"/health", "/v1/health"})     # pollers: no line (as llama-server)
+MAX_LOGGED_PATH = 256                                   # characters of a path in a line
 _STATE_KEY = "generation_record"
 
 
@@ -77,6 +78,8 @@ class PrintableFormatter(logging.Formatter):
 def log_line(method: str, path: str, client: str, status: int, seconds: float,
              record: GenerationRecord | None) -> str:
     """The request's line (without the ``moe-offload:`` prefix the handler adds)."""
+    if len(path) > MAX_LOGGED_PATH:      # a 16 KiB URL makes no 16 KiB line
+        path = f"{path[:MAX_LOGGED_PATH]}...({len(path)} characters)"
     parts = [printable(f"{method} {path} {client} {status}".replace("  ", " "))]
     if record is not None and (record.prompt_tokens or record.generated_tokens):
         tps = record.generated_tokens / record.seconds if record.seconds > 0 else 0.0
