@@ -167,7 +167,8 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
         "server_open_files": open_files,
         "attack": totals | {"open_file_limit": counts[0]["open_file_limit"]},
         "health_s": {"n": len(health), "p50": _percentile(health, 0.5),
-                     "p99": _percentile(health, 0.99), "max": max(health, default=None)},
+                     "p99": _percentile(health, 0.99), "max": max(health, default=None),
+                     "over_1s": sum(h > 1.0 for h in health)},
         "chat_s": {"n": len(chats), "max": max(chats, default=None)},
         "failures": failures[:20], "failure_count": len(failures),
         "server": {"peak_open_fds": peak["fds"], "peak_rss_mib": round(peak["rss"] / 2**20, 1),
@@ -222,7 +223,7 @@ def main() -> int:
               f"{a['connect_failed']} connects failed, {a['open_now']} open at the end")
         if h["n"]:
             print(f"  /health: {h['n']} asked, p50 {h['p50']:.3f} s, p99 {h['p99']:.3f} s, "
-                  f"max {h['max']:.3f} s")
+                  f"max {h['max']:.3f} s, {h['over_1s']} over 1 s")
         print(f"  chats: {report['chat_s']['n']} completed, slowest "
               f"{report['chat_s']['max'] or 0:.3f} s; failures: {report['failure_count']}")
         print(f"  server: peak {s['peak_open_fds']} open descriptors (limit "
