@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import signal
 import sys
 
@@ -51,10 +52,36 @@ class _Parser(argparse.ArgumentParser):
         from runtime.engine.llama_flags import equivalent_line  # noqa: PLC0415
 
         argv = list(sys.argv[1:] if args is None else args)
-        line = equivalent_line(argv, self._known_flags(argv)) or self._glued_flag(argv)
+        line = equivalent_line(argv, self._known_flags(argv)) or self._sibling_flag(argv) \
+            or self._glued_flag(argv)
         if line:                                                   # -ctk as -c tk
             self.error(line)
         return super().parse_known_args(args, namespace)
+
+    def _sibling_flag(self, argv: list[str]) -> str:
+        """A subcommand given another subcommand's flag (``serve -sys``, ``complete -np``):
+        name the commands it belongs to (``commands``: set by ``build_parser``)."""
+        commands: dict[str, argparse.ArgumentParser] = getattr(self, "commands", {})
+        known = self._known_flags(argv) if commands else set()     # a sub-subcommand's too
+        for token in argv:
+            if token == "--":
+                break
+            flag = token.split("=", 1)[0]
+            if (not token.startswith("-") or flag in known
+                    or self._negative_number_matcher.match(token)):
+                continue
+            owners = {name: p for name, p in commands.items()
+                      if p is not self and flag in p._option_string_actions}
+            if owners:
+                action = next(iter(owners.values()))._option_string_actions[flag]
+                what = re.split(r"[;:(]", action.help or "")[0].strip()
+                names = list(owners)
+                names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 \
+                    else names[0]
+                here = self.prog.removeprefix("moe-offload ")
+                return (f"{flag} is a flag of moe-offload {names}"
+                        f"{f' ({what})' if what else ''}, not of {here}")
+        return ""
 
     def _known_flags(self, argv: list[str]) -> set[str]:
         """This parser's option strings and those of the subcommands ``argv`` chooses (a
@@ -107,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    for command in sub.choices.values():    # each knows the others: a flag of another is named
+        command.commands = sub.choices
     return parser
 
 

@@ -1,4 +1,4 @@
-"""This package's version and the llama.cpp bindings' under it (``--version``, the server's
+"""This package's version and the llama.cpp under it (``--version``, the server's
 fingerprint)."""
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ def package_version(dist: str) -> str | None:
         return None
 
 
-def version_line() -> str:
-    """``moe-offload --version``: ours, and the llama.cpp bindings underneath."""
-    def of(dist: str) -> str:
-        return package_version(dist) or "not installed"
+# what our llama.cpp is: llama-cpp-python's vendored llama.cpp (upstream commit), patched
+LLAMA_CPP = "llama.cpp 0c1e57098 (llama-cpp-python 0.3.36's) + moe-offload's patches"
 
-    return f"moe-offload {of('moe-offload')} (llama-cpp-python {of('llama-cpp-python')})"
+
+def version_line() -> str:
+    """``moe-offload --version``: ours, and the llama.cpp underneath."""
+    return f"moe-offload {package_version('moe-offload') or 'not installed'} ({LLAMA_CPP})"

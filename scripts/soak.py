@@ -5,10 +5,12 @@ Clients send OpenAI chat and text completions, llama-server ``/completion``s, st
 not, structured (json_schema) and tool-call requests, drop some of them mid-answer or while
 they wait, send invalid ones (from the error contract's corpus and issue 32's attacks:
 scripts/soak_attacks.py), bursts of costly requests (big-enum schemas, saves of one slot) and
-half-open connections. Every answer is checked: a 2xx must be well formed (a stream ends
-properly, a structured answer that stopped is JSON, a forced tool call is a call), an invalid
-request must get a 4xx in the route's shape, a burst's answers are 200 or 429, and nothing may
-be a 5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
+half-open connections, and break slots (``SLOT_BREAKS``: save a slot, corrupt the file, restore
+it; or erase it) then use them. Every answer is checked: a 2xx must be well formed strict JSON
+(no NaN; a stream ends properly, a structured answer that stopped is JSON, a forced tool call is
+a call), an invalid request or a broken slot file must get a 4xx in the route's shape and the
+slot must serve the next request, a burst's answers are 200 or 429, and nothing may be a
+5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
 server's RSS after warm-up and at the end, the validation failures, and /metrics' request
 totals against the client's own counts (they must be equal, path by path).
 
@@ -24,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,10 +40,11 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]
-from runtime.server.metrics import COUNTED_PATHS  # noqa: E402 - after the path is set
-from soak_attacks import (BURST, INVALID, SCHEMA_BURST, SERVE_FLAGS, SLOT_BURST,  # noqa: E402
-                          Malformed, burst, check_error, half_open, send_invalid)
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]   # runtime, and the attacks beside this file
+from runtime.server.metrics import COUNTED_PATHS  # noqa: E402
+from soak_attacks import (BURST, INVALID, SCHEMA_BURST, SERVE_FLAGS, SLOT_BREAKS,  # noqa: E402
+                          SLOT_BURST, Malformed, broken_slot_file, burst, check_error,
+                          half_open, send_invalid, strict_json)
 
 PROMPTS = ["Once upon a time", "The king saw a river", "hello world", "In the morning",
            "A story about the sea", "The old house by the road", "Water and fire"]
@@ -49,6 +53,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string", "maxLength": 10}},
     "required": ["q"]}}}
+
 @dataclass
 class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -71,7 +76,7 @@ def _sse(lines) -> list[dict | str]:
     for line in lines:
         if line.startswith("data: "):
             data = line[6:]
-            events.append(data if data == "[DONE]" else json.loads(data))
+            events.append(data if data == "[DONE]" else strict_json(data))
     return events
 
 
@@ -87,7 +92,7 @@ def _check_ok(kind: str, path: str, r: httpx.Response, stream: bool) -> None:
         elif not events or events[-1] != "[DONE]":
             raise Malformed(f"{kind}: stream did not end with [DONE]")
         return
-    body = r.json()
+    body = strict_json(r.text)
     if path == "/completion":
         if not isinstance(body.get("content"), str) or body.get("stop") is not True:
             raise Malformed(f"{kind}: {str(body)[:200]}")
@@ -125,6 +130,49 @@ def _request(rng: random.Random) -> tuple[str, str, dict, bool]:
                                           "tool_choice": "required"}, False
 
 
+def slot_attack(http: httpx.Client, rng: random.Random, slots: Path, parallel: int,
+                tally: Tally) -> None:
+    """Break one slot (``SLOT_BREAKS``), then a request on it must be served."""
+    seq, how = rng.randrange(parallel), rng.choice(sorted(SLOT_BREAKS))
+    name = f"soak-{seq}-{rng.randrange(1 << 30):08x}.bin"
+    try:
+        with tally.lock:
+            tally.sent["other"] += 1 if how == "erase" else 2     # /slots/N: "other" in /metrics
+            tally.sent["/completion"] += 1
+        if how == "erase":
+            r = http.post(f"/slots/{seq}?action=erase")
+            if r.status_code != 200 or strict_json(r.text).get("id_slot") != seq:
+                raise Malformed(f"erase: {r.status_code} {r.text[:150]}")
+        else:
+            r = http.post(f"/slots/{seq}?action=save", json={"filename": name})
+            if r.status_code != 200:
+                raise Malformed(f"save: {r.status_code} {r.text[:150]}")
+            (slots / name).write_bytes(broken_slot_file((slots / name).read_bytes(), how, rng))
+            r = http.post(f"/slots/{seq}?action=restore", json={"filename": name})
+            if r.status_code != 400:
+                tally.add(f"slot_attack_got_{r.status_code}",
+                          failure=f"restore of a {how} slot file: {r.status_code} {r.text[:150]}")
+                return
+            check_error("/completion", r)             # llama-server's shape there too
+            message = strict_json(r.text)["error"]["message"]
+            if SLOT_BREAKS[how] not in message or name not in message:
+                raise Malformed(f"restore of a {how} slot file said: {message}")
+        r = http.post("/completion", json={"prompt": rng.choice(PROMPTS), "n_predict": 2,
+                                           "id_slot": seq})
+        if r.status_code != 200:
+            tally.add(f"slot_attack_got_{r.status_code}",
+                      failure=f"after a {how} slot: {r.status_code} {r.text[:150]}")
+            return
+        _check_ok("native", "/completion", r, False)
+        tally.add("slot_attack_refused")
+    except Malformed as exc:
+        tally.add("malformed", failure=str(exc))
+    except httpx.TransportError as exc:
+        tally.add("transport_error", failure=f"slot attack: {exc!r}")
+    finally:
+        (slots / name).unlink(missing_ok=True)
+
+
 def _label(path: str) -> str:
     """The path as /metrics counts it."""
     path = path.split("?")[0]
@@ -153,13 +201,17 @@ def _hostile(http: httpx.Client, base: str, rng: random.Random, tally: Tally,
         tally.add("transport_error", failure=f"{kind}: {exc!r}")
 
 
-def client(base: str, seed: int, stop_at: float, tally: Tally) -> None:
+def client(base: str, seed: int, stop_at: float, tally: Tally, slots: Path | None = None,
+           parallel: int = 1) -> None:
     rng = random.Random(seed)
     held: list = []                                   # half-open sockets sent by this client
     with httpx.Client(base_url=base, timeout=120) as http:
         while time.monotonic() < stop_at:
+            if slots is not None and rng.random() < 0.05:     # a broken slot, then a request
+                slot_attack(http, rng, slots, parallel, tally)
+                continue
             roll = rng.random()
-            if roll < 0.14:                                  # an invalid request
+            if roll < 0.13:                                  # an invalid request
                 method, path, raw = rng.choice(INVALID)
                 with tally.lock:
                     tally.sent[_label(path)] += 1
@@ -176,7 +228,7 @@ def client(base: str, seed: int, stop_at: float, tally: Tally) -> None:
                 except httpx.TransportError as exc:
                     tally.add("transport_error", failure=f"{path}: {exc!r}")
                 continue
-            if roll < 0.15:                                  # a burst, or half-open sockets
+            if roll < 0.16:                                  # a burst, or half-open sockets
                 _hostile(http, base, rng, tally, held)
                 continue
             kind, path, body, stream = _request(rng)
@@ -262,14 +314,15 @@ def percentile(values: list[float], q: float) -> float | None:
 def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int = 0,
          extra: list[str] = ()) -> dict:
     """Run the soak; the report as a dict (``ok``: the pass verdict)."""
-    slots = tempfile.TemporaryDirectory(prefix="soak-slots-")      # SLOT_BURST's file
-    proc, base = start_server(model, parallel, [*SERVE_FLAGS, "--slot-save-path", slots.name,
-                                                *extra])
+    slots = Path(tempfile.mkdtemp(prefix="moe-offload-soak-slots-"))
+    proc, base = start_server(model, parallel, [*SERVE_FLAGS, *extra, "--slot-save-path",
+                                                str(slots)])
     server = psutil.Process(proc.pid)
     tally = Tally()
     t0 = time.monotonic()
     stop_at = t0 + minutes * 60
-    threads = [threading.Thread(target=client, args=(base, seed + i, stop_at, tally),
+    threads = [threading.Thread(target=client, args=(base, seed + i, stop_at, tally, slots,
+                                                     parallel),
                                 daemon=True) for i in range(clients)]
     try:
         for t in threads:
@@ -297,7 +350,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
-        slots.cleanup()
+        shutil.rmtree(slots, ignore_errors=True)
     mismatched = {p: {"client": tally.sent[p], "metrics": by_path.get(p, 0)}
                   for p in tally.sent if tally.sent[p] != by_path.get(p, 0)}
     fivexx = sum(n for k, n in tally.outcomes.items()
@@ -327,7 +380,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
                     and tally.outcomes["transport_error"] == 0 and health == 200
                     and not report["traceback_in_log"]
                     and report["limit_notices"] <= 2 * (minutes + 1)
-                    and not any(k.startswith("invalid_got_") or k.startswith("status_")
+                    and not any(k.startswith(("invalid_got_", "status_", "slot_attack_got_"))
                                 for k in tally.outcomes))
     return report
 
@@ -343,7 +396,6 @@ def main() -> int:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        sys.path.insert(0, str(REPO))
         from runtime.cache import cached_model  # noqa: PLC0415
         from runtime.commands.demo import default_spec  # noqa: PLC0415
         model = str(cached_model(default_spec()))

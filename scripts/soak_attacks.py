@@ -9,12 +9,15 @@
   queue place), ``SLOT_BURST`` saves of one slot at once (they wait in the queue).
 - ``half_open``: connections that send the start of a request head and nothing more (the
   server's ``--header-timeout`` closes them).
+- ``SLOT_BREAKS`` / ``broken_slot_file``: a slot's file broken as a careless operator or a bad
+  disk would (soak.py's ``slot_attack`` restores it: a 400 naming the problem).
 
 ``SERVE_FLAGS`` are the limits soak.py's server runs with, so that these stay cheap.
 """
 from __future__ import annotations
 
 import json
+import random
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,13 +68,25 @@ SLOT_BURST = ("/slots/0?action=save", {"filename": "soak-slot.bin"})
 BURST = 8                        # requests sent at once
 
 
+# what the restore's 400 must say of a file broken so; "erase" empties the slot instead
+SLOT_BREAKS = {"flipped": "checksum mismatch", "version": "unsupported state version 2",
+               "legacy": "unsupported state version 0", "short": "cut short", "erase": ""}
+
+
 class Malformed(Exception):
     """An answer that broke its contract."""
 
 
+def strict_json(text: str):
+    """JSON as the wire must carry it: NaN, Infinity and -Infinity are malformed."""
+    def refuse(constant: str):
+        raise Malformed(f"{constant} in JSON: {text[:150]}")
+    return json.loads(text, parse_constant=refuse)
+
+
 def check_error(path: str, r: httpx.Response) -> None:
     """``r`` is an error in the shape of ``path``'s API (llama-server's carries the status)."""
-    body = r.json()
+    body = strict_json(r.text)
     err = body.get("error")
     if not isinstance(err, dict) or not err.get("message"):
         raise Malformed(f"{path} {r.status_code}: no error object: {r.text[:200]}")
@@ -98,7 +113,7 @@ def burst(http: httpx.Client, path: str, body: dict) -> list[httpx.Response]:
         elif r.status_code != 200:
             raise Malformed(f"burst {path}: {r.status_code} {r.text[:200]}")
         else:
-            r.json()
+            strict_json(r.text)
     return answers
 
 
@@ -111,3 +126,22 @@ def half_open(base: str, n: int = 10) -> list[socket.socket]:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\n")
         socks.append(sock)
     return socks
+
+
+def broken_slot_file(good: bytes, how: str, rng: random.Random) -> bytes:
+    """``good`` (a saved slot file: runtime/engine/slot_file.py) broken as ``how`` says."""
+    from runtime.engine import slot_file  # noqa: PLC0415
+
+    data = bytearray(good)
+    if how == "flipped":                           # one int32 past the header, e.g. KV metadata
+        at = rng.randrange(slot_file.HEADER.size, len(data) - 3)
+        data[at:at + 4] = bytes(b ^ 0xFF for b in data[at:at + 4])
+    elif how == "version":
+        data[8:12] = (2).to_bytes(4, "little")
+    elif how == "legacy":                          # llama.cpp's own header, no checksum
+        n_tokens = slot_file.HEADER.unpack_from(good)[3]
+        data = bytearray(slot_file.LLAMA_MAGIC + (3).to_bytes(4, "little")
+                         + n_tokens.to_bytes(4, "little") + good[slot_file.HEADER.size:])
+    else:                                          # "short": cut
+        del data[-rng.randint(1, 64):]             # (an empty slot's file: into its header)
+    return bytes(data)

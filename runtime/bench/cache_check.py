@@ -60,17 +60,14 @@ def _run(model: str, config, ngl: int, prompt: list[int], n_gen: int, threads: i
         engine.close()
 
 
-def _library(configs) -> str | None:
+def _library(configs) -> str:
     """One libllama for every run (a process loads one): the environment's, else the patched
-    build serving the configs' cache devices (None: the stock wheel)."""
-    from runtime.native.llama_lib import LIB_PATH_ENV  # noqa: PLC0415
-    from runtime.engine.residency_setup import cache_library_dir  # noqa: PLC0415
+    build serving the configs' cache devices (runtime.native.lib_dir_for)."""
+    from runtime.native import lib_dir_for  # noqa: PLC0415
     from runtime.residency.config import is_cache_device  # noqa: PLC0415
 
-    if os.environ.get(LIB_PATH_ENV):
-        return None
-    return cache_library_dir({b.device for c in configs for b in c.devices
-                              if is_cache_device(b.device)})
+    return lib_dir_for({b.device for c in configs for b in c.devices
+                        if is_cache_device(b.device)})
 
 
 def main(argv: list[str] | None = None) -> int:

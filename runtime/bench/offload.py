@@ -18,6 +18,7 @@ from pathlib import Path
 from runtime.errors import UserError
 from runtime.bench.run import BenchConfig, COLD_PROMPT
 from runtime.ramtier.pager import drop_file_cache
+from runtime.units import format_size
 
 POLICIES = ("lru", "lfu", "lfu-decay", "phase-weighted", "next-visit")
 # the replay study's best config (docs/policy-study.md), a default row at --budget
@@ -40,9 +41,15 @@ class BenchRow:
     seconds: float                       # mean seconds of one repetition
     samples_tps: tuple[float, ...] = field(default=())
 
+    @property
+    def has_sd(self) -> bool:
+        """A spread to show: more than one repetition (one has none; "± 0.00" would say it
+        never varies)."""
+        return len(self.samples_tps) != 1
+
     def cells(self) -> tuple[str, ...]:
         return (self.config, self.backend, self.budget, self.test,
-                f"{self.tps:.2f} ± {self.tps_sd:.2f}",
+                f"{self.tps:.2f} ± {self.tps_sd:.2f}" if self.has_sd else f"{self.tps:.2f}",
                 "-" if self.hit_pct is None else f"{self.hit_pct:.1f}",
                 "-" if self.demand_miss_mib_per_tok is None
                 else f"{self.demand_miss_mib_per_tok:.2f}")
@@ -57,7 +64,22 @@ class BenchResult:
 
 
 def mib(n: int) -> str:
+    """A size for the table: whole MiB from 10 MiB on, more digits below (a tiny model's
+    budget is not "0 MiB")."""
+    if n < 10 << 20:
+        return format_size(n)
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def merged_notes(notes: list[tuple[str, str]]) -> list[str]:
+    """Notes as ``(who, what)``, one line per distinct ``what`` naming everyone it concerns
+    (in order): twelve rows with the same notice make one line."""
+    by_what: dict[str, list[str]] = {}
+    for who, what in notes:
+        whos = by_what.setdefault(what, [])
+        if who and who not in whos:
+            whos.append(who)
+    return [f"{', '.join(whos)}: {what}" if whos else what for what, whos in by_what.items()]
 
 
 def default_configs(total_expert_bytes: int, budget_bytes: int,
@@ -130,7 +152,7 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
     bar = tqdm(total=len(configs) * (1 + tests * reps), desc="bench", unit="step",
                file=sys.stderr, disable=not progress or None, leave=False)
     rows: list[BenchRow] = []
-    notes: list[str] = []
+    notes: list[tuple[str, str]] = []           # (config [test], what): merged_notes
     details: dict[str, dict] = {}
     try:
         for cfg in configs:
@@ -142,24 +164,24 @@ def run_bench(model: str, configs: list[BenchConfig], *, p: int, n: int, reps: i
             except UserError as err:        # one config failing keeps the others' rows
                 if len(configs) == 1:
                     raise
-                notes.append(str(err))
+                notes.append(("", str(err)))
                 continue
             details[cfg.name] = out
             for note in out.get("tier", {}).get("notices", []):
-                notes.append(f"{cfg.name}: {note}")
+                notes.append((cfg.name, note))
             for test, s in out["tests"].items():
                 if s["demand_miss_mib_per_tok"] and \
                         s["read_mib_per_tok"] < 0.5 * s["demand_miss_mib_per_tok"]:
-                    notes.append(f"{cfg.name} {test}: read {s['read_mib_per_tok']:.1f} MiB/tok "
-                                 f"from storage for {s['demand_miss_mib_per_tok']:.1f} MiB/tok "
-                                 "of misses: another process had the file cached (optimistic)")
+                    notes.append((f"{cfg.name} {test}", "read under half of its demand-miss "
+                                  "bytes from storage (read_mib_per_tok in --json): another "
+                                  "process had the file cached (optimistic)"))
                 rows.append(BenchRow(cfg.name, out["backend"], cfg.budget_label, test,
                                      s["tps"], s["tps_sd"], s["hit_pct"],
                                      s["demand_miss_mib_per_tok"], s["read_mib_per_tok"],
                                      s["seconds"], tuple(s["samples_tps"])))
     finally:
         bar.close()
-    return BenchResult(rows, cold_ratios(rows, cold), notes, details)
+    return BenchResult(rows, cold_ratios(rows, cold), merged_notes(notes), details)
 
 
 def _run_worker(model: str, cfg: BenchConfig, *, p, n, reps, cold, threads, mem_limit,
@@ -229,7 +251,9 @@ def cold_ratios(rows: list[BenchRow], cold: int) -> dict[str, float]:
 
 def format_table(rows: list[BenchRow]) -> str:
     """Markdown, llama-bench style: text columns left, numbers right."""
-    cells = [HEADER] + [r.cells() for r in rows]
+    header = HEADER if any(r.has_sd for r in rows) else \
+        tuple("t/s" if h == "t/s ± sd" else h for h in HEADER)
+    cells = [header] + [r.cells() for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
     right = {4, 5, 6}
 
@@ -239,7 +263,7 @@ def format_table(rows: list[BenchRow]) -> str:
 
     rule = "| " + " | ".join(("-" * (w - 1) + ":") if i in right else "-" * w
                              for i, w in enumerate(widths)) + " |"
-    return "\n".join([line(HEADER), rule] + [line(r) for r in cells[1:]])
+    return "\n".join([line(header), rule] + [line(r) for r in cells[1:]])
 
 
 def cold_line(result: BenchResult, cold: int) -> str:

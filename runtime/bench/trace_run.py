@@ -80,6 +80,9 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
         prompt, params = imposed_request(engine, None, SamplingParams(temperature=0.0),
                                          _NoArgs())
         before = _decode_counters(engine, Phase.DECODE)
+        tier = next((t for t in engine.tiers if type(t).__name__ == "RamTier"), None)
+        io_start = tier.io.counters() if tier is not None else None
+        io_decode = None
         t1 = time.perf_counter()
         first_at, io_first, last = None, 0, None
         n = 0
@@ -89,6 +92,7 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
                 if first_at is None:
                     first_at = now
                     io_first = process_read_bytes(pid)
+                    io_decode = tier.io.counters() if tier is not None else None
                     report(load_s=load_s, ttft_s=first_at - t1, read=io_first)
                 else:
                     n += 1
@@ -114,12 +118,24 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
         }
         if before is not None:
             out["decode"] = {k: after[k] - before[k] for k in after}
-        tier = next((t for t in engine.tiers if type(t).__name__ == "RamTier"), None)
         if tier is not None:
             out["tier_notices"] = list(tier.notices)
+            io_end = tier.io.counters()
+            out["reads"] = {"prompt": _read_counters(io_start, io_decode),
+                            "decode": _read_counters(io_decode or io_end, io_end)}
         return out
     finally:
         engine.close()
+
+
+def _read_counters(a, b) -> dict:
+    """The tier's reads between two ``StepCounters``: bytes read, the share of them already
+    in when first needed (the overlap), and the seconds a thread waited for reads."""
+    read = b.read_bytes - a.read_bytes
+    ready, late = b.ready_bytes - a.ready_bytes, b.late_bytes - a.late_bytes
+    return {"read_bytes": read, "ready_bytes": ready, "late_bytes": late,
+            "overlap": ready / (ready + late) if ready + late else None,
+            "wait_s": b.wait_s - a.wait_s, "step_s": b.step_s - a.step_s}
 
 
 class _NoArgs:

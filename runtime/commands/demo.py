@@ -39,7 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--predict", type=int, default=64, metavar="N",
                    help="tokens to generate")
     p.add_argument("--capacity", default="25%", metavar="PCT",
-                   help="expert cache budget: a percentage of the model's expert bytes")
+                   help="expert cache budget: a percentage of the model's expert bytes, "
+                        "passed on as --devices.cpu in bytes (--devices.cpu N%% itself "
+                        "would mean N%% of the free RAM)")
     p.add_argument("-s", "--seed", type=int, default=0, help="sampling seed")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N", help="CPU threads")
     p.set_defaults(func=run)
@@ -76,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
     device = "cpu"
     config = load_config(None, overrides={f"devices.{device}": str(capacity)})
     print(f"\n$ moe-offload complete -m {path} -p {args.prompt!r} -n {args.predict} "
-          f"-s {args.seed} --devices.{device} {capacity}   "
-          f"# {args.capacity} of {format_size(index.facts.total_expert_bytes)} of experts\n")
+          f"-s {args.seed} --devices.{device} {capacity}\n"
+          f"# --devices.{device} {capacity}: a budget of {capacity:,} bytes, {args.capacity} of "
+          f"the model's {format_size(index.facts.total_expert_bytes)} of experts (a budget "
+          f"given as N% is N% of the free RAM)\n")
     sys.stdout.flush()
     settings = EngineSettings(model_path=str(path), n_ctx=2048, n_threads=args.threads,
                               seed=args.seed, config=config)
@@ -108,7 +112,7 @@ NEXT_STEPS = """
 The demo model's weights are random, so its text is noise: what it shows is the expert
 traffic above (hits, misses, bytes moved under a budget of part of the experts).
 Next:
-  moe-offload complete -hf unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M -p "Hello" --auto
+  moe-offload complete -hf ggml-org/Qwen3-30B-A3B-GGUF:Q4_K_M -p "Hello" --auto
                                       # a real model (downloaded once; README: run a real model)
   moe-offload serve -m MODEL.gguf --auto   # an OpenAI-compatible server and a chat page
   moe-offload bench                        # mmap vs the managed tiers, on this machine"""

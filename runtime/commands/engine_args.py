@@ -10,6 +10,7 @@ record), and their translation into ``EngineSettings`` / ``SamplingParams``.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
@@ -86,11 +87,16 @@ class _ListDevices(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         from runtime.native import llama_lib  # noqa: PLC0415
+        from runtime.residency.capacity import probe_device_memory  # noqa: PLC0415
 
         print("Available devices:")
         for dev in llama_lib.devices():
-            memory = (f" ({dev.total_bytes >> 20} MiB, {dev.free_bytes >> 20} MiB free)"
-                      if dev.total_bytes else "")
+            free, total = dev.free_bytes, dev.total_bytes
+            if dev.kind == llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+                # ggml's CPU device reports its total as free: the RAM available now is
+                # what a --devices.cpu N% budget takes its share of
+                free, total = probe_device_memory("cpu")
+            memory = f" ({total >> 20} MiB, {free >> 20} MiB free)" if total else ""
             print(f"  {dev.name}{memory}")
         parser.exit(0)
 
@@ -216,6 +222,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
             raise UserError("--auto plans the residency config itself: give --auto or "
                             "--config, not both")
         planned = plan_model(args.model, args.ctx_size or 4096)
+        for line in planned.chosen():            # the budgets it chose, and why
+            print(f"moe-offload: {line}", file=sys.stderr, flush=True)
         config = config_from_text(planned.to_toml(), args, source="--auto")
         gpu_layers = gpu_layers or planned.gpu_layers
     else:

@@ -10,13 +10,17 @@ from runtime.errors import UserError
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("native", help="build / inspect the patched llama.cpp "
-                                   "(persistent device cache)")
+                                   "every command runs on")
     sub = parser.add_subparsers(dest="native_command", metavar="ACTION")
-    b = sub.add_parser("build", help="apply native/patches and build the libraries (cached)")
-    b.add_argument("--backend", default="cpu", help="cpu | cuda | vulkan (default cpu)")
+    b = sub.add_parser("build", help="apply native/patches and build the libraries (cached); "
+                       "the build becomes the one every command loads")
+    b.add_argument("--backend", default=None,
+                   help="cpu | cuda | vulkan (default: what CMAKE_ARGS names, as at install: "
+                        "-DGGML_CUDA=on cuda, -DGGML_VULKAN=on vulkan, else cpu)")
     b.add_argument("--source", default=None, metavar="PATH",
                    help="llama-cpp-python 0.3.36 sdist (.tar.gz), its unpacked tree, a llama.cpp "
-                        "tree or a pruned archive; default: pip download (cached)")
+                        "tree or a pruned archive; default: the repository's "
+                        "native/offline/ archive")
     b.add_argument("--cuda-arch", default=None, metavar="ARCH",
                    help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
     b.add_argument("--no-cuda-fa", action="store_true",
@@ -24,9 +28,9 @@ def register(subparsers) -> None:
                         "attention then runs without flash attention)")
     b.add_argument("--generic-cpu", action="store_true",
                    help="no -march=native (a build to copy to other machines)")
-    b.add_argument("--rpc", action="store_true",
-                   help="also build ggml's RPC backend (GGML_RPC=ON): `moe-offload rpc-server` "
-                        "and rpc:HOST:PORT devices in a residency config need it")
+    b.add_argument("--no-rpc", action="store_true",
+                   help="leave out ggml's RPC backend (GGML_RPC; built by default: "
+                        "`moe-offload rpc-server` and rpc:HOST:PORT devices need it)")
     b.add_argument("-j", "--jobs", type=int, default=None, help="parallel compile jobs")
     b.add_argument("--json", action="store_true", help="print the build record as JSON")
     b.set_defaults(func=_build)
@@ -37,19 +41,26 @@ def register(subparsers) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from runtime.native.build import BuildRequest, build  # noqa: PLC0415
+    import dataclasses  # noqa: PLC0415
+
+    from runtime.native.build import build  # noqa: PLC0415
+    from runtime.native.install import record_install, request_from_cmake_args  # noqa: PLC0415
 
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs {args.jobs}: must be at least 1")
-    info = build(BuildRequest(backend=args.backend, source=args.source, cuda_arch=args.cuda_arch,
-                              cuda_fa=not args.no_cuda_fa, native_cpu=not args.generic_cpu,
-                              jobs=args.jobs, rpc=args.rpc))
+    req = request_from_cmake_args()
+    req = dataclasses.replace(req, backend=args.backend or req.backend, source=args.source,
+                              cuda_arch=args.cuda_arch, cuda_fa=not args.no_cuda_fa,
+                              native_cpu=not args.generic_cpu, jobs=args.jobs,
+                              rpc=not args.no_rpc)
+    info = build(req)
+    record_install(info)
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
     else:
         print(f"built {info.backend}{' + rpc' if info.rpc else ''}: {info.lib_dir}")
-        print(f"use it: LLAMA_CPP_LIB_PATH={info.lib_dir} (or EngineSettings.lib_dir; "
-              "runtime.native.preferred_lib_dir(devices) finds it)")
+        print("every moe-offload command loads it from now on (LLAMA_CPP_LIB_PATH=DIR "
+              "overrides)")
     return 0
 
 

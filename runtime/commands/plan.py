@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     text = result.to_toml()
     if args.output:
         write_text(args.output, text)
-        sys.stderr.write(f"plan: wrote {args.output} (run with -ngl {result.gpu_layers} "
+        sys.stderr.write(f"moe-offload: wrote {args.output} (run with -ngl {result.gpu_layers} "
                          f"--config {args.output})\n")
     else:
         sys.stdout.write(text)

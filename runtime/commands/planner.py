@@ -62,6 +62,12 @@ class Plan:
     notes: tuple[str, ...]
     remotes: tuple[PlannedDevice, ...] = ()
 
+    def chosen(self) -> list[str]:
+        """What ``--auto`` chose, one line per device and one for -ngl (shown at load)."""
+        lines = [f"--auto: --devices.{d.device} {d.budget_bytes}B ({format_size(d.budget_bytes)}"
+                 f" of experts): {d.why}" for d in self.devices + self.remotes]
+        return lines + [f"--auto: -ngl {self.gpu_layers}"]
+
     def to_toml(self) -> str:
         lines = [f"# moe-offload plan for {self.model}"]
         lines += [f"# {n}" for n in self.notes]
@@ -86,7 +92,7 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
     required; GPUs optional, fastest first)."""
     ram = next((m for m in memory if m.device == "cpu"), None)
     if ram is None:
-        raise UserError("plan: host RAM could not be measured")
+        raise UserError("host RAM could not be measured (psutil reported nothing)")
     gpus = [m for m in memory if m.device != "cpu"]
     dense, experts = facts.dense_bytes, facts.total_expert_bytes
     kv = kv_per_token * ctx
@@ -134,11 +140,12 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
 
 
 # In a child: which GPUs ggml sees, with the library a GPU would be used through (a CUDA or
-# Vulkan native build when one is built, else the wheel's). Printed as JSON.
+# Vulkan build when one is built, else this install's). Printed as JSON.
 _GPU_PROBE = """
 import json
 from runtime.native import llama_lib, preferred_lib_dir
-llama_lib.select_library_dir(preferred_lib_dir({"cuda:0"}) or preferred_lib_dir({"vulkan:0"}))
+llama_lib.select_library_dir(preferred_lib_dir({"cuda:0"}) or preferred_lib_dir({"vulkan:0"})
+                             or preferred_lib_dir())
 print(json.dumps([(d.name, d.free_bytes, d.total_bytes) for d in llama_lib.devices()
                   if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]))
 """
@@ -199,7 +206,7 @@ def plan_remotes(facts, path: str, ctx: int, remotes: list[str], *, warn=None
         except RemoteUnreachable as err:
             notes.append(f"left out: {err}")
             if warn is not None:
-                warn(f"plan: {err}; left out")
+                warn(f"moe-offload: note: {err}; left out of the plan")
             continue
         budget = int(info.free_bytes * RPC_SHARE)
         planned.append(PlannedDevice(dev.name, budget, (

@@ -62,7 +62,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="requests that may wait behind the running one; more get 429")
     group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
                        help="requests generated at once, in one batch per step (continuous "
-                            "batching; each gets ctx-size / N tokens, as llama-server)")
+                            "batching; each gets ctx-size / N tokens, as llama-server). Each "
+                            "request has its own KV and sampler, but llama.cpp computes a "
+                            "shared batch in another order than a lone request, so a greedy "
+                            "answer may part from the same request alone where two tokens "
+                            "nearly tie (--batch-invariant makes them equal)")
+    group.add_argument("--batch-invariant", action="store_true",
+                       help="with -np N: decode each request on its own, shaped as when it "
+                            "runs alone (its prompt in one piece, then one token per step), "
+                            "so every answer equals the same request alone; the requests "
+                            "still take turns step by step, without the batching speedup "
+                            "(not with --kv-unified, whose shared pool mixes the requests)")
     group.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
                        help="serve embeddings (/v1/embeddings, /embedding) instead of "
                             "completions")
@@ -70,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="how --embedding pools the tokens' vectors (default: the model's)")
     group.add_argument("--slot-save-path", default=None, metavar="DIR",
                        help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
-                            "cache to a file in DIR and back; DIR is made if missing)")
+                            "cache to a file in DIR and back, versioned and checksummed, "
+                            "checked before a restore; DIR is made if missing)")
     group.add_argument("--cache-ram", type=int, default=0, metavar="MiB",
                        help="host memory for llama-server's prompt cache: a slot's KV is "
                             "copied there before a request replaces it, and loaded back when "
@@ -100,8 +111,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        metavar="ORIGINS",
                        help="comma-separated browser origins allowed by CORS: a listed "
                             "origin (or 'localhost': any port on localhost, 127.0.0.1, [::1]) "
-                            "is echoed with credentials allowed; '*' (the default) answers "
-                            "any origin with '*' and no credentials; '' = no CORS headers")
+                            "is echoed with credentials allowed; '*' (the default) lets any "
+                            "origin read answers without credentials (a preflight echoes the "
+                            "origin with credentials, as llama-server's; the answers carry "
+                            "'*'); '' = no CORS headers")
     group.add_argument("--metrics", dest="metrics", action="store_true", default=True,
                        help="serve GET /metrics (on by default here; llama-server's flag)")
     group.add_argument("--no-metrics", dest="metrics", action="store_false",
@@ -179,7 +192,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--write-profile", default=None, metavar="PROFILE",
                        help="on exit (SIGINT, SIGTERM) write the routing profile of the tokens "
                             "generated while serving (as moe-offload profile), for --profile "
-                            "on a later run")
+                            "on a later run; a failed write (disk full) stops the profile, "
+                            "not the server")
     parser.set_defaults(func=run)
 
 
@@ -234,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
                                                  open_file_limit, quiet_repeats)
     from runtime.server.limits import Limits
 
+    from runtime.engine.file_lease import handle_breaks
+
+    handle_breaks()     # the model file is leased through each batch (engine/model_file.py)
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
     check_model_path(str(model_path))
@@ -245,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
     if not 1 <= args.parallel <= 64:
         raise UserError(f"--parallel: {args.parallel} must be in 1..64")
+    if args.batch_invariant and args.kv_unified:
+        raise UserError("--batch-invariant needs each request's own KV: not with --kv-unified "
+                        "(one shared pool computes a request differently from alone)")
     if not args.jinja:
         raise UserError("--no-jinja: chat templates are always rendered with jinja here")
     template = args.chat_template
@@ -304,8 +324,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
 
     def on_ready() -> None:
-        log.info("model %s loaded in %.1f s; serving %s", model_id, time.perf_counter() - t0,
-                 ", ".join(f"{_url(s)}/v1" for s in socks))
+        page = f"; the chat page: {_url(socks[0])}/" if args.web_ui else ""
+        log.info("model %s loaded in %.1f s; serving %s%s", model_id, time.perf_counter() - t0,
+                 ", ".join(f"{_url(s)}/v1" for s in socks), page)
 
     def on_failure(message: str) -> None:      # from the loader thread
         load_errors.append(message)
@@ -346,7 +367,8 @@ def run(args: argparse.Namespace) -> int:
         if (args.parallel > 1 or prompt_cache is not None) and not args.embedding:
             from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
 
-            engine.batcher = BatchScheduler(engine, prompt_cache, args.cache_idle_slots)
+            engine.batcher = BatchScheduler(engine, prompt_cache, args.cache_idle_slots,
+                                            batch_invariant=args.batch_invariant)
         return engine
 
     app = create_app(ServerSettings(model_id=model_id, api_key=api_key,

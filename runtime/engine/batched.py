@@ -5,9 +5,21 @@ KV sequence per slot, llama.cpp's per-sequence KV streams so a slot's attention 
 own tokens). Each step it builds one batch: the next prompt chunk of every slot still in
 prefill, and one token of every slot generating; a request that arrives joins at the next
 step. While some slot generates, the prompt chunks are paced (prefill_pace.py: a step costs
-about two decode steps), so a long prompt does not hold the others for its whole prefill. The routing hook sees the whole batch's routing (phase PREFILL, DECODE, or MIXED when
+about two decode steps), so a long prompt does not hold the others for its whole prefill.
+The routing hook sees the whole batch's routing (phase PREFILL, DECODE, or MIXED when
 the batch holds both). After the decode each slot samples from its own output row with its
 own sampler chain, exactly as ``Engine.generate`` does for one sequence.
+
+What a shared batch guarantees: each request's tokens attend only to its own KV and are
+sampled by its own chain, but llama.cpp evaluates a batch of several sequences in another
+order than one sequence alone, so the same request's logits differ in their last digits
+(measured: bit-identical for most tokens, then up to 0.01 in a token's logprob; with
+``--kv-unified``, whose cells interleave the requests, more). Greedy answers are therefore
+equal to the same request alone until a step where the two best tokens nearly tie, and may
+part there. ``batch_invariant`` decodes each slot in its own ``llama_decode``, shaped as it is
+alone (the prompt in chunks of up to ``n_batch`` from the reused prefix, then one row per
+step): the answers then equal the same request alone bit for bit (per-slot KV only), and the
+slots still take turns every step, at about one stream's aggregate rate.
 
     scheduler = BatchScheduler(engine)       # engine: EngineSettings(n_parallel=4)
     for index, chunk in scheduler.generate_many([(tokens, params)], cancel):
@@ -30,14 +42,16 @@ from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.loading import thread_counts
 from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.prefill_pace import PrefillPacer
-from runtime.engine.prompt_cache import PromptCache, common_prefix
+from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams
-from runtime.engine.types import (ContextLengthError, GenerationChunk, PromptProgress, Timings,
-                                  Usage, check_token_ids)
+from runtime.engine.slot_choice import best_slot, shared_prefix
+from runtime.engine.types import (ContextLengthError, GenerationChunk, NonFiniteLogits,
+                                  PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
 _END = object()
+PROMPT_THREADS_MIN_ROWS = 32     # a prompt step of fewer rows runs on the decode threads
 log = logging.getLogger("moe_offload.server.slots")
 
 
@@ -72,10 +86,12 @@ class BatchScheduler:
     """Runs ``engine``'s generations in shared batches (see the module docstring)."""
 
     def __init__(self, engine, prompt_cache: PromptCache | None = None,
-                 cache_idle_slots: bool = True):
+                 cache_idle_slots: bool = True, batch_invariant: bool = False):
         """``prompt_cache``: host-memory copies of slots' KV (llama-server's ``--cache-ram``);
-        ``cache_idle_slots``: copy every idle slot there when a request starts."""
+        ``cache_idle_slots``: copy every idle slot there when a request starts;
+        ``batch_invariant``: each slot decoded in its own ``llama_decode`` (module docstring)."""
         self.engine = engine
+        self.batch_invariant = batch_invariant
         self.prompt_cache = prompt_cache
         self.cache_idle_slots = cache_idle_slots and prompt_cache is not None
         self.n_slots = int(engine.settings.n_parallel)
@@ -273,18 +289,29 @@ class BatchScheduler:
         return shared_prefix(self._cached[seq], tokens)
 
     def _step(self) -> None:
+        for slot in list(self._active):
+            if slot.cancel is not None and slot.cancel.is_set():
+                self._finish(slot, "cancelled")
+        if self.batch_invariant:     # each slot alone in its llama_decode, as when it runs alone
+            for slot in list(self._active):
+                self._decode_rows([slot], paced=False)
+        else:
+            self._decode_rows(list(self._active), paced=True)
+
+    def _decode_rows(self, slots: list[_Slot], paced: bool) -> None:
+        """One ``llama_decode`` of ``slots``' next rows (a prompt chunk each in prefill, the
+        sampled token each generating), then their progress reports and samples. ``paced``:
+        the prompt chunks are sized by the pacer while some slot generates."""
         batch = self._batch
         batch.clear()
         rows: list[tuple[_Slot, int]] = []        # (slot, output index) for slots to sample
         prefilled: list[_Slot] = []
         kinds = set()
-        generating = sum(1 for s in self._active if s.next_token is not None)
-        budget = self._pacer.budget(generating > 0, batch.room - generating)
+        generating = sum(1 for s in slots if s.next_token is not None)
+        budget = self._pacer.budget(generating > 0, batch.room - generating) if paced else \
+            batch.room
         prompt_rows = 0
-        for slot in list(self._active):
-            if slot.cancel is not None and slot.cancel.is_set():
-                self._finish(slot, "cancelled")
-                continue
+        for slot in slots:
             if slot.prefilling:
                 take = min(len(slot.tokens) - slot.fed, batch.room, budget - prompt_rows)
                 prompt_rows += max(take, 0)
@@ -315,7 +342,8 @@ class BatchScheduler:
         phase = kinds.pop() if len(kinds) == 1 else Phase.MIXED
         t0 = time.perf_counter()
         self._decode(phase)
-        self._pacer.observe(time.perf_counter() - t0, prompt_rows, batch.n - prompt_rows)
+        if paced:
+            self._pacer.observe(time.perf_counter() - t0, prompt_rows, batch.n - prompt_rows)
         self.steps += 1
         busy = len({s.seq for s, _ in rows})
         self._rows_total += busy
@@ -329,8 +357,16 @@ class BatchScheduler:
         engine, batch = self.engine, self._batch
         # llama.cpp takes its prompt thread count for any batch of more than one token, so a
         # step of N decode rows would run on every core; decode rows run on the decode count
-        # (a thread pool woken per graph piece on all of a small machine's cores cost 3-5x)
-        threads = self._threads[0] if phase == Phase.DECODE else self._threads[1]
+        # (a thread pool woken per graph piece on all of a small machine's cores cost 3-5x).
+        # A MIXED step too: its prompt chunk is paced to about a decode step's cost, and the
+        # prompt count's threads spin-wait on each other, so on a loaded machine MIXED steps
+        # on them stalled every stream (4 streams at once: 0.12-0.65x the sequential rate,
+        # first tokens up to 3.5 s; on the decode count 0.76-1.64x, first tokens <= 0.09 s:
+        # docs/benchmarks/2026-12-06-parallel-slots.md). A short prompt step likewise: under
+        # PROMPT_THREADS_MIN_ROWS rows its compute is about that of starting the thread pool
+        # (4 short prompts admitted at once stalled 0.37 s on a loaded machine).
+        threads = self._threads[1] if phase == Phase.PREFILL and \
+            batch.n >= PROMPT_THREADS_MIN_ROWS else self._threads[0]
         if threads != self._threads_now:
             self._ll.llama_set_n_threads(engine.ctx_ptr, self._threads[0], threads)
             self._threads_now = threads
@@ -350,10 +386,11 @@ class BatchScheduler:
             slot.t_prefill = time.perf_counter()
         try:
             chunk = gen.sample(index)
-        except GrammarDeadEnd as exc:          # this request's own: the others go on
+        except (GrammarDeadEnd, NonFiniteLogits) as exc:   # this request's own: others go on
             slot.out.put(exc)
             slot.out.put(_END)
-            self._release(slot)
+            # NaN/Inf logits: the slot's KV may hold NaN too, and is dropped
+            self._release(slot, keep_cache=isinstance(exc, GrammarDeadEnd))
             self._active.remove(slot)
             return
         if chunk is not None:
@@ -395,19 +432,3 @@ class BatchScheduler:
             self._free.append(slot.seq)
             self._free.sort()
             slot.seq = -1
-
-
-def best_slot(free: Sequence[int], cached: dict[int, list[int]],
-              tokens: list[int]) -> tuple[int, int]:
-    """The free sequence whose KV shares the longest prefix with ``tokens`` (the lowest id on
-    a tie) and how many tokens of it to keep: never the whole prompt, since its last token is
-    evaluated again to give the logits to sample from."""
-    seq = max(sorted(free), key=lambda s: shared_prefix(cached.get(s, []), tokens, cap=False))
-    return seq, shared_prefix(cached.get(seq, []), tokens)  # max keeps the lowest of equals
-
-
-def shared_prefix(cached: list[int], tokens: list[int], cap: bool = True) -> int:
-    """Tokens at the start of ``tokens`` that ``cached`` holds; with ``cap``, at most all
-    but the last (it is evaluated again for the logits to sample from)."""
-    n = common_prefix(cached, tokens)
-    return min(n, len(tokens) - 1) if cap else n

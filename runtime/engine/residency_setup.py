@@ -88,33 +88,18 @@ def remote_config(settings: EngineSettings, config):
 
 
 def library_dir(settings: EngineSettings, config) -> str | None:
-    """The libllama directory to load: the settings' own, else $LLAMA_CPP_LIB_PATH, else the
-    patched native build when the config names a device-cache device (cuda:N, vulkan:N,
-    cpu-slots)
-    and one is built; None = the wheel's stock library (the cache then says why it is off).
-    MOE_OFFLOAD_NATIVE=off keeps the stock library regardless."""
-    if settings.lib_dir is not None or os.environ.get(llama_lib.LIB_PATH_ENV):
+    """The libllama directory to load, always our patched build: the settings' own, else
+    $LLAMA_CPP_LIB_PATH, else the current build serving the config's cache devices (cuda:N a
+    CUDA build, vulkan:N a Vulkan one), else this install's build. None in a process that
+    already loaded llama.cpp (one process, one library: it stays). UserError, before anything
+    loads, when no build serves them (runtime.native.lib_dir_for)."""
+    if settings.lib_dir is not None:
         return settings.lib_dir
-    if remote_config(settings, config) is not None:        # remotes need the RPC build
-        from runtime.rpc.server import rpc_library_dir  # noqa: PLC0415
-
-        return rpc_library_dir()
-    devices = _cache_devices(config)
-    if not devices and _has_ram_tier(settings, config):
-        return _ram_tier_library_dir(settings)
-    return cache_library_dir(devices)
-
-
-def _ram_tier_library_dir(settings: EngineSettings) -> str | None:
-    """The patched build for a RAM tier's lazy routed experts (bounded load, see
-    lazy_experts): a CPU build when no layer goes to a GPU, else a CUDA or Vulkan build (a CPU
-    build would lose the GPU); None (the stock library) without one, with
-    MOE_OFFLOAD_NATIVE=off, or in a process that already loaded another libllama."""
     if "llama_cpp" in sys.modules or "llama_cpp.llama_cpp" in sys.modules:
         return None
-    if settings.n_gpu_layers == 0:
-        return cache_library_dir({"cpu-slots"})
-    return cache_library_dir({"cuda:0"}) or cache_library_dir({"vulkan:0"})
+    from runtime.native import lib_dir_for  # noqa: PLC0415
+
+    return lib_dir_for(_cache_devices(config))
 
 
 def _has_ram_tier(settings: EngineSettings, config) -> bool:
@@ -132,18 +117,6 @@ def lazy_experts(settings: EngineSettings, config, placement, lib_dir: str | Non
     return (_has_ram_tier(settings, config) and lib is not None
             and os.path.isfile(os.path.join(lib, STORE_LIB))
             and all(target == "cpu" for _, target in placement.rules))
-
-
-def cache_library_dir(devices: set[str]) -> str | None:
-    """The patched build serving these device-cache devices; None without one, without the
-    native module, or with MOE_OFFLOAD_NATIVE=off."""
-    if os.environ.get("MOE_OFFLOAD_NATIVE", "").lower() in ("off", "0", "no"):
-        return None
-    if not devices:
-        return None
-    from runtime.native import preferred_lib_dir  # noqa: PLC0415
-
-    return preferred_lib_dir(devices)
 
 
 def _cache_devices(config) -> set[str]:
@@ -236,6 +209,11 @@ def attach_tiers(engine) -> list[object]:
         if tier is not None:
             attached.append(tier)
             claimed.add("cpu")
+            # the CPU computes the experts (no GPU takes a prompt's matmuls from the mapping):
+            # its matmuls wait per expert matrix, so the reads overlap the resident experts'
+            if not gpu_devices() and engine.remote is None and \
+                    llama_lib.set_weight_ready(tier.io.weight_ready_pointer()):
+                tier.io.set_async(True)
     cache_devices = _cache_devices(engine.config)
     if cache_devices:
         from runtime.native import device_cache  # noqa: PLC0415

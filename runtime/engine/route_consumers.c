@@ -12,7 +12,7 @@ static int core_step(consumer *u, const step_event *e) {
     rc_result r;
     return rc_step(u->obj, &u->held, e->layer, e->experts, e->n, e->phase, &r);
 }
-static void core_end(consumer *u) { rc_step_end(u->obj, &u->held); }
+static int core_end(consumer *u) { rc_step_end(u->obj, &u->held); return 0; }
 static void core_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
     (void) u;
     rc_step_message(msg, cap, "", layer, status);
@@ -22,7 +22,7 @@ static void core_error(const consumer *u, int32_t layer, int status, char *msg, 
 static int cache_step(consumer *u, const step_event *e) {
     return dc_route(u->obj, e->layer, e->experts, e->n, e->phase);
 }
-static void cache_end(consumer *u) { dc_batch_end(u->obj); }
+static int cache_end(consumer *u) { dc_batch_end(u->obj); return 0; }
 static void cache_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
     (void) u;
     if (status <= -100)
@@ -32,11 +32,11 @@ static void cache_error(const consumer *u, int32_t layer, int status, char *msg,
         rc_step_message(msg, cap, "device cache: ", layer, status);
 }
 
-/* a RAM tier: back only when the layer's experts are in the page cache (tier_io.h) */
+/* a RAM tier: the layer's missing experts queued (and, without the matmul's hook, read) */
 static int tier_step(consumer *u, const step_event *e) {
     return rt_step(u->obj, e->layer, e->experts, e->n, e->phase);
 }
-static void tier_end(consumer *u) { rt_batch_end(u->obj); }
+static int tier_end(consumer *u) { return rt_batch_end(u->obj); }
 static void tier_error(const consumer *u, int32_t layer, int status, char *msg, int32_t cap) {
     (void) layer; (void) status;
     snprintf(msg, (size_t) cap, "%s", rt_error(u->obj));
@@ -48,7 +48,7 @@ static int observer_step(consumer *u, const step_event *e) {
     return h->observer(e->layer, e->phase, e->first_step, e->turn, e->n_rows, e->experts,
                        e->weights, h->observer_user);
 }
-static void observer_end(consumer *u) { (void) u; }     /* Python ends its observers' batch */
+static int observer_end(consumer *u) { (void) u; return 0; }  /* Python ends its observers' batch */
 static void observer_error(const consumer *u, int32_t layer, int status, char *msg,
                            int32_t cap) {
     (void) u; (void) status;

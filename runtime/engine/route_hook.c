@@ -117,10 +117,17 @@ static void fail(rh_hook *h, const char *msg) {
 
 /* ---- framing (RouteAssembler) ------------------------------------------------------------ */
 
+/* every consumer ends its batch; an error one reports only now (a RAM tier's read that the
+ * matmul waited for) fails the batch */
 static void end_consumers(rh_hook *h) {
     for (int32_t i = 0; i < h->n_consumers; i++) {
         consumer *u = &h->consumers[i];
-        u->kind->batch_end(u);
+        const int rc = u->kind->batch_end(u);
+        if (rc != 0) {
+            char msg[256];
+            u->kind->error(u, -1, rc, msg, sizeof msg);
+            fail(h, msg);
+        }
     }
 }
 

@@ -55,7 +55,7 @@ typedef struct {
 typedef struct consumer consumer;
 typedef struct {                                    /* one per RH_CONSUMER_*, in that order */
     int (*step)(consumer *u, const step_event *e);
-    void (*batch_end)(consumer *u);
+    int (*batch_end)(consumer *u);                 /* 0, or an error found late (a read) */
     void (*error)(const consumer *u, int32_t layer, int status, char *msg, int32_t cap);
 } consumer_kind;
 struct consumer {

@@ -135,8 +135,14 @@ class RouteAssembler:
                 if rows != want:
                     raise RouteCaptureError(f"layer {layer}: routed {rows} tokens of {want} "
                                             f"in a {self._phase.name.lower()} batch")
-        for observer in self.observers:
-            observer.on_batch_end(self._phase, self._n_tokens)
+        failure = None
+        for observer in self.observers:     # every observer ends its batch (leases)
+            try:
+                observer.on_batch_end(self._phase, self._n_tokens)
+            except Exception as exc:  # noqa: BLE001 - reported below, as the graph's are
+                failure = failure or exc
+        if failure is not None:
+            raise_failure(failure)
 
     def abort_batch(self) -> None:
         """The decode failed: still let observers end the batch (release leases), then stop."""

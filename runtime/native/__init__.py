@@ -1,32 +1,54 @@
-"""The patched llama.cpp with a persistent per-expert device cache (see native/ and
+"""The patched llama.cpp: the one llama.cpp every path runs on (see native/ and
 docs/design/contracts.md, "Native").
 
+    pip install -e .                                       # builds it (install.py)
     moe-offload native build [--backend cpu|cuda|vulkan]   # build.py
     moe-offload native status [--json]                     # status.py
     runtime.native.device_cache.attach(engine)             # the engine calls it
 
-``preferred_lib_dir(devices)`` is what an engine about to load llama.cpp should pass as
-``EngineSettings.lib_dir`` when its residency config has a cache device: the current build for
-that device's backend, or None (then the stock libraries run and the cache says so once).
+``lib_dir_for(devices)`` is the libllama directory a process about to load llama.cpp uses:
+$LLAMA_CPP_LIB_PATH when set, a CUDA (Vulkan) build for a cuda:N (vulkan:N) device, else this
+install's build; a UserError saying which command builds it when there is none.
+``preferred_lib_dir(devices)`` is the same without the error (None), for probes.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
+LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 
-def preferred_lib_dir(devices: Iterable[str]) -> str | None:
-    """The lib dir of the current build serving ``devices`` (cuda:N needs a cuda build,
-    vulkan:N a vulkan one; cpu-slots takes a cpu build, else any); None when there is none or
-    no cache device."""
-    from runtime.native.build import find_build  # noqa: PLC0415
 
-    devices = set(devices)
+def _backend_for(devices: set[str]) -> str | None:
     if any(d.startswith("cuda:") for d in devices):
-        build = find_build("cuda")
-    elif any(d.startswith("vulkan:") for d in devices):
-        build = find_build("vulkan")
-    elif "cpu-slots" in devices:
-        build = find_build("cpu") or find_build()
-    else:
-        return None
+        return "cuda"
+    if any(d.startswith("vulkan:") for d in devices):
+        return "vulkan"
+    return None
+
+
+def preferred_lib_dir(devices: Iterable[str] = ()) -> str | None:
+    """The lib dir of the current build serving ``devices`` (cuda:N needs a cuda build,
+    vulkan:N a vulkan one; anything else this install's build); None when there is none."""
+    from runtime.native.build import find_build  # noqa: PLC0415
+    from runtime.native.install import default_build  # noqa: PLC0415
+
+    backend = _backend_for(set(devices))
+    build = find_build(backend) if backend is not None else default_build()
     return build.lib_dir if build is not None else None
+
+
+def lib_dir_for(devices: Iterable[str] = ()) -> str:
+    """$LLAMA_CPP_LIB_PATH when set, else ``preferred_lib_dir(devices)``; UserError (one
+    line: the command that builds it) when no current build serves them."""
+    from runtime.errors import UserError  # noqa: PLC0415
+    from runtime.native.install import missing_message  # noqa: PLC0415
+
+    env = os.environ.get(LIB_PATH_ENV)
+    if env:
+        return env
+    devices = set(devices)
+    found = preferred_lib_dir(devices)
+    if found is None:
+        raise UserError(missing_message(_backend_for(devices)))
+    return found

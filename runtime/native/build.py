@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,11 @@ _COMMON_ARGS = (
     # the sdist has no git metadata: app/ needs build-info.h
     "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_COMMON=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DGGML_OPENMP=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    # OpenMP: ggml-cpu's thread team persists across graphs and its barriers wait passively
+    # (OMP_WAIT_POLICY, llama_lib.bindings) instead of spinning; without it every graph split
+    # starts a thread and spins at each op: -t 2 ran 18x slower than -t 1 beside other work
+    "-DGGML_OPENMP=ON",
     # the libraries find each other next to themselves, wherever the cache is
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN",
 )
@@ -54,12 +59,13 @@ class BuildRequest:
     """What to build. ``native_cpu``: -march=native for the CPU backend (this machine only)."""
 
     backend: str = "cpu"
-    source: str | None = None        # None: the llama-cpp-python sdist (pip download, cached)
+    source: str | None = None        # None: the repository's archive (native/offline/)
     cuda_arch: str | None = None     # CMAKE_CUDA_ARCHITECTURES, e.g. "90"; None: "native"
     cuda_fa: bool = True             # the FlashAttention CUDA kernels (about half the compile time)
     native_cpu: bool = True
     jobs: int | None = None          # parallel compile jobs; None: CMAKE_BUILD_PARALLEL_LEVEL or cores
-    rpc: bool = False                # GGML_RPC=ON: ggml's RPC backend (libggml-rpc, remote devices)
+    rpc: bool = True                 # GGML_RPC=ON: ggml's RPC backend (libggml-rpc, remote devices)
+    extra_cmake_args: tuple[str, ...] = ()   # the user's own (CMAKE_ARGS), after ours
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -122,7 +128,7 @@ def cmake_args(req: BuildRequest) -> tuple[str, ...]:
     if req.rpc:
         # TCP only: RDMA would link libibverbs where found, a dependency the remote may lack
         args += ["-DGGML_RPC=ON", "-DGGML_RPC_RDMA=OFF"]
-    return tuple(args)
+    return tuple(args) + tuple(req.extra_cmake_args)
 
 
 def build_key(source_fingerprint: str, req: BuildRequest, toolchain: str = "") -> str:
@@ -164,11 +170,42 @@ def find_build(backend: str | None = None, *, rpc: bool = False) -> BuildInfo | 
     return None
 
 
-def _run(cmd: list[str], log_file: Path, *, cwd: Path | None = None, env=None) -> None:
+HEARTBEAT_S = 20.0      # a progress line at least this often while something compiles
+
+
+def _progress_of(log_file: Path) -> str:
+    """The build tool's last step counter in the log ("[57/88]", "[ 64%]"), or ""."""
+    try:
+        with open(log_file, "rb") as fh:
+            fh.seek(max(0, log_file.stat().st_size - 4096))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        return ""
+    steps = re.findall(r"\[\s*(\d+/\d+|\d+%)\]", tail)
+    return steps[-1] if steps else ""
+
+
+def _run(cmd: list[str], log_file: Path, *, cwd: Path | None = None, env=None,
+         heartbeat: Callable[[str], None] | None = None) -> None:
+    """Run ``cmd`` with its output in ``log_file``; with ``heartbeat``, a line through it every
+    ``HEARTBEAT_S`` seconds (the build's step counter) until it ends."""
     with open(log_file, "a") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        started = time.monotonic()
+        while True:
+            try:
+                proc.wait(timeout=HEARTBEAT_S if heartbeat else None)
+                break
+            except subprocess.TimeoutExpired:
+                step = _progress_of(log_file)
+                heartbeat(f"still compiling{' ' + step if step else ''} "
+                          f"({time.monotonic() - started:.0f} s)")
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
     if proc.returncode != 0:
         lines = log_file.read_text(errors="replace").strip().splitlines()
         errors = [ln.strip() for ln in lines if "error" in ln.lower()] or lines[-1:]
@@ -242,7 +279,8 @@ def _build_locked(req, source, fingerprint, key, root, log, vulkan) -> BuildInfo
     jobs = req.jobs or int(os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL") or os.cpu_count() or 2)
     log(f"native build {req.backend}: compiling with {jobs} job(s)")
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
-    _run([*nice, "cmake", "--build", str(bld), "-j", str(jobs)], log_file, env=env)
+    _run([*nice, "cmake", "--build", str(bld), "-j", str(jobs)], log_file, env=env,
+         heartbeat=lambda line: log(f"native build {req.backend}: {line}"))
     bin_dir = bld / "bin"
     _compile_store(src, bin_dir, log_file)
 

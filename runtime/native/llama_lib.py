@@ -12,7 +12,7 @@ those through its RUNPATH, and glibc hands back the same copy for the same sonam
 
 Usage::
 
-    select_library_dir(None)          # or a patched build's directory, before anything else
+    select_library_dir(path)          # a patched build's directory, before anything else
     llama = bindings()                # imports llama_cpp (once)
     set_logging(verbose=False)
     model = load_model(path, n_gpu_layers=0, overrides=[(EXPERT_PATTERN, cpu_buffer_type())])
@@ -98,7 +98,8 @@ class BackendDevice:
 # -- library selection ---------------------------------------------------------------------
 
 def select_library_dir(path: str | os.PathLike[str] | None) -> None:
-    """Choose the directory ``libllama.so`` loads from (None: the wheel's own).
+    """Choose the directory ``libllama.so`` loads from (None: leave the choice to
+    ``bindings()``, which takes this install's build).
 
     Must run before ``llama_cpp`` is first imported in this process; afterwards only the
     directory already loaded is accepted (RuntimeError otherwise: one process, one library).
@@ -125,6 +126,10 @@ def bindings() -> ModuleType:
     """The ``llama_cpp.llama_cpp`` ctypes module (imported once; backend initialised)."""
     global _bindings
     if _bindings is None:
+        if "llama_cpp" not in sys.modules and not os.environ.get(LIB_PATH_ENV):
+            from runtime.native import lib_dir_for  # noqa: PLC0415
+
+            select_library_dir(lib_dir_for())    # this install's build (UserError: none)
         # llama.cpp's CPU backend runs on OpenMP, whose threads spin at every barrier between
         # graph ops: on a busy machine a spinning thread takes the core from the one doing
         # the work (prefill 9x slower on a 2-core box with one busy core, measured). Passive
@@ -236,6 +241,23 @@ def ggml() -> _Ggml:
     if _ggml is None:
         _ggml = _Ggml()
     return _ggml
+
+
+def set_weight_ready(pointer: int) -> bool:
+    """Install ``pointer`` (a C ``ggml_cpu_weight_ready_t``: the RAM tier's rt_weight_ready)
+    as ggml-cpu's weight-ready hook (native/patches/0007: MUL_MAT_ID computes the experts
+    whose bytes are in first and waits for the others); False when this libggml-cpu has no
+    such hook."""
+    ggml()
+    try:
+        cpu = ctypes.CDLL("libggml-cpu.so.0")
+        setter = cpu.ggml_cpu_set_weight_ready
+    except (OSError, AttributeError):
+        return False
+    setter.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    setter.restype = None
+    setter(pointer, None)
+    return True
 
 
 # -- devices and buffer types --------------------------------------------------------------

@@ -1,10 +1,11 @@
 """The llama.cpp source a native build starts from, and the fingerprints that key the cache.
 
 Source: the llama.cpp that llama-cpp-python 0.3.36 vendors (``vendor/llama.cpp`` of its sdist,
-upstream commit 0c1e57098). Got with ``pip download --no-binary llama-cpp-python --no-deps
-llama-cpp-python==0.3.36`` into the cache (once), or from a path: the sdist ``.tar.gz``, an
-unpacked sdist, a llama.cpp tree, or a pruned archive (``scripts/make_source_archive.py``).
-Only the parts a library build needs are extracted (see ``NEEDED``).
+upstream commit 0c1e57098), from the repository's pruned archive (``ARCHIVE``: the library
+parts and the Python bindings, ``scripts/make_source_archive.py``; no download), or from a path:
+the sdist ``.tar.gz``, an unpacked sdist, a llama.cpp tree, or a pruned archive. Only the parts
+a library build needs are extracted (see ``NEEDED``). ``download_sdist`` fetches the whole
+sdist (pip, cached) for what the archive leaves out (llama-server's tests).
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from runtime.cache import cache_dir
 from runtime.errors import UserError
 
 SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
+# the source every build starts from unless told otherwise (in the repository: offline)
+ARCHIVE = Path(__file__).resolve().parents[2] / "native" / "offline" / \
+    "llama-cpp-python-0.3.36-pruned.tar.xz"
 SDIST_REQUIREMENT = "llama-cpp-python==0.3.36"
 VENDOR_PREFIX = "vendor/llama.cpp/"
 
@@ -141,7 +145,10 @@ class Source:
 
 
 def resolve_source(path: str | os.PathLike[str] | None) -> Source:
-    """The given source, or the cached / downloaded sdist when ``path`` is None."""
+    """The given source, or the repository's archive when ``path`` is None."""
     if path is not None:
         return Source(Path(path).expanduser().resolve())
-    return Source(download_sdist(cache_root() / "sdist"))
+    if not ARCHIVE.is_file():
+        raise UserError(f"{ARCHIVE}: missing (a checkout of the repository has it; or pass "
+                        "--source PATH)")
+    return Source(ARCHIVE)

@@ -14,11 +14,14 @@ def native_status() -> dict:
     builds = list_builds()
     fresh = [b for b in builds if b.patches_hash == current]
     backends = [be for be in BACKENDS if any(b.backend == be for b in fresh)]
-    preferred = find_build("cpu") or (fresh[0] if fresh else None)
+    from runtime.native.install import default_build, installed_backend  # noqa: PLC0415
+
+    preferred = default_build()
     rpc = find_build(rpc=True)
     return {
         "built": bool(fresh),
         "dir": preferred.lib_dir if preferred else None,
+        "installed_backend": installed_backend(),
         "backends": backends,
         "rpc": rpc is not None,
         "rpc_dir": rpc.lib_dir if rpc else None,
@@ -39,10 +42,11 @@ def format_status(status: dict) -> str:
         lines.append(f"dir: {status['dir']}")
         lines.append(f"backends: {', '.join(status['backends'])}")
         lines.append(f"rpc: yes ({status['rpc_dir']})" if status["rpc"] else
-                     "rpc: no (`moe-offload native build --rpc` builds ggml's RPC backend)")
-    else:
-        lines.append("run `moe-offload native build` to build the patched llama.cpp; until then "
-                     "the stock llama-cpp-python libraries run everything but the device cache")
+                     "rpc: no (`moe-offload native build` builds ggml's RPC backend)")
+    if status["dir"] is None:
+        from runtime.native.install import missing_message  # noqa: PLC0415
+
+        lines.append(missing_message(status["installed_backend"]))
     if status["stale"]:
         lines.append(f"stale builds (older patches): {status['stale']}")
     lines.append(f"cache: {status['cache']}")

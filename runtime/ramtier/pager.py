@@ -1,12 +1,12 @@
 """Parallel page-in and eviction of exact file byte ranges, through the model's own mapping.
 
-Page-in: ``madvise(MADV_WILLNEED)`` on every range first (the kernel queues all the reads at
-once, no copy on our side), then, per 1 MiB chunk on a thread pool (``threads`` in flight), a
-one-byte ``pread`` of the chunk's last byte that blocks until the kernel's read reached it, and
-a ``mincore`` check; a chunk still short, or a range no mapping covers (or whose WILLNEED
-failed), is read whole with ``pread``. When ``page_in`` returns every byte is in the page cache;
-the first touch through llama.cpp's mapping is then a minor fault. Our own descriptor is
-``FADV_RANDOM`` so a pread never reads ahead into a neighbouring expert.
+Page-in: explicit ``pread``s of at most ``CHUNK_BYTES`` each on a thread pool (``threads`` in
+flight), so the kernel reads exactly the requested bytes in requests of that size, whatever
+``read_ahead_kb`` is and with no page fault; when ``page_in`` returns every byte is in the page
+cache and the first touch through llama.cpp's mapping is a minor fault. Our own descriptor is
+``FADV_RANDOM`` so a pread never reads ahead into a neighbouring expert. This is the slow
+reference of the C reader (reader.c), which reads the same bytes the same way, off the
+critical path.
 
 Eviction: ``MADV_DONTNEED`` on every mapped copy (a mapped page cannot leave the page cache),
 then ``posix_fadvise(DONTNEED)`` on the file. Callers pass page-aligned ranges they own
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from runtime.ramtier import vm
 from runtime.ramtier.mapping import FileMapping
 
-CHUNK_BYTES = 1 << 20     # pread size; ranges are split so large experts spread over threads
+CHUNK_BYTES = 512 << 10   # pread size (reader.h: RD_CHUNK_BYTES); a range's chunks spread
+                          # over the threads
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +41,11 @@ class PageInStats:
 class Pager:
     """Reads and drops byte ranges of one mapped file; ``threads`` reads in flight."""
 
-    def __init__(self, mapping: FileMapping, *, threads: int = 8, willneed: bool = True):
+    def __init__(self, mapping: FileMapping, *, threads: int = 8):
         if threads < 1:
             raise ValueError("threads must be >= 1")
         self.mapping = mapping
         self.threads = threads
-        self.willneed = willneed
         self._fd = os.open(mapping.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         try:
@@ -71,13 +71,8 @@ class Pager:
         if not spans:
             done.set_result(PageInStats(0, 0.0))
             return done
-        # (offset, length, advised): advised chunks only wait for the kernel's reads (a
-        # one-byte pread of their last byte); the others are read whole
-        chunks: list[tuple[int, int, bool]] = []
-        for offset, length in spans:
-            advised = self.willneed and self._advise_one(offset, length)
-            chunks.extend((offset + i, min(CHUNK_BYTES, length - i), advised)
-                          for i in range(0, length, CHUNK_BYTES))
+        chunks = [(offset + i, min(CHUNK_BYTES, length - i))
+                  for offset, length in spans for i in range(0, length, CHUNK_BYTES)]
         remaining = [len(chunks)]
         errors: list[str] = []
         guard = threading.Lock()
@@ -93,57 +88,9 @@ class Pager:
                 done.set_result(PageInStats(total, time.perf_counter() - t0,
                                             errors[0] if errors else None))
 
-        for offset, length, advised in chunks:
-            task = self._wait_read if advised else self._read
-            self._pool.submit(task, offset, length).add_done_callback(finished)
+        for offset, length in chunks:
+            self._pool.submit(self._read, offset, length).add_done_callback(finished)
         return done
-
-    def _advise_one(self, offset: int, length: int) -> bool:
-        """WILLNEED over the mapping; False when some bytes are unmapped or the call fails."""
-        pieces = self.mapping.address_spans(offset, length)
-        if sum(n for _, n in pieces) < length:
-            return False
-        try:
-            for addr, n in pieces:
-                vm.madvise(addr, n, vm.MADV_WILLNEED)
-        except OSError:
-            return False
-        return True
-
-    def _wait_read(self, offset: int, length: int) -> None:
-        # WILLNEED queued the chunk's reads: wait for them without copying the chunk. A
-        # one-byte pread of its last byte blocks until that page is in; the kernel may finish
-        # the chunk's other reads out of order, so mincore confirms, and a chunk still short
-        # (in flight, or skipped by the kernel) is read whole, which waits for every page.
-        if not os.pread(self._fd, 1, offset + length - 1):
-            raise OSError(f"{self.mapping.path}: short read at offset {offset + length - 1}")
-        if not self._resident(offset, length):
-            self._read(offset, length)
-
-    def _resident(self, offset: int, length: int) -> bool:
-        pieces = self.mapping.address_spans(offset, length)
-        try:
-            return bool(pieces) and all(vm.mincore(a, n).all() for a, n in pieces)
-        except OSError:
-            return False
-
-    def advise(self, spans: Sequence[tuple[int, int]]) -> int:
-        """``MADV_WILLNEED`` only: queue the reads and return (no copy, no wait); bytes."""
-        total = 0
-        for offset, length in spans:
-            for addr, n in self.mapping.address_spans(offset, length):
-                try:
-                    vm.madvise(addr, n, vm.MADV_WILLNEED)
-                    total += n
-                except OSError:
-                    break
-        return total
-
-    def wait_for(self, spans: Sequence[tuple[int, int]]) -> None:
-        """Block until every page of ``spans`` (advised earlier) is in the page cache."""
-        for offset, length in spans:
-            for i in range(0, length, CHUNK_BYTES):
-                self._wait_read(offset + i, min(CHUNK_BYTES, length - i))
 
     def _read(self, offset: int, length: int) -> None:
         buf = getattr(self._local, "buf", None)

@@ -1,13 +1,13 @@
 """Background refill: after the page cache lost most of the experts the manager holds in RAM
 (a cold cache: the file's pages were dropped, the machine was under pressure, a restart), read
 them back ahead of use, next layers first, so decode does not wait on each layer's reads.
-Demand reads still come first: the refill only queues ``MADV_WILLNEED`` reads, and a layer's
-own misses are read (and waited for) by the tier as usual.
+Demand reads still come first: the refill reads one expert at a time (the pager's explicit
+preads, its chunks in parallel), and a layer's own misses are read by the tier as usual.
 
 A mechanism, not a policy: it restores exactly the manager's resident set. It starts only when
 more than ``COLD_FRACTION`` of the held bytes are gone (a few experts reclaimed under steady
 memory pressure are left to demand reads: refilling would fight the kernel), at most once per
-``MIN_INTERVAL_S``. Dense weights are advised first (see ``_refill``); at the end a scrub
+``MIN_INTERVAL_S``. Dense weights are read first (see ``_refill``); at the end a scrub
 drops every page of an expert that is not held (evicted while its refill read ran, or pulled
 in by the kernel's read-around of a dense fault).
 """
@@ -19,12 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 COLD_FRACTION = 0.5     # share of held bytes missing that counts as a cold cache
 MIN_INTERVAL_S = 1.0    # between two cold checks (each is a mincore pass over the file)
-WINDOW_BYTES = 16 << 20  # refill reads in flight at most
 
 
 class Refiller:
-    """Owned by a ``RamTier``. Reads are ``MADV_WILLNEED`` (queued by the kernel, no copy on
-    our side) from one thread, in refill order, ``WINDOW_BYTES`` in flight."""
+    """Owned by a ``RamTier``. Reads one expert at a time (explicit preads, its chunks on the
+    pager's threads) from one thread, in refill order."""
 
     def __init__(self, tier):
         self.tier = tier
@@ -64,52 +63,38 @@ class Refiller:
         return True
 
     def _refill(self, keys) -> None:
-        """WILLNEED each expert in order with ``WINDOW_BYTES`` in flight at most, so a layer's
-        demand reads never queue behind more than that."""
+        """Read each held expert's missing ranges in order, one expert at a time, so a
+        layer's demand reads never queue behind more than one expert's."""
         tier = self.tier
-        window: list[tuple[object, list[tuple[int, int]], int]] = []   # (key, spans, bytes)
         try:
             # dense weights first: a fault on a dropped dense page reads around it (up to
             # read_ahead_kb) into neighbouring experts nobody asked for
-            tier.pager.advise(tier.layout.gaps(tier.pager.mapping.file_bytes))
+            tier.pager.page_in(tier.layout.gaps(tier.pager.mapping.file_bytes))
             for key in keys:
                 if not tier.is_held(key):
                     continue
                 spans = tier.missing_spans(key)
                 if not spans:
                     continue
-                with self._guard:             # counted before the reads are queued
-                    self.in_flight_bytes += sum(m for _, m in spans)
-                n = tier.pager.advise(spans)
-                window.append((key, spans, sum(m for _, m in spans)))
-                with self._guard:
-                    self.refilled_bytes += n
-                while self.in_flight_bytes > WINDOW_BYTES and window:
-                    self._settle(window.pop(0))
-            while window:
-                self._settle(window.pop(0))
+                nbytes = sum(m for _, m in spans)
+                with self._guard:             # counted before the reads start
+                    self.in_flight_bytes += nbytes
+                try:
+                    stats = tier.pager.page_in(spans)
+                    with self._guard:
+                        self.refilled_bytes += nbytes if stats.error is None else 0
+                    if not tier.is_held(key):  # evicted while its reads ran: drop them now
+                        tier.drop_pages(key)
+                finally:
+                    with self._guard:
+                        self.in_flight_bytes -= nbytes
             tier.scrub()                       # drop what faults pulled in meanwhile
             tier.request_fill()                # room for everything: bring the rest too
         except OSError:
             pass                               # demand reads bring what is needed
         finally:
-            for item in window:
-                self._settle(item, wait=False)
             with self._guard:
                 self._pending = 0
-
-    def _settle(self, item, *, wait: bool = True) -> None:
-        """A key's refill reads are done: if the manager evicted it meanwhile (its drop ran
-        while the reads were in flight), drop what they brought back, now."""
-        key, spans, nbytes = item
-        try:
-            if wait:
-                self.tier.pager.wait_for(spans)
-            if not self.tier.is_held(key):
-                self.tier.drop_pages(key)
-        finally:
-            with self._guard:
-                self.in_flight_bytes -= nbytes
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

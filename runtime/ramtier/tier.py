@@ -183,9 +183,12 @@ class RamTier:
         self.io.step(event.layer, np.asarray(event.experts), int(event.phase))
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
-        """The batch's last matmul has run: release the lease, drop transients, drain."""
-        self.io.batch_end()
-        self.after_batch()
+        """The batch's last matmul has run: release the lease, drop transients, drain.
+        TierReadError when a read the matmul waited for failed."""
+        try:
+            self.io.batch_end()
+        finally:
+            self.after_batch()
 
     def after_batch(self) -> None:
         """Once per decode call: the C side's events (mlock follows them), the

@@ -3,9 +3,11 @@
  * reads; tests compare them. */
 #include "tier_io.h"
 #include "file_pages.h"
+#include "reader.h"
 #include "../residency/core/grow.h"
 #include "../residency/core/residency_core.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,7 +16,12 @@
 struct rt_tier {
     rc_core *core;
     int32_t n_layer, n_expert, n_flat, threads, mlock;
-    fp_file *file;                 /* the model file: mapping, mincore, reads, drops */
+    fp_file *file;                 /* the model file: mapping, mincore, drops */
+    rd_reader *reader;             /* its reads: job r is range r */
+    int32_t async;                 /* the matmul waits per expert matrix (rt_weight_ready) */
+    int32_t n_ranges;
+    int32_t *by_off;               /* (n_ranges,) range ids sorted by file offset */
+    int failed;                    /* a read failed in this batch (reported at its end) */
     int64_t page;
     const int64_t *range_start, *range_off, *range_len, *edge_start;
     const int32_t *edge_owner;
@@ -88,12 +95,31 @@ int64_t rt_drop(rt_tier *t, int32_t flat) {
 /* ---- reads ----------------------------------------------------------------------------- */
 
 int rt_page_in(rt_tier *t, const int64_t *off, const int64_t *len, int32_t n) {
-    char why[200];
     if (n <= 0) return 0;
     t->stats.reads += n;
-    if (fp_read(t->file, off, len, n, why, sizeof why) == 0) return 0;
-    snprintf(t->msg, sizeof t->msg, "ram tier: %s", why);
+    if (rd_read_now(t->reader, off, len, n) == 0) return 0;
+    snprintf(t->msg, sizeof t->msg, "ram tier: %s", rd_error(t->reader));
     return -1;
+}
+
+/* queue key f's ranges at `prio` (RD_DEMAND / RD_PREFETCH) */
+static void queue_key(rt_tier *t, int32_t f, int32_t prio) {
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) {
+        rd_queue(t->reader, (int32_t) r, prio);
+        t->stats.reads++;
+    }
+}
+
+/* no read of key f's ranges queued or running any more (before its pages may leave) */
+static void cancel_key(rt_tier *t, int32_t f) {
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++)
+        rd_cancel(t->reader, (int32_t) r);
+}
+
+static void read_failed(rt_tier *t) {
+    const char *why = rd_error(t->reader);
+    snprintf(t->msg, sizeof t->msg, "ram tier: %s", why ? why : "a read failed");
+    t->failed = 1;
 }
 
 /* ---- events ---------------------------------------------------------------------------- */
@@ -123,13 +149,13 @@ int32_t rt_reclaimed_layer(const rt_tier *t) { return t->reclaimed_layer; }
 
 /* ---- the layer-step -------------------------------------------------------------------- */
 
-/* a prefetch the core issued: queue its reads now (MADV_WILLNEED, no wait); its first use
- * waits for them. Held at once: its edge pages are protected while they come in. */
+/* a prefetch the core issued: queue its reads behind the demand reads and go on; its first
+ * use waits for what is still coming. Held at once: its edge pages are protected while they
+ * come in. */
 static void prefetch(rt_tier *t, int32_t f) {
-    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) {
-        fp_advise(t->file, t->range_off[r], t->range_len[r]);
+    queue_key(t, f, RD_PREFETCH);
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++)
         t->stats.prefetched_bytes += t->range_len[r];
-    }
     t->advised[f] = 1;
     t->held[f] = 1;
 }
@@ -138,6 +164,7 @@ static void evict(rt_tier *t, int32_t f) {
     t->advised[f] = 0;
     t->held[f] = 0;               /* a busy key: its read's completion drops the pages */
     t->stats.dropped++;
+    cancel_key(t, f);
     rt_drop(t, f);
     event(t, RT_EV_DROP, f);
 }
@@ -145,24 +172,25 @@ static void evict(rt_tier *t, int32_t f) {
 static void finish_layer(rt_tier *t) {
     for (int32_t i = 0; i < t->n_cur; i++) t->cur[t->cur_list[i]] = 0;
     t->n_cur = 0;
-    for (int32_t i = 0; i < t->n_transient; i++) rt_drop(t, t->transient[i]);
+    for (int32_t i = 0; i < t->n_transient; i++) {
+        cancel_key(t, t->transient[i]);      /* read by now (the matmul waited for it) */
+        rt_drop(t, t->transient[i]);
+    }
     t->n_transient = 0;
 }
 
-static int want(rt_tier *t, int64_t off, int64_t len) {
-    int64_t cap_o = t->cap_want, cap_l = t->cap_want;
-    if (array_grow((void **) &t->want_off, &cap_o, t->n_want + 1, sizeof *t->want_off) ||
-        array_grow((void **) &t->want_len, &cap_l, t->n_want + 1, sizeof *t->want_len))
-        return -1;
-    t->cap_want = cap_o < cap_l ? cap_o : cap_l;
-    t->want_off[t->n_want] = off;
-    t->want_len[t->n_want++] = len;
+/* the layer-step's ranges to read: range ids (want_off holds them) */
+static int want(rt_tier *t, int64_t r) {
+    int64_t cap = t->cap_want;
+    if (array_grow((void **) &t->want_off, &cap, t->n_want + 1, sizeof *t->want_off)) return -1;
+    t->cap_want = cap;
+    t->want_off[t->n_want++] = r;
     return 0;
 }
 
 static int want_all(rt_tier *t, int32_t f) {
     for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++)
-        if (want(t, t->range_off[r], t->range_len[r]) != 0) return -1;
+        if (want(t, r) != 0) return -1;
     return 0;
 }
 
@@ -175,6 +203,10 @@ static int64_t now_ns(void) {
 int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_t phase) {
     const int64_t t0 = now_ns();
     finish_layer(t);              /* the previous layer's matmul has run: the graph is serial */
+    if (t->failed) {              /* a read the previous layer's matmul waited for failed */
+        read_failed(t);
+        return -1;
+    }
     rc_result r;
     const int rc = rc_step(t->core, &t->lease, layer, experts, n, phase, &r);
     if (rc != 0) {
@@ -196,10 +228,11 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         t->mark[r.transient[i]] = 2;
         t->transient[t->n_transient++] = r.transient[i];
     }
-    /* what to read: admissions and transient uses whole; a busy key (its background read may
-     * sit far back in the queue) and a prefetched one (its queued reads may still run) whole:
-     * what is in already costs a one-byte pread and a mincore per 1 MiB; hits only where the
-     * kernel took pages back */
+    /* what to read, in the order the matmul takes the experts (first use): admissions and
+     * transient uses whole; a busy key (a background read of Python's) and a prefetched one
+     * (its reads may still be queued) whole: what is in already is read from the page cache
+     * (no disk); hits only where the kernel took pages back (a one-page mincore probe per
+     * layer-step, then mincore per range) */
     t->n_want = 0;
     int probe_failed = 0, oom = 0;
     for (int32_t i = 0; i < t->n_cur; i++) {
@@ -217,7 +250,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
             if (t->mark[f] || t->busy[f] || t->advised[f]) continue;
             for (int64_t q = t->range_start[f]; q < t->range_start[f + 1]; q++)
                 if (!fp_resident(t->file, t->range_off[q], t->range_len[q])) {
-                    oom |= want(t, t->range_off[q], t->range_len[q]);
+                    oom |= want(t, q);
                     reclaimed += t->range_len[q];
                 }
         }
@@ -230,8 +263,20 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         if (t->on_reclaim) t->on_reclaim(layer, t->on_reclaim_user);
     }
     int64_t bytes = 0;
-    for (int32_t i = 0; i < t->n_want; i++) bytes += t->want_len[i];
-    const int failed = rt_page_in(t, t->want_off, t->want_len, t->n_want);
+    for (int32_t i = 0; i < t->n_want; i++) {
+        const int32_t q = (int32_t) t->want_off[i];
+        bytes += t->range_len[q];
+        rd_queue(t->reader, q, RD_DEMAND);
+    }
+    t->stats.reads += t->n_want;
+    int failed = 0;
+    if (!t->async)                /* no matmul hook: every byte in before the matmul runs */
+        for (int32_t i = 0; i < t->n_want; i++) {
+            const int32_t q = (int32_t) t->want_off[i];
+            rd_use(t->reader, q);
+            if (rd_wait(t->reader, q) != 0) failed = 1;
+        }
+    if (failed) read_failed(t);
     for (int32_t i = 0; i < t->n_cur; i++) {
         const int32_t f = t->cur_list[i];
         if (!failed && t->mark[f] != 2 && rc_state(t->core, f) < 8) {
@@ -243,18 +288,88 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     }
     t->stats.paged_bytes += bytes;
     t->stats.reclaimed_bytes += reclaimed;
-    t->stats.wait_ns += now_ns() - t0;
+    t->stats.step_ns += now_ns() - t0;
     return failed ? -1 : 0;
 }
 
-void rt_batch_end(rt_tier *t) {
+/* ---- the matmul's hook (ggml_cpu_set_weight_ready: native/patches/0007) ----------------- */
+
+/* the tiers whose matmuls wait per expert matrix (one per model in this process) */
+#define MAX_TIERS 16
+static rt_tier *g_tiers[MAX_TIERS];
+static pthread_rwlock_t g_tiers_lock = PTHREAD_RWLOCK_INITIALIZER;
+
+/* the range of tier t whose bytes start at file offset `off`, or -1 */
+static int32_t range_at(const rt_tier *t, int64_t off) {
+    int32_t lo = 0, hi = t->n_ranges - 1;
+    while (lo <= hi) {
+        const int32_t mid = (lo + hi) / 2, r = t->by_off[mid];
+        if (t->range_off[r] == off) return r;
+        if (t->range_off[r] < off) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return -1;
+}
+
+bool rt_weight_ready(const void *data, size_t size, bool wait, void *user_data) {
+    (void) size; (void) user_data;
+    bool ready = true;
+    pthread_rwlock_rdlock(&g_tiers_lock);
+    for (int32_t i = 0; i < MAX_TIERS; i++) {
+        rt_tier *t = g_tiers[i];
+        if (t == NULL) continue;
+        const int64_t off = fp_offset_of(t->file, data);
+        if (off < 0) continue;
+        const int32_t r = range_at(t, off);
+        if (r < 0) break;                     /* not an expert range of this tier's */
+        if (!wait) ready = rd_use(t->reader, r);
+        else if (rd_wait(t->reader, r) != 0) t->failed = 1;   /* reported at the step/end */
+        break;
+    }
+    pthread_rwlock_unlock(&g_tiers_lock);
+    return ready;
+}
+
+int rt_set_async(rt_tier *t, int32_t on) {
+    pthread_rwlock_wrlock(&g_tiers_lock);
+    int rc = 0, at = -1;
+    for (int32_t i = 0; i < MAX_TIERS; i++) {
+        if (g_tiers[i] == t) at = i;
+    }
+    if (on && at < 0) {
+        for (int32_t i = 0; i < MAX_TIERS && at < 0; i++)
+            if (g_tiers[i] == NULL) { g_tiers[i] = t; at = i; }
+        if (at < 0) rc = -1;                  /* full: this tier stays synchronous */
+    } else if (!on && at >= 0) {
+        g_tiers[at] = NULL;
+    }
+    t->async = on && rc == 0;
+    pthread_rwlock_unlock(&g_tiers_lock);
+    return rc;
+}
+
+int rt_batch_end(rt_tier *t) {
     finish_layer(t);
     rc_step_end(t->core, &t->lease);
+    const int failed = t->failed;
+    if (failed) read_failed(t);   /* t->msg says which read */
+    t->failed = 0;                /* the next batch starts clean (a bad file fails it again) */
+    rd_clear_error(t->reader);
+    return failed ? -1 : 0;
 }
 
 const char *rt_error(const rt_tier *t) { return t->msg; }
-void rt_get_stats(const rt_tier *t, rt_stats *out) { *out = t->stats; }
-void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); }
+void rt_get_stats(const rt_tier *t, rt_stats *out) {
+    *out = t->stats;
+    rd_stats rs;
+    rd_get_stats(t->reader, &rs);
+    out->read_bytes = rs.read_bytes;
+    out->ready_bytes = rs.ready_bytes;
+    out->late_bytes = rs.late_bytes;
+    out->wait_ns = rs.wait_ns;
+    out->waits = rs.waits;
+}
+void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); rd_set_fd(t->reader, fd); }
 void rt_set_mlock(rt_tier *t, int32_t on) { t->mlock = on; }
 void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
     t->on_reclaim = cb;
@@ -262,6 +377,13 @@ void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
 }
 
 /* ---- lifetime -------------------------------------------------------------------------- */
+
+static const rt_tier *g_sort_tier;       /* qsort's context (rt_create, under no lock) */
+static int by_offset(const void *a, const void *b) {
+    const int64_t x = g_sort_tier->range_off[*(const int32_t *) a];
+    const int64_t y = g_sort_tier->range_off[*(const int32_t *) b];
+    return x < y ? -1 : x > y;
+}
 
 rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t *range_start,
                    const int64_t *range_off, const int64_t *range_len, const int64_t *edge_start,
@@ -276,24 +398,38 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     t->edge_start = edge_start; t->edge_owner = edge_owner; t->edge_full = edge_full;
     t->held = held; t->busy = busy;
     t->reclaimed_layer = -1;
-    t->file = fp_create(fd, threads);
+    t->n_ranges = (int32_t) range_start[t->n_flat];
+    t->file = fp_create(fd);
+    t->reader = t->file ? rd_create(t->file, fd, threads, t->n_ranges, range_off, range_len)
+                        : NULL;
     t->cur = calloc((size_t) t->n_flat, 1);
     t->mark = calloc((size_t) t->n_flat, 1);
     t->advised = calloc((size_t) t->n_flat, 1);
     t->cur_list = malloc((size_t) t->n_flat * sizeof *t->cur_list);
     t->transient = malloc((size_t) t->n_flat * sizeof *t->transient);
-    if (!t->file || !t->cur || !t->mark || !t->advised || !t->cur_list || !t->transient) {
+    t->by_off = malloc((size_t) (t->n_ranges ? t->n_ranges : 1) * sizeof *t->by_off);
+    if (!t->file || !t->reader || !t->cur || !t->mark || !t->advised || !t->cur_list ||
+        !t->transient || !t->by_off) {
         rt_free(t);
         return NULL;
     }
+    for (int32_t r = 0; r < t->n_ranges; r++) t->by_off[r] = r;
+    pthread_rwlock_wrlock(&g_tiers_lock);    /* qsort has no context argument */
+    g_sort_tier = t;
+    qsort(t->by_off, (size_t) t->n_ranges, sizeof *t->by_off, by_offset);
+    g_sort_tier = NULL;
+    pthread_rwlock_unlock(&g_tiers_lock);
     t->page = fp_page_size(t->file);
     return t;
 }
 
 void rt_free(rt_tier *t) {
     if (t == NULL) return;
+    rt_set_async(t, 0);                      /* no matmul looks this tier up any more */
+    rd_free(t->reader);
     fp_free(t->file);
     free(t->cur); free(t->mark); free(t->advised); free(t->cur_list); free(t->transient);
+    free(t->by_off);
     free(t->want_off); free(t->want_len); free(t->ev_kind); free(t->ev_flat);
     free(t);
 }

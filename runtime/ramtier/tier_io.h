@@ -1,16 +1,18 @@
 /* tier_io: the RAM tier's per-layer work in C (runtime/ramtier/tier.py owns it from Python).
  *
  * Per MoE layer-step (rt_step, called by the routing hook's native mode in route_hook.c, or by
- * RamTier.on_route in the reference hook, routing_hook.py): the residency core of device "cpu" decides (rc_access,
- * inline: admissions are resident at once); the layer's experts whose pages are not in the
- * page cache (admissions, transient uses, hits the kernel reclaimed: a one-page mincore probe
- * per hit, then mincore over the hit's ranges) are read in parallel, `threads` in flight
- * (file_pages.h: MADV_WILLNEED on the model's mapping queues every read, a one-byte pread per
- * 1 MiB chunk waits for it, mincore confirms, a chunk still short is read whole); rt_step
- * returns when every byte is in the page cache, so the matmul only takes minor faults.
- * Evicted experts' pages leave every mapping and the page cache (MADV_DONTNEED, then
- * posix_fadvise(DONTNEED)), except pages a held, busy or running expert shares. A failed read (EIO, a short read: the file was truncated) fails the step:
- * rt_error says which.
+ * RamTier.on_route in the reference hook, routing_hook.py): the residency core of device "cpu"
+ * decides (rc_access, inline: admissions are resident at once); the layer's experts whose pages
+ * are not in the page cache (admissions, transient uses, hits the kernel reclaimed: a one-page
+ * mincore probe per layer-step, then mincore over the hits' ranges) are queued on the reader
+ * (reader.h: explicit preads, several in flight, demand before prefetch). With the matmul hook
+ * on (rt_set_async: ggml's MUL_MAT_ID asks rt_weight_ready per expert matrix, native/patches/
+ * 0007) rt_step returns at once: the matmul computes the layer's resident experts while the
+ * others come in, and waits for each of those just before it reads it. Without it rt_step
+ * returns when every byte is in. Evicted experts' pages leave every mapping and the page cache
+ * (MADV_DONTNEED, then posix_fadvise(DONTNEED)), except pages a held, busy or running expert
+ * shares. A failed read (EIO, a short read: the file was truncated) fails the layer-step or,
+ * found by the matmul, the batch (rt_batch_end): rt_error says which.
  *
  * Shared state, owned by Python (numpy arrays, one byte per flat key = layer * n_expert + e):
  *   held[f]  1 while f's pages were read in and the core holds f resident. Written by rt_step
@@ -18,7 +20,7 @@
  *   busy[f]  1 while a background read of f runs (a ticket on Python's lane). rt_step never
  *            drops a busy key's pages (it clears held[f]; the read's completion then drops
  *            them) and reads a busy key the layer needs itself.
- * Prefetches the core issues in a step are queued at once (MADV_WILLNEED, no wait); a
+ * Prefetches the core issues in a step are queued at once behind the demand reads; a
  * prefetched key's first use waits for what is still coming. Everything else (the events:
  * admissions, drops, the first layer whose hits were reclaimed) is drained by Python once per
  * batch (rt_events / rt_clear_events).
@@ -26,23 +28,31 @@
  *     rt_tier *t = rt_create(core, n_layer, n_expert, range_start, range_off, range_len,
  *                            edge_start, edge_owner, edge_full, held, busy, fd, threads);
  *     rt_set_regions(t, n, file_off, length, addr, copy);     // the model's mappings
+ *     rt_set_async(t, 1);                                     // ggml's hook: rt_weight_ready
  *     ... rt_step(t, layer, experts, n, phase) per layer-step; rt_batch_end(t) per batch ...
  *     rt_free(t);
  */
 #ifndef TIER_IO_H
 #define TIER_IO_H
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct rt_tier rt_tier;
 
 typedef struct {
     int64_t routes;            /* layer-steps */
-    int64_t paged_bytes;       /* read before a matmul: admissions, transients, reclaimed */
+    int64_t paged_bytes;       /* queued by the steps: admissions, transients, reclaimed */
     int64_t reclaimed_bytes;   /* part of the above: hits the kernel had dropped */
-    int64_t wait_ns;           /* time rt_step waited for reads */
+    int64_t wait_ns;           /* wall time a thread waited for reads (step or matmul) */
     int64_t dropped;           /* experts whose pages were dropped (evictions) */
-    int64_t reads;             /* ranges read */
-    int64_t prefetched_bytes;  /* the core's prefetches: reads queued (MADV_WILLNEED) */
+    int64_t reads;             /* ranges queued */
+    int64_t prefetched_bytes;  /* the core's prefetches: reads queued behind the demand */
+    int64_t step_ns;           /* time in rt_step (decisions, queueing, synchronous waits) */
+    int64_t read_bytes;        /* bytes read from the file (reader.h) */
+    int64_t ready_bytes;       /* bytes of ranges already read when first needed */
+    int64_t late_bytes;        /* bytes of ranges still coming when first needed */
+    int64_t waits;             /* waits that found a range incomplete */
 } rt_stats;
 
 enum { RT_EV_ADMIT = 1, RT_EV_DROP = 2 };
@@ -65,14 +75,23 @@ void rt_set_fd(rt_tier *t, int32_t fd);
 void rt_set_mlock(rt_tier *t, int32_t on);   /* munlock before a drop */
 
 int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
-void rt_batch_end(rt_tier *t);               /* the lease ends, transient pages leave */
+/* the lease ends, transient pages leave; -1 when a read failed in the batch (rt_error) */
+int rt_batch_end(rt_tier *t);
+/* 1: rt_step only queues the reads and the matmul waits per expert matrix (ggml's weight-ready
+ * hook must call rt_weight_ready: the caller installs it); 0: rt_step waits. 0, or -1 (too
+ * many tiers in this process: it stays synchronous) */
+int rt_set_async(rt_tier *t, int32_t on);
+/* ggml_cpu_weight_ready_t (native/patches/0007): `data` inside an expert range of a tier with
+ * rt_set_async(1)? !wait: whether its bytes are in (its first use is counted ready or late);
+ * wait: return once they are. Any other address is ready. */
+bool rt_weight_ready(const void *data, size_t size, bool wait, void *user_data);
 const char *rt_error(const rt_tier *t);
 
 /* the page-aligned ranges of flat's pages no held, busy or running expert shares; their
  * number (at most cap are written) */
 int32_t rt_droppable(const rt_tier *t, int32_t flat, int64_t *off, int64_t *len, int32_t cap);
 int64_t rt_drop(rt_tier *t, int32_t flat);   /* drop those pages; bytes */
-/* read file ranges into the page cache, `threads` in flight; 0, or -1 (rt_error) */
+/* read file ranges into the page cache on this thread (explicit preads); 0, or -1 (rt_error) */
 int rt_page_in(rt_tier *t, const int64_t *off, const int64_t *len, int32_t n);
 
 void rt_get_stats(const rt_tier *t, rt_stats *out);

@@ -27,11 +27,15 @@ class TierReadError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class StepCounters:
     routes: int
-    paged_bytes: int
+    paged_bytes: int         # queued by the layer-steps (demand)
     reclaimed_bytes: int
-    wait_s: float
+    wait_s: float            # wall time a thread waited for reads (the step or the matmul)
     dropped: int
     prefetched_bytes: int
+    read_bytes: int = 0      # bytes read from the file
+    ready_bytes: int = 0     # bytes of ranges already read when first needed
+    late_bytes: int = 0      # bytes of ranges still coming when first needed
+    step_s: float = 0.0      # time in the layer-steps themselves
 
 
 class TierIO:
@@ -104,7 +108,18 @@ class TierIO:
             raise TierReadError(self.error())
 
     def batch_end(self) -> None:
-        self.lib.rt_batch_end(self._handle)
+        """End the batch; TierReadError when a read the matmul waited for failed."""
+        if self.lib.rt_batch_end(self._handle) != 0:
+            raise TierReadError(self.error())
+
+    def set_async(self, on: bool) -> bool:
+        """The matmul waits per expert matrix (the caller installed ggml's weight-ready hook,
+        ``weight_ready_pointer``); False when this process has too many tiers for it."""
+        return self.lib.rt_set_async(self._handle, int(on)) == 0 or not on
+
+    def weight_ready_pointer(self) -> int:
+        """The address of ``rt_weight_ready``, for ``ggml_cpu_set_weight_ready``."""
+        return int(self.ffi.cast("uintptr_t", self.ffi.addressof(self.lib, "rt_weight_ready")))
 
     def error(self) -> str:
         return self.ffi.string(self.lib.rt_error(self._handle)).decode()
@@ -122,7 +137,8 @@ class TierIO:
         return int(self.lib.rt_drop(self._handle, flat))
 
     def page_in(self, spans: list[tuple[int, int]]) -> None:
-        """Read file ranges into the page cache, ``threads`` in flight; TierReadError."""
+        """Read file ranges into the page cache on this thread (explicit preads);
+        TierReadError."""
         off = np.array([o for o, _ in spans], dtype=np.int64)
         length = np.array([n for _, n in spans], dtype=np.int64)
         if spans and self.lib.rt_page_in(self._handle, self.ffi.from_buffer("int64_t[]", off),
@@ -150,7 +166,9 @@ class TierIO:
         s = self.ffi.new("rt_stats *")
         self.lib.rt_get_stats(self._handle, s)
         return StepCounters(int(s.routes), int(s.paged_bytes), int(s.reclaimed_bytes),
-                            s.wait_ns / 1e9, int(s.dropped), int(s.prefetched_bytes))
+                            s.wait_ns / 1e9, int(s.dropped), int(s.prefetched_bytes),
+                            int(s.read_bytes), int(s.ready_bytes), int(s.late_bytes),
+                            s.step_ns / 1e9)
 
     def close(self) -> None:
         """Stop the read threads and free the C object (idempotent)."""

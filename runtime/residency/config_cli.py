@@ -33,7 +33,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, config_file_flag: b
                            help="residency config TOML (default: built-in defaults)")
     for key, kind in config_keys().items():
         if kind == "size":
-            helptext, metavar = "budget: size with units, N%% of free memory, or auto", "SIZE"
+            where = "the free RAM" if key in ("devices.cpu", "devices.cpu-slots") else \
+                f"the free memory of {key.removeprefix('devices.')}"
+            helptext, metavar = f"budget: size with units (16GiB), N%% of {where}, or auto", \
+                "SIZE"
         elif kind == "bool":
             helptext, metavar = "true or false", "BOOL"
         elif kind.startswith("name:"):

@@ -82,18 +82,15 @@ def _wait_listening(host: str, port: int, done: threading.Event, timeout: float 
 
 
 def rpc_library_dir() -> str:
-    """The patched build with the RPC backend; UserError (saying how to build it) otherwise."""
-    from runtime.native import llama_lib  # noqa: PLC0415
-    from runtime.native.build import find_build  # noqa: PLC0415
+    """The patched build (every build has the RPC backend); UserError (saying how to build
+    it) otherwise."""
+    from runtime.native import lib_dir_for  # noqa: PLC0415
 
-    env = os.environ.get(llama_lib.LIB_PATH_ENV)
-    if env and os.path.isfile(os.path.join(env, "libggml-rpc.so")):
-        return env
-    build = find_build(rpc=True)
-    if build is None:
-        raise UserError("no llama.cpp build with the RPC backend: run "
-                        "`moe-offload native build --rpc` first (a few minutes, once)")
-    return build.lib_dir
+    lib = lib_dir_for()
+    if not os.path.isfile(os.path.join(lib, "libggml-rpc.so")):
+        raise UserError(f"{lib}: a llama.cpp build without ggml's RPC backend: run "
+                        "`moe-offload native build` (a few minutes, once)")
+    return lib
 
 
 def run_server(settings: ServerSettings) -> int:

@@ -106,7 +106,8 @@ class MessagesRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None                   # any name: one model per process
-    messages: list[AnthropicMessage] = Field(min_length=1)
+    # [] is answered, as llama-server does: the template renders the generation prompt alone
+    messages: list[AnthropicMessage]
     system: str | list[_Block] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -183,7 +184,9 @@ def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
                                 f"{message.role} message", code="invalid_value", param=where)
     turns = list(results)
     if texts or calls or thoughts or not results:
-        turn: dict[str, Any] = {"role": message.role, "content": "\n\n".join(texts)}
+        # text parts: joined as the chat path joins them (run together in a prefill)
+        turn: dict[str, Any] = {"role": message.role,
+                                "content": [{"type": "text", "text": t} for t in texts]}
         if calls:
             turn["tool_calls"] = calls
         if thoughts:
@@ -240,7 +243,7 @@ def to_chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences or None,
              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
              "stream": body.stream}
-    return chat_request(chat)
+    return chat_request(chat, empty_messages=True)
 
 
 def message_of(answer: dict, model: str) -> dict:

@@ -1,7 +1,8 @@
 """Walking a streamed chat answer's chunk frames (chat_stream.py's) for another API's events:
-``ChatDeltas.feed(frame)`` keeps the usage frame's counts and the finish reason, and hands each
-reasoning, text and tool-call delta, in order, to the subclass (anthropic_stream.py,
-responses_stream.py), which turns it into its API's events. Pure: frames in, events out."""
+``ChatDeltas.feed(frame)`` keeps the usage frame's counts, timings and the finish reason, and
+hands each prompt progress report, reasoning, text and tool-call delta, in order, to the
+subclass (anthropic_stream.py, responses_stream.py), which turns it into its API's events.
+Pure: frames in, events out."""
 from __future__ import annotations
 
 
@@ -15,11 +16,15 @@ class ChatDeltas:
         self._finish: str | None = None    # the chat finish_reason
         self._output_tokens = 0
         self._cached = 0                   # prompt tokens served from the KV cache
+        self._timings: dict | None = None  # llama-server's timings of the whole answer
 
     def feed(self, frame: dict) -> list[dict]:
+        if frame.get("prompt_progress") is not None:      # return_progress
+            return self.on_progress(frame["prompt_progress"], frame.get("timings"))
         if frame.get("usage"):                     # the usage frame at the end
             self._output_tokens = frame["usage"]["completion_tokens"]
-            self._cached = (frame.get("timings") or {}).get("cache_n", 0)
+            self._timings = frame.get("timings")
+            self._cached = (self._timings or {}).get("cache_n", 0)
         events: list[dict] = []
         for choice in frame.get("choices") or []:
             delta = choice.get("delta") or {}
@@ -36,6 +41,11 @@ class ChatDeltas:
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         return events
+
+    def on_progress(self, progress: dict, timings: dict | None) -> list[dict]:
+        """The prompt's evaluation went on (llama-server's ``prompt_progress``); no event
+        unless the API has one."""
+        return []
 
     def on_reasoning(self, text: str) -> list[dict]:
         raise NotImplementedError

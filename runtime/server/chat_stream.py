@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.engine.types import CANCELLED
-from runtime.server import shapes
+from runtime.server import shapes, structured
 from runtime.server.requests import Prepared
 from runtime.server.reasoning import ReasoningStream
 from runtime.server.tool_stream import ToolCallStream
@@ -19,7 +19,11 @@ class ChatFramer:
 
     def __init__(self, base: dict, prep: Prepared, timings: bool = False):
         self.base, self.prep = base, prep
-        self.timings = timings       # timings_per_token: llama-server's timings on each end
+        # timings_per_token: llama-server's timings on every frame after the opening (so far;
+        # the engine's own on a choice's last frame and the usage frame)
+        self.timings = timings
+        self._clock = shapes.RunningTimings(prep.prompt_tokens)
+        self._generated: dict[int, int] = {}            # choice index -> tokens so far
         self._tools: dict[int, ToolCallStream] = {}
         self._reasoning: dict[int, ReasoningStream] = {}
         self._held_lp: dict[int, list] = {}
@@ -36,11 +40,20 @@ class ChatFramer:
 
     def chunk(self, index: int, chunk: Any) -> list[dict]:
         if chunk.progress is not None:          # return_progress: llama-server's frame
+            self._clock.prompt = chunk.progress
             frame = self.base | {"choices": [],
                                  "prompt_progress": shapes.prompt_progress(chunk.progress)}
             if self.timings:
                 frame["timings"] = shapes.progress_timings(chunk.progress)
             return [frame]
+        if chunk.token is not None:
+            self._generated[index] = self._generated.get(index, 0) + 1
+        frames = self._frames(index, chunk)
+        if self.timings and frames and "timings" not in frames[-1]:
+            frames[-1]["timings"] = self._clock.now(self._generated.get(index, 0))
+        return frames
+
+    def _frames(self, index: int, chunk: Any) -> list[dict]:
         want_lp = self.prep.params.logprobs is not None
         entry = [shapes.chat_logprob(chunk.logprob)] if chunk.logprob is not None else []
         finish = chunk.finish_reason if chunk.finish_reason not in (None, CANCELLED) else None
@@ -81,13 +94,19 @@ class ChatFramer:
         return frames if finish is None else frames + self._release(index, finish)
 
     def _release(self, index: int, finish: str) -> list[dict]:
-        text, calls = self._tools.pop(index).finish()
+        stream = self._tools.pop(index)
+        began = stream.calling
+        text, calls = stream.finish()
         entries = self._held_lp.pop(index, [])
         lp = entries if self.prep.params.logprobs is not None else None
         content = text.strip()
         if not calls:
             frames = [self._frame(index, {"content": text}, logprobs=lp)] if text or lp else []
-            return frames + [self._frame(index, {}, finish)]
+            last = self._frame(index, {}, finish)
+            if finish == "length" and began:       # max_tokens ended the answer in a call
+                last["choices"][0]["note"] = structured.cut_call_note(
+                    self.prep.params.max_tokens)
+            return frames + [last]
         frames = []
         if content:
             frames.append(self._frame(index, {"content": content}, logprobs=lp))

@@ -106,19 +106,21 @@ async def chat_answer(request: Request, body: ChatCompletionRequest, prep: Prepa
         reasoning, text = (None, r.text) if prep.thinking is None else \
             split_reasoning(r.text, prep.thinking)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = r.finish_reason
+        finish, note = r.finish_reason, None
         if prep.tool_format is not None:
             content, calls = structured.parse_tool_calls(text, prep.tool_format)
             if calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [c.to_openai() for c in calls]}
                 finish = "tool_calls"
+            elif finish == "length" and structured.began_tool_call(text, prep.tool_format):
+                note = structured.cut_call_note(prep.params.max_tokens)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         logprobs = {"content": [shapes.chat_logprob(lp) for lp in r.logprobs],
                     "refusal": None} if prep.params.logprobs is not None else None
         choices.append({"index": r.index, "message": message, "logprobs": logprobs,
-                        "finish_reason": finish})
+                        "finish_reason": finish} | ({"note": note} if note else {}))
     answer = base | {"object": "chat.completion", "choices": choices,
                      "usage": _usage_with_cache(prep, results)}
     if results and results[0].timings is not None:        # llama-server's, always there

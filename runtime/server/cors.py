@@ -2,12 +2,14 @@
 
 ``--cors-origin`` lists the browser origins allowed: exact origins allow themselves and
 ``localhost`` allows http(s) origins on localhost / 127.0.0.1 / [::1] (any port); a listed
-origin is echoed in ``Access-Control-Allow-Origin`` with credentials allowed. ``*`` (the
-default) lets any page read answers, but as ``Access-Control-Allow-Origin: *`` without
-credentials: a page the user happens to open cannot ride on the browser's cookies or
-credentials (llama-server echoes every origin with credentials). A preflight (``OPTIONS``) is
-answered 200 here, before the API key is checked, with the methods and headers llama-server
-allows.
+origin is echoed in ``Access-Control-Allow-Origin`` with credentials allowed, on every answer.
+``*`` (the default) lets any page read answers: a preflight (``OPTIONS``, answered 200 here
+before the API key is checked) echoes the page's ``Origin`` with
+``Access-Control-Allow-Credentials: true`` and the methods and headers llama-server allows, as
+llama-server's preflight does; the answers themselves carry ``Access-Control-Allow-Origin: *``
+and no credentials header (llama-server's carry the origin, also without it). A browser reads
+a credentialed answer only when that answer allows credentials, so under ``*`` a page the user
+happens to open still cannot read anything with the browser's cookies or HTTP credentials.
 """
 from __future__ import annotations
 
@@ -34,10 +36,13 @@ def origin_listed(origin: str, allowed: tuple[str, ...]) -> bool:
     return False
 
 
-def cors_headers(origin: str | None, allowed: tuple[str, ...]) -> dict[str, str]:
+def cors_headers(origin: str | None, allowed: tuple[str, ...],
+                 preflight: bool = False) -> dict[str, str]:
+    """The CORS headers of an answer to a request from ``origin`` (``preflight``: an
+    ``OPTIONS`` request's answer)."""
     if origin is None:
         return {}
-    if origin_listed(origin, allowed):
+    if origin_listed(origin, allowed) or (preflight and "*" in allowed):
         return {"Access-Control-Allow-Origin": origin, "Access-Control-Allow-Credentials":
                 "true", "Access-Control-Allow-Methods": ALLOW_METHODS,
                 "Access-Control-Allow-Headers": "*", "Vary": "Origin"}
@@ -55,7 +60,8 @@ class CorsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = cors_headers(Headers(scope=scope).get("origin"), self.origins)
+        headers = cors_headers(Headers(scope=scope).get("origin"), self.origins,
+                               preflight=scope["method"] == "OPTIONS")
         # raw, in llama-server's casing: Starlette would lowercase them, and some clients
         # (llama.cpp's own tests among them) read the names case-sensitively
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]

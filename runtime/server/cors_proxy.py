@@ -15,9 +15,12 @@ be a public one (not loopback, private, shared, link-local such as the cloud met
 IPv6 addresses are judged by the IPv4 address inside), and the connection goes to exactly
 those addresses (no second lookup a DNS answer could change). Every spelling of an address
 (``2130706433``, ``0177.0.0.1``, ``0x7f.1``, ``0``, ``[::ffff:127.0.0.1]``) resolves to the
-address it names, so each is judged by that. ``--ui-mcp-proxy-allow`` names hosts, addresses
-or networks that may be reached although internal. A malformed URL is a 400, a refused target
-a 403, an unreachable one a 502.
+address it names, so each is judged by that. Local names are refused before any lookup, as
+llama-server refuses them: ``localhost``, ``local``, ``localdomain``, ``internal``,
+``home.arpa`` and names under them, ``metadata.goog``. ``--ui-mcp-proxy-allow`` names hosts,
+addresses or networks that may be reached although internal. As llama-server answers: a
+malformed URL, a refused target and a name that does not resolve are 400s; an unreachable
+target is a 502 here.
 """
 from __future__ import annotations
 
@@ -107,12 +110,37 @@ def _bad_url(message: str) -> APIError:
     return APIError(400, message, param="url", code="invalid_value")
 
 
+# names llama-server's proxy refuses (and the names under them), before any lookup
+LOCAL_SUFFIXES = ("localhost", "local", "localdomain", "internal", "home.arpa")
+METADATA_NAMES = frozenset({"metadata.google.internal", "metadata.goog"})
+
+
+def _authority_error(url: str) -> str | None:
+    """What llama-server's syntax check refuses in the authority (the part after ``//``): a
+    query or fragment straight after the host, text after a bracketed address, an empty port;
+    None when it is well-formed."""
+    rest = url.partition("://")[2]
+    end = next((i for i, c in enumerate(rest) if c in "/?#"), len(rest))
+    if end < len(rest) and rest[end] != "/":
+        return "target URL query or fragment must follow a path"
+    authority = rest[:end].rpartition("@")[2]
+    if authority.startswith("[") and "]" in authority:
+        after = authority[authority.index("]") + 1:]
+        if after and not after.startswith(":"):
+            return "invalid bracketed target URL authority"
+    if authority.endswith(":"):
+        return "invalid target URL port"
+    return None
+
+
 def parse_target(url: str) -> tuple[str, str, int]:
     """(url with a path, host, port) of a well-formed http(s) URL; else a 400."""
     if not url:
         raise _bad_url("missing target URL: send /cors-proxy?url=URL")
     if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
         raise _bad_url("invalid target URL: it holds whitespace or control characters")
+    if (problem := _authority_error(url)) is not None:
+        raise _bad_url(problem)
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -133,18 +161,30 @@ def parse_target(url: str) -> tuple[str, str, int]:
     return url, host, port or (443 if parts.scheme == "https" else 80)
 
 
+def _refused(message: str) -> APIError:
+    return APIError(400, f"the CORS proxy does not reach internal targets: {message}; start "
+                         "the server with --ui-mcp-proxy-allow naming it to allow it",
+                    param="url", code="proxy_target_forbidden")
+
+
 def resolve_target(url: str, allow: tuple[str, ...]) -> Target:
-    """The target, its addresses resolved and vetted: a 400 when malformed, a 403 when any
-    address is internal and not allowed, a 502 when the host does not resolve."""
+    """The target, its addresses resolved and vetted: a 400 when malformed, when its host is
+    a local name or any address is internal (unless ``allow`` names it), or when the host
+    does not resolve (as llama-server answers each)."""
     url, host, port = parse_target(url)
+    name = host.lower().rstrip(".")
+    allowed_name = name in allow
+    if not allowed_name and (name in METADATA_NAMES or any(
+            name == s or name.endswith("." + s) for s in LOCAL_SUFFIXES)):
+        raise _refused(f"{host} is a local or metadata host name")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise APIError(502, f"cannot reach {url}: cannot resolve {host} "
-                            f"({getattr(exc, 'strerror', None) or exc})", code="proxy_error",
-                       error_type="server_error") from None
+        raise APIError(400, f"cannot resolve the target host {host} "
+                            f"({getattr(exc, 'strerror', None) or exc})", param="url",
+                       code="invalid_value") from None
     addresses = tuple((family, sockaddr) for family, _, _, _, sockaddr in infos)
-    if host.lower().rstrip(".") in allow:
+    if allowed_name:
         return Target(url, host, addresses)
     # proxy_allow_list writes networks normalised ("a.b.c.d/n"), host names without a "/"
     networks = [ipaddress.ip_network(a) for a in allow if "/" in a]
@@ -152,10 +192,7 @@ def resolve_target(url: str, allow: tuple[str, ...]) -> Target:
         ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
         kind = internal_kind(ip)
         if kind and not any(ip.version == n.version and ip in n for n in networks):
-            raise APIError(403, f"the CORS proxy does not reach internal addresses: {host} "
-                                f"is {ip} ({kind}); start the server with "
-                                "--ui-mcp-proxy-allow naming it to allow it",
-                           param="url", code="proxy_target_forbidden")
+            raise _refused(f"{host} is {ip} ({kind})")
     return Target(url, host, addresses)
 
 

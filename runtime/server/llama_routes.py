@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,7 +20,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from runtime.engine.context_shift import truncate_prompt
-from runtime.engine.types import CANCELLED, Timings
+from runtime.engine.types import CANCELLED
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError, llama_error, register_route_shape
 from runtime.server.jobs import collect, engine_failure, side_work, submit
@@ -30,7 +29,8 @@ from runtime.server.limits import (Limits, check_detokenize, check_prompt_tokens
 from runtime.server.llama_schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.schemas import ChatCompletionRequest
 from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_slot,
-                                     json_object, sampling_params, template_variables)
+                                     json_object, render_prompt, sampling_params,
+                                     template_variables)
 from runtime.server.stream_sessions import resumable
 from runtime.server.token_ids import checked_ids, engine_vocab
 
@@ -166,7 +166,7 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
     if body.stream:
         async def events():
             n, timings, finish, all_text = 0, None, None, []
-            clock = _RunningTimings(prep.prompt_tokens)
+            clock = shapes.RunningTimings(prep.prompt_tokens)
             try:
                 async for _, chunk in job:
                     if chunk.progress is not None:
@@ -221,23 +221,6 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
                         else answer)
 
 
-class _RunningTimings:
-    """timings_per_token: a stream's timings so far, from the prompt's last progress report
-    and the event loop's clock since the first token (the final event has the engine's)."""
-
-    def __init__(self, n_prompt: int) -> None:
-        self.n_prompt, self.prompt, self._t_first = n_prompt, None, None
-
-    def now(self, n: int) -> dict:
-
-        t = time.perf_counter()
-        self._t_first = self._t_first or t
-        p = self.prompt
-        return shapes.llama_timings(Timings(
-            prompt_tokens=p.processed - p.cached if p else 0, prompt_s=p.elapsed_s if p else 0.0,
-            completion_tokens=n, generation_s=t - self._t_first), self.n_prompt)
-
-
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     """Token ids (with their pieces) of ``content``, up to ``--max-tokenize-kib`` of it; the
@@ -279,30 +262,27 @@ async def detokenize(request: Request) -> JSONResponse:
 async def apply_template(request: Request) -> dict:
 
     body = await json_object(request)
+    add = body.get("add_generation_prompt")
+    if add is not None and not isinstance(add, bool):
+        raise APIError(400, "add_generation_prompt: must be true or false",
+                       code="invalid_value", param="add_generation_prompt")
     req = ChatCompletionRequest.model_validate({"messages": body.get("messages"),
                                                 "tools": body.get("tools"),
                                                 "chat_template_kwargs":
-                                                    body.get("chat_template_kwargs")})
+                                                    body.get("chat_template_kwargs"),
+                                                "add_generation_prompt": add})
     engine = request.app.state.host.engine()
     template = engine.chat_template
     messages = structured.history_messages(
         req.message_dicts(), structured.tool_format(template.source),
         template_tools=structured.template_knows_tools(template.source), tools=req.tool_dicts())
-    add = body.get("add_generation_prompt", True)
-    if not isinstance(add, bool):
-        raise APIError(400, "add_generation_prompt: must be true or false",
-                       code="invalid_value", param="add_generation_prompt")
     tools = req.tool_dicts() if structured.template_knows_tools(template.source) else None
     variables = template_variables(request.app.state.settings.reasoning,
                                    req.template_kwargs())
-    try:                            # on the side pool: a long chat takes a while to render
-        return {"prompt": await side_work(request, lambda: engine.chat_prompt(
-            messages, tools=tools, add_generation_prompt=add, variables=variables))}
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise APIError(400, f"messages: the chat template rejected them: {exc}",
-                       code="invalid_value", param="messages") from exc
+    # as the chat path renders it (a last assistant message is a prefill); on the side pool:
+    # a long chat takes a while to render
+    return {"prompt": await side_work(request, lambda: render_prompt(
+        engine, messages, tools=tools, add_generation_prompt=add, variables=variables))}
 
 
 @router.get("/props")

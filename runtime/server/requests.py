@@ -141,6 +141,31 @@ def template_variables(reasoning: str, kwargs: dict | None) -> dict:
     return {"enable_thinking": reasoning != "off"} | (kwargs or {})
 
 
+def render_prompt(engine: Any, messages: list[dict], *, tools: list[dict] | None,
+                  add_generation_prompt: bool | None, variables: dict) -> str:
+    """The chat template's prompt for ``messages`` (a 400 when the template refuses them). A
+    last assistant message without tool calls is the start of the answer (prefill), unless
+    ``add_generation_prompt`` is true: rendered, then cut right after its text, so that the
+    model continues it (llama-server appends the text after the generation prompt; templates
+    that close every turn leave the same text open)."""
+    prefill = bool(messages) and messages[-1]["role"] == "assistant" \
+        and not messages[-1].get("tool_calls") and not add_generation_prompt
+    add = not prefill if add_generation_prompt is None else add_generation_prompt
+    try:
+        prompt = engine.chat_prompt(messages, tools=tools,
+                                    add_generation_prompt=add and not prefill,
+                                    variables=variables)
+    except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's
+        raise APIError(400, f"messages: the chat template rejected them: {exc}",
+                       code="invalid_value", param="messages") from exc
+    if prefill:     # templates close every turn; the prefill must stay open
+        text = messages[-1]["content"]
+        end = prompt.rfind(text)
+        if text and end >= 0:
+            prompt = prompt[:end + len(text)]
+    return prompt
+
+
 def prepare_chat(engine: Any, req: ChatCompletionRequest,
                  defaults: SamplingParams | None = None, reasoning: str = "auto",
                  reasoning_format: str = "auto", *, limits: Limits | None = None) -> Prepared:
@@ -165,23 +190,9 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
                             "with response_format, json_schema or grammar",
                        code="invalid_value", param="tool_choice")
     grammar = structured.call_grammar(functions, fmt) if functions is not None else output_grammar
-    # a last assistant message is the start of the answer (prefill): the model continues it,
-    # unless the request asks for a generation prompt after it
-    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") \
-        and not req.add_generation_prompt
-    add_prompt = not prefill if req.add_generation_prompt is None else req.add_generation_prompt
-    try:
-        prompt = engine.chat_prompt(messages, tools=tools if template_tools else None,
-                                    add_generation_prompt=add_prompt and not prefill,
-                                    variables=template_variables(reasoning,
-                                                                 req.template_kwargs()))
-        if prefill:     # templates close every turn; the prefill must stay open
-            end = prompt.rfind(messages[-1]["content"])
-            if messages[-1]["content"] and end >= 0:
-                prompt = prompt[:end + len(messages[-1]["content"])]
-    except Exception as exc:  # noqa: BLE001 - a template refusing the messages is the client's
-        raise APIError(400, f"messages: the chat template rejected them: {exc}",
-                       code="invalid_value", param="messages") from exc
+    prompt = render_prompt(engine, messages, tools=tools if template_tools else None,
+                           add_generation_prompt=req.add_generation_prompt,
+                           variables=template_variables(reasoning, req.template_kwargs()))
     n_prompt = len(engine.tokenize(prompt, add_special=True))
     max_tokens = check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages",
                                limits)

@@ -24,7 +24,7 @@ from runtime.server.errors import APIError
 from runtime.server.responses_stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)
-from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
+from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest, arguments_problem
 from runtime.server.translated_stream import chat_request, event_source
 
 router = APIRouter()
@@ -64,10 +64,15 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
+    # llama-server's telemetry (responses_stream.py): timings on each event (the whole
+    # answer's on a non-streamed one), the prompt's progress as response.in_progress events
+    timings_per_token: bool = False
+    return_progress: bool = False
 
 
-def _text(content: Any, where: str) -> str:
-    """The text of a string or of a list of text parts."""
+def _parts(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A string, or a list of text parts as the chat path's text parts (joined there as the
+    chat path joins them; run together in a prefill)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -87,7 +92,13 @@ def _text(content: Any, where: str) -> str:
         else:
             raise APIError(400, f"{where}.{i}: only text parts are supported (got {kind!r})",
                            code="invalid_value", param=f"{where}.{i}")
-    return "\n\n".join(texts)
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of a string or of a list of text parts (a tool's output)."""
+    parts = _parts(content, where)
+    return parts if isinstance(parts, str) else "\n".join(p["text"] for p in parts)
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -103,7 +114,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role: must be user, system, developer or "
                                     "assistant", code="invalid_value", param=f"{where}.role")
-            text = _text(item.get("content", ""), f"{where}.content")
+            text = _parts(item.get("content", ""), f"{where}.content")
             last = messages[-1] if messages else None
             if item["role"] == "assistant" and last is not None and last["role"] == "assistant" \
                     and not last["content"] and not last.get("tool_calls"):
@@ -114,6 +125,9 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise APIError(400, f"{where}: a function_call needs call_id, name and "
                                     "arguments (strings)", code="invalid_value", param=where)
+            if (problem := arguments_problem(item["arguments"])) is not None:
+                raise APIError(400, f"{where}: the function_call item's arguments {problem}",
+                               code="invalid_value", param=f"{where}.arguments")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -203,7 +217,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         chat["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
     chat |= {"max_tokens": body.max_output_tokens, "temperature": body.temperature,
              "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p, "seed": body.seed,
-             "stream": body.stream}
+             "stream": body.stream, "return_progress": body.return_progress or None}
     return chat_request(chat)
 
 
@@ -247,11 +261,14 @@ async def responses(body: ResponsesRequest, request: Request):
         usage = answer["usage"]
         status = "incomplete" if answer["choices"][0]["finish_reason"] == "length" else \
             "completed"
-        return JSONResponse(response_object(
+        out = response_object(
             new_id("resp"), answer["created"], echo, output_of(answer), status,
             usage_of(usage["prompt_tokens"], usage["completion_tokens"],
-                     (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))))
-    events = ResponsesEvents(new_id("resp"), echo, prep.prompt_tokens)
+                     (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+        if body.timings_per_token and answer.get("timings"):
+            out["timings"] = answer["timings"]
+        return JSONResponse(out)
+    events = ResponsesEvents(new_id("resp"), echo, prep.prompt_tokens, body.timings_per_token)
     return event_source(job, prep, base, events, lambda err: events.event(
         "error", code=err.code, message=err.message, param=err.param))
 

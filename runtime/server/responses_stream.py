@@ -56,10 +56,16 @@ def _text_part(text: str) -> dict:
 
 class ResponsesEvents(ChatDeltas):
     """One answer's events. ``opening()`` first, ``feed(frame)`` for each chat chunk frame,
-    ``closing()`` once the frames are done; each event carries its ``sequence_number``."""
+    ``closing()`` once the frames are done; each event carries its ``sequence_number``.
+    llama-server's telemetry, as it sends it: with ``timings_per_token`` the last event of
+    each frame carries the frame's ``timings``; each prompt progress report (the request's
+    ``return_progress``) is a ``response.in_progress`` event with ``prompt_progress``; and
+    ``response.completed`` carries the answer's ``timings``."""
 
-    def __init__(self, response_id: str, echo: dict, prompt_tokens: int) -> None:
+    def __init__(self, response_id: str, echo: dict, prompt_tokens: int,
+                 timings_per_token: bool = False) -> None:
         super().__init__(prompt_tokens)
+        self.timings_per_token = timings_per_token
         self.response_id, self.echo = response_id, echo
         self.created_at = int(time.time())
         self.output: list[dict] = []        # finished items
@@ -70,6 +76,20 @@ class ResponsesEvents(ChatDeltas):
     def opening(self) -> list[dict]:
         return [self.event("response.created", response=self._response("in_progress")),
                 self.event("response.in_progress", response=self._response("in_progress"))]
+
+    def feed(self, frame: dict) -> list[dict]:
+        events = super().feed(frame)
+        if self.timings_per_token and events and frame.get("timings") and \
+                frame.get("choices"):
+            events[-1]["timings"] = frame["timings"]
+        return events
+
+    def on_progress(self, progress: dict, timings: dict | None) -> list[dict]:
+        event = self.event("response.in_progress", response=self._response("in_progress"),
+                           prompt_progress=progress)
+        if self.timings_per_token and timings:
+            event["timings"] = timings
+        return [event]
 
     def on_reasoning(self, text: str) -> list[dict]:
         return self._text_delta("reasoning", text)
@@ -90,7 +110,10 @@ class ResponsesEvents(ChatDeltas):
             self._open(message_item(new_id("msg"), "", "in_progress"))   # an empty answer
         events += self._close()
         status = "incomplete" if self._finish == "length" else "completed"
-        return events + [self.event("response.completed", response=self._response(status))]
+        done = self.event("response.completed", response=self._response(status))
+        if self._timings:                 # llama-server's, on its completed event
+            done["timings"] = self._timings
+        return events + [done]
 
     def _response(self, status: str) -> dict:
         usage = None if status == "in_progress" else \

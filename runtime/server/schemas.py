@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 MAX_CHOICES = 16        # n
 # accepted, and change nothing here (README: "Request fields")
@@ -111,17 +112,16 @@ class ToolCallFunction(BaseModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
-    @field_validator("arguments")
-    @classmethod
-    def _json_arguments(cls, value: str | dict[str, Any]) -> str | dict[str, Any]:
-        # llama-server parses an earlier call's arguments to render them: not JSON is a 400
-        if isinstance(value, str) and value.strip():
-            try:
-                json.loads(value)
-            except ValueError:
-                raise ValueError("tool call arguments must be a JSON object (as a string): "
-                                 f"{value[:80]!r} is not JSON") from None
-        return value
+
+def arguments_problem(arguments: Any) -> str | None:
+    """Why an earlier tool call's arguments cannot be rendered (llama-server parses them to
+    render the history: not JSON is a 400), or None."""
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return f"must be a JSON object (as a string): {arguments[:80]!r} is not JSON"
+    return None
 
 
 class ToolCallItem(BaseModel):
@@ -138,7 +138,7 @@ MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "audio_url",
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None     # a list of text parts arrives joined into one string
+    content: str | list[str] | None = None     # a list of text parts arrives as their texts
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None     # assistant turns that called tools
     tool_call_id: str | None = None                  # tool turns: which call this answers
@@ -161,9 +161,23 @@ class ChatMessage(BaseModel):
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i}: only text parts are supported (got {kind!r})")
             texts.append(part["text"])
-        return "\n\n".join(texts)        # as llama-server joins them
+        return texts
 
-    def text(self) -> str:
+    @model_validator(mode="after")
+    def _call_arguments(self) -> ChatMessage:
+        for i, call in enumerate(self.tool_calls or []):
+            problem = arguments_problem(call.function.arguments)
+            if problem is not None:
+                raise ValueError(f"the {self.role} message's tool_calls.{i}.function.arguments "
+                                 f"{problem}")
+        return self
+
+    def text(self, prefill: bool = False) -> str:
+        """The content as one string: text parts joined by a newline, as llama.cpp joins
+        them for a template (common_chat_msgs_to_json_oaicompat), or run together when the
+        message is the prefill of the answer (llama-server appends each part's text)."""
+        if isinstance(self.content, list):
+            return ("" if prefill else "\n").join(self.content)
         return self.content or ""
 
 
@@ -195,7 +209,9 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # at least one, unless validated with context {"empty_messages": True} (the Anthropic
+    # route: llama-server answers messages [] there)
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)   # newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -221,12 +237,21 @@ class ChatCompletionRequest(_SamplingFields):
         return {"enable_thinking": self.reasoning_effort not in REASONING_OFF} | \
             (self.chat_template_kwargs or {})
 
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, messages: list[ChatMessage], info: ValidationInfo
+                       ) -> list[ChatMessage]:
+        if not messages and not (info.context or {}).get("empty_messages"):
+            raise ValueError("must hold at least one message")
+        return messages
+
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both "
                              "be true")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
+        if self.continue_final_message and (not self.messages or
+                                            self.messages[-1].role != "assistant"):
             raise ValueError("continue_final_message needs an assistant message at the end")
         roles = [m.role for m in self.messages]
         if roles[-2:] == ["assistant", "assistant"]:
@@ -242,13 +267,21 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
+    def ends_in_prefill(self) -> bool:
+        """The last message is the start of the answer (an assistant message without tool
+        calls, and no generation prompt asked for after it): the model continues it."""
+        last = self.messages[-1] if self.messages else None
+        return last is not None and last.role == "assistant" and not last.tool_calls \
+            and not self.add_generation_prompt
+
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as the engine's chat template takes them (``developer`` counts as system);
         tool calls and tool results keep their OpenAI fields."""
         out = []
-        for m in self.messages:
+        prefill = self.ends_in_prefill()
+        for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                 "content": m.text()}
+                                 "content": m.text(prefill and i == len(self.messages) - 1)}
             if m.tool_calls:
                 d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             if m.tool_call_id is not None:

@@ -2,10 +2,11 @@
 llama-server's timings."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.types import Timings, TokenLogprob
+from runtime.engine.types import PromptProgress, Timings, TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -81,3 +82,22 @@ def progress_timings(report: Any) -> dict:
     return llama_timings(Timings(prompt_tokens=report.processed - report.cached,
                                  prompt_s=report.elapsed_s, completion_tokens=0,
                                  generation_s=0.0), report.processed)
+
+
+class RunningTimings:
+    """timings_per_token: a stream's timings so far, from the prompt's last progress report
+    (``prompt``) and the clock since the first token (the final event has the engine's)."""
+
+    def __init__(self, n_prompt: int) -> None:
+        self.n_prompt = n_prompt
+        self.prompt: PromptProgress | None = None
+        self._t_first: float | None = None
+
+    def now(self, n: int) -> dict:
+        """The timings after ``n`` generated tokens."""
+        t = time.perf_counter()
+        self._t_first = self._t_first or t
+        p = self.prompt
+        return llama_timings(Timings(
+            prompt_tokens=p.processed - p.cached if p else 0, prompt_s=p.elapsed_s if p else 0.0,
+            completion_tokens=n, generation_s=t - self._t_first), self.n_prompt)

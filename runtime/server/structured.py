@@ -160,6 +160,20 @@ def call_grammar(functions: list[dict], fmt: ToolFormat) -> str:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
+def began_tool_call(text: str, fmt: ToolFormat) -> bool:
+    """The answer opens a tool call in ``fmt``'s manner (whether or not it parses)."""
+    if fmt is ToolFormat.HERMES:
+        return "<tool_call>" in text
+    return text.lstrip().startswith(("[TOOL_CALLS]", "<|python_tag|>", "{", "["))
+
+
+def cut_call_note(max_tokens: int) -> str:
+    """The hint on a choice that max_tokens ended inside a tool call (``finish_reason``
+    "length"): OpenAI's answer has no field for it, so the choice gets a ``note``."""
+    return (f"the answer reached max_tokens ({max_tokens}) inside a tool call: the unfinished "
+            "call is left in content as text; raise max_tokens to get the whole call")
+
+
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str | None, list[ToolCall]]:
     """(content left over or None, calls) from a generated answer. Text that holds no
     well-formed call is all content."""

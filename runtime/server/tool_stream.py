@@ -47,6 +47,11 @@ class ToolCallStream:
         self._plain = True
         return self._take(len(self._held))
 
+    @property
+    def calling(self) -> bool:
+        """A call has begun (its text is held to the end)."""
+        return self._calling
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self._held = self._held, ""
         if not self._calling:

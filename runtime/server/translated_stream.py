@@ -21,12 +21,14 @@ from runtime.server.queue import Job
 from runtime.server.schemas import ChatCompletionRequest
 
 
-def chat_request(fields: dict) -> ChatCompletionRequest:
+def chat_request(fields: dict, empty_messages: bool = False) -> ChatCompletionRequest:
     """The chat request a translated one becomes (its unset fields left out); a field the chat
-    schema refuses is the 400 it would be on /v1/chat/completions."""
+    schema refuses is the 400 it would be on /v1/chat/completions. ``empty_messages``: no
+    message at all is a request too (the template renders just the generation prompt)."""
     try:
         return ChatCompletionRequest.model_validate(
-            {k: v for k, v in fields.items() if v is not None})
+            {k: v for k, v in fields.items() if v is not None},
+            context={"empty_messages": empty_messages})
     except ValidationError as exc:
         raise pydantic_error(exc) from exc
 

@@ -2,7 +2,7 @@
 the longest prefix of the prompt (never the whole prompt: its last token gives the logits)."""
 from __future__ import annotations
 
-from runtime.engine.batched import best_slot
+from runtime.engine.slot_choice import best_slot
 
 
 def test_longest_shared_prefix_wins():

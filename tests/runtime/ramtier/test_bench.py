@@ -59,6 +59,18 @@ def test_table_and_cold_ratio():
     assert bench.cold_ratios(rows, 8) == {"lru": 2.0}
 
 
+def test_a_tiny_model_at_one_repetition_reads_plainly():
+    one = [bench.BenchRow("lru", "CPU", bench.mib(471_859), "tg8", 10.0, 0.0, None, None, 0.0,
+                          1.0, (10.0,))]
+    table = bench.format_table(one).splitlines()
+    assert "t/s ± sd" not in table[0] and "| t/s |" in table[0].replace("  ", "")
+    assert "±" not in table[2] and "10.00" in table[2]               # one sample: no spread
+    assert "460.80 KiB" in table[2] and bench.mib(30 << 20) == "30 MiB"   # not "0 MiB"
+    notes = bench.merged_notes([(f"{c} {t}", "the file was cached") for c in ("lru", "lfu")
+                                for t in ("pp16", "tg8")] + [("", "lfu failed")])
+    assert notes == ["lru pp16, lru tg8, lfu pp16, lfu tg8: the file was cached", "lfu failed"]
+
+
 def test_bench_cli_runs_every_config_and_prints_json(synth_model_factory, capsys):
     model = str(synth_model_factory(SPEC))
     rc = main(["bench", "-m", model, "-p", "16", "-n", "4", "-r", "1", "--cold", "4",

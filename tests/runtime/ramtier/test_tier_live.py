@@ -232,23 +232,23 @@ def test_expert_evicted_during_its_refill_read_is_dropped_when_the_read_ends(mod
         _greedy(engine, 16)
         refiller = tier.refiller
         victim = sorted(tier.held_keys())[0]
-        advise, settle = tier.pager.advise, refiller._settle
+        page_in, drop_pages = tier.pager.page_in, tier.drop_pages
         seen: list[tuple[bool, int]] = []
 
-        def advise_then_evict(spans):
-            n = advise(spans)
+        def read_then_evict(spans):
+            stats = page_in(spans)
             if tier.is_held(victim) and list(spans) == list(tier.layout.ranges(victim)):
-                tier.drop("cpu", victim)          # the manager's eviction, mid-read
-            return n
+                tier.drop("cpu", victim)          # the manager's eviction, as the read ends
+            return stats
 
-        def settle_and_look(item, **kw):
-            settle(item, **kw)
-            if item[0] == victim:
+        def drop_and_look(key):
+            drop_pages(key)
+            if key == victim:
                 truth = tier.layout.resident_bytes(tier.pager.mapping.resident_pages())
                 seen.append((tier.is_held(victim), int(truth[tier.layout.key_index(victim)])))
 
-        tier.pager.advise = advise_then_evict
-        refiller._settle = settle_and_look
+        tier.pager.page_in = read_then_evict
+        tier.drop_pages = drop_and_look
         drop_file_cache(model)
         assert refiller.maybe_start(victim.layer, tier.n_layer)
         deadline = __import__("time").monotonic() + 30

@@ -36,6 +36,9 @@ def test_plan_without_a_gpu_budgets_ram_after_dense_and_kv(tiny_model, cli, tmp_
     done = cli("plan", "-m", str(tiny_model), "-c", "512", "--free", f"cpu={free}",
                "-o", str(out))
     assert done.returncode == 0, done.stderr
+    # its lines start as every other command's (moe-offload: ...)
+    assert done.stderr.splitlines() == [f"moe-offload: wrote {out} (run with -ngl 0 --config "
+                                        f"{out})"]
     cfg = tomllib.loads(out.read_text())
     assert cfg["policy"]["decode"]["eviction"] == "next-visit"
     budget = int(cfg["devices"]["cpu"].rstrip("B"))
@@ -77,6 +80,9 @@ def test_complete_auto_plans_at_load(tiny_model, cli, tmp_path):
     auto = cli(*args, "--auto")
     assert plain.returncode == 0 and auto.returncode == 0, auto.stderr
     assert auto.stdout == plain.stdout
+    chosen = [line for line in auto.stderr.splitlines() if line.startswith("moe-offload: --auto")]
+    assert chosen[0].startswith("moe-offload: --auto: --devices.cpu ")      # what it chose
+    assert "of experts): cpu: " in chosen[0] and chosen[-1] == "moe-offload: --auto: -ngl 0"
     cfg = tmp_path / "c.toml"
     cfg.write_text("")
     both = cli(*args, "--auto", "--config", str(cfg))

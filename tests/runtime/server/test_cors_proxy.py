@@ -1,6 +1,6 @@
 """``--ui-mcp-proxy`` on the real server: /cors-proxy calls the target with only the headers
 named ``x-llama-server-proxy-header-*``, passes its status, body and a redirect's Location
-back, and is 403 without the flag."""
+back, and is 403 without the flag; an internal target is a 400, as llama-server answers."""
 from __future__ import annotations
 
 import json
@@ -89,7 +89,7 @@ def test_proxy_is_403_without_the_flag(start_server, tiny_model, target):
 
 
 # Internal targets in the spellings a page could use; none is connected to: the proxy
-# resolves the host (literals and /etc/hosts' localhost, no DNS query) and refuses first.
+# refuses local names first and resolves the rest (literals: no DNS query) and refuses.
 INTERNAL = ["http://127.0.0.1:{port}/", "http://localhost:{port}/", "http://[::1]:{port}/",
             "http://2130706433:{port}/", "http://0177.0.0.1:{port}/", "http://0x7f.1:{port}/",
             "http://127.1:{port}/", "http://0:{port}/", "http://0.0.0.0:{port}/",
@@ -99,10 +99,12 @@ INTERNAL = ["http://127.0.0.1:{port}/", "http://localhost:{port}/", "http://[::1
             "http://192.168.1.1/", "http://169.254.169.254/latest/meta-data/",
             "http://[fd00:ec2::254]/", "http://100.100.100.200/", "http://[fe80::1]/",
             "http://224.0.0.1/", "http://[ff02::1]/", "https://127.0.0.1:{port}/",
-            "http://LOCALHOST:{port}/"]
+            "http://LOCALHOST:{port}/", "http://printer.local/", "http://db.internal/",
+            "http://router.home.arpa/", "http://metadata.goog./"]
 MALFORMED = ["", "file:///etc/passwd", "gopher://x/", "http://", "http://[::1", "http:///x",
              "http://a:99999/", "http://a:x/", "http://a b/", "http://a\tb/", "http://a/\n",
-             "http://u:p@127.0.0.1/", "http://ex%41mple.com/", "http://a:0/", "javascript:x"]
+             "http://u:p@127.0.0.1/", "http://ex%41mple.com/", "http://a:0/", "javascript:x",
+             "http://example.com?query", "http://[::1]suffix/", "http://example.com:/"]
 
 
 def test_proxy_refuses_internal_targets_and_malformed_urls(start_server, tiny_model, target):
@@ -112,7 +114,7 @@ def test_proxy_refuses_internal_targets_and_malformed_urls(start_server, tiny_mo
         for url in INTERNAL:
             url = url.format(port=target.server_port)
             r = http.get("/cors-proxy", params={"url": url})
-            assert r.status_code == 403, (url, r.text)
+            assert r.status_code == 400, (url, r.text)
             assert "internal" in r.json()["error"]["message"], r.text
             assert "--ui-mcp-proxy-allow" in r.json()["error"]["message"]
         for url in MALFORMED:
@@ -131,4 +133,4 @@ def test_proxy_allow_list_by_network_and_by_name(start_server, tiny_model, targe
                          params={"url": f"http://{host}:{target.server_port}/ok"})
             assert r.status_code == 200 and r.json()["path"] == "/ok", (host, r.text)
         r = http.get("/cors-proxy", params={"url": "http://10.0.0.1/"})
-        assert r.status_code == 403         # only what the list names
+        assert r.status_code == 400         # only what the list names

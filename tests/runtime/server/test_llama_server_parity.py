@@ -1,9 +1,13 @@
 """What llama.cpp's newest server tests expect, on the real server: a slot's context is the
 requested ``-c`` over ``-np``; ``--context-shift`` cuts a prompt too long for the slot (and
 without it the prompt is refused); ``/slots?fail_on_no_slot`` is a 503 while every slot is
-busy; tool calls in the history with arguments that are not JSON are a 400; the metric names
-and CORS preflight methods of llama-server; ``/models`` with llama-server's ``models`` list and
-capabilities; the UI's ``bundle.js`` / ``bundle.css`` served without the API key."""
+busy; tool calls in the history with arguments that are not JSON are a 400 naming the message
+and its role; the metric names of llama-server; its CORS preflight (the origin echoed, with
+credentials); ``/cors-proxy``'s 400 for internal and unresolvable targets; ``/models`` with
+llama-server's ``models`` list and capabilities; the UI's ``bundle.js`` / ``bundle.css``
+served without the API key; ``/v1/responses`` with ``timings_per_token`` and
+``return_progress``; an assistant prefill of several text parts run together; ``messages: []``
+on ``/v1/messages`` answered."""
 from __future__ import annotations
 
 import json
@@ -84,8 +88,16 @@ def test_malformed_tool_call_arguments_in_the_history_are_a_400(server):
                    "id": "call_1", "type": "function",
                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Par"}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    with pytest.raises(openai.BadRequestError, match="not JSON"):
+    with pytest.raises(openai.BadRequestError, match="not JSON") as err:
         client.chat.completions.create(model="m", messages=history, max_tokens=2)
+    error = err.value.body                          # names the message and its role
+    assert error["param"] == "messages.1" and "assistant message" in error["message"]
+    assert "tool_calls.0.function.arguments" in error["message"]
+    r = httpx.post(f"{server.base_url}/v1/responses", headers=AUTH, json={"input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.arguments"
+    assert "function_call" in r.json()["error"]["message"]
     history[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris"})
     r = httpx.post(f"{server.base_url}/apply-template", headers=AUTH,
                    json={"messages": history})
@@ -114,10 +126,98 @@ def test_metric_names_of_llama_server(http):
     assert 0 < values["llamacpp:prompt_cache_hit_ratio"] < 1
 
 
-def test_cors_preflight_methods(server):
+@pytest.mark.parametrize("origin", ["web.mydomain.fr", "localhost", "http://localhost:5173"])
+def test_cors_preflight_echoes_the_origin_with_credentials(server, origin):
     r = httpx.options(f"{server.base_url}/completions", headers={
-        "Origin": "web.mydomain.fr", "Access-Control-Request-Method": "POST"})
-    assert r.status_code == 200 and r.headers["Access-Control-Allow-Methods"] == "GET, POST"
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "Authorization"})
+    assert r.status_code == 200
+    assert r.headers["Access-Control-Allow-Origin"] == origin
+    assert r.headers["Access-Control-Allow-Credentials"] == "true"
+    assert r.headers["Access-Control-Allow-Methods"] == "GET, POST"
+    assert r.headers["Access-Control-Allow-Headers"] == "*"
+
+
+# internal targets, a metadata name and names that cannot resolve (none needs a DNS query:
+# literals, names refused by name, a label over 63 characters)
+REFUSED_TARGETS = ["http://127.0.0.1:1/", "http://10.0.0.1:1/", "http://169.254.169.254/",
+                   "http://[::1]:1/", "http://[::ffff:127.0.0.1]:1/",
+                   "http://metadata.google.internal/", "http://metadata.goog./",
+                   f"http://{'a' * 64}.example/"]
+
+
+def test_cors_proxy_refuses_internal_and_unresolvable_targets_with_400(start_server,
+                                                                       tiny_model: Path):
+    server = start_server(tiny_model, "--ui-mcp-proxy", "--ui-mcp-proxy-allow", "192.0.2.1")
+    for url in REFUSED_TARGETS:
+        r = httpx.get(f"{server.base_url}/cors-proxy", params={"url": url}, timeout=30)
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def _sse(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_responses_take_timings_per_token_and_return_progress(http):
+    events = _sse(http, "/v1/responses", {"input": "This is a test " * 10,
+                                          "max_output_tokens": 8, "timings_per_token": True,
+                                          "return_progress": True})
+    progress = [e for e in events if "prompt_progress" in e]
+    assert progress and all(e["type"] == "response.in_progress" for e in progress)
+    last = progress[-1]["prompt_progress"]
+    assert last["total"] > 0 and last["processed"] == last["total"] >= last["cache"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and any("timings" in e for e in deltas)
+    assert all({"prompt_per_second", "predicted_per_second"} <= set(e["timings"])
+               for e in events if "timings" in e)
+    completed = events[-1]
+    assert completed["type"] == "response.completed" and "usage" in completed["response"]
+    assert completed["timings"]["predicted_n"] == completed["response"]["usage"][
+        "output_tokens"]
+    plain = _sse(http, "/v1/responses", {"input": "hi", "max_output_tokens": 2})
+    assert not any("prompt_progress" in e for e in plain)
+    assert not any("timings" in e for e in plain if e["type"] != "response.completed")
+    whole = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                             "timings_per_token": True}).json()
+    assert whole["timings"]["predicted_n"] == whole["usage"]["output_tokens"]
+
+
+def test_an_assistant_prefill_of_parts_is_run_together(http):
+    def prompt(content) -> str:
+        r = http.post("/apply-template", json={"messages": [
+            {"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt"]
+    parts = [{"type": "text", "text": "Once upon"}, {"type": "text", "text": " a time"}]
+    assert prompt(parts) == prompt("Once upon a time")      # llama-server appends each part
+    assert prompt(parts).endswith("Once upon a time")       # left open: the answer goes on
+    usage = {}
+    for content in (parts, "Once upon a time"):
+        r = http.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
+            {"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": content}]})
+        usage[str(content)] = r.json()["usage"]["prompt_tokens"]
+    assert len(set(usage.values())) == 1
+    anthropic = http.post("/v1/messages/count_tokens", json={"messages": [
+        {"role": "user", "content": "Tell me a story"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Once upon"},
+                                          {"type": "text", "text": " a time"}]}]})
+    assert anthropic.json()["input_tokens"] == usage["Once upon a time"]
+
+
+def test_empty_messages_on_the_messages_api_are_answered(http):
+    r = http.post("/v1/messages", json={"max_tokens": 4, "messages": []})
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "message" and r.json()["role"] == "assistant"
+    assert http.post("/v1/messages/count_tokens",
+                     json={"messages": []}).json()["input_tokens"] >= 0
+    r = http.post("/v1/chat/completions", json={"max_tokens": 4, "messages": []})
+    assert r.status_code == 400 and "at least one message" in r.json()["error"]["message"]
 
 
 def test_models_lists_capabilities(server):

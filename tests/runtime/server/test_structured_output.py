@@ -126,6 +126,25 @@ def test_streamed_tool_call_arrives_as_deltas(client):
     jsonschema.validate(json.loads(arguments), ADD["function"]["parameters"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_cut_by_max_tokens_says_so(client, stream):
+    answer = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Add 2 and 3."}], tools=[ADD],
+        tool_choice="required", max_tokens=24, temperature=0, stream=stream)
+    if stream:
+        chunks = [c.choices[0] for c in answer if c.choices]
+        text = "".join(c.delta.content or "" for c in chunks)
+        last = chunks[-1].model_dump()
+    else:
+        text, last = answer.choices[0].message.content, answer.choices[0].model_dump()
+    assert last["finish_reason"] == "length" and text.startswith("<tool_call>")
+    assert "max_tokens (24) inside a tool call" in last["note"]         # the hint
+    whole = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Add 2 and 3."}], tools=[ADD],
+        tool_choice="required", max_tokens=200, temperature=0)
+    assert "note" not in whole.choices[0].model_dump()
+
+
 def test_tool_results_in_history_are_accepted(client):
     answer = client.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=[
         {"role": "user", "content": "Add 2 and 3."},

@@ -4,6 +4,7 @@ a browser: test_chat_page.py."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -45,8 +46,24 @@ def test_page_and_its_files_are_public(server):
         assert r.status_code == 200, r.text
 
 
+def _ready_line(server) -> str:
+    """The log's "loaded ...; serving ..." line (written just after /health turns 200)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = next((l for l in server.log().splitlines() if "; serving " in l), None)
+        if line is not None:
+            return line
+        time.sleep(0.05)
+    raise AssertionError(server.log())
+
+
+def test_serve_says_where_the_chat_page_is(server):
+    assert f"; the chat page: {server.base_url}/" in _ready_line(server)
+
+
 def test_no_ui_answers_404(start_server, tiny_model):
     server = start_server(tiny_model, "--no-ui")
+    assert "chat page" not in _ready_line(server)
     with httpx.Client(base_url=server.base_url, timeout=30) as http:
         for path in ("/", "/index.html", "/sw.js", "/manifest.webmanifest", "/_app/version.json",
                      "/app.js", "/style.css"):
