@@ -10,7 +10,6 @@ that fails to load stops the server with a one-line error and a non-zero exit.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
@@ -235,17 +234,13 @@ def _setup_logging(verbose: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, a UserError if the model cannot load."""
-    import uvicorn
-
     from gguf_tools.facts import read_model_facts
     from runtime.commands.engine_args import sampling_from_args, settings_from_args
     from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
     from runtime.server.cors_proxy import proxy_allow_list
     from runtime.server.exposure import exposure_warning
-    from runtime.server.connection_guard import (FD_RESERVE, HEAD_BYTES, ConnectionBook,
-                                                 ConnectionLimits, Notice, guarded_protocol,
-                                                 open_file_limit, quiet_repeats)
+    from runtime.server.connection_guard import ConnectionLimits, guarded_server
     from runtime.server.limits import Limits
 
     from runtime.engine.file_lease import handle_breaks
@@ -291,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
                         max_stop_bytes=args.max_stop_bytes,
                         max_tokenize_bytes=args.max_tokenize_kib << 10,
                         max_detokenize_tokens=args.max_detokenize_tokens)
-        wanted = ConnectionLimits(args.max_connections, args.header_timeout)
+        connection_limits = ConnectionLimits(args.max_connections, args.header_timeout)
         if args.threads_http < 1:
             raise ValueError("--threads-http must be >= 1")
         proxy_allow = proxy_allow_list(args.ui_mcp_proxy_allow)
@@ -387,26 +382,9 @@ def run(args: argparse.Namespace) -> int:
                      load, on_ready=on_ready, on_load_failure=on_failure,
                      on_closed=None if capture is None else on_closed)
 
-    connection_limits = wanted.within_open_files(open_file_limit())
-    if connection_limits != wanted:
-        log.info("--max-connections %d: lowered to %d, the open-file limit (ulimit -n) less "
-                 "%d", wanted.max_connections, connection_limits.max_connections, FD_RESERVE)
-    notice = Notice()
-    book = ConnectionBook(connection_limits, notice)
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            quiet_repeats(asyncio.get_running_loop(), notice)
-            await super().startup(sockets)
-
-        def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM
-            begin_shutdown(app)     # answers in flight end now, not after the drain timeout
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=3, lifespan="on",
-                                   http=guarded_protocol(book), backlog=BACKLOG,
-                                   h11_max_incomplete_event_size=HEAD_BYTES))
+    server = guarded_server(app, connection_limits, on_exit=lambda: begin_shutdown(app),
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                            lifespan="on", backlog=BACKLOG)
     log.info("listening on %s (loading %s)", shown, model_path.name)
     try:
         server.run(sockets=socks)

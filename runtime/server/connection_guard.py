@@ -21,8 +21,8 @@ is a 503, ``/health`` included. Here:
   (``Notice``), never once per connection; the event loop's "out of system resource" on
   accept and uvicorn's "Invalid HTTP request received." go through the same notice.
 
-``guarded_protocol(book)`` is uvicorn's h11 protocol with the book kept: pass it as
-``uvicorn.Config(http=...)``.
+``guarded_server(app, limits, ...)`` is the uvicorn server that keeps them (its protocol:
+``guarded_protocol(book)``, uvicorn's h11 protocol with the book kept).
 """
 from __future__ import annotations
 
@@ -211,3 +211,33 @@ def quiet_repeats(loop: asyncio.AbstractEventLoop, notice: Notice) -> None:
         else:
             loop.default_exception_handler(context)
     loop.set_exception_handler(handler)
+
+
+def guarded_server(app: Any, limits: ConnectionLimits, *, on_exit: Callable[[], None],
+                   **config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``app`` (``config``: uvicorn.Config's other settings) whose
+    connections keep ``limits``, the cap fitted under this process's open-file limit (said in
+    the log when lowered), the loop's repeated errors said through one ``Notice``;
+    ``on_exit()`` runs first on SIGINT / SIGTERM."""
+    import asyncio  # noqa: PLC0415 - (see the module's imports)
+
+    import uvicorn  # noqa: PLC0415
+
+    fitted = limits.within_open_files(open_file_limit())
+    if fitted != limits:
+        log.info("--max-connections %d: lowered to %d, the open-file limit (ulimit -n) less "
+                 "%d", limits.max_connections, fitted.max_connections, FD_RESERVE)
+    notice = Notice()
+    protocol = guarded_protocol(ConnectionBook(fitted, notice))
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list | None = None) -> None:
+            quiet_repeats(asyncio.get_running_loop(), notice)
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:   # SIGINT / SIGTERM
+            on_exit()       # (serve: answers in flight end now, not after the drain timeout)
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, http=protocol, h11_max_incomplete_event_size=HEAD_BYTES,
+                                 **config))
