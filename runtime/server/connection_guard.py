@@ -10,9 +10,10 @@ is a 503, ``/health`` included. Here:
 
 - At most ``max_connections`` are open (``--max-connections``; never more than the open-file
   limit less ``FD_RESERVE``, which the model, slot files, threads and the log need). A
-  connection past the cap closes the oldest connection that waits for a request head (a
-  half-open one, or an idle keep-alive), or itself when every other open one is inside a
-  request: a new client gets in, a socket held open doing nothing is what goes.
+  connection past the cap closes the oldest connection that sent part of a request head and
+  stopped, else the oldest that waits for one (a half-open one, or an idle keep-alive), or
+  itself when every other open one is inside a request: a new client gets in, a socket held
+  open doing nothing is what goes.
 - A request head must be complete within ``header_timeout_s`` (``--header-timeout``) of the
   connection being ready for one (opened, or its last answer sent); sending it a line at a
   time does not extend that. A head is at most ``HEAD_BYTES`` (h11's limit; uvicorn answers
@@ -102,29 +103,38 @@ class ConnectionBook:
         self.limits, self.notice = limits, notice
         self.open = 0
         self._waiting: dict[Any, asyncio.TimerHandle] = {}   # insertion order: oldest first
+        # those of them that sent part of a head and stopped (the first to go: a new
+        # connection whose head the loop has not read yet looks idle, and must not be
+        # evicted for it under a flood of arrivals)
+        self._stalled: dict[Any, None] = {}
 
     def opened(self, conn: Any) -> None:
         self.open += 1
         self.waits(conn)
         if self.open > self.limits.max_connections:
-            victim = next(iter(self._waiting))       # conn itself when it is the only one
+            # conn itself when it is the only one waiting
+            victim = next(iter(self._stalled or self._waiting))
             self.notice.hit("connections", f"{self.limits.max_connections} connections are "
                             "open, this server's limit (--max-connections): each new one "
                             "closes the oldest that has sent no request")
             victim.close_idle()
             self.busy(victim)
 
-    def waits(self, conn: Any) -> None:
-        """``conn`` is ready for a request head: its deadline starts now (if not running)."""
+    def waits(self, conn: Any, stalled: bool = False) -> None:
+        """``conn`` is ready for a request head (``stalled``: it sent part of one): its
+        deadline starts now (if not running)."""
         if conn not in self._waiting:
             self._waiting[conn] = conn.loop.call_later(self.limits.header_timeout_s,
                                                        self._expire, conn)
+        if stalled:
+            self._stalled.setdefault(conn)
 
     def busy(self, conn: Any) -> None:
         """``conn`` is inside a request (or closed): no deadline, not to be evicted."""
         handle = self._waiting.pop(conn, None)
         if handle is not None:
             handle.cancel()
+        self._stalled.pop(conn, None)
 
     def closed(self, conn: Any) -> None:
         self.open -= 1
@@ -132,6 +142,7 @@ class ConnectionBook:
 
     def _expire(self, conn: Any) -> None:
         self._waiting.pop(conn, None)
+        self._stalled.pop(conn, None)
         self.notice.hit("header", f"a connection sent no complete request within "
                         f"{self.limits.header_timeout_s:g} s (--header-timeout): closed")
         conn.close_idle()
@@ -161,7 +172,8 @@ def guarded_protocol(book: ConnectionBook) -> type:
 
         def _track(self) -> None:
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                book.waits(self)                  # no request head yet (or the next one's)
+                # no request head yet (or the next one's); part of one if h11 holds bytes
+                book.waits(self, stalled=bool(self.conn.trailing_data[0]))
             else:
                 book.busy(self)
 

@@ -59,6 +59,36 @@ def test_half_open_connections_cost_the_client_not_the_server(start_server, tiny
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
 
 
+def test_the_stalled_go_before_a_connection_that_has_not_spoken_yet(start_server, tiny_model):
+    """Past the cap, the connections that sent part of a head and stopped are closed first: a
+    connection whose head the server has not read yet (a client that just connected) is not
+    the one to go, though it is older."""
+    server = start_server(tiny_model, "--max-connections", "20", "--header-timeout", "60")
+    quiet = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    stalled = []
+
+    def stall(n: int) -> None:
+        for _ in range(n):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            sock.sendall(HEAD_START)
+            stalled.append(sock)
+
+    stall(18)                                   # 19 open: the cap not reached
+    # a request on a new connection: the server has read the heads sent before it
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+    stall(10)                                   # past the cap: 10 to close
+    # (the same barrier: the server has taken those connections, and closed 10 for them)
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+    quiet.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    answer = b""
+    while chunk := quiet.recv(4096):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert sum(_closed_by_server(sock, 0.5) for sock in stalled[:10]) >= 5
+    for sock in [quiet, *stalled]:
+        sock.close()
+
+
 def test_a_slow_request_head_is_closed_at_its_deadline(start_server, tiny_model):
     """Trickling a header line at a time does not extend the deadline; a whole head in
     time is answered."""
