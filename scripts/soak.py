@@ -3,11 +3,13 @@
 
 Clients send OpenAI chat and text completions, llama-server ``/completion``s, streamed and
 not, structured (json_schema) and tool-call requests, drop some of them mid-answer or while
-they wait, send invalid ones (from the error contract's corpus), and break slots (``SLOT_BREAKS``:
-save a slot, corrupt the file, restore it; or erase it) then use them. Every answer is checked:
-a 2xx must be well formed strict JSON (no NaN; a stream ends properly, a structured answer that
-stopped is JSON, a forced tool call is a call), an invalid request or a broken slot file must
-get a 4xx in the route's shape and the slot must serve the next request, and nothing may be a
+they wait, send invalid ones (from the error contract's corpus and issue 32's attacks:
+scripts/soak_attacks.py), bursts of costly requests (big-enum schemas, saves of one slot) and
+half-open connections, and break slots (``SLOT_BREAKS``: save a slot, corrupt the file, restore
+it; or erase it) then use them. Every answer is checked: a 2xx must be well formed strict JSON
+(no NaN; a stream ends properly, a structured answer that stopped is JSON, a forced tool call is
+a call), an invalid request or a broken slot file must get a 4xx in the route's shape and the
+slot must serve the next request, a burst's answers are 200 or 429, and nothing may be a
 5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
 server's RSS after warm-up and at the end, the validation failures, and /metrics' request
 totals against the client's own counts (they must be equal, path by path).
@@ -38,6 +40,12 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]   # runtime, and the attacks beside this file
+from runtime.server.metrics import COUNTED_PATHS  # noqa: E402
+from soak_attacks import (BURST, INVALID, SCHEMA_BURST, SERVE_FLAGS, SLOT_BREAKS,  # noqa: E402
+                          SLOT_BURST, Malformed, broken_slot_file, burst, check_error,
+                          half_open, send_invalid, strict_json)
+
 PROMPTS = ["Once upon a time", "The king saw a river", "hello world", "In the morning",
            "A story about the sea", "The old house by the road", "Water and fire"]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -45,21 +53,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "type": "object", "properties": {"q": {"type": "string", "maxLength": 10}},
     "required": ["q"]}}}
-INVALID = [("/completion", '{"prompt":[99999]}'), ("/completion", '{"prompt":[[5,1000000]]}'),
-           ("/v1/completions", '{"prompt":"a\\ud800b"}'), ("/completion", '{"prompt":[]}'),
-           ("/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],'
-                                    '"temperature":1e999}'),
-           ("/completion", '{"prompt":"x","json_schema":{"type":"string","minLength":100000000}}'),
-           ("/completion", '{"prompt":"x","json_schema":{"$ref":"#/$defs/a","$defs":'
-                           '{"a":{"$ref":"#/$defs/a"}}}}'),
-           ("/apply-template", "{}"), ("/detokenize", '{"tokens":[-1]}'),
-           ("/v1/chat/completions", "{not json"), ("/tokenize", '{"content":"\\udc00"}')]
-NATIVE = ("/completion", "/tokenize", "/detokenize", "/apply-template")
-# a slot's file broken as a careless operator or a bad disk would (issue 32): what the restore's
-# 400 must say; "erase" empties the slot instead
-SLOT_BREAKS = {"flipped": "checksum mismatch", "version": "unsupported state version 2",
-               "legacy": "unsupported state version 0", "short": "cut short", "erase": ""}
-
 
 @dataclass
 class Tally:
@@ -78,32 +71,13 @@ class Tally:
                 self.failures.append(failure)
 
 
-class Malformed(Exception):
-    """An answer that broke its contract."""
-
-
-def _strict(text: str):
-    """JSON as the wire must carry it: NaN, Infinity and -Infinity are malformed."""
-    def refuse(constant: str):
-        raise Malformed(f"{constant} in JSON: {text[:150]}")
-    return json.loads(text, parse_constant=refuse)
-
-
 def _sse(lines) -> list[dict | str]:
     events = []
     for line in lines:
         if line.startswith("data: "):
             data = line[6:]
-            events.append(data if data == "[DONE]" else _strict(data))
+            events.append(data if data == "[DONE]" else strict_json(data))
     return events
-
-
-def _check_error(path: str, r: httpx.Response) -> None:
-    err = _strict(r.text).get("error")
-    if not isinstance(err, dict) or not err.get("message"):
-        raise Malformed(f"{path} {r.status_code}: no error object: {r.text[:200]}")
-    if path in NATIVE and err.get("code") != r.status_code:
-        raise Malformed(f"{path}: not llama-server's error shape: {err}")
 
 
 def _check_ok(kind: str, path: str, r: httpx.Response, stream: bool) -> None:
@@ -118,7 +92,7 @@ def _check_ok(kind: str, path: str, r: httpx.Response, stream: bool) -> None:
         elif not events or events[-1] != "[DONE]":
             raise Malformed(f"{kind}: stream did not end with [DONE]")
         return
-    body = _strict(r.text)
+    body = strict_json(r.text)
     if path == "/completion":
         if not isinstance(body.get("content"), str) or body.get("stop") is not True:
             raise Malformed(f"{kind}: {str(body)[:200]}")
@@ -156,25 +130,6 @@ def _request(rng: random.Random) -> tuple[str, str, dict, bool]:
                                           "tool_choice": "required"}, False
 
 
-def _broken_slot_file(good: bytes, how: str, rng: random.Random) -> bytes:
-    """``good`` (a saved slot file: runtime/engine/slot_file.py) broken as ``how`` says."""
-    from runtime.engine import slot_file  # noqa: PLC0415
-
-    data = bytearray(good)
-    if how == "flipped":                           # one int32 past the header, e.g. KV metadata
-        at = rng.randrange(slot_file.HEADER.size, len(data) - 3)
-        data[at:at + 4] = bytes(b ^ 0xFF for b in data[at:at + 4])
-    elif how == "version":
-        data[8:12] = (2).to_bytes(4, "little")
-    elif how == "legacy":                          # llama.cpp's own header, no checksum
-        n_tokens = slot_file.HEADER.unpack_from(good)[3]
-        data = bytearray(slot_file.LLAMA_MAGIC + (3).to_bytes(4, "little")
-                         + n_tokens.to_bytes(4, "little") + good[slot_file.HEADER.size:])
-    else:                                          # "short": cut
-        del data[-rng.randint(1, 64):]             # (an empty slot's file: into its header)
-    return bytes(data)
-
-
 def slot_attack(http: httpx.Client, rng: random.Random, slots: Path, parallel: int,
                 tally: Tally) -> None:
     """Break one slot (``SLOT_BREAKS``), then a request on it must be served."""
@@ -186,20 +141,20 @@ def slot_attack(http: httpx.Client, rng: random.Random, slots: Path, parallel: i
             tally.sent["/completion"] += 1
         if how == "erase":
             r = http.post(f"/slots/{seq}?action=erase")
-            if r.status_code != 200 or _strict(r.text).get("id_slot") != seq:
+            if r.status_code != 200 or strict_json(r.text).get("id_slot") != seq:
                 raise Malformed(f"erase: {r.status_code} {r.text[:150]}")
         else:
             r = http.post(f"/slots/{seq}?action=save", json={"filename": name})
             if r.status_code != 200:
                 raise Malformed(f"save: {r.status_code} {r.text[:150]}")
-            (slots / name).write_bytes(_broken_slot_file((slots / name).read_bytes(), how, rng))
+            (slots / name).write_bytes(broken_slot_file((slots / name).read_bytes(), how, rng))
             r = http.post(f"/slots/{seq}?action=restore", json={"filename": name})
             if r.status_code != 400:
                 tally.add(f"slot_attack_got_{r.status_code}",
                           failure=f"restore of a {how} slot file: {r.status_code} {r.text[:150]}")
                 return
-            _check_error("/completion", r)             # llama-server's shape there too
-            message = _strict(r.text)["error"]["message"]
+            check_error("/completion", r)             # llama-server's shape there too
+            message = strict_json(r.text)["error"]["message"]
             if SLOT_BREAKS[how] not in message or name not in message:
                 raise Malformed(f"restore of a {how} slot file said: {message}")
         r = http.post("/completion", json={"prompt": rng.choice(PROMPTS), "n_predict": 2,
@@ -218,36 +173,68 @@ def slot_attack(http: httpx.Client, rng: random.Random, slots: Path, parallel: i
         (slots / name).unlink(missing_ok=True)
 
 
+def _label(path: str) -> str:
+    """The path as /metrics counts it."""
+    path = path.split("?")[0]
+    return path if path in COUNTED_PATHS else "other"
+
+
+def _hostile(http: httpx.Client, base: str, rng: random.Random, tally: Tally,
+             held: list) -> None:
+    """One burst (a 200 or 429 each) or a batch of half-open connections."""
+    kind = rng.choice(["schema_burst", "slot_burst", "half_open"])
+    try:
+        if kind == "half_open":
+            held.extend(half_open(base))
+            tally.add("half_open_sent")
+            return
+        path, body = SCHEMA_BURST if kind == "schema_burst" else SLOT_BURST
+        with tally.lock:
+            tally.sent[_label(path)] += BURST
+        answers = burst(http, path, body)
+        tally.add(f"{kind}_ok")
+        with tally.lock:
+            tally.outcomes["burst_429"] += sum(r.status_code == 429 for r in answers)
+    except Malformed as exc:
+        tally.add("malformed", failure=str(exc))
+    except (httpx.TransportError, OSError) as exc:
+        tally.add("transport_error", failure=f"{kind}: {exc!r}")
+
+
 def client(base: str, seed: int, stop_at: float, tally: Tally, slots: Path | None = None,
            parallel: int = 1) -> None:
     rng = random.Random(seed)
+    held: list = []                                   # half-open sockets sent by this client
     with httpx.Client(base_url=base, timeout=120) as http:
         while time.monotonic() < stop_at:
             if slots is not None and rng.random() < 0.05:     # a broken slot, then a request
                 slot_attack(http, rng, slots, parallel, tally)
                 continue
             roll = rng.random()
-            if roll < 0.15:                                  # an invalid request
-                path, raw = rng.choice(INVALID)
+            if roll < 0.13:                                  # an invalid request
+                method, path, raw = rng.choice(INVALID)
                 with tally.lock:
-                    tally.sent[path] += 1
+                    tally.sent[_label(path)] += 1
                 try:
-                    r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+                    r = send_invalid(http, method, path, raw)
                     if r.status_code >= 500 or r.status_code < 400:
-                        tally.add(f"invalid_got_{r.status_code}",
-                                  failure=f"{path} {raw[:60]}: {r.status_code} {r.text[:150]}")
+                        tally.add(f"invalid_got_{r.status_code}", failure=f"{method} {path} "
+                                  f"{(raw or b'')[:60]!r}: {r.status_code} {r.text[:150]}")
                     else:
-                        _check_error(path, r)
+                        check_error(path, r)
                         tally.add("invalid_refused")
-                except Malformed as exc:
-                    tally.add("malformed", failure=str(exc))
+                except (Malformed, ValueError) as exc:
+                    tally.add("malformed", failure=f"{method} {path}: {exc}")
                 except httpx.TransportError as exc:
                     tally.add("transport_error", failure=f"{path}: {exc!r}")
+                continue
+            if roll < 0.16:                                  # a burst, or half-open sockets
+                _hostile(http, base, rng, tally, held)
                 continue
             kind, path, body, stream = _request(rng)
             drop = roll < 0.30                               # a client that leaves early
             with tally.lock:
-                tally.sent[path] += 1
+                tally.sent[_label(path)] += 1
             t0 = time.monotonic()
             try:
                 if drop and not stream:                      # gives up while waiting/generating
@@ -262,7 +249,7 @@ def client(base: str, seed: int, stop_at: float, tally: Tally, slots: Path | Non
                 with http.stream("POST", path, json=body) as r:
                     if r.status_code == 429:
                         r.read()
-                        _check_error(path, r)
+                        check_error(path, r)
                         tally.add("queue_full_429")
                         continue
                     if r.status_code != 200:
@@ -284,6 +271,8 @@ def client(base: str, seed: int, stop_at: float, tally: Tally, slots: Path | Non
                 tally.add("malformed", failure=f"{kind} {path}: {type(exc).__name__}: {exc}")
             except httpx.TransportError as exc:
                 tally.add("transport_error", failure=f"{kind} {path}: {exc!r}")
+    for sock in held:
+        sock.close()
 
 
 def start_server(model: str, parallel: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
@@ -326,7 +315,8 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
          extra: list[str] = ()) -> dict:
     """Run the soak; the report as a dict (``ok``: the pass verdict)."""
     slots = Path(tempfile.mkdtemp(prefix="moe-offload-soak-slots-"))
-    proc, base = start_server(model, parallel, [*extra, "--slot-save-path", str(slots)])
+    proc, base = start_server(model, parallel, [*SERVE_FLAGS, *extra, "--slot-save-path",
+                                                str(slots)])
     server = psutil.Process(proc.pid)
     tally = Tally()
     t0 = time.monotonic()
@@ -382,10 +372,14 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
                     "client_dropped": tally.outcomes["dropped_waiting"]
                     + tally.outcomes["dropped_streaming"]},
         "health_after": health, "traceback_in_log": "Traceback" in log,
+        # a limit hit over and over is said once, then at most once a minute
+        "limit_notices": sum("(--header-timeout)" in line or "(--max-connections)" in line
+                             for line in log.splitlines()),
     }
     report["ok"] = (fivexx == 0 and tally.outcomes["malformed"] == 0 and not mismatched
                     and tally.outcomes["transport_error"] == 0 and health == 200
                     and not report["traceback_in_log"]
+                    and report["limit_notices"] <= 2 * (minutes + 1)
                     and not any(k.startswith(("invalid_got_", "status_", "slot_attack_got_"))
                                 for k in tally.outcomes))
     return report
@@ -401,7 +395,6 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="the report as JSON")
     args = parser.parse_args()
     model = args.model
-    sys.path.insert(0, str(REPO))           # runtime: the demo model, the slot file format
     if model is None:
         from runtime.cache import cached_model  # noqa: PLC0415
         from runtime.commands.demo import default_spec  # noqa: PLC0415
@@ -427,6 +420,8 @@ def main() -> int:
               + (f" (differ: {m['mismatched']})" if m["mismatched"] else ""))
         print(f"  cancelled in /metrics: {m['cancelled_total']:.0f}; clients that hung up: "
               f"{m['client_dropped']}")
+        print(f"  limit notices in the log: {report['limit_notices']} (said once, then at most "
+              "once a minute)")
         for failure in report["validation_failures"]:
             print(f"  FAILED: {failure}")
     return 0 if report["ok"] else 1

@@ -20,10 +20,13 @@ from pathlib import Path
 from runtime.errors import UserError
 
 log = logging.getLogger("moe_offload.server")
+BACKLOG = 128           # connections the kernel completes before the server accepts them (also
+                        # how many the event loop accepts at once: descriptors over the cap)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from runtime.commands.engine_args import HelpFormatter, add_engine_args, add_sampling_args
+    from runtime.server.connection_guard import FD_RESERVE
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -145,6 +148,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     limits.add_argument("--max-grammar-repeat", type=int, default=1000, metavar="N",
                         help="largest repetition count in a grammar or schema (minLength, "
                              "maxItems, x{m,n} ...); all of them together: 16x this")
+    limits.add_argument("--max-json-depth", type=int, default=128, metavar="N",
+                        help="deepest nesting of arrays and objects in a JSON body")
+    limits.add_argument("--max-stop-strings", type=int, default=64, metavar="N",
+                        help="most stop strings per request")
+    limits.add_argument("--max-stop-bytes", type=int, default=4096, metavar="BYTES",
+                        help="a request's stop strings together, in UTF-8 bytes")
+    limits.add_argument("--max-tokenize-kib", type=int, default=1024, metavar="KiB",
+                        help="largest text /tokenize takes")
+    limits.add_argument("--max-detokenize-tokens", type=int, default=262144, metavar="N",
+                        help="most token ids /detokenize takes")
+    conns = parser.add_argument_group("connections and side work (slowloris, floods)")
+    conns.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                       help="open client connections; a new one past it closes the oldest "
+                            "that has sent no request (lowered to the open-file limit less "
+                            f"{FD_RESERVE})")
+    conns.add_argument("--header-timeout", type=float, default=20.0, metavar="S",
+                       help="seconds a connection has to send a whole request head, from "
+                            "when it opens or its last answer ends; then it is closed")
+    conns.add_argument("--threads-http", type=int, default=2, metavar="N",
+                       help="threads for the work beside generation (tokenize, detokenize, "
+                            "templates, schema preparation); --queue-size requests may wait "
+                            "for one, more get 429")
     group.add_argument("--tags", default=None, metavar="A,B",
                        help="the model's tags, listed by /v1/models")
     group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
@@ -184,7 +209,7 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(128)
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise UserError(f"{host}:{port}: cannot listen ({exc.strerror})") from None
@@ -198,8 +223,10 @@ def _url(sock: socket.socket) -> str:
 
 
 def _setup_logging(verbose: bool) -> None:
+    from runtime.server.request_log import PrintableFormatter
+
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("moe-offload: %(message)s"))
+    handler.setFormatter(PrintableFormatter("moe-offload: %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.DEBUG if verbose else logging.INFO)
     log.propagate = False
@@ -207,14 +234,13 @@ def _setup_logging(verbose: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, a UserError if the model cannot load."""
-    import uvicorn
-
     from gguf_tools.facts import read_model_facts
     from runtime.commands.engine_args import sampling_from_args, settings_from_args
     from runtime.engine.engine import Engine, check_model_path
     from runtime.server.app import ServerSettings, begin_shutdown, create_app
     from runtime.server.cors_proxy import proxy_allow_list
     from runtime.server.exposure import exposure_warning
+    from runtime.server.connection_guard import ConnectionLimits, guarded_server
     from runtime.server.limits import Limits
 
     from runtime.engine.file_lease import handle_breaks
@@ -255,7 +281,14 @@ def run(args: argparse.Namespace) -> int:
         limits = Limits(max_body_bytes=args.max_body_mib << 20,
                         max_prompt_tokens=args.max_prompt_tokens,
                         max_grammar_bytes=args.max_grammar_kib << 10,
-                        max_repeat=args.max_grammar_repeat)
+                        max_repeat=args.max_grammar_repeat, max_json_depth=args.max_json_depth,
+                        max_stop_strings=args.max_stop_strings,
+                        max_stop_bytes=args.max_stop_bytes,
+                        max_tokenize_bytes=args.max_tokenize_kib << 10,
+                        max_detokenize_tokens=args.max_detokenize_tokens)
+        connection_limits = ConnectionLimits(args.max_connections, args.header_timeout)
+        if args.threads_http < 1:
+            raise ValueError("--threads-http must be >= 1")
         proxy_allow = proxy_allow_list(args.ui_mcp_proxy_allow)
     except ValueError as exc:
         raise UserError(f"serve: {exc}") from None
@@ -343,18 +376,15 @@ def run(args: argparse.Namespace) -> int:
                                     slot_save_path=slot_dir, web_ui=args.web_ui,
                                     cors_proxy=args.cors_proxy,
                                     cors_proxy_allow=proxy_allow, limits=limits,
+                                    threads_http=args.threads_http,
                                     tags=tuple(t.strip() for t in (args.tags or "").split(",")
                                                if t.strip())),
                      load, on_ready=on_ready, on_load_failure=on_failure,
                      on_closed=None if capture is None else on_closed)
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM
-            begin_shutdown(app)     # answers in flight end now, not after the drain timeout
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                   timeout_graceful_shutdown=3, lifespan="on"))
+    server = guarded_server(app, connection_limits, on_exit=lambda: begin_shutdown(app),
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                            lifespan="on", backlog=BACKLOG)
     log.info("listening on %s (loading %s)", shown, model_path.name)
     try:
         server.run(sockets=socks)

@@ -19,15 +19,14 @@ import json
 import uuid
 from typing import Any, Literal
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
-from runtime.server.completions import chat_answer, chat_base, submit_chat
+from runtime.server.completions import (chat_answer, chat_base, count_chat_tokens,
+                                        submit_chat)
 from runtime.server.errors import APIError, anthropic_error_body, register_route_shape
-from runtime.server.requests import prepare_chat
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
 from runtime.server.translated_stream import chat_request, event_source
 
@@ -295,10 +294,4 @@ async def messages(body: MessagesRequest, request: Request):
 async def count_tokens(body: MessagesRequest, request: Request) -> dict:
     """``{"input_tokens": N}``: the prompt tokens the request would take (a whole Messages
     request is accepted too, as llama-server does: its other fields do not change the count)."""
-    chat = to_chat_request(body)
-    engine = request.app.state.host.engine()
-    settings = request.app.state.settings
-    prep = await anyio.to_thread.run_sync(lambda: prepare_chat(
-        engine, chat, None, settings.reasoning, settings.reasoning_format,
-        limits=settings.limits))
-    return {"input_tokens": prep.prompt_tokens}
+    return {"input_tokens": await count_chat_tokens(request, to_chat_request(body))}

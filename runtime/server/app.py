@@ -8,7 +8,8 @@ the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/heal
 ``/models`` and the page's static files wants ``Authorization: Bearer KEY``.
 
 The engine is loaded on a background thread once the server runs (see model_host.py); requests
-are served one at a time, in order, by the bounded queue (queue.py).
+are served in order by the bounded queue (queue.py), and the work beside generation
+(tokenizing, templates, schema preparation) by a small bounded pool (side_work.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from runtime.server.request_log import JsonBody, RequestLog
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.limits import Limits
 from runtime.server.queue import RequestQueue
+from runtime.server.side_work import SideWork
 from runtime.server.reasoning import FORMATS
 from runtime.version import package_version
 
@@ -85,10 +87,14 @@ class ServerSettings:
     # hosts / addresses / networks /cors-proxy may reach although internal (--ui-mcp-proxy-allow)
     cors_proxy_allow: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)   # what one request may ask (limits.py)
+    # threads for tokenizing, templates and schema preparation (--threads-http; side_work.py)
+    threads_http: int = 2
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        if self.threads_http < 1:
+            raise ValueError("threads_http must be >= 1")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.reasoning not in ("on", "off", "auto"):
@@ -203,6 +209,8 @@ async def metrics(request: Request) -> Response:
     decodes = batcher.steps if batcher is not None else getattr(engine, "decode_calls", 0)
     busy = batcher.busy_per_step() if batcher is not None else float(bool(decodes))
     text += state.llamacpp.render(queue, decodes, busy)
+    if getattr(state, "side_work", None) is not None:
+        text += state.side_work.to_prometheus()
     remote = getattr(engine, "remote", None) if engine is not None else None
     if remote is not None:
         text += remote.to_prometheus()
@@ -246,6 +254,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.queue = RequestQueue(settings.max_waiting, workers=settings.parallel)
+        app.state.side_work = SideWork(settings.threads_http, settings.max_waiting)
         app.state.host.start(on_ready=on_ready, on_failure=on_load_failure)
         try:
             yield

@@ -22,7 +22,8 @@ from runtime.engine.types import CANCELLED
 from runtime.server import shapes, structured
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.errors import APIError
-from runtime.server.jobs import SHUTDOWN_GRACE_S, chat_frames, collect, submit
+from runtime.server.jobs import (SHUTDOWN_GRACE_S, chat_frames, collect, side_work,
+                                 submit)
 from runtime.server.requests import Prepared, prepare_chat, prepare_completion
 from runtime.server.queue import Job
 from runtime.server.reasoning import split_reasoning
@@ -137,15 +138,22 @@ def _usage_with_cache(prep: Prepared, results: list) -> dict:
     return usage
 
 
+async def count_chat_tokens(request: Request, body: ChatCompletionRequest) -> int:
+    """The prompt tokens a chat request would take, counted on the side pool (its template
+    rendered, its schemas checked; 429 when the pool is full)."""
+    engine = request.app.state.host.engine()
+    settings = request.app.state.settings
+    prep = await side_work(request, lambda: prepare_chat(
+        engine, body, None, settings.reasoning, settings.reasoning_format,
+        limits=settings.limits))
+    return prep.prompt_tokens
+
+
 @router.post("/chat/completions/input_tokens")
 @router.post("/v1/chat/completions/input_tokens")
 async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
     """How many prompt tokens the request would take (llama-server's)."""
-    engine = request.app.state.host.engine()
-    settings = request.app.state.settings
-    prep = await anyio.to_thread.run_sync(lambda: prepare_chat(
-        engine, body, None, settings.reasoning, limits=settings.limits))
-    return {"input_tokens": prep.prompt_tokens}
+    return {"input_tokens": await count_chat_tokens(request, body)}
 
 
 @router.post("/v1/completions")

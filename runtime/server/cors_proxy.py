@@ -2,8 +2,9 @@
 
 A browser page (llama.cpp's web UI, for its MCP servers) cannot call a server that sends no
 CORS headers; ``GET|POST /cors-proxy?url=URL`` makes the call from here and answers with the
-target's status, content type and body (streamed, so an SSE answer flows as it comes). Only the
-headers the page names as ``x-llama-server-proxy-header-NAME: VALUE`` reach the target (as
+target's status, content type, ``Location`` (a redirect is not followed here: the page
+follows it, through the proxy again) and body (streamed, so an SSE answer flows as it
+comes). Only the headers the page names as ``x-llama-server-proxy-header-NAME: VALUE`` reach the target (as
 ``NAME: VALUE``): the page's own Authorization, cookies and API key never do. Without the
 flag the route is 403, as llama-server answers.
 
@@ -284,6 +285,9 @@ async def cors_proxy(request: Request) -> StreamingResponse:
     except ValueError as exc:            # http.client's checks of the URL and headers
         raise _bad_url(f"invalid target URL or header: {exc}") from None
     media_type = response.headers.get("content-type")
+    # a redirect goes back as it came (_NoRedirect): with its target, for the page to follow
+    location = response.headers.get("location")
     # a sync iterator: Starlette reads it on its thread pool, chunk by chunk
     return StreamingResponse(_chunks(response), status_code=response.status,
-                             media_type=media_type)
+                             media_type=media_type,
+                             headers={"Location": location} if location else None)

@@ -18,7 +18,7 @@ from runtime.engine.embedding import embed, pooled
 from runtime.engine.types import ModelFileChanged, NonFiniteLogits, Timings
 from runtime.errors import UserError
 from runtime.server.errors import APIError
-from runtime.server.jobs import engine_failure
+from runtime.server.jobs import engine_failure, queue_refusal, side_work
 from runtime.server.requests import json_object
 from runtime.server.token_ids import checked_ids, engine_vocab
 from runtime.server.queue import QueueClosed, QueueFull
@@ -99,8 +99,9 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
     if oai and not pooled(engine):
         raise APIError(400, "Pooling type 'none' is not OAI compatible. Please use a different "
                             "pooling type", code="invalid_value")
-    tokens = [checked_ids(_tokens(engine, x, i), engine_vocab(engine), "input")
-              for i, x in enumerate(items)]
+    tokens = await side_work(request, lambda: [     # off the event loop: a long text
+        checked_ids(_tokens(engine, x, i), engine_vocab(engine), "input")   # takes a while
+        for i, x in enumerate(items)])
     results = []
     for ids in tokens:                # one after another: the engine holds one sequence
         def work(_cancel, ids=ids):
@@ -113,9 +114,7 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
         try:
             job = state.queue.submit(work)
         except (QueueFull, QueueClosed) as exc:
-            raise APIError(429 if isinstance(exc, QueueFull) else 503, str(exc),
-                           code="queue_full" if isinstance(exc, QueueFull) else
-                           "server_shutdown") from exc
+            raise queue_refusal(state, exc) from exc
         try:
             async for vectors in job:
                 results.append((ids, vectors))

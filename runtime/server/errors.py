@@ -58,7 +58,8 @@ class APIError(Exception):
 # Anthropic's error types by HTTP status (the Messages API's own shape)
 _ANTHROPIC_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error",
                              403: "permission_error", 404: "not_found_error",
-                             413: "request_too_large", 429: "rate_limit_error",
+                             405: "invalid_request_error", 413: "request_too_large",
+                             429: "rate_limit_error",
                              503: "overloaded_error"}
 
 
@@ -159,7 +160,7 @@ def route_response(path: str, err: APIError) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every error path of the app through the OpenAI error shape."""
+    """Route every error path of the app through the error shape of the route's API."""
 
     def answer(request: Request, err: APIError) -> JSONResponse:
         return route_response(request.url.path, err)
@@ -184,15 +185,18 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             err = APIError(405, f"Method {request.method} is not allowed for "
                                 f"{request.url.path}.", code="method_not_allowed")
+        elif exc.status_code == 400:     # FastAPI could not read the body (not JSON text)
+            err = APIError(400, f"We could not parse the JSON body of your request "
+                                f"({exc.detail}).", code="invalid_json")
         else:
             err = APIError(exc.status_code, str(exc.detail), code=None)
         if exc.headers:
             err.headers = dict(exc.headers)
-        return err.response()
+        return answer(request, err)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Last resort: handlers should have turned engine failures into APIError(500) already.
         log.exception("unhandled error in request")
-        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}",
-                        code="internal_error").response()
+        return answer(request, APIError(500, f"Internal server error: {type(exc).__name__}: "
+                                             f"{exc}", code="internal_error"))

@@ -91,9 +91,29 @@ def engine_failure(exc: BaseException) -> APIError:
     return APIError(500, f"Generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+def queue_refusal(state: Any, exc: QueueFull | QueueClosed) -> APIError:
+    """The answer to a request the queue (or the side pool) cannot take: 429 with
+    ``Retry-After`` when it is full, 503 when the server is stopping."""
+    if isinstance(exc, QueueClosed):
+        return APIError(503, "The server is shutting down.", code="server_shutdown")
+    state.metrics.observe_queue_full()
+    return APIError(429, f"The server is busy ({exc}); retry later.",
+                    code="queue_full", headers={"Retry-After": "1"})
+
+
+async def side_work(request: Request, work: Callable[[], Any]) -> Any:
+    """``work()`` on the side pool (side_work.py: tokenize, templates, token counts); 429
+    when its threads are busy and its waiting places taken."""
+    state = request.app.state
+    try:
+        return await state.side_work.run(work)
+    except QueueFull as exc:
+        raise queue_refusal(state, exc) from exc
+
+
 async def submit(request: Request, prepare: Callable[[Any], Prepared]) -> tuple[Prepared, Job]:
-    """Prepare the request off the event loop (its checks, the limits' included), then queue
-    its generation (429 when full)."""
+    """Take a place in the queue (429 at once when full), prepare the request on the side pool
+    (its checks and limits, its schema's grammar), then queue its generation in that place."""
     state = request.app.state
     if state.settings.embedding:
         raise APIError(501, "This server does not support completions. Start it without "
@@ -101,22 +121,41 @@ async def submit(request: Request, prepare: Callable[[Any], Prepared]) -> tuple[
                        error_type="not_supported_error")
     engine = state.host.engine()                      # 503 while loading
     try:
-        prep = await anyio.to_thread.run_sync(prepare, engine)
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - tokenizer/template trouble is answered, not fatal
-        raise engine_failure(exc) from exc
-    try:
-        job = state.queue.submit(generation(engine, prep, state.metrics,
-                                             getattr(state, "llamacpp", None),
-                                             record_for(request)))
-    except QueueClosed as exc:
-        raise APIError(503, "The server is shutting down.", code="server_shutdown") from exc
-    except QueueFull as exc:
-        state.metrics.observe_queue_full()
-        raise APIError(429, f"The server is busy ({exc}); retry later.",
-                       code="queue_full", headers={"Retry-After": "1"}) from exc
+        reservation = state.queue.reserve()
+    except (QueueFull, QueueClosed) as exc:
+        raise queue_refusal(state, exc) from exc
+    with reservation:                                 # given back unless the job takes it
+        try:
+            prep = await state.side_work.run(lambda: prepare(engine), queued=True)
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - tokenizer/template trouble is answered
+            raise engine_failure(exc) from exc
+        try:
+            job = state.queue.submit(generation(engine, prep, state.metrics,
+                                                 getattr(state, "llamacpp", None),
+                                                 record_for(request)), reservation)
+        except (QueueFull, QueueClosed) as exc:
+            raise queue_refusal(state, exc) from exc
     return prep, job
+
+
+async def run_queued(request: Request, action: Callable[[], Any]) -> Any:
+    """``action()`` as one job of the generation queue, in turn with the generations (a slot's
+    save, restore or erase waits there for its slot, holding no other thread); its result,
+    or 429 when the queue is full."""
+    state = request.app.state
+
+    def work(_cancel: threading.Event) -> Iterator[Any]:
+        yield action()
+    try:
+        job = state.queue.submit(work)
+    except (QueueFull, QueueClosed) as exc:
+        raise queue_refusal(state, exc) from exc
+    results = [result async for result in job]
+    if not results:                   # cancelled before it ran: the server is stopping
+        raise APIError(503, "The server is shutting down.", code="server_shutdown")
+    return results[0]
 
 
 async def collect(request: Request, job: Job, prep: Prepared) -> list[shapes.ChoiceResult]:

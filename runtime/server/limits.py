@@ -1,4 +1,5 @@
-"""What one request may ask of the server: body size, prompt tokens, grammar and schema size.
+"""What one request may ask of the server: body size and depth, prompt tokens, grammar and
+schema size, stop strings, tokenize / detokenize size.
 
 Each limit is checked before the work it bounds starts, and a request over one is a 400
 ``limit_exceeded`` that names the limit and the flag that raises it (the body's size is
@@ -35,9 +36,22 @@ class Limits:
     # one count: minLength, maxItems, x{m,n} (--max-grammar-repeat); llama.cpp's grammar parser
     # refuses the converter's nested optional rules past ~1000 (maxLength 1024 fails there)
     max_repeat: int = 1000
+    # nested arrays/objects in a JSON body, checked before anything parses it (Python's parser
+    # recurses once per level: 100k levels were a RecursionError); a tool schema at
+    # MAX_SCHEMA_DEPTH sits about 70 deep (--max-json-depth)
+    max_json_depth: int = 128
+    # stop strings: each is searched for in the text after every token, on the thread that
+    # steps every slot (--max-stop-strings, --max-stop-bytes: their UTF-8 bytes together)
+    max_stop_strings: int = 64
+    max_stop_bytes: int = 4096
+    # /tokenize's content (--max-tokenize-kib) and /detokenize's ids (--max-detokenize-tokens)
+    max_tokenize_bytes: int = 1 << 20
+    max_detokenize_tokens: int = 1 << 18
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_grammar_bytes", "max_repeat"):
+        for name in ("max_body_bytes", "max_grammar_bytes", "max_repeat", "max_json_depth",
+                     "max_stop_strings", "max_stop_bytes", "max_tokenize_bytes",
+                     "max_detokenize_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
@@ -134,9 +148,37 @@ def check_grammar(grammar: str, limits: Limits, param: str) -> None:
                     "16x --max-grammar-repeat")
 
 
+def check_stop(stop: list[str], limits: Limits, param: str = "stop") -> None:
+    """400 when a request's stop strings are too many or too long together."""
+    if len(stop) > limits.max_stop_strings:
+        raise _over(param, "a list of", len(stop), limits.max_stop_strings,
+                    "stop strings, --max-stop-strings")
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stop)
+    if size > limits.max_stop_bytes:
+        raise _over(param, "stop strings of", size, limits.max_stop_bytes,
+                    "bytes together, --max-stop-bytes")
+
+
+def check_tokenize(content: str, limits: Limits) -> None:
+    size = len(content.encode("utf-8", "surrogatepass"))
+    if size > limits.max_tokenize_bytes:
+        raise _over("content", "a text of", size, limits.max_tokenize_bytes,
+                    "bytes, --max-tokenize-kib")
+
+
+def check_detokenize(tokens: list, limits: Limits) -> None:
+    if len(tokens) > limits.max_detokenize_tokens:
+        raise _over("tokens", "a list of", len(tokens), limits.max_detokenize_tokens,
+                    "token ids, --max-detokenize-tokens")
+
+
 def check_request(body: Any, limits: Limits) -> None:
-    """Every grammar and schema a completion request carries, before any is converted:
-    ``grammar``, ``json_schema``, ``response_format``'s schema, each tool's parameters."""
+    """Every grammar, schema and stop string a completion request carries, before any is
+    converted: ``grammar``, ``json_schema``, ``response_format``'s schema, each tool's
+    parameters, ``stop``."""
+    stop = getattr(body, "stop", None)
+    if stop:
+        check_stop([stop] if isinstance(stop, str) else list(stop), limits)
     grammar = getattr(body, "grammar", None)
     if isinstance(grammar, str):
         check_grammar(grammar, limits, "grammar")

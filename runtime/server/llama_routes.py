@@ -15,7 +15,6 @@ import json
 import math
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
@@ -24,8 +23,9 @@ from runtime.engine.context_shift import truncate_prompt
 from runtime.engine.types import CANCELLED
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError, llama_error, register_route_shape
-from runtime.server.jobs import collect, engine_failure, submit
-from runtime.server.limits import Limits, check_prompt_tokens, check_request
+from runtime.server.jobs import collect, engine_failure, side_work, submit
+from runtime.server.limits import (Limits, check_detokenize, check_prompt_tokens, check_request,
+                                   check_tokenize)
 from runtime.server.llama_schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.schemas import ChatCompletionRequest
 from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_slot,
@@ -222,13 +222,16 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    """Token ids (with their pieces) of ``content``, up to ``--max-tokenize-kib`` of it; the
+    work and its JSON on the side pool (a long text with pieces takes seconds)."""
     engine = request.app.state.host.engine()
+    check_tokenize(body.content, request.app.state.settings.limits)
 
-    def work() -> dict:             # off the event loop: a long text takes a while
+    def work() -> JSONResponse:
         tokens = engine.tokenize(body.content, add_special=body.add_special)
         if not body.with_pieces:
-            return {"tokens": tokens}
+            return JSONResponse({"tokens": tokens})
         out = []
         for t in tokens:
             piece = engine.token_bytes(t, special=True)
@@ -237,20 +240,22 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
             except UnicodeDecodeError:
                 shown = list(piece)            # llama-server: bytes when not valid UTF-8
             out.append({"id": t, "piece": shown})
-        return {"tokens": out}
-    return await anyio.to_thread.run_sync(work)
+        return JSONResponse({"tokens": out})
+    return await side_work(request, work)
 
 
 @router.post("/detokenize")
-async def detokenize(request: Request) -> dict:
+async def detokenize(request: Request) -> JSONResponse:
+    """The text of up to ``--max-detokenize-tokens`` ids, on the side pool."""
     body = await json_object(request)
     tokens = body.get("tokens", [])
     engine = request.app.state.host.engine()
     if not isinstance(tokens, list):
         raise APIError(400, "tokens: must be a list of token ids", code="invalid_value",
                        param="tokens")
+    check_detokenize(tokens, request.app.state.settings.limits)
     ids = checked_ids(tokens, engine_vocab(engine), "tokens")
-    return {"content": await anyio.to_thread.run_sync(engine.detokenize, ids)}
+    return await side_work(request, lambda: JSONResponse({"content": engine.detokenize(ids)}))
 
 
 @router.post("/apply-template")
@@ -274,9 +279,9 @@ async def apply_template(request: Request) -> dict:
     tools = req.tool_dicts() if structured.template_knows_tools(template.source) else None
     variables = template_variables(request.app.state.settings.reasoning,
                                    req.template_kwargs())
-    # as the chat path renders it (a last assistant message is a prefill); off the event
-    # loop: a long chat takes a while to render
-    return {"prompt": await anyio.to_thread.run_sync(lambda: render_prompt(
+    # as the chat path renders it (a last assistant message is a prefill); on the side pool:
+    # a long chat takes a while to render
+    return {"prompt": await side_work(request, lambda: render_prompt(
         engine, messages, tools=tools, add_generation_prompt=add, variables=variables))}
 
 

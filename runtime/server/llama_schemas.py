@@ -12,6 +12,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from runtime.server.errors import APIError
+from runtime.server.schemas import INT64
+
+BAN = float("-inf")     # a logit bias that bans the token (llama-server's for false, ignore_eos)
 
 
 class TokenizeRequest(BaseModel):
@@ -58,13 +61,13 @@ class NativeCompletionRequest(BaseModel):
     n_predict: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=0)          # accepted alias of n_predict
     temperature: float | None = Field(None, ge=0.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)        # llama.cpp's int32
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float | None = Field(None, gt=0.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, **INT64)
     stop: list[str] | None = None
     stream: bool = False
     return_tokens: bool = False
@@ -136,9 +139,13 @@ class NativeCompletionRequest(BaseModel):
         items = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \
             (tuple(pair) for pair in (self.logit_bias or []))
         for item in items:
-            token, value = item[0], item[1] if len(item) > 1 else None
+            if len(item) != 2:
+                raise APIError(400, f"logit_bias: {list(item)!r:.60} is not a pair: each entry "
+                                    "is [token id or string, bias] (or false to ban)",
+                               code="invalid_value", param="logit_bias")
+            token, value = item
             if value is False:
-                value = -100.0                   # llama-server: false bans the token
+                value = BAN                      # llama-server: false bans the token (-inf)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise APIError(400, "logit_bias: each entry is [token id or string, bias] "
                                     "(or false to ban)", code="invalid_value", param="logit_bias")
@@ -154,7 +161,7 @@ class NativeCompletionRequest(BaseModel):
             for t in ids:
                 bias[int(t)] = float(value)
         for token in eog if self.ignore_eos else ():
-            bias[int(token)] = -100.0
+            bias[int(token)] = BAN
         pick = lambda v, d: d if v is None else v  # noqa: E731
         return _Fields(pick(self.temperature, defaults.temperature), pick(self.top_p, defaults.top_p),
                        pick(self.top_k, defaults.top_k), pick(self.min_p, defaults.min_p),

@@ -12,6 +12,11 @@ Bound: at most ``max_waiting`` jobs wait behind the running one; ``submit`` rais
 (its client went away) leaves the queue at once: it holds no place against that bound and is
 not counted as waiting (invariant: every job in ``_waiting`` has its cancel event clear, as
 far as the last ``_drop_cancelled`` saw).
+
+A request that must be prepared before its job exists (a schema turned into a grammar takes
+seconds) takes its place first: ``reserve()`` counts it as waiting (or raises ``QueueFull``
+at once, before any work), and ``submit(work, reservation)`` turns the place into the job.
+So 40 such requests at once cost the preparation of those that fit, not of all 40.
 """
 from __future__ import annotations
 
@@ -41,6 +46,25 @@ class QueueStats:
     running: int        # 0 or 1
     waiting: int        # jobs submitted and not yet started
     max_waiting: int
+
+
+class Reservation:
+    """A place in the queue taken before the job exists (``RequestQueue.reserve``); used by
+    ``submit`` or given back by ``release`` (both once: a second call does nothing)."""
+
+    __slots__ = ("_queue", "_held")
+
+    def __init__(self, queue: RequestQueue) -> None:
+        self._queue, self._held = queue, True
+
+    def release(self) -> None:
+        self._queue._give_back(self)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
 
 
 class _End:
@@ -104,6 +128,7 @@ class RequestQueue:
         self._ready = threading.Condition(self._lock)
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
+        self._reserved = 0                 # places taken by requests still being prepared
         self._closed = False
         self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
                          for i in range(workers)]
@@ -114,23 +139,49 @@ class RequestQueue:
         with self._lock:
             self._drop_cancelled()
             return QueueStats(running=len(self._running),
-                              waiting=len(self._waiting), max_waiting=self.max_waiting)
+                              waiting=len(self._waiting) + self._reserved,
+                              max_waiting=self.max_waiting)
 
-    def submit(self, work: Work) -> Job:
-        """Queue ``work``; raises ``QueueFull`` when ``max_waiting`` jobs are already waiting.
+    def reserve(self) -> Reservation:
+        """Take a place for a job to be submitted later; raises ``QueueFull`` (or
+        ``QueueClosed``) as ``submit`` would."""
+        with self._lock:
+            self._check_room()
+            self._reserved += 1
+        return Reservation(self)
+
+    def submit(self, work: Work, reservation: Reservation | None = None) -> Job:
+        """Queue ``work`` (in the place ``reservation`` holds, if given); raises
+        ``QueueFull`` when ``max_waiting`` jobs are already waiting.
 
         A job that arrives while nothing runs starts at once and never counts as waiting.
         """
         job = Job(work, asyncio.get_running_loop())
         with self._lock:
-            if self._closed:
-                raise QueueClosed("the server is shutting down")
-            self._drop_cancelled()
-            if not self._has_room():
-                raise QueueFull(f"queue full: {len(self._waiting)} waiting")
+            if reservation is not None and reservation._held:
+                reservation._held = False
+                self._reserved -= 1
+                if self._closed:
+                    raise QueueClosed("the server is shutting down")
+            else:
+                self._check_room()
             self._waiting.append(job)
             self._ready.notify()
         return job
+
+    def _check_room(self) -> None:
+        """Raise unless one more job may wait (lock held)."""
+        if self._closed:
+            raise QueueClosed("the server is shutting down")
+        self._drop_cancelled()
+        if not self._has_room():
+            raise QueueFull(f"queue full: {len(self._waiting) + self._reserved} waiting")
+
+    def _give_back(self, reservation: Reservation) -> None:
+        with self._lock:
+            if reservation._held:
+                reservation._held = False
+                self._reserved -= 1
 
     def cancel_all(self) -> None:
         """Refuse new jobs and cancel every job, waiting or running; does not block."""
@@ -164,8 +215,9 @@ class RequestQueue:
         # Jobs that idle workers are about to take are not really waiting (a worker may not
         # have woken up yet): only those beyond the idle workers count.
         idle = self.workers - len(self._running)
-        waiting = max(0, len(self._waiting) - idle)
-        return waiting < self.max_waiting or len(self._waiting) < idle
+        pending = len(self._waiting) + self._reserved
+        waiting = max(0, pending - idle)
+        return waiting < self.max_waiting or pending < idle
 
     def _next(self) -> Job | None:
         with self._lock:

@@ -7,10 +7,14 @@ whatever its Content-Type says.
 A generation route fills its request's ``GenerationRecord`` (``record_for(request)``) from the
 worker thread; the line is written when the response has been sent (a stream: at its end).
 Pure ASGI middleware (not ``BaseHTTPMiddleware``): streams and disconnects pass untouched.
+What a client sent (a path with ``%0d%0a`` or ``%1b``, a field quoted in an error) is logged
+with its control characters escaped (``printable``, ``PrintableFormatter``): it cannot end
+the line, forge another, or drive the terminal.
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -20,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("moe_offload.server")
 
 QUIET_PATHS = frozenset({"/health", "/v1/health"})     # pollers: no line (as llama-server)
+MAX_LOGGED_PATH = 256                                   # characters of a path in a line
 _STATE_KEY = "generation_record"
 
 
@@ -46,10 +51,36 @@ def record_for(request: Request) -> GenerationRecord:
     return record
 
 
+# C0 and C1 controls, DEL, line/paragraph separators, bidirectional overrides
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e"
+                      "\u2066-\u2069]")
+
+
+def _escaped(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters escaped (``\\x0a``, ``\\x1b``, ``\\u202e``)."""
+    return _CONTROL.sub(_escaped, text)
+
+
+class PrintableFormatter(logging.Formatter):
+    """A formatter whose messages carry no control characters (a traceback below one keeps
+    its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def log_line(method: str, path: str, client: str, status: int, seconds: float,
              record: GenerationRecord | None) -> str:
     """The request's line (without the ``moe-offload:`` prefix the handler adds)."""
-    parts = [f"{method} {path} {client} {status}".replace("  ", " ")]
+    if len(path) > MAX_LOGGED_PATH:      # a 16 KiB URL makes no 16 KiB line
+        path = f"{path[:MAX_LOGGED_PATH]}...({len(path)} characters)"
+    parts = [printable(f"{method} {path} {client} {status}".replace("  ", " "))]
     if record is not None and (record.prompt_tokens or record.generated_tokens):
         tps = record.generated_tokens / record.seconds if record.seconds > 0 else 0.0
         parts.append(f"{record.prompt_tokens} prompt + {record.generated_tokens} generated "

@@ -236,7 +236,7 @@ async def json_object(request: Request) -> dict:
     """The request's body as a JSON object (an empty body is ``{}``), or a 400."""
     try:
         body = json.loads(await request.body() or b"{}")
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:    # (body_guard.py bounds the depth first)
         raise APIError(400, f"We could not parse the JSON body of your request ({exc}).",
                        code="invalid_json") from exc
     if not isinstance(body, dict):

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.server.completions import chat_answer, chat_base, submit_chat
+from runtime.server.completions import (chat_answer, chat_base, count_chat_tokens,
+                                        submit_chat)
 from runtime.server.errors import APIError
-from runtime.server.requests import prepare_chat
 from runtime.server.responses_stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)
@@ -279,10 +278,5 @@ async def responses(body: ResponsesRequest, request: Request):
 async def input_tokens(body: ResponsesRequest, request: Request) -> dict:
     """``{"object": "response.input_tokens", "input_tokens": N}`` (a whole Responses request is
     accepted: its other fields do not change the count)."""
-    chat = to_chat_request(body)
-    engine = request.app.state.host.engine()
-    settings = request.app.state.settings
-    prep = await anyio.to_thread.run_sync(lambda: prepare_chat(
-        engine, chat, None, settings.reasoning, settings.reasoning_format,
-        limits=settings.limits))
-    return {"object": "response.input_tokens", "input_tokens": prep.prompt_tokens}
+    return {"object": "response.input_tokens",
+            "input_tokens": await count_chat_tokens(request, to_chat_request(body))}

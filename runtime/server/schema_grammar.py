@@ -116,6 +116,19 @@ def _converter():
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
+def rebased(schema: Any, pointer: str) -> Any:
+    """A copy of ``schema`` to be placed at JSON pointer ``pointer`` (``"/properties/x"``) of
+    a bigger schema: its local refs (``#/$defs/a``, relative to its own root) rewritten to
+    reach the same nodes from the bigger schema's root (``#/properties/x/$defs/a``), so a
+    tool's recursive ``$defs`` work inside the call grammar as they do on their own."""
+    schema = copy.deepcopy(schema)
+    for node in _ref_nodes(schema):
+        ref = node["$ref"]
+        if ref == "#" or ref.startswith("#/"):
+            node["$ref"] = f"#{pointer}{ref[1:]}"
+    return schema
+
+
 def schema_to_gbnf(schema: Any, param: str) -> str:
     """GBNF for ``schema``; a 400 naming ``param`` when it cannot be one."""
     if not isinstance(schema, dict):

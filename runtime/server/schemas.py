@@ -21,6 +21,8 @@ MAX_CHOICES = 16        # n
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier",
                   "prompt_cache_key")
 REASONING_OFF = ("none", "minimal")     # reasoning_effort values that turn thinking off
+INT64 = {"ge": -(1 << 63), "le": (1 << 64) - 1}   # an integer field's bounds: 64 bits, as
+                                                  # llama-server's parser holds
 
 
 class StreamOptions(BaseModel):
@@ -37,7 +39,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)    # tokens to generate
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, **INT64)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.server.errors import APIError
-from runtime.server.schema_grammar import schema_to_gbnf
+from runtime.server.schema_grammar import rebased, schema_to_gbnf
 
 
 class ToolFormat(enum.Enum):
@@ -137,10 +137,15 @@ def selected_functions(tools: list[dict], tool_choice: Any) -> list[dict] | None
 def call_grammar(functions: list[dict], fmt: ToolFormat) -> str:
     """GBNF for exactly one call of one of ``functions``, in ``fmt``."""
     key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
+    # each function's parameters sit at .../properties/KEY of the call's schema: their refs
+    # are rebased there (a recursive $defs tree resolves as it does on its own)
+    at = [f"/properties/{key}" if len(functions) == 1 else f"/oneOf/{i}/properties/{key}"
+          for i in range(len(functions))]
     alternatives = [{"type": "object",
                      "properties": {"name": {"const": f["name"]},
-                                    key: f.get("parameters") or {"type": "object"}},
-                     "required": ["name", key]} for f in functions]
+                                    key: rebased(f.get("parameters") or {"type": "object"},
+                                                 pointer)},
+                     "required": ["name", key]} for f, pointer in zip(functions, at)]
     schema = alternatives[0] if len(alternatives) == 1 else {"oneOf": alternatives}
     body = _gbnf(schema, "tools").replace("root ::=", "call ::=", 1)
     if fmt is ToolFormat.HERMES:

@@ -1,6 +1,6 @@
 """``--ui-mcp-proxy`` on the real server: /cors-proxy calls the target with only the headers
-named ``x-llama-server-proxy-header-*``, passes its status and body back, and is 403 without
-the flag; an internal target is a 400, as llama-server answers."""
+named ``x-llama-server-proxy-header-*``, passes its status, body and a redirect's Location
+back, and is 403 without the flag; an internal target is a 400, as llama-server answers."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,10 @@ KEY = "proxy-test-key"
 class _Target(BaseHTTPRequestHandler):
     def _answer(self, body: bytes) -> None:
         self.server.seen.append((self.command, self.path, dict(self.headers), body))
-        status = 404 if self.path == "/missing" else 200
+        status = {"/missing": 404, "/moved": 302}.get(self.path, 200)
         self.send_response(status)
+        if status == 302:
+            self.send_header("Location", "/ok")
         self.send_header("Content-Type", "application/json")
         payload = json.dumps({"path": self.path, "body": body.decode()}).encode()
         self.send_header("Content-Length", str(len(payload)))
@@ -68,6 +70,8 @@ def test_proxy_forwards_only_named_headers(start_server, tiny_model, target):
         assert r.status_code == 200 and r.json()["body"] == '{"jsonrpc":"2.0"}'
         assert http.get("/cors-proxy", params={"url": f"{base}/missing"},
                         headers=auth).status_code == 404          # the target's status
+        moved = http.get("/cors-proxy", params={"url": f"{base}/moved"}, headers=auth)
+        assert moved.status_code == 302 and moved.headers["location"] == "/ok"   # for the page
         bad = http.get("/cors-proxy", params={"url": "file:///etc/passwd"}, headers=auth)
         assert bad.status_code == 400 and "scheme" in bad.json()["error"]["message"]
         assert http.get("/cors-proxy", params={"url": f"http://u:p@127.0.0.1:{target.server_port}/"},

@@ -67,6 +67,21 @@ CORPUS = [
                                                        "minLength": 10**8}}}}), "minLength"),
     ("/detokenize", '{"tokens": "abc"}', "tokens"),
     ("/detokenize", '{"tokens": [1.5]}', "tokens"),
+    # numbers past 64 bits (an OverflowError, a 500, or accepted and echoed before)
+    ("/completion", '{"prompt":"hi","n_predict":2,"logit_bias":[[1,' + "9" * 400 + "]]}",
+     "64-bit"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,'
+                             '"logit_bias":{"1":' + "9" * 400 + "}}", "64-bit"),
+    ("/completion", '{"prompt":"hi","n_predict":2,"top_k":%d}' % 2**70, "64-bit"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":"hi"}],"seed":%d}' % 2**70,
+     "64-bit"),
+    ("/completion", '{"prompt":"hi","json_schema":{"type":"integer","minimum":1%s}}' % ("0" * 400),
+     "64-bit"),
+    ("/completion", '{"prompt":"hi","n_predict":2,"top_k":%d}' % 2**40, "top_k"),
+    ("/completion", '{"prompt":"hi","n_predict":2,"seed":1e25}', "seed"),
+    # a logit_bias entry that is not a [token, bias] pair (an IndexError, a 500, before)
+    ("/completion", '{"prompt":"hi","n_predict":2,"logit_bias":[[]]}', "not a pair"),
+    ("/completion", '{"prompt":"hi","n_predict":2,"logit_bias":[[1,2,3]]}', "not a pair"),
 ]
 
 # (path, body, the limit's words in the message): refused at once
@@ -92,8 +107,15 @@ LIMITS = [
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model):
-    return start_server(tiny_model, "--max-prompt-tokens", "1000", "--max-body-mib", "1")
+def server(start_server, tiny_model, tmp_path_factory):
+    return start_server(tiny_model, "--max-prompt-tokens", "1000", "--max-body-mib", "1",
+                        "--slot-save-path", str(tmp_path_factory.mktemp("slots")))
+
+
+def _a_normal_request_succeeds(server) -> None:
+    r = httpx.post(f"{server.base_url}/completion", json={"prompt": "hi", "n_predict": 1},
+                   timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def _post(server, path: str, raw: str | bytes) -> httpx.Response:
@@ -106,6 +128,37 @@ def test_bad_input_is_a_4xx_in_the_routes_shape(server, path, raw, word):
     err = error_of(_post(server, path, raw), path)
     assert word in err["message"], err
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    _a_normal_request_succeeds(server)
+
+
+# Every failure class of a request on every API's routes, each in that API's shape (OpenAI,
+# Anthropic, llama-server): once, deep JSON was a 500 RecursionError on the routes that read
+# their body themselves, and unreadable bodies and 405s answered in OpenAI's shape everywhere.
+ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses",
+          "/completion", "/tokenize", "/detokenize", "/infill", "/apply-template",
+          "/slots/0?action=save"]
+FAILURES = {    # class: (raw body or an HTTP method, a word the message must hold)
+    "parse": (b'{"messages": [', "parse"),
+    "nesting": (('{"a":' * 100_000 + "1" + "}" * 100_000).encode(), "--max-json-depth"),
+    "encoding": (b'{"prompt": "caf\xe9", "content": "\xff"}'.decode("unicode_escape")
+                 .encode("latin-1"), "UTF-8"),
+    "size": (b'{"prompt": "' + b"x" * (1 << 20) + b'"}', "--max-body-mib"),
+    "method": ("PUT", "not allowed"),
+}
+
+
+@pytest.mark.parametrize("kind", list(FAILURES))
+@pytest.mark.parametrize("path", ROUTES)
+def test_every_failure_class_answers_in_the_apis_shape(server, path, kind):
+    body, word = FAILURES[kind]
+    if isinstance(body, str):
+        r = httpx.request(body, f"{server.base_url}{path}", timeout=60)
+    else:
+        r = _post(server, path, body)
+    err = error_of(r, path.split("?")[0])
+    assert word in err["message"], err
+    assert (r.status_code == 405) == (kind == "method"), r.status_code
+    _a_normal_request_succeeds(server)
 
 
 @pytest.mark.parametrize("path,body,words", LIMITS, ids=[w for _, _, w in LIMITS])
@@ -162,6 +215,31 @@ def test_what_the_limits_and_checks_let_through(server):
                        "type": "object", "properties": {"a": {"type": "string"}}}}}]},
                    timeout=60)
     assert r.status_code == 200, r.text
+    # the recursive tree response_format takes is a tool's parameters too, forced or not (a
+    # forced call's grammar once looked its $defs up from the call's root: "points to nothing")
+    for choice in ("auto", "required"):
+        r = httpx.post(f"{base}/v1/chat/completions", json={
+            "messages": USER, "max_tokens": 4, "tool_choice": choice, "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": TREE}},
+                {"type": "function", "function": {"name": "g", "parameters": TREE}}]},
+            timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_logit_bias_false_bans_the_token_as_llama_server_does(server):
+    """llama-server's ``false`` is a bias of -inf: the token cannot come out, even when every
+    other token is pushed down by -100 (with false as -100, the greedy pick came out)."""
+    base = server.base_url
+    greedy = {"prompt": "Once upon a time", "n_predict": 1, "temperature": 0,
+              "return_tokens": True}
+    first = httpx.post(f"{base}/completion", json=greedy, timeout=60).json()["tokens"][0]
+    n_vocab = int(httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}, timeout=30)
+                  .json()["error"]["message"].split("n_vocab ")[1].split(":")[0])
+    bias = [[t, -100] for t in range(n_vocab) if t != first] + [[first, False]]
+    r = httpx.post(f"{base}/completion", json=greedy | {"logit_bias": bias}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"][0] != first
+    assert {"token": first, "bias": None} in r.json()["generation_settings"]["logit_bias"]
 
 
 def test_the_cases_left_the_log_clean(server):

@@ -171,3 +171,57 @@ def test_a_waiting_job_whose_client_left_leaves_the_queue_at_once() -> None:
 
     _run(main())
     assert ran == ["c", "d"]
+
+
+def test_a_reservation_holds_a_place_until_submitted_or_released() -> None:
+    """A request being prepared holds its place (counted as waiting): the next one past the
+    bound is refused before any of its work; the place becomes the job, or is given back."""
+    release = threading.Event()
+
+    def blocking(cancel: threading.Event):
+        release.wait(10)
+        yield "done"
+
+    async def main():
+        queue = RequestQueue(max_waiting=1)
+        running = queue.submit(blocking)
+        await _until(lambda: queue.stats().running == 1)
+        place = queue.reserve()
+        assert queue.stats().waiting == 1
+        with pytest.raises(QueueFull):
+            queue.reserve()
+        with pytest.raises(QueueFull):
+            queue.submit(blocking)
+        place.release()
+        place.release()                            # a second release does nothing
+        assert queue.stats().waiting == 0
+        with queue.reserve() as place:             # the job takes the place it holds
+            job = queue.submit(lambda cancel: iter(["after"]), place)
+        assert queue.stats().waiting == 1          # (leaving the block gives nothing back)
+        with pytest.raises(QueueFull):
+            queue.reserve()
+        release.set()
+        results = await asyncio.gather(_drain(running), _drain(job))
+        assert queue.stats().waiting == 0
+        queue.close()
+        with pytest.raises(QueueClosed):
+            queue.reserve()
+        return results
+
+    assert _run(main()) == [["done"], ["after"]]
+
+
+def test_a_reservation_on_an_idle_worker_is_not_waiting() -> None:
+    """With a worker idle, a place is taken without counting against max_waiting=0."""
+    async def main():
+        queue = RequestQueue(max_waiting=0, workers=2)
+        first, second = queue.reserve(), queue.reserve()
+        with pytest.raises(QueueFull):
+            queue.reserve()
+        jobs = [queue.submit(lambda cancel: iter([1]), first),
+                queue.submit(lambda cancel: iter([2]), second)]
+        results = await asyncio.gather(*(_drain(j) for j in jobs))
+        queue.close()
+        return results
+
+    assert _run(main()) == [[1], [2]]

@@ -64,6 +64,23 @@ def test_a_log_line_per_request(server):
     assert not _lines(server, r"GET /health ", wait_s=0)     # pollers make no line
 
 
+def test_control_characters_from_a_client_are_escaped_in_the_log(server):
+    """CR/LF and ESC in a URL path once forged whole log lines (and drove the terminal); a
+    long path is cut."""
+    forged = "moe-offload: POST /v1/chat/completions 10.0.0.1 200 | 0.01 s"
+    for raw in ("/x%0d%0a" + forged.replace(" ", "%20"), "/y%1b[31m%e2%80%ae%00"):
+        assert httpx.get(f"{server.base_url}{raw}", timeout=10).status_code == 404
+    assert _lines(server, r"GET /x\\x0d\\x0amoe-offload: POST .* 127\.0\.0\.1 404 \| ")
+    assert _lines(server, r"GET /y\\x1b\[31m\\u202e\\x00 127\.0\.0\.1 404 \| ")
+    assert httpx.get(f"{server.base_url}/z{'a' * 5000}", timeout=10).status_code == 404
+    assert _lines(server, r"GET /za{254}\.\.\.\(5002 characters\) 127\.0\.0\.1 404")  # cut
+    log = server.log()
+    assert not any(line.startswith(forged) for line in log.splitlines()), log
+    assert not any(c in log for c in "\x1b\x00\u202e\r"), repr(log[-500:])
+    r = httpx.post(f"{server.api_url}/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_fields_that_change_nothing_are_accepted(server):
     plain = httpx.post(f"{server.api_url}/chat/completions", json=CHAT, timeout=60)
     labels = {"user": "u-1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
