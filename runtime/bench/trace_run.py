@@ -71,8 +71,6 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int | None, n_ctx
                               n_threads_batch=threads, manage_residency=row.kind == "managed",
                               config=_residency_config(row), repack=row.repack,
                               route_trace=trace)
-    from runtime.engine.loading import thread_counts  # noqa: PLC0415
-
     pid = os.getpid()
     t0 = time.perf_counter()
     engine = Engine(settings, progress=False)
@@ -116,7 +114,8 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int | None, n_ctx
             "read_bytes_per_decode_token": (io_end - io_first) / decode_tokens
             if decode_tokens else None,
             "lazy_experts": bool(getattr(engine, "lazy_experts", False)),
-            "threads": list(thread_counts(settings)),     # (decode, prompt) as run
+            "threads": list(engine.threads.current()),   # (decode, prompt) as run
+            "threads_note": engine.threads.describe(),
             "imposed": engine.imposed.note() if engine.imposed is not None else None,
         }
         if before is not None:

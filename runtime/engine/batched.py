@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from runtime.engine import slot_state
 from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
-from runtime.engine.loading import thread_counts
 from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.prefill_pace import PrefillPacer
 from runtime.engine.prompt_cache import PromptCache
@@ -99,8 +98,6 @@ class BatchScheduler:
         self._ll = engine._ll  # noqa: SLF001 - the scheduler is the engine's other driver
         self._batch = MultiBatch(engine.n_batch)
         self._pacer = PrefillPacer()              # prompt tokens per step beside generation
-        self._threads = thread_counts(engine.settings)      # (decode, prompt) as the context's
-        self._threads_now = self._threads[1]
         self._waiting: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: list[_Slot] = []           # arrived, not admitted yet (FIFO)
         self._wake = threading.Event()
@@ -365,13 +362,11 @@ class BatchScheduler:
         # docs/benchmarks/2026-12-06-parallel-slots.md). A short prompt step likewise: under
         # PROMPT_THREADS_MIN_ROWS rows its compute is about that of starting the thread pool
         # (4 short prompts admitted at once stalled 0.37 s on a loaded machine).
-        threads = self._threads[1] if phase == Phase.PREFILL and \
-            batch.n >= PROMPT_THREADS_MIN_ROWS else self._threads[0]
-        if threads != self._threads_now:
-            self._ll.llama_set_n_threads(engine.ctx_ptr, self._threads[0], threads)
-            self._threads_now = threads
+        threads_phase = Phase.PREFILL if phase == Phase.PREFILL and \
+            batch.n >= PROMPT_THREADS_MIN_ROWS else Phase.DECODE
         # the hook reports rows, not positions: the batch's sequences each have their own
-        decode(engine, batch, phase, 0, batch.n, batch.n_outputs, f"on a batch of {batch.n}")
+        decode(engine, batch, phase, 0, batch.n, batch.n_outputs, f"on a batch of {batch.n}",
+               threads_phase=threads_phase)
 
     def _report(self, slot: _Slot) -> None:
         if slot.progress:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 from runtime.native import interrupt
 from runtime.engine.logprobs import sample_token
@@ -20,17 +21,29 @@ from runtime.residency.types import Phase
 
 
 def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,
-           where: str) -> None:
+           where: str, *, threads_phase: Phase | None = None) -> None:
     """Run ``batch`` (a ``runtime.engine.batch`` batch) through ``engine``'s context, framed
     for its routing hook. ``first_pos``: the context position of the batch's first token as
     the hook reports it; ``where``: the batch in a failure's message ("at position 7").
     Raises ModelFileChanged (the model file is not the one loaded: nothing decoded),
     RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a unified KV
     pool is full), RuntimeError (another llama_decode failure), the hook's RouteCaptureError;
-    the hook's batch is ended or aborted either way."""
+    the hook's batch is ended or aborted either way. ``threads_phase``: the phase whose
+    thread count the call runs on (engine.threads: runtime/engine/threads.py), when not
+    ``phase`` (a mixed step, a short prompt step: the generation's)."""
     watch = engine.model_file              # a cut file read through the mapping is a SIGBUS
+    tuner = getattr(engine, "threads", None)
+    kind = threads_phase or (Phase.DECODE if phase == Phase.MIXED else phase)
+    if tuner is not None:
+        n = tuner.threads(kind)
+        if n != engine.threads_now:
+            engine._ll.llama_set_n_threads(engine.ctx_ptr, n, n)  # noqa: SLF001
+            engine.threads_now = n
+    started = time.perf_counter()
     with watch.batch() if watch is not None else contextlib.nullcontext():
         _decode(engine, batch, phase, first_pos, n_tokens, n_outputs, where)
+    if tuner is not None:
+        tuner.record(kind, engine.threads_now, time.perf_counter() - started, n_tokens)
 
 
 def _decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,

@@ -27,7 +27,8 @@ from runtime.engine import residency_setup as wiring
 from runtime.engine.batch import TokenBatch
 from runtime.engine.chat import ChatTemplate, model_template_source
 from runtime.engine.context_shift import shift, shift_plan
-from runtime.engine.loading import load_with_progress, make_context_params
+from runtime.engine.loading import (load_with_progress, make_context_params, thread_counts,
+                                    thread_tuner)
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
 from runtime.engine.imposed_routing import imposed_for
@@ -144,6 +145,9 @@ class Engine:
                 self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
         except RuntimeError as exc:
             raise UserError(f"{settings.model_path}: cannot create a context ({exc})") from None
+        # the threads each llama_decode runs on (decode.py sets them per call)
+        self.threads = thread_tuner(settings)
+        self.threads_now = thread_counts(settings)[1]
         # Ctrl-C inside a decode stops the graph at the next node (see interrupt.py)
         self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback(self._ll))
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)

@@ -43,11 +43,21 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
 
 
 def thread_counts(settings: EngineSettings) -> tuple[int, int]:
-    """(decode threads, prefill threads): llama-cpp-python's defaults unless given."""
+    """(generation threads, prompt threads) at most: the given ones (-t sets both, as in
+    llama.cpp), else every core; without -t each call runs on 1 or all of them, whichever
+    measures faster (runtime/engine/threads.py)."""
     cores = os.cpu_count() or 1
-    n_threads = settings.n_threads or max(cores // 2, 1)
+    n_threads = settings.n_threads or cores
     n_threads_batch = settings.n_threads_batch or settings.n_threads or cores
     return n_threads, n_threads_batch
+
+
+def thread_tuner(settings: EngineSettings):
+    """The engine's ThreadTuner: fixed by -t (and n_threads_batch), else measured."""
+    from runtime.engine.threads import ThreadTuner  # noqa: PLC0415
+
+    batch = settings.n_threads_batch or settings.n_threads
+    return ThreadTuner(os.cpu_count() or 1, fixed=(settings.n_threads, batch))
 
 
 # llama_pooling_type by name (None: LLAMA_POOLING_TYPE_UNSPECIFIED, the model's own)
