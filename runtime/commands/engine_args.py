@@ -39,7 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
     g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
                    help="context size in tokens (0 = the model's training context)")
     g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads (default: half the cores for generation, all for prompts)")
+                   help="CPU threads for generation and prompts (default: measured while it "
+                        "runs: 1 or every core, whichever is faster per token for each; on a "
+                        "busy machine one thread can be faster)")
+    g.add_argument("-tb", "--threads-batch", type=int, default=None, metavar="N",
+                   help="CPU threads for prompts (default: -t's, else measured as -t)")
     g.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int,
                    default=0, metavar="N",
                    help="layers whose dense weights go to the GPU (-1 = all); experts are "
@@ -232,6 +236,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         check_cuda_devices(config)
     return EngineSettings(
         model_path=args.model, n_ctx=args.ctx_size, n_threads=args.threads,
+        n_threads_batch=args.threads_batch,
         n_gpu_layers=gpu_layers, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
         seed=args.seed, config_path=getattr(args, "config", None), manage_residency=manage,
         verbose=args.verbose, config=config, flash_attn=args.flash_attn,

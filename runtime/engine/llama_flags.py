@@ -50,7 +50,6 @@ _UNTAKEN: dict[tuple[str, ...], str] = {
     ("--numa",): "NUMA placement is left to the kernel here",
     ("-C", "--cpu-mask", "-Cr", "--cpu-range", "--prio", "--poll", "--cpu-strict"):
         "thread placement is left to the kernel here; -t N sets the thread count",
-    ("-tb", "--threads-batch"): "-t N sets the threads; prompts use every core by default",
     ("--log-file", "--log-disable", "--log-colors", "--log-verbosity", "-lv", "--log-prefix",
      "--log-timestamps"): "logs go to stderr; -v shows llama.cpp's own log",
     ("-mu", "--model-url", "-dr", "--docker-repo"):
