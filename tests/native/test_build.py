@@ -21,7 +21,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
                                                "0003-ggml-cpu-amx-tile-config.patch",
                                                "0004-rpc-errors-not-abort.patch",
                                                "0005-ggml-vulkan-mmid-prealloc-per-graph.patch",
-                                               "0006-lazy-routed-experts.patch"]
+                                               "0006-lazy-routed-experts.patch",
+                                               "0007-ggml-cpu-weight-ready.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -39,6 +40,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert "memset(matrix_row_counts" not in cpu and "used_as" in cpu        # patch 0002
     vulkan = (tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp").read_text()
     assert "sized for every mmid of" in vulkan                                 # patch 0005
+    cpu_h = (tree / "ggml" / "include" / "ggml-cpu.h").read_text()
+    assert "ggml_cpu_set_weight_ready" in cpu_h and "weight_ready" in cpu        # patch 0007
 
 
 def test_build_is_cached_and_complete(native_build):
@@ -70,7 +73,10 @@ def test_key_depends_on_backend_and_flags():
     assert cuda != base
     assert build_key("src", BuildRequest(backend="cuda", cuda_arch="90", cuda_fa=False)) != cuda
     assert build_key("src", BuildRequest(backend="cpu", native_cpu=False)) != base
-    assert build_key("src", BuildRequest(backend="cpu", rpc=True)) != base
+    assert build_key("src", BuildRequest(backend="cpu", rpc=False)) != base
+    assert build_key("src", BuildRequest(backend="cpu", extra_cmake_args=("-DX=1",))) != base
+    # the RPC backend is in every build by default: the install's, the tests', gpu_check's
+    assert BuildRequest(backend="cpu").rpc is True
 
 
 def test_status_json_is_truthful(native_build, capsys):
