@@ -83,13 +83,21 @@ class _BuildProgress:
         self.thread.join()
 
 
+def build_with_progress(req, who: str):
+    """``runtime.native.build.build(req)`` (instant when built), its lines on the terminal
+    with ``who`` in front, and one at least every ``BUILD_NOTICE_S`` while it works."""
+    from runtime.native.build import build
+
+    with _BuildProgress(f"[{who}, once per cache] ") as say:
+        return build(req, log=say)
+
+
 def ensure_llama_build():
     """This install's patched llama.cpp (BuildInfo): the recorded one when current, else built
     here as ``pip install -e .`` builds it (CMAKE_ARGS picks the backend) and recorded as the
     install's unless the install chose another backend. Once per session."""
     global _LLAMA_BUILD
     if _LLAMA_BUILD is None:
-        from runtime.native.build import build
         from runtime.native.install import (RECORD, default_build, installed_backend,
                                             record_install, request_from_cmake_args)
         from runtime.native.source import cache_root
@@ -97,10 +105,9 @@ def ensure_llama_build():
         info = default_build()
         if info is None:
             req = request_from_cmake_args()
-            with _BuildProgress("[tests, once per cache] ") as say:
-                say(f"no current build of this install's llama.cpp in {cache_root()}: "
-                    f"building it ({req.backend}, minutes)")
-                info = build(req, log=say)
+            terminal_notice(f"[tests] no current build of this install's llama.cpp in "
+                            f"{cache_root()}: building it ({req.backend}, minutes)")
+            info = build_with_progress(req, "tests")
             if not (cache_root() / RECORD).is_file() or installed_backend() == info.backend:
                 record_install(info)
         _LLAMA_BUILD = info
