@@ -1,7 +1,8 @@
 """The real-scale benchmark: full-size models with a real router's routing, moe-offload against
-llama.cpp, side by side in one run.
+llama.cpp, side by side in one run, at the settings users have.
 
-    python scripts/bench_realscale.py [--case a] [--case b] [--case c] [--dir DIR] [-t 1]
+    python scripts/bench_realscale.py [--case a] [--case b] [--case c] [--threads 1,default]
+        [--read-ahead 128] [--busy N] [--dir DIR]
 
 Cases (models are written with ``moe-offload synth --preset``, one at a time, outside the
 repository in ``--dir``, and deleted after their case unless ``--keep``):
@@ -10,18 +11,29 @@ repository in ``--dir``, and deleted after their case unless ``--keep``):
   b  qwen3-30b-a3b Q8_0 (~32 GB, larger than this machine's RAM), top-6, no limit, the same trace;
   c  gpt-oss-120b (MXFP4 experts, ~61 GB), top-2, routing from the gpt-oss-120b trace: only where
      the disk holds it (the table says so when it does not).
-Rows: plain llama.cpp as a user runs it (llama-cpp-python's defaults: mmap, CPU repacking) and as
-a careful user would (``--no-repack``, mmap); moe-offload ``lru``, ``next-visit`` and
-``configs/best-replay.toml`` (affinity prefetch), each at the cpu budget ``plan`` picks for the
-case (the memory limit, or this machine's available RAM). Every row is its own process, started
-after the model file's pages were dropped from the page cache, and plays the whole trace:
-its prompt, then every decode row (routing imposed: ``--route-trace``).
+Rows, each at every ``--threads`` setting ("default": the runtime's own choice):
+  * ceiling: the same model and threads with every expert resident (no limit, the whole file in
+    the page cache first, llama.cpp's mmap, no repacking): the compute limit;
+  * plain llama.cpp as a user runs it (llama-cpp-python's defaults: mmap, CPU repacking) and as a
+    careful user would (``--no-repack``, mmap), at ``--read-ahead`` KiB (the usual 128: set on the
+    model's disk for the run and put back after, where this process may; else the table says
+    what it was), and once more at the machine's own read-ahead when that differs;
+  * moe-offload ``lru``, ``next-visit`` and ``configs/best-replay.toml`` (affinity prefetch), each
+    at the cpu budget ``plan`` picks for the case (the memory limit, or this machine's available
+    RAM), at ``--read-ahead``; ``lru`` once more at the machine's own read-ahead.
+Every row is its own process, started after the model file's pages were dropped from the page
+cache (the ceiling's: after the file was read whole), and plays the whole trace: its prompt,
+then every decode row (routing imposed: ``--route-trace``). ``--busy N`` runs N busy processes
+beside every row (a machine that does something else).
 
-Columns: load time, time to first token, decode t/s over the trace's decode tokens, bytes read
-from storage per decode token (/proc/PID/io), peak RAM (the model file's pages in the page cache
-+ the process's anonymous memory, sampled every 0.25 s), hit rate, and the live decode
-demand-miss bytes next to ``moe-offload replay``'s prediction for the same trace, config and
-budget. A row that dies says how (OOM, error, timeout). The table is printed and written to
+Columns: threads (decode/prompt), read-ahead, load time, time to first token, decode t/s and
+ms per token against the ceiling's at the same threads, bytes read from storage per decode
+token (/proc/PID/io), the share of the RAM tier's decode reads already in when first needed
+(overlap) and the time a thread waited for reads per decode token, peak RAM (the model file's
+pages in the page cache + the process's anonymous memory, sampled every second), hit rate, and
+the live decode demand-miss bytes next to ``moe-offload replay``'s prediction for the same
+trace, config and budget. A row that dies says how (OOM, error, timeout). The machine (cores,
+read-ahead, load before each row) is written with the table, printed and saved to
 ``docs/benchmarks/DATE-realscale.md`` with the command.
 """
 from __future__ import annotations
@@ -43,6 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from runtime.bench.machine import BusyLoad, ReadAhead, load_now, read_ahead_kb, warm  # noqa: E402
 from runtime.bench.memwatch import MemoryWatch  # noqa: E402
 from runtime.bench.trace_run import TraceRow  # noqa: E402
 from runtime.ramtier.cgroup import MemoryLimit  # noqa: E402
@@ -107,13 +120,27 @@ def planned_budget(model: Path, limit: int | None, ctx: int) -> int:
     return next(d.budget_bytes for d in plan.devices if d.device == "cpu")
 
 
-def rows_for(budget: int, cost: dict | None) -> list[TraceRow]:
+@dataclass(frozen=True)
+class Run:
+    """One row of the table: a TraceRow at a thread count and a read-ahead."""
+
+    row: TraceRow
+    threads: int | None          # None: the runtime's default
+    read_ahead: int | None       # KiB; None: the machine's own
+    ceiling: bool = False        # every expert resident: no limit, the file in the cache first
+
+    @property
+    def label(self) -> str:
+        return self.row.name
+
+
+def rows_for(budget: int, cost: dict | None, threads: list[int | None], read_ahead: int | None,
+             own_read_ahead: int | None) -> list[Run]:
     both = lambda name: {"policy": {"prefill": {"eviction": name},  # noqa: E731
                                     "decode": {"eviction": name}}}
     label = format_size(budget)
-    return [
-        TraceRow("llama.cpp (defaults)", "llama.cpp", note="mmap, CPU repacking on"),
-        TraceRow("llama.cpp --no-repack", "llama.cpp", repack=False, note="mmap"),
+    default = threads[-1]
+    managed = [
         TraceRow("lru", "managed", config=both("lru"), budget_bytes=budget, note=label,
                  cost=cost),
         TraceRow("next-visit", "managed", config=both("next-visit"), budget_bytes=budget,
@@ -121,6 +148,16 @@ def rows_for(budget: int, cost: dict | None) -> list[TraceRow]:
         TraceRow("best-replay.toml", "managed", budget_bytes=budget, note=label, cost=cost,
                  config_path=str(ROOT / "configs" / "best-replay.toml")),
     ]
+    no_repack = TraceRow("llama.cpp --no-repack", "llama.cpp", repack=False, note="mmap")
+    runs = [Run(TraceRow("ceiling", "llama.cpp", repack=False, note="all experts resident"), t,
+                None, ceiling=True) for t in threads]
+    runs.append(Run(TraceRow("llama.cpp (defaults)", "llama.cpp",
+                             note="mmap, CPU repacking on"), default, read_ahead))
+    runs += [Run(no_repack, t, read_ahead) for t in threads]
+    runs += [Run(row, t, read_ahead) for row in managed for t in threads]
+    if own_read_ahead is not None and read_ahead is not None and own_read_ahead != read_ahead:
+        runs += [Run(no_repack, default, own_read_ahead), Run(managed[0], default, own_read_ahead)]
+    return runs
 
 
 def trace_at_model_sizes(trace: Path, model: Path, directory: Path) -> Path:
@@ -142,11 +179,15 @@ def trace_at_model_sizes(trace: Path, model: Path, directory: Path) -> Path:
     return out
 
 
-def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None, threads: int,
-            timeout: float) -> dict:
-    """The row in a fresh process, its memory watched from here. A row past ``timeout``
-    seconds is stopped and reports how far it got (its ``@@`` progress lines)."""
+def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None,
+            threads: int | None, timeout: float, warm_first: bool = False) -> dict:
+    """The row in a fresh process, its memory watched from here, after the model file's pages
+    were dropped (``warm_first``: after the whole file was read into the page cache). A row
+    past ``timeout`` seconds is stopped and reports how far it got (its ``@@`` progress
+    lines)."""
     drop_file_cache(str(model))
+    if warm_first:
+        warm(model)
     job = json.dumps({"model": str(model), "trace": str(trace), "row": row.to_json(),
                       "threads": threads})
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
@@ -257,21 +298,45 @@ def fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
-def table(case: Case, results: list[tuple[TraceRow, dict, int | None]]) -> list[str]:
-    head = ("row", "budget", "load s", "TTFT s", "decode t/s", "disk MB/tok", "peak RAM GiB",
+def _threads(r: dict, run: Run) -> str:
+    t = r.get("threads")
+    if t:
+        return f"{t[0]}/{t[1]}"
+    return "default" if run.threads is None else str(run.threads)
+
+
+def _reads(r: dict) -> tuple[str, str]:
+    """(overlap %, wait ms per decode token) of the RAM tier's decode reads, or dashes."""
+    reads = (r.get("reads") or {}).get("decode")
+    n = r.get("decode_tokens") or 0
+    if not reads or not n:
+        return "-", "-"
+    overlap = reads.get("overlap")
+    return (fmt(overlap is not None and 100 * overlap, ".0f"),
+            f"{1000 * reads['wait_s'] / n:.1f}")
+
+
+def table(case: Case, results: list[tuple[Run, dict, int | None]]) -> list[str]:
+    head = ("row", "threads", "read-ahead KiB", "budget", "load s", "TTFT s", "decode t/s",
+            "ms/tok (x ceiling)", "disk MB/tok", "overlap %", "wait ms/tok", "peak RAM GiB",
             "hit %", "decode demand-miss MB (live)", "replay MB", "live/replay",
-            "prefetch used / issued MB")
+            "prefetch used / issued MB", "machine load")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row, r, predicted in results:
+    ceiling = {_threads(r, run): r["decode_tps"] for run, r, _ in results
+               if run.ceiling and "died" not in r and r.get("decode_tps")}
+    for run, r, predicted in results:
+        row = run.row
+        ra = "-" if run.ceiling else str(r.get("read_ahead_kb", "-"))
+        load = r.get("load", "-")
         if "died" in r:
             p = r.get("partial") or {}
-            cells = [row.name, row.note, fmt(p.get("load_s"), ".1f"),
+            cells = [row.name, _threads(r, run), ra, row.note, fmt(p.get("load_s"), ".1f"),
                      fmt(p.get("ttft_s"), ".2f"),
-                     f"({p['decode_tps']:.3f})" if p.get("decoded") else "-",
+                     f"({p['decode_tps']:.3f})" if p.get("decoded") else "-", "-",
                      fmt(p.get("read_bytes_per_decode_token") and
-                         p["read_bytes_per_decode_token"] / 1e6, ".1f"),
+                         p["read_bytes_per_decode_token"] / 1e6, ".1f"), "-", "-",
                      f"{r.get('peak_ram_bytes', 0) / GIB:.2f}", "-", "-", "-", "-",
-                     r["died"]]
+                     r["died"], load]
             lines.append("| " + " | ".join(cells) + " |")
             continue
         d = r.get("decode")
@@ -280,40 +345,62 @@ def table(case: Case, results: list[tuple[TraceRow, dict, int | None]]) -> list[
         ratio = live / predicted if live is not None and predicted else None
         pf = (f"{d['prefetch_used_bytes'] / 1e6:.0f} / {d['prefetch_issued_bytes'] / 1e6:.0f}"
               if d and d["prefetch_issued_bytes"] else "-")
-        cells = [row.name, row.note, f"{r['load_s']:.1f}", fmt(r.get("ttft_s"), ".2f"),
-                 f"{r['decode_tps']:.2f}", fmt(r.get("read_bytes_per_decode_token") and
-                                              r["read_bytes_per_decode_token"] / 1e6, ".1f"),
+        tps = r["decode_tps"]
+        base = ceiling.get(_threads(r, run))
+        ms = f"{1000 / tps:.0f}" + (f" ({base / tps:.2f}x)" if base and not run.ceiling else "") \
+            if tps else "-"
+        overlap, wait = _reads(r)
+        cells = [row.name, _threads(r, run), ra, row.note, f"{r['load_s']:.1f}",
+                 fmt(r.get("ttft_s"), ".2f"), f"{tps:.2f}", ms,
+                 fmt(r.get("read_bytes_per_decode_token") is not None and
+                     r["read_bytes_per_decode_token"] / 1e6, ".1f"), overlap, wait,
                  f"{r['peak_ram_bytes'] / GIB:.2f}", fmt(hit, ".1f"),
                  fmt(live and live / 1e6, ".0f"), fmt(predicted and predicted / 1e6, ".0f"),
-                 fmt(ratio, ".3f"), pf]
+                 fmt(ratio, ".3f"), pf, load]
         lines.append("| " + " | ".join(cells) + " |")
-    ok = [(row, r) for row, r, _ in results if "died" not in r]
-    base = [r["decode_tps"] for row, r in ok if row.kind == "llama.cpp"]
-    # a llama.cpp row stopped at the time limit: its rate so far (decode only speeds up as the
-    # page cache warms, so this flatters it less than it seems: say so)
-    partial = [r["partial"]["decode_tps"] for row, r, _ in results
-               if row.kind == "llama.cpp" and r.get("partial", {}).get("decoded")]
-    if not base and partial:
-        base = partial
-        lines.append("")
-        lines.append("(llama.cpp rows stopped at the time limit: their decode rate so far, in "
-                     "parentheses, is the baseline below)")
-    lru = next((r["decode_tps"] for row, r in ok if row.name == "lru"), None)
-    if base:
-        best = max(base)
-        lines.append("")
-        lines.append("decode speed against the best llama.cpp row that ran "
-                     f"({best:.2f} t/s): " + ", ".join(
-                         f"{row.name} {r['decode_tps'] / best:.2f}x" for row, r in ok
-                         if row.kind == "managed"))
-    else:
-        lines.append("")
-        lines.append("no llama.cpp row ran to the end")
-    if lru:
-        lines.append("against lru: " + ", ".join(
-            f"{row.name} {r['decode_tps'] / lru:.2f}x" for row, r in ok
-            if row.kind == "managed" and row.name != "lru"))
+    lines += ["", *summary(results)]
     return lines
+
+
+def summary(results: list[tuple[Run, dict, int | None]]) -> list[str]:
+    """Each managed row against llama.cpp --no-repack at the same threads and read-ahead
+    (its rate so far when it was stopped), and against lru."""
+    out = []
+    base: dict[tuple[str, object], float] = {}
+    for run, r, _ in results:
+        if run.row.name == "llama.cpp --no-repack":
+            rate = r.get("decode_tps") if "died" not in r else (r.get("partial") or {}).get(
+                "decode_tps")
+            if rate:
+                base[(_threads(r, run), r.get("read_ahead_kb"))] = rate
+    lru = {(_threads(r, run), r.get("read_ahead_kb")): r["decode_tps"]
+           for run, r, _ in results if run.row.name == "lru" and "died" not in r}
+    for run, r, _ in results:
+        if run.row.kind != "managed" or "died" in r:
+            continue
+        key = (_threads(r, run), r.get("read_ahead_kb"))
+        parts = []
+        if base.get(key):
+            parts.append(f"{r['decode_tps'] / base[key]:.2f}x llama.cpp --no-repack")
+        if run.row.name != "lru" and lru.get(key):
+            parts.append(f"{r['decode_tps'] / lru[key]:.2f}x lru")
+        if parts:
+            out.append(f"- {run.row.name}, threads {key[0]}, read-ahead {key[1]} KiB: "
+                       + ", ".join(parts))
+    return out
+
+
+def parse_threads(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "default":
+            out.append(None)
+        elif part.isdigit() and int(part) > 0:
+            out.append(int(part))
+        else:
+            raise SystemExit(f"--threads {text}: a list of thread counts or 'default'")
+    return out
 
 
 def main() -> int:
@@ -324,7 +411,14 @@ def main() -> int:
                         help="cases to run (default: a, b, c)")
     parser.add_argument("--dir", default=os.path.expanduser("~/.cache/moe-offload/realscale"),
                         help="where the models are written (outside the repository)")
-    parser.add_argument("-t", "--threads", type=int, default=1, help="llama.cpp threads")
+    parser.add_argument("-t", "--threads", default="1,default",
+                        help="thread counts, each row at each (default: 1,default; 'default' is "
+                             "the runtime's own choice)")
+    parser.add_argument("--read-ahead", type=int, default=128, metavar="KIB",
+                        help="read_ahead_kb of the model's disk for the rows (default 128, the "
+                             "usual; set and put back where this process may); 0: leave it")
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="N busy processes beside every row (a competing CPU load)")
     parser.add_argument("--rows", default=None,
                         help="comma-separated row names to run (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the models afterwards")
@@ -341,6 +435,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="markdown file (default: "
                         "docs/benchmarks/DATE-realscale.md)")
     args = parser.parse_args()
+    threads = parse_threads(args.threads)
     cases = [CASES[k] for k in (args.case or sorted(CASES))]
     cost_table, cost_path = None, Path(args.cost) if args.cost else None
     if args.cost:                   # the live managed rows run on the same [cost] as replay
@@ -350,57 +445,23 @@ def main() -> int:
             cost_table = tomllib.load(fh).get("cost")
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
+    own_ra = read_ahead_kb(directory)
+    wanted_ra = args.read_ahead or None
     command = "python scripts/bench_realscale.py " + " ".join(sys.argv[1:])
     report = [f"# Real-scale benchmark, {dt.date.today().isoformat()}", "",
               "```", command, "```", "",
               f"Machine: {os.cpu_count()} cores, "
-              f"{format_size(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} RAM, "
-              f"llama.cpp threads {args.threads}. Routing imposed from the real traces "
-              "(`--route-trace`); model weights are random (`moe-offload synth --preset`).", ""]
-    for case in cases:
-        print(f"\n== case {case.key}: {case.title}", flush=True)
-        free = shutil.disk_usage(directory).free
-        need = planned_size(case)
-        report += [f"## Case {case.key}: {case.title}", ""]
-        if need > free - 2 * GIB:
-            msg = (f"not run: the model needs {format_size(need)} and {directory} has "
-                   f"{format_size(free)} free")
-            print(msg)
-            report += [msg, ""]
-            continue
-        model = write_model(case, directory)
-        try:
-            budget = planned_budget(model, case.mem_limit, 512)
-            cost_file, case_cost = cost_path, cost_table
-            if args.calibrate:
-                cost_file, case_cost = calibrate(model, directory)
-                report += [f"`moe-offload calibrate --storage {model.name}`: "
-                           + ", ".join(f"{k} = {v}" for k, v in case_cost.items()), ""]
-            rows = rows_for(budget, case_cost)
-            sized = trace_at_model_sizes(case.trace, model, directory)
-            if args.rows:
-                wanted = {r.strip() for r in args.rows.split(",")}
-                rows = [r for r in rows if r.name in wanted]
-            results = []
-            for row in rows:
-                print(f"-- {row.name} ...", flush=True)
-                r = run_row(model, case.trace, row, limit=case.mem_limit,
-                            threads=args.threads, timeout=args.timeout)
-                predicted = replay_prediction(sized, row, budget, cost_file)
-                results.append((row, r, predicted))
-                print(json.dumps({k: v for k, v in r.items() if k != "tier_notices"}),
-                      flush=True)
-            lines = table(case, results)
-            print("\n".join(lines), flush=True)
-            report += [f"Model {model.name}: {format_size(model.stat().st_size)}; cpu budget "
-                       f"(plan, at -c 512{' under the limit' if case.mem_limit else ''}): "
-                       f"{format_size(budget)}; trace {case.trace.name}.", "", *lines, ""]
-        finally:
-            if not args.keep:
-                model.unlink(missing_ok=True)
-            for p in [*directory.glob(f"*.{model.stem}.rtb"),
-                      *directory.glob(f"{model.stem}.cost.toml")]:
-                p.unlink()
+              f"{format_size(os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))} RAM; "
+              f"the model's disk has read_ahead_kb {own_ra} (rows ran at "
+              f"{wanted_ra or own_ra} KiB unless the column says otherwise); "
+              f"{load_now().describe()} at the start"
+              + (f"; {args.busy} busy processes beside every row" if args.busy else "")
+              + ". Routing imposed from the real traces (`--route-trace`); model weights are "
+              "random (`moe-offload synth --preset`).", ""]
+    with BusyLoad(args.busy):
+        for case in cases:
+            report += run_case(case, args, threads, wanted_ra, own_ra, cost_path, cost_table,
+                               directory)
     out = Path(args.out) if args.out else \
         ROOT / "docs" / "benchmarks" / f"{dt.date.today().isoformat()}-realscale.md"
     from runtime.atomic_write import write_text  # noqa: PLC0415
@@ -408,6 +469,59 @@ def main() -> int:
     write_text(out, "\n".join(report) + "\n")
     print(f"\nwrote {out}")
     return 0
+
+
+def run_case(case: Case, args, threads, wanted_ra, own_ra, cost_path, cost_table,
+             directory: Path) -> list[str]:
+    print(f"\n== case {case.key}: {case.title}", flush=True)
+    free = shutil.disk_usage(directory).free
+    need = planned_size(case)
+    report = [f"## Case {case.key}: {case.title}", ""]
+    if need > free - 2 * GIB:
+        msg = (f"not run: the model needs {format_size(need)} and {directory} has "
+               f"{format_size(free)} free")
+        print(msg)
+        return report + [msg, ""]
+    model = write_model(case, directory)
+    try:
+        budget = planned_budget(model, case.mem_limit, 512)
+        cost_file, case_cost = cost_path, cost_table
+        if args.calibrate:
+            cost_file, case_cost = calibrate(model, directory)
+            report += [f"`moe-offload calibrate --storage {model.name}`: "
+                       + ", ".join(f"{k} = {v}" for k, v in case_cost.items()), ""]
+        runs = rows_for(budget, case_cost, threads, wanted_ra, own_ra)
+        sized = trace_at_model_sizes(case.trace, model, directory)
+        if args.rows:
+            wanted = {r.strip() for r in args.rows.split(",")}
+            runs = [r for r in runs if r.row.name in wanted]
+        results = []
+        for run in runs:
+            with ReadAhead(model, run.read_ahead) as ra:
+                load = load_now(args.busy)
+                print(f"-- {run.label}, threads {run.threads or 'default'}, read-ahead "
+                      f"{ra.now} KiB, {load.describe()} ...", flush=True)
+                r = run_row(model, case.trace, run.row, limit=None if run.ceiling else
+                            case.mem_limit, threads=run.threads, timeout=args.timeout,
+                            warm_first=run.ceiling)
+                r["read_ahead_kb"] = ra.now
+                r["load"] = f"{load.load1:.1f}" + (f" +{args.busy} busy" if args.busy else "")
+            predicted = replay_prediction(sized, run.row, budget, cost_file)
+            results.append((run, r, predicted))
+            print(json.dumps({k: v for k, v in r.items() if k != "tier_notices"}), flush=True)
+        lines = table(case, results)
+        print("\n".join(lines), flush=True)
+        report += [f"Model {model.name}: {format_size(model.stat().st_size)}; cpu budget "
+                   f"(plan, at -c 512{' under the limit' if case.mem_limit else ''}): "
+                   f"{format_size(budget)}; trace {case.trace.name}. The ceiling rows ran with no "
+                   "limit and the file in the page cache.", "", *lines, ""]
+    finally:
+        if not args.keep:
+            model.unlink(missing_ok=True)
+        for p in [*directory.glob(f"*.{model.stem}.rtb"),
+                  *directory.glob(f"{model.stem}.cost.toml")]:
+            p.unlink()
+    return report
 
 
 if __name__ == "__main__":

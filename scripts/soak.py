@@ -3,10 +3,12 @@
 
 Clients send OpenAI chat and text completions, llama-server ``/completion``s, streamed and
 not, structured (json_schema) and tool-call requests, drop some of them mid-answer or while
-they wait, and send invalid ones (from the error contract's corpus). Every answer is checked:
-a 2xx must be well formed (a stream ends properly, a structured answer that stopped is JSON, a
-forced tool call is a call), an invalid request must get a 4xx in the route's shape, and
-nothing may be a 5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
+they wait, send invalid ones (from the error contract's corpus), and break slots (``SLOT_BREAKS``:
+save a slot, corrupt the file, restore it; or erase it) then use them. Every answer is checked:
+a 2xx must be well formed strict JSON (no NaN; a stream ends properly, a structured answer that
+stopped is JSON, a forced tool call is a call), an invalid request or a broken slot file must
+get a 4xx in the route's shape and the slot must serve the next request, and nothing may be a
+5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
 server's RSS after warm-up and at the end, the validation failures, and /metrics' request
 totals against the client's own counts (they must be equal, path by path).
 
@@ -22,8 +24,10 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -51,6 +55,10 @@ INVALID = [("/completion", '{"prompt":[99999]}'), ("/completion", '{"prompt":[[5
            ("/apply-template", "{}"), ("/detokenize", '{"tokens":[-1]}'),
            ("/v1/chat/completions", "{not json"), ("/tokenize", '{"content":"\\udc00"}')]
 NATIVE = ("/completion", "/tokenize", "/detokenize", "/apply-template")
+# a slot's file broken as a careless operator or a bad disk would (issue 32): what the restore's
+# 400 must say; "erase" empties the slot instead
+SLOT_BREAKS = {"flipped": "checksum mismatch", "version": "unsupported state version 2",
+               "legacy": "unsupported state version 0", "short": "cut short", "erase": ""}
 
 
 @dataclass
@@ -74,17 +82,24 @@ class Malformed(Exception):
     """An answer that broke its contract."""
 
 
+def _strict(text: str):
+    """JSON as the wire must carry it: NaN, Infinity and -Infinity are malformed."""
+    def refuse(constant: str):
+        raise Malformed(f"{constant} in JSON: {text[:150]}")
+    return json.loads(text, parse_constant=refuse)
+
+
 def _sse(lines) -> list[dict | str]:
     events = []
     for line in lines:
         if line.startswith("data: "):
             data = line[6:]
-            events.append(data if data == "[DONE]" else json.loads(data))
+            events.append(data if data == "[DONE]" else _strict(data))
     return events
 
 
 def _check_error(path: str, r: httpx.Response) -> None:
-    err = r.json().get("error")
+    err = _strict(r.text).get("error")
     if not isinstance(err, dict) or not err.get("message"):
         raise Malformed(f"{path} {r.status_code}: no error object: {r.text[:200]}")
     if path in NATIVE and err.get("code") != r.status_code:
@@ -103,7 +118,7 @@ def _check_ok(kind: str, path: str, r: httpx.Response, stream: bool) -> None:
         elif not events or events[-1] != "[DONE]":
             raise Malformed(f"{kind}: stream did not end with [DONE]")
         return
-    body = r.json()
+    body = _strict(r.text)
     if path == "/completion":
         if not isinstance(body.get("content"), str) or body.get("stop") is not True:
             raise Malformed(f"{kind}: {str(body)[:200]}")
@@ -141,10 +156,76 @@ def _request(rng: random.Random) -> tuple[str, str, dict, bool]:
                                           "tool_choice": "required"}, False
 
 
-def client(base: str, seed: int, stop_at: float, tally: Tally) -> None:
+def _broken_slot_file(good: bytes, how: str, rng: random.Random) -> bytes:
+    """``good`` (a saved slot file: runtime/engine/slot_file.py) broken as ``how`` says."""
+    from runtime.engine import slot_file  # noqa: PLC0415
+
+    data = bytearray(good)
+    if how == "flipped":                           # one int32 past the header, e.g. KV metadata
+        at = rng.randrange(slot_file.HEADER.size, len(data) - 3)
+        data[at:at + 4] = bytes(b ^ 0xFF for b in data[at:at + 4])
+    elif how == "version":
+        data[8:12] = (2).to_bytes(4, "little")
+    elif how == "legacy":                          # llama.cpp's own header, no checksum
+        n_tokens = slot_file.HEADER.unpack_from(good)[3]
+        data = bytearray(slot_file.LLAMA_MAGIC + (3).to_bytes(4, "little")
+                         + n_tokens.to_bytes(4, "little") + good[slot_file.HEADER.size:])
+    else:                                          # "short": cut
+        del data[-rng.randint(1, 64):]             # (an empty slot's file: into its header)
+    return bytes(data)
+
+
+def slot_attack(http: httpx.Client, rng: random.Random, slots: Path, parallel: int,
+                tally: Tally) -> None:
+    """Break one slot (``SLOT_BREAKS``), then a request on it must be served."""
+    seq, how = rng.randrange(parallel), rng.choice(sorted(SLOT_BREAKS))
+    name = f"soak-{seq}-{rng.randrange(1 << 30):08x}.bin"
+    try:
+        with tally.lock:
+            tally.sent["other"] += 1 if how == "erase" else 2     # /slots/N: "other" in /metrics
+            tally.sent["/completion"] += 1
+        if how == "erase":
+            r = http.post(f"/slots/{seq}?action=erase")
+            if r.status_code != 200 or _strict(r.text).get("id_slot") != seq:
+                raise Malformed(f"erase: {r.status_code} {r.text[:150]}")
+        else:
+            r = http.post(f"/slots/{seq}?action=save", json={"filename": name})
+            if r.status_code != 200:
+                raise Malformed(f"save: {r.status_code} {r.text[:150]}")
+            (slots / name).write_bytes(_broken_slot_file((slots / name).read_bytes(), how, rng))
+            r = http.post(f"/slots/{seq}?action=restore", json={"filename": name})
+            if r.status_code != 400:
+                tally.add(f"slot_attack_got_{r.status_code}",
+                          failure=f"restore of a {how} slot file: {r.status_code} {r.text[:150]}")
+                return
+            _check_error("/completion", r)             # llama-server's shape there too
+            message = _strict(r.text)["error"]["message"]
+            if SLOT_BREAKS[how] not in message or name not in message:
+                raise Malformed(f"restore of a {how} slot file said: {message}")
+        r = http.post("/completion", json={"prompt": rng.choice(PROMPTS), "n_predict": 2,
+                                           "id_slot": seq})
+        if r.status_code != 200:
+            tally.add(f"slot_attack_got_{r.status_code}",
+                      failure=f"after a {how} slot: {r.status_code} {r.text[:150]}")
+            return
+        _check_ok("native", "/completion", r, False)
+        tally.add("slot_attack_refused")
+    except Malformed as exc:
+        tally.add("malformed", failure=str(exc))
+    except httpx.TransportError as exc:
+        tally.add("transport_error", failure=f"slot attack: {exc!r}")
+    finally:
+        (slots / name).unlink(missing_ok=True)
+
+
+def client(base: str, seed: int, stop_at: float, tally: Tally, slots: Path | None = None,
+           parallel: int = 1) -> None:
     rng = random.Random(seed)
     with httpx.Client(base_url=base, timeout=120) as http:
         while time.monotonic() < stop_at:
+            if slots is not None and rng.random() < 0.05:     # a broken slot, then a request
+                slot_attack(http, rng, slots, parallel, tally)
+                continue
             roll = rng.random()
             if roll < 0.15:                                  # an invalid request
                 path, raw = rng.choice(INVALID)
@@ -244,12 +325,14 @@ def percentile(values: list[float], q: float) -> float | None:
 def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int = 0,
          extra: list[str] = ()) -> dict:
     """Run the soak; the report as a dict (``ok``: the pass verdict)."""
-    proc, base = start_server(model, parallel, list(extra))
+    slots = Path(tempfile.mkdtemp(prefix="moe-offload-soak-slots-"))
+    proc, base = start_server(model, parallel, [*extra, "--slot-save-path", str(slots)])
     server = psutil.Process(proc.pid)
     tally = Tally()
     t0 = time.monotonic()
     stop_at = t0 + minutes * 60
-    threads = [threading.Thread(target=client, args=(base, seed + i, stop_at, tally),
+    threads = [threading.Thread(target=client, args=(base, seed + i, stop_at, tally, slots,
+                                                     parallel),
                                 daemon=True) for i in range(clients)]
     try:
         for t in threads:
@@ -277,6 +360,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        shutil.rmtree(slots, ignore_errors=True)
     mismatched = {p: {"client": tally.sent[p], "metrics": by_path.get(p, 0)}
                   for p in tally.sent if tally.sent[p] != by_path.get(p, 0)}
     fivexx = sum(n for k, n in tally.outcomes.items()
@@ -302,7 +386,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
     report["ok"] = (fivexx == 0 and tally.outcomes["malformed"] == 0 and not mismatched
                     and tally.outcomes["transport_error"] == 0 and health == 200
                     and not report["traceback_in_log"]
-                    and not any(k.startswith("invalid_got_") or k.startswith("status_")
+                    and not any(k.startswith(("invalid_got_", "status_", "slot_attack_got_"))
                                 for k in tally.outcomes))
     return report
 
@@ -317,8 +401,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="the report as JSON")
     args = parser.parse_args()
     model = args.model
+    sys.path.insert(0, str(REPO))           # runtime: the demo model, the slot file format
     if model is None:
-        sys.path.insert(0, str(REPO))
         from runtime.cache import cached_model  # noqa: PLC0415
         from runtime.commands.demo import default_spec  # noqa: PLC0415
         model = str(cached_model(default_spec()))

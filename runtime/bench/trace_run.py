@@ -58,7 +58,7 @@ def progress(**fields) -> None:
     sys.stderr.flush()
 
 
-def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int = 512,
+def run_row(model: str, trace: str, row: TraceRow, *, threads: int | None, n_ctx: int = 512,
             report=progress) -> dict:
     """Load, play the trace once, and measure (see the module docstring)."""
     from runtime.bench.memwatch import process_read_bytes  # noqa: PLC0415
@@ -71,6 +71,8 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
                               n_threads_batch=threads, manage_residency=row.kind == "managed",
                               config=_residency_config(row), repack=row.repack,
                               route_trace=trace)
+    from runtime.engine.loading import thread_counts  # noqa: PLC0415
+
     pid = os.getpid()
     t0 = time.perf_counter()
     engine = Engine(settings, progress=False)
@@ -114,6 +116,7 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int, n_ctx: int =
             "read_bytes_per_decode_token": (io_end - io_first) / decode_tokens
             if decode_tokens else None,
             "lazy_experts": bool(getattr(engine, "lazy_experts", False)),
+            "threads": list(thread_counts(settings)),     # (decode, prompt) as run
             "imposed": engine.imposed.note() if engine.imposed is not None else None,
         }
         if before is not None:

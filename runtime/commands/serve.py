@@ -76,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="how --embedding pools the tokens' vectors (default: the model's)")
     group.add_argument("--slot-save-path", default=None, metavar="DIR",
                        help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
-                            "cache to a file in DIR and back; DIR is made if missing)")
+                            "cache to a file in DIR and back, versioned and checksummed, "
+                            "checked before a restore; DIR is made if missing)")
     group.add_argument("--cache-ram", type=int, default=0, metavar="MiB",
                        help="host memory for llama-server's prompt cache: a slot's KV is "
                             "copied there before a request replaces it, and loaded back when "
@@ -165,7 +166,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--write-profile", default=None, metavar="PROFILE",
                        help="on exit (SIGINT, SIGTERM) write the routing profile of the tokens "
                             "generated while serving (as moe-offload profile), for --profile "
-                            "on a later run")
+                            "on a later run; a failed write (disk full) stops the profile, "
+                            "not the server")
     parser.set_defaults(func=run)
 
 
@@ -215,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.server.exposure import exposure_warning
     from runtime.server.limits import Limits
 
+    from runtime.engine.file_lease import handle_breaks
+
+    handle_breaks()     # the model file is leased through each batch (engine/model_file.py)
     settings = settings_from_args(args)
     model_path = Path(settings.model_path)
     check_model_path(str(model_path))

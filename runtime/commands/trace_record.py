@@ -21,35 +21,57 @@ The file appears only when the recording finished (an error leaves nothing behin
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime.atomic_write import scratch_path
 from runtime.engine.routing_hook import RouteEvent
 from runtime.engine.stats_file import add_stats_json_arg, check_stats_json_path, write_stats_json
+from runtime.engine.types import Fault
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
+log = logging.getLogger("moe_offload.server")
+
 
 class TraceRecorder:
-    """A RouteObserver that appends each batch's events to a ``TraceWriter``."""
+    """A RouteObserver that appends each batch's events to a ``TraceWriter``.
+
+    ``on_failure``: None, a write that fails (disk full) is raised into the decode (``trace
+    record`` stops with it); else the recorder stops instead: the writer is discarded,
+    ``failure`` says why, ``on_failure(failure)`` is called once and every later batch is
+    dropped (``serve --write-profile``: the server goes on serving)."""
 
     synchronous = False    # it only writes at the batch's end: the native hook may buffer
 
-    def __init__(self, writer):
+    def __init__(self, writer, on_failure: Callable[[str], None] | None = None):
         self.writer = writer
         self._pending: list[RouteEvent] = []
         self.tokens = {Phase.PREFILL: 0, Phase.DECODE: 0}
+        self._on_failure = on_failure
+        self.failure: str | None = None     # why the recorder stopped (None: recording)
 
     def on_route(self, event: RouteEvent) -> None:
         self._pending.append(event)     # written after the decode call, off the graph's path
 
     def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
         pending, self._pending = self._pending, []
-        for e in pending:
-            self.writer.append_batch(turn=e.turn, phase=int(e.phase), layer=e.layer,
-                                     first_step=e.first_step, experts=e.experts,
-                                     weights=e.weights)
+        if self.failure is not None:
+            return
+        try:
+            for e in pending:
+                self.writer.append_batch(turn=e.turn, phase=int(e.phase), layer=e.layer,
+                                         first_step=e.first_step, experts=e.experts,
+                                         weights=e.weights)
+        except (UserError, OSError) as exc:   # the writer's one line for ENOSPC, EFBIG ...
+            if self._on_failure is None:
+                raise
+            self.writer.abort()             # its scratch files go: the space comes back
+            self.failure = str(exc)
+            self._on_failure(self.failure)
+            return
         self.tokens[Phase(phase)] = self.tokens.get(Phase(phase), 0) + n_tokens
 
 
@@ -75,8 +97,20 @@ class ProfileCapture:
         from runtime.traces.writer import TraceWriter  # noqa: PLC0415
 
         self._writer = TraceWriter(self._scratch, header_from_model(model_path))
-        self.recorder = TraceRecorder(self._writer)
+        self.recorder = TraceRecorder(self._writer, on_failure=self._stopped)
         engine.add_route_observer(self.recorder)
+        engine.add_fault_source(self.fault)
+
+    def _stopped(self, why: str) -> None:
+        log.error("%s: the routing profile stopped recording (%s); serving goes on, and no "
+                  "profile is written at exit", self.target, why)
+
+    def fault(self) -> Fault | None:
+        """The recorder's state for /health: a Fault once it stopped."""
+        if self.recorder is None or self.recorder.failure is None:
+            return None
+        return Fault("profile_writer", f"{self.target}: stopped recording the routing "
+                     f"profile ({self.recorder.failure})", serving=True)
 
     def finish(self) -> str:
         """Write the profile (after the engine stopped); what happened, in one line."""
@@ -85,6 +119,8 @@ class ProfileCapture:
 
         if self._writer is None:
             return f"{self.target}: not written (the model never loaded)"
+        if self.recorder.failure is not None:
+            return f"{self.target}: not written (recording stopped: {self.recorder.failure})"
         tokens = self.recorder.tokens[Phase.DECODE]
         if tokens == 0:
             self._writer.abort()

@@ -45,8 +45,8 @@ from runtime.engine.prefill_pace import PrefillPacer
 from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams
 from runtime.engine.slot_choice import best_slot, shared_prefix
-from runtime.engine.types import (ContextLengthError, GenerationChunk, PromptProgress, Timings,
-                                  Usage, check_token_ids)
+from runtime.engine.types import (ContextLengthError, GenerationChunk, NonFiniteLogits,
+                                  PromptProgress, Timings, Usage, check_token_ids)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -386,10 +386,11 @@ class BatchScheduler:
             slot.t_prefill = time.perf_counter()
         try:
             chunk = gen.sample(index)
-        except GrammarDeadEnd as exc:          # this request's own: the others go on
+        except (GrammarDeadEnd, NonFiniteLogits) as exc:   # this request's own: others go on
             slot.out.put(exc)
             slot.out.put(_END)
-            self._release(slot)
+            # NaN/Inf logits: the slot's KV may hold NaN too, and is dropped
+            self._release(slot, keep_cache=isinstance(exc, GrammarDeadEnd))
             self._active.remove(slot)
             return
         if chunk is not None:

@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 from runtime.native import interrupt
 from runtime.engine.logprobs import sample_token
 from runtime.engine.sampling import Sampler, SamplingParams, TextStream
@@ -22,9 +24,17 @@ def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs
     """Run ``batch`` (a ``runtime.engine.batch`` batch) through ``engine``'s context, framed
     for its routing hook. ``first_pos``: the context position of the batch's first token as
     the hook reports it; ``where``: the batch in a failure's message ("at position 7").
-    Raises RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a
-    unified KV pool is full), RuntimeError (another llama_decode failure), the hook's
-    RouteCaptureError; the hook's batch is ended or aborted either way."""
+    Raises ModelFileChanged (the model file is not the one loaded: nothing decoded),
+    RemoteDeviceLost (a lost remote: its outputs are zeros), KVCacheFullError (a unified KV
+    pool is full), RuntimeError (another llama_decode failure), the hook's RouteCaptureError;
+    the hook's batch is ended or aborted either way."""
+    watch = engine.model_file              # a cut file read through the mapping is a SIGBUS
+    with watch.batch() if watch is not None else contextlib.nullcontext():
+        _decode(engine, batch, phase, first_pos, n_tokens, n_outputs, where)
+
+
+def _decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,
+            where: str) -> None:
     hook, remote, ll = engine.hook, engine.remote, engine._ll  # noqa: SLF001
     if remote is not None:
         remote.check()                     # a lost remote: RemoteDeviceLost, nothing decoded

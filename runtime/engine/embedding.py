@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.engine.types import NonFiniteLogits
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -42,6 +43,9 @@ def embed(engine: Any, tokens: list[int], normalize: int = 2) -> list[list[float
                 raise RuntimeError("llama.cpp returned no embeddings for this input")
             vectors = [np.ctypeslib.as_array(row, shape=(n_embd,)).astype(np.float64)
                        for row in rows]                       # each (n_embd,)
+            if not all(np.isfinite(v).all() for v in vectors):   # JSON cannot carry them
+                raise NonFiniteLogits("the model's embedding is not finite (NaN or Inf): "
+                                      "its weights are broken")
         finally:
             engine._forget_from(0)  # noqa: SLF001 - the next input starts afresh
     if len(rows) == 1 and pooled(engine):

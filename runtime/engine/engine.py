@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from gguf_tools.facts import read_model_facts
 from runtime.native import interrupt, llama_lib
@@ -34,9 +34,11 @@ from runtime.engine.imposed_routing import imposed_for
 from runtime.engine.c_hook import CHook
 from runtime.engine.routing_hook import RouteAssembler, RouteObserver
 from runtime.engine.decode import Generation, decode, max_new_tokens
+from runtime.engine.model_file import ModelFileWatch
 from runtime.engine.sampling import SamplingParams
-from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings,
-                                  GenerationChunk, PromptProgress, Timings, Usage, check_token_ids)
+from runtime.engine.types import (ContextLengthError, EngineBusyError, EngineSettings, Fault,
+                                  GenerationChunk, NonFiniteLogits, PromptProgress, Timings,
+                                  Usage, check_token_ids)
 from runtime.errors import UserError
 from runtime.residency.types import Phase
 
@@ -56,6 +58,8 @@ class Engine:
         self.decode_calls = 0               # llama_decode calls so far (metrics)
         self._batch = None
         self._attached: list[object] = []
+        self.model_file: ModelFileWatch | None = None   # checked before each batch (decode.py)
+        self._fault_sources: list[Callable[[], Fault | None]] = []
         path = settings.model_path
         check_model_path(path)
         self.facts = read_model_facts(path)
@@ -89,10 +93,13 @@ class Engine:
             not (device_cache or self.lazy_experts)
         self._check_memory(has_gpu)
         llama_lib.set_logging(settings.verbose).buffers.clear()   # this load's buffer lines only
-        self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
-                                            repack=repack, remote=self.remote,
-                                            lazy_experts=self.lazy_experts)
+        if settings.use_mmap:     # the weights are read through a mapping of the file: watched
+            self.model_file = ModelFileWatch(path, guard=True)   # leased where serve can
+            self._fault_sources.append(self.model_file.fault)
         try:
+            self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
+                                                repack=repack, remote=self.remote,
+                                                lazy_experts=self.lazy_experts)
             self._init_context()
             if self.remote is not None:     # what llama.cpp really put on each remote
                 self.remote.verify_buffers(llama_lib.set_logging(settings.verbose).buffers)
@@ -164,6 +171,14 @@ class Engine:
     def tiers(self) -> tuple[object, ...]:
         """The residency tiers attached to this engine (RAM tier, device caches)."""
         return tuple(self._attached)
+
+    def add_fault_source(self, source: Callable[[], Fault | None]) -> None:
+        """Report ``source()`` (a broken part, or None) in ``faults()``: /health asks."""
+        self._fault_sources.append(source)
+
+    def faults(self) -> list[Fault]:
+        """What is broken now: the model file changed, a writer stopped ..."""
+        return [f for f in (source() for source in self._fault_sources) if f is not None]
 
     def add_route_observer(self, observer: RouteObserver) -> None:
         """Receive every route event (requires the hook: residency on, or recording)."""
@@ -291,6 +306,8 @@ class Engine:
         if self.model_ptr:
             self._ll.llama_model_free(self.model_ptr)
             self.model_ptr = 0
+        if self.model_file is not None:
+            self.model_file.close()             # its leases: nothing reads the file now
 
     def __enter__(self) -> Engine:
         return self
@@ -350,6 +367,9 @@ class Engine:
                               expert_hits=hits, expert_accesses=accesses)
             yield GenerationChunk(text=gen.stream.finish(), token=None, finish_reason=finish,
                                   usage=Usage(len(tokens), generated), timings=timings)
+        except NonFiniteLogits:
+            self._forget_from(0)           # NaN/Inf in the KV too: the next prompt starts clean
+            raise
         finally:
             if gen is not None:
                 gen.close()

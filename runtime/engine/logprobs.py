@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from runtime.engine.sampling import Sampler, SamplingParams
-from runtime.engine.types import TokenLogprob
+from runtime.engine.types import NonFiniteLogits, TokenLogprob
 
 
 def sample_token(engine: Any, sampler: Sampler, index: int,
@@ -15,6 +15,7 @@ def sample_token(engine: Any, sampler: Sampler, index: int,
     """Sample from ``engine``'s output row ``index`` (-1: the last); with ``params.logprobs``,
     also the token's logprob and top k: the model's, or the sampler chain's survivors'
     (``post_sampling``)."""
+    check_finite(engine, index)
     if params.logprobs is None:
         return sampler.sample(engine.ctx_ptr, index), None
     logits = last_logits(engine, index)
@@ -25,6 +26,25 @@ def sample_token(engine: Any, sampler: Sampler, index: int,
     log = lambda p: math.log(p) if p > 0 else -math.inf  # noqa: E731
     return token, TokenLogprob(token, engine.token_bytes(token), log(p_token),
                                tuple((t, engine.token_bytes(t), log(p)) for t, p in left))
+
+
+def check_finite(engine: Any, index: int = -1) -> None:
+    """``NonFiniteLogits`` unless every logit of output row ``index`` is finite: a NaN row
+    samples some token (greedy: id 0, often end-of-generation: an empty answer) and its
+    logprobs are NaN, which JSON cannot carry. One pass over n_vocab floats, no copy."""
+    import numpy as np  # noqa: PLC0415
+
+    ptr = engine._ll.llama_get_logits_ith(engine.ctx_ptr, index)  # noqa: SLF001
+    if not ptr:
+        raise RuntimeError(f"llama.cpp has no logits for output {index}")
+    row = np.ctypeslib.as_array(ptr, shape=(engine.n_vocab,))      # (n_vocab,) float32 view
+    if np.isfinite(row.sum(dtype=np.float32)):    # the fast test: a NaN or Inf spreads
+        return
+    bad = int((~np.isfinite(row)).sum())          # else count (a finite sum may overflow)
+    if bad:
+        raise NonFiniteLogits(f"the model's logits are not finite ({bad} of {row.size} NaN "
+                              "or Inf): its weights or its KV state are broken; nothing was "
+                              "sampled")
 
 
 def last_logits(engine: Any, index: int = -1):

@@ -1,6 +1,8 @@
 """A slot's KV state to a file and back (llama-server's ``/slots/{id}?action=save|restore``,
-and ``erase``), with llama.cpp's ``llama_state_seq_save_file`` / ``_load_file``: the file holds
-the sequence's KV cells and its tokens, so a restored slot serves the next request's prefix.
+and ``erase``), with llama.cpp's ``llama_state_seq_get_data`` / ``_set_data`` inside a slot
+file of ours (runtime/engine/slot_file.py: versioned, checksummed, checked before a restore):
+the file holds the sequence's KV cells and its tokens, so a restored slot serves the next
+request's prefix.
 
 The context is driven by one thread at a time: with ``-np`` the batch scheduler runs the
 action between steps once the slot is idle (``BatchScheduler.call_on_slot``); a single
@@ -14,8 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.atomic_write import AtomicTarget
-from runtime.engine.types import check_token_ids
+from runtime.engine import slot_file
 from runtime.errors import UserError
 
 SlotAction = Callable[[int, list[int]], tuple[Any, list[int]]]  # (seq, its tokens) -> (result, tokens after)
@@ -48,51 +49,49 @@ def on_slot(engine: Any, seq: int, action: SlotAction) -> Any:
 
 
 def save(engine: Any, seq: int, path: str) -> SlotFile:
-    """Save sequence ``seq`` to ``path`` atomically (llama.cpp writes a temp file beside it,
-    renamed into place): a failed or killed save keeps the previous file."""
+    """Save sequence ``seq`` to ``path`` as a slot file (runtime.engine.slot_file: a header
+    with its version and checksum, the tokens, llama.cpp's sequence state), atomically: a
+    failed or killed save keeps the previous file. The state passes through memory once."""
     ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
 
     def action(seq: int, tokens: list[int]) -> tuple[SlotFile, list[int]]:
         t0 = time.perf_counter()
-        ids = (ll.llama_token * max(1, len(tokens)))(*tokens)
-        target = AtomicTarget(path)
-        try:
-            n = ll.llama_state_seq_save_file(ctx, str(target.tmp).encode(), seq, ids,
-                                             len(tokens))
-        except BaseException:
-            target.discard()
-            raise
-        if n == 0:
-            target.discard()
-            raise UserError(f"cannot save the slot's state to {path}")
-        target.publish()
-        return SlotFile(len(tokens), int(n), time.perf_counter() - t0), tokens
+        size = int(ll.llama_state_seq_get_size(ctx, seq))
+        buf, state = slot_file.image(tokens, size)
+        target = (ctypes.c_uint8 * size).from_buffer(state) if size else None
+        n = int(ll.llama_state_seq_get_data(ctx, target, size, seq)) if size else 0
+        del target                       # the buffer's export ends here
+        if n != size:
+            raise UserError(f"cannot save the slot's state to {path} (llama.cpp gave {n} of "
+                            f"its {size} bytes)")
+        slot_file.seal(buf, len(tokens))
+        slot_file.write(path, buf)
+        return SlotFile(len(tokens), len(buf), time.perf_counter() - t0), tokens
     return on_slot(engine, seq, action)
 
 
 def restore(engine: Any, seq: int, path: str) -> SlotFile:
+    """Load the slot file at ``path`` into sequence ``seq`` once it is checked whole
+    (runtime.engine.slot_file.read: version, checksum, token ids, KV cell positions); a file
+    that fails a check is a ``UserError`` naming the problem, the slot left empty."""
     ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
 
     def action(seq: int, tokens: list[int]) -> tuple[SlotFile, list[int]]:
         t0 = time.perf_counter()
         memory = ll.llama_get_memory(ctx)
         ll.llama_memory_seq_rm(memory, seq, -1, -1)
-        capacity = int(engine.n_ctx)
-        ids = (ll.llama_token * capacity)()
-        count = ctypes.c_size_t(0)
-        n = ll.llama_state_seq_load_file(ctx, path.encode(), seq, ids, capacity,
-                                         ctypes.byref(count))
-        if n == 0:                      # the slot stays empty and usable
+        checked = slot_file.read(path, int(engine.n_vocab), int(engine.n_ctx))
+        size = len(checked.state)
+        source = (ctypes.c_uint8 * size).from_buffer(checked.state)
+        n = int(ll.llama_state_seq_set_data(ctx, source, size, seq))
+        del source
+        last = int(ll.llama_memory_seq_pos_max(memory, seq))
+        if n != size or last != len(checked.tokens) - 1:   # the slot stays empty and usable
             ll.llama_memory_seq_rm(memory, seq, -1, -1)
             raise UserError("Unable to restore slot, no available space in KV cache or "
                             "invalid slot save file")
-        restored = list(ids[:count.value])
-        try:        # a file from another model (or edited) must not carry ids past its vocab
-            check_token_ids(restored, int(engine.n_vocab), "slot file")
-        except UserError:
-            ll.llama_memory_seq_rm(memory, seq, -1, -1)
-            raise
-        return SlotFile(count.value, int(n), time.perf_counter() - t0), restored
+        return SlotFile(len(checked.tokens), checked.file_bytes,
+                        time.perf_counter() - t0), checked.tokens
     return on_slot(engine, seq, action)
 
 

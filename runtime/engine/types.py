@@ -170,6 +170,34 @@ class EngineBusyError(RuntimeError):
     """``generate`` was called while another generation is running on this engine."""
 
 
+class ModelFileChanged(UserError):
+    """The model file is not the one loaded any more (truncated, replaced or rewritten: its
+    device, inode, size or modification time differ), so no batch runs: llama.cpp reads the
+    weights through a mapping of it, and a page past a cut end is a SIGBUS. ``first``: the
+    first failure since the change was seen (the server logs that one)."""
+
+    def __init__(self, path: str, change: str, first: bool = False):
+        super().__init__(f"{path}: the model file changed under the running server ({change}); "
+                         "restore it as it was, or restart the server")
+        self.path, self.change, self.first = path, change, first
+
+
+class NonFiniteLogits(UserError):
+    """The model's output row holds NaN or Inf (broken weights, e.g. a damaged file, or a
+    broken restored state): nothing is sampled from it, and the sequence's KV is dropped. A
+    one-line error on the command line; the server's 500 (the model's fault, not the
+    request's)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A broken part of a running engine, as ``/health`` reports it."""
+
+    component: str          # "model_file", "profile_writer"
+    message: str            # one line naming the file and what happened
+    serving: bool           # True: generations go on without the part; False: they fail
+
+
 def check_token_ids(tokens, n_vocab: int, what: str) -> None:
     """UserError naming the first id of ``tokens`` outside ``[0, n_vocab)``: the engine's
     own guard, under the server's (llama.cpp checks none of them and aborts on a bad one)."""

@@ -34,7 +34,7 @@ class RamTierOptions:
     """Knobs of the tier (environment: ``MOE_OFFLOAD_RAMTIER_THREADS=N``, ``..._MLOCK=1``,
     ``..._REFILL=0``)."""
 
-    threads: int = 8          # reads in flight (>= 4 is what makes storage fast)
+    threads: int = 16         # reads in flight (a virtio disk: 0.8 GB/s at 4, 1.6 at 16)
     mlock: bool = False       # lock resident experts (within the budget) against reclaim
     refill: bool = True       # after a cold cache, read held experts back in the background
 

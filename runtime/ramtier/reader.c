@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,10 +41,12 @@ struct rd_reader {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
     int stop, populate;
+    int64_t chunk;           /* bytes per request (<= RD_CHUNK_BYTES) */
     char err[200];
     int has_err;
     rd_stats st;
     int32_t waiting;         /* threads in rd_wait */
+    int32_t idle;            /* workers waiting for work */
     int64_t wait_t0;
 };
 
@@ -75,7 +78,7 @@ static int32_t claim_queued(rd_reader *r, int64_t *off, int64_t *len) {
             job *b = &r->jobs[j];
             if (b->next < b->len) {
                 *off = b->off + b->next;
-                *len = b->len - b->next < RD_CHUNK_BYTES ? b->len - b->next : RD_CHUNK_BYTES;
+                *len = b->len - b->next < r->chunk ? b->len - b->next : r->chunk;
                 b->next += *len;
                 b->running++;
                 return j;
@@ -99,10 +102,26 @@ static void fail_locked(rd_reader *r, const char *what, int64_t off, int err) {
                   what, (long long) off);
 }
 
-/* pread [off, off + len) into the page cache, then map it into the model's mapping; 0, or
- * the errno (EIO...) / -1 for a short read */
+/* [off, off + len) into the page cache and mapped into the model's mapping. Where that mapping
+ * covers it: readahead(2) asks the kernel for exactly those bytes (no copy: they go straight
+ * into the page cache; one request of at most max(the device's max request, read-ahead), which
+ * RD_CHUNK_BYTES stays within: rd_set_chunk), then MADV_POPULATE_READ waits for them and maps
+ * them (Linux 5.14). Otherwise, or when that fails (an I/O error or a file cut short shows as
+ * EFAULT there), pread reads them through a buffer and says what went wrong. 0, or the errno
+ * (EIO...) / -1 for a short read. */
 static int read_chunk(rd_reader *r, int64_t off, int64_t len, char *buf, int64_t *bad_off) {
     const int64_t start = off, end = off + len;
+    char *addr = __atomic_load_n(&r->populate, __ATOMIC_RELAXED) ? fp_address(r->fp, off, len)
+                                                                : NULL;
+    if (addr != NULL) {
+        const uintptr_t lo = (uintptr_t) addr & ~(uintptr_t) (r->page - 1);
+        const size_t span = (size_t) ((uintptr_t) addr + (uintptr_t) len - lo);
+        if (readahead(r->fd, off, (size_t) len) == 0 &&
+            madvise((void *) lo, span, MADV_POPULATE_READ) == 0)
+            return 0;
+        if (errno == EINVAL)                  /* no MADV_POPULATE_READ: pread from now on */
+            __atomic_store_n(&r->populate, 0, __ATOMIC_RELAXED);
+    }
     while (off < end) {
         const ssize_t got = pread(r->fd, buf, (size_t) (end - off), off);
         if (got < 0 && errno == EINTR) continue;
@@ -112,15 +131,7 @@ static int read_chunk(rd_reader *r, int64_t off, int64_t len, char *buf, int64_t
         }
         off += got;
     }
-    if (__atomic_load_n(&r->populate, __ATOMIC_RELAXED)) {
-        char *addr = fp_address(r->fp, start, len);
-        if (addr != NULL) {
-            const uintptr_t lo = (uintptr_t) addr & ~(uintptr_t) (r->page - 1);
-            if (madvise((void *) lo, (size_t) ((uintptr_t) addr + (uintptr_t) len - lo),
-                        MADV_POPULATE_READ) != 0 && errno == EINVAL)
-                __atomic_store_n(&r->populate, 0, __ATOMIC_RELAXED);   /* an older kernel */
-        }
-    }
+    (void) start;
     return 0;
 }
 
@@ -141,14 +152,26 @@ static void run_chunk(rd_reader *r, int32_t j, int64_t off, int64_t len, char *b
     if (job_done(b)) pthread_cond_broadcast(&r->done);
 }
 
+/* the calling thread never preempts the one it wakes it (SCHED_BATCH: no wakeup preemption):
+ * queueing a layer's reads must not hand the decode thread's core to a dozen readers */
+void rd_batch_thread(void) {
+    struct sched_param sp = {0};
+    pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
+}
+
 static void *worker(void *arg) {
     rd_reader *r = arg;
+    rd_batch_thread();
     char *buf = malloc(RD_CHUNK_BYTES);
     pthread_mutex_lock(&r->mu);
     for (;;) {
         int64_t off = 0, len = 0;
         int32_t j;
-        while (!r->stop && (j = claim_queued(r, &off, &len)) < 0) pthread_cond_wait(&r->work, &r->mu);
+        while (!r->stop && (j = claim_queued(r, &off, &len)) < 0) {
+            r->idle++;
+            pthread_cond_wait(&r->work, &r->mu);
+            r->idle--;
+        }
         if (r->stop) break;
         run_chunk(r, j, off, len, buf);
     }
@@ -166,21 +189,37 @@ static char *thread_buffer(void) {
 
 /* ---- the API ---------------------------------------------------------------------------- */
 
-void rd_queue(rd_reader *r, int32_t j, int32_t prio) {
-    if (j < 0 || j >= r->n_jobs) return;
-    const int32_t p = prio == RD_DEMAND ? 0 : 1;
-    pthread_mutex_lock(&r->mu);
+/* queue job j (mu held); the chunks it adds */
+static int64_t queue_locked(rd_reader *r, int32_t j, int32_t p) {
     job *b = &r->jobs[j];
     if (job_done(b)) {                         /* (re)start it */
         b->next = 0;
         b->failed = 0;
         b->fresh = 1;
         push(r, p, j);
-        pthread_cond_broadcast(&r->work);
-    } else if (p == 0 && b->next < b->len) {   /* a queued prefetch becomes a demand */
-        push(r, 0, j);
-        pthread_cond_broadcast(&r->work);
+        return (b->len + r->chunk - 1) / r->chunk;
     }
+    if (p == 0 && b->next < b->len) push(r, 0, j);   /* a queued prefetch becomes a demand */
+    return 0;
+}
+
+/* wake as many idle workers as there are new chunks, no more (a broadcast would wake every
+ * worker to fight over the lock on a machine with two cores) */
+static void wake_locked(rd_reader *r, int64_t chunks) {
+    for (int64_t i = 0; i < chunks && i < r->idle; i++) pthread_cond_signal(&r->work);
+}
+
+void rd_queue(rd_reader *r, int32_t j, int32_t prio) {
+    rd_queue_many(r, &j, 1, prio);
+}
+
+void rd_queue_many(rd_reader *r, const int32_t *jobs, int32_t n, int32_t prio) {
+    const int32_t p = prio == RD_DEMAND ? 0 : 1;
+    pthread_mutex_lock(&r->mu);
+    int64_t chunks = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (jobs[i] >= 0 && jobs[i] < r->n_jobs) chunks += queue_locked(r, jobs[i], p);
+    wake_locked(r, p == 0 && chunks == 0 ? 1 : chunks);
     pthread_mutex_unlock(&r->mu);
 }
 
@@ -213,8 +252,8 @@ int rd_wait(rd_reader *r, int32_t j) {
         while (!job_done(b)) {
             if (b->next < b->len) {           /* read its next chunk here */
                 const int64_t off = b->off + b->next;
-                const int64_t len = b->len - b->next < RD_CHUNK_BYTES ? b->len - b->next
-                                                                       : RD_CHUNK_BYTES;
+                const int64_t len = b->len - b->next < r->chunk ? b->len - b->next
+                                                                 : r->chunk;
                 b->next += len;
                 b->running++;
                 run_chunk(r, j, off, len, thread_buffer());
@@ -255,8 +294,8 @@ void rd_clear_error(rd_reader *r) {
 int rd_read_now(rd_reader *r, const int64_t *off, const int64_t *len, int32_t n) {
     char *buf = thread_buffer();
     for (int32_t i = 0; i < n; i++)
-        for (int64_t at = 0; at < len[i]; at += RD_CHUNK_BYTES) {
-            const int64_t c = len[i] - at < RD_CHUNK_BYTES ? len[i] - at : RD_CHUNK_BYTES;
+        for (int64_t at = 0; at < len[i]; at += r->chunk) {
+            const int64_t c = len[i] - at < r->chunk ? len[i] - at : r->chunk;
             int64_t bad = 0;
             const int rc = buf ? read_chunk(r, off[i] + at, c, buf, &bad) : ENOMEM;
             pthread_mutex_lock(&r->mu);
@@ -275,9 +314,19 @@ void rd_get_stats(rd_reader *r, rd_stats *out) {
     pthread_mutex_unlock(&r->mu);
 }
 
+void rd_set_chunk(rd_reader *r, int64_t bytes) {
+    const int64_t page = r->page;
+    bytes = bytes / page * page;
+    pthread_mutex_lock(&r->mu);
+    r->chunk = bytes < page ? page : bytes > RD_CHUNK_BYTES ? RD_CHUNK_BYTES : bytes;
+    pthread_mutex_unlock(&r->mu);
+}
+
 void rd_set_fd(rd_reader *r, int32_t fd) {
     pthread_mutex_lock(&r->mu);
     r->fd = fd;
+    /* another descriptor's bytes need not be the mapping's: read through it (pread) */
+    __atomic_store_n(&r->populate, 0, __ATOMIC_RELAXED);
     posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
     pthread_mutex_unlock(&r->mu);
 }
@@ -293,6 +342,7 @@ rd_reader *rd_create(fp_file *fp, int32_t fd, int32_t threads, int32_t n_jobs,
     r->fd = fd;
     r->page = sysconf(_SC_PAGESIZE);
     r->populate = 1;
+    r->chunk = RD_CHUNK_BYTES;
     r->n_jobs = n_jobs;
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->work, NULL);

@@ -22,6 +22,16 @@ struct rt_tier {
     int32_t n_ranges;
     int32_t *by_off;               /* (n_ranges,) range ids sorted by file offset */
     int failed;                    /* a read failed in this batch (reported at its end) */
+    /* drops, on their own thread: fadvise(DONTNEED) drains every CPU's page batches (hundreds
+     * of microseconds, more on a busy machine), which the decode must not wait for */
+    pthread_t drop_thread;
+    int drop_started, drop_stop;
+    pthread_mutex_t drop_mu;
+    pthread_cond_t drop_cv, drop_idle;
+    int32_t *drop_ring, drop_head, drop_n;   /* flat keys, FIFO (n_flat slots) */
+    uint8_t *drop_pending;                   /* (n_flat) queued and not cancelled */
+    int32_t dropping;                        /* the key being dropped now, or -1 */
+    int64_t drop_bytes;                      /* bytes of the keys queued (an upper bound) */
     int64_t page;
     const int64_t *range_start, *range_off, *range_len, *edge_start;
     const int32_t *edge_owner;
@@ -102,12 +112,19 @@ int rt_page_in(rt_tier *t, const int64_t *off, const int64_t *len, int32_t n) {
     return -1;
 }
 
+static void cancel_drop(rt_tier *t, int32_t f);
+
 /* queue key f's ranges at `prio` (RD_DEMAND / RD_PREFETCH) */
 static void queue_key(rt_tier *t, int32_t f, int32_t prio) {
+    int32_t ids[16];
+    int32_t n = 0;
+    cancel_drop(t, f);                      /* its pages stay: a queued drop of it is void */
     for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) {
-        rd_queue(t->reader, (int32_t) r, prio);
-        t->stats.reads++;
+        ids[n++] = (int32_t) r;
+        if (n == 16) { rd_queue_many(t->reader, ids, n, prio); n = 0; }
     }
+    if (n) rd_queue_many(t->reader, ids, n, prio);
+    t->stats.reads += t->range_start[f + 1] - t->range_start[f];
 }
 
 /* no read of key f's ranges queued or running any more (before its pages may leave) */
@@ -149,6 +166,88 @@ int32_t rt_reclaimed_layer(const rt_tier *t) { return t->reclaimed_layer; }
 
 /* ---- the layer-step -------------------------------------------------------------------- */
 
+/* ---- drops, off the decode thread -------------------------------------------------------- */
+
+static int64_t key_bytes(const rt_tier *t, int32_t f) {
+    int64_t n = 0;
+    for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) n += t->range_len[r];
+    return n;
+}
+
+/* key f's pages are to leave (rt_drop, which spares pages a held, busy or running expert
+ * shares, decides when the drop runs) */
+static void drop_later(rt_tier *t, int32_t f) {
+    if (!t->drop_started) {               /* no drop thread: at once */
+        rt_drop(t, f);
+        return;
+    }
+    pthread_mutex_lock(&t->drop_mu);
+    if (!t->drop_pending[f]) {
+        t->drop_pending[f] = 1;
+        t->drop_ring[(t->drop_head + t->drop_n) % t->n_flat] = f;
+        t->drop_n++;
+        t->drop_bytes += key_bytes(t, f);
+        pthread_cond_signal(&t->drop_cv);
+    }
+    pthread_mutex_unlock(&t->drop_mu);
+}
+
+/* key f is read or used again: a drop of it still queued is void, one running is waited for */
+static void cancel_drop(rt_tier *t, int32_t f) {
+    if (!t->drop_started) return;
+    pthread_mutex_lock(&t->drop_mu);
+    if (t->drop_pending[f]) {
+        t->drop_pending[f] = 0;             /* its ring entry is skipped */
+        t->drop_bytes -= key_bytes(t, f);
+    }
+    while (t->dropping == f) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
+    pthread_mutex_unlock(&t->drop_mu);
+}
+
+static void *drop_main(void *arg) {
+    rt_tier *t = arg;
+    rd_batch_thread();
+    pthread_mutex_lock(&t->drop_mu);
+    for (;;) {
+        while (!t->drop_stop && t->drop_n == 0) pthread_cond_wait(&t->drop_cv, &t->drop_mu);
+        if (t->drop_n == 0) break;          /* stopping, nothing left */
+        const int32_t f = t->drop_ring[t->drop_head];
+        t->drop_head = (t->drop_head + 1) % t->n_flat;
+        t->drop_n--;
+        if (!t->drop_pending[f]) continue;  /* cancelled */
+        t->drop_pending[f] = 0;
+        t->dropping = f;
+        pthread_mutex_unlock(&t->drop_mu);
+        rt_drop(t, f);
+        pthread_mutex_lock(&t->drop_mu);
+        t->drop_bytes -= key_bytes(t, f);
+        t->dropping = -1;
+        pthread_cond_broadcast(&t->drop_idle);
+    }
+    pthread_mutex_unlock(&t->drop_mu);
+    return NULL;
+}
+
+int64_t rt_pending_drop_bytes(rt_tier *t) {
+    if (!t->drop_started) return 0;
+    pthread_mutex_lock(&t->drop_mu);
+    const int64_t n = t->drop_bytes + (t->dropping >= 0 ? key_bytes(t, t->dropping) : 0);
+    pthread_mutex_unlock(&t->drop_mu);
+    return n;
+}
+
+void rt_drain_drops(rt_tier *t) {
+    if (!t->drop_started) return;
+    pthread_mutex_lock(&t->drop_mu);
+    while (t->drop_n > 0 || t->dropping >= 0) {
+        pthread_mutex_unlock(&t->drop_mu);
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&t->drop_mu);
+    }
+    pthread_mutex_unlock(&t->drop_mu);
+}
+
 /* a prefetch the core issued: queue its reads behind the demand reads and go on; its first
  * use waits for what is still coming. Held at once: its edge pages are protected while they
  * come in. */
@@ -165,7 +264,7 @@ static void evict(rt_tier *t, int32_t f) {
     t->held[f] = 0;               /* a busy key: its read's completion drops the pages */
     t->stats.dropped++;
     cancel_key(t, f);
-    rt_drop(t, f);
+    drop_later(t, f);
     event(t, RT_EV_DROP, f);
 }
 
@@ -174,16 +273,18 @@ static void finish_layer(rt_tier *t) {
     t->n_cur = 0;
     for (int32_t i = 0; i < t->n_transient; i++) {
         cancel_key(t, t->transient[i]);      /* read by now (the matmul waited for it) */
-        rt_drop(t, t->transient[i]);
+        drop_later(t, t->transient[i]);
     }
     t->n_transient = 0;
 }
 
 /* the layer-step's ranges to read: range ids (want_off holds them) */
 static int want(rt_tier *t, int64_t r) {
-    int64_t cap = t->cap_want;
-    if (array_grow((void **) &t->want_off, &cap, t->n_want + 1, sizeof *t->want_off)) return -1;
-    t->cap_want = cap;
+    int64_t cap = t->cap_want, cap_l = t->cap_want;
+    if (array_grow((void **) &t->want_off, &cap, t->n_want + 1, sizeof *t->want_off) ||
+        array_grow((void **) &t->want_len, &cap_l, t->n_want + 1, sizeof *t->want_len))
+        return -1;
+    t->cap_want = cap < cap_l ? cap : cap_l;
     t->want_off[t->n_want++] = r;
     return 0;
 }
@@ -216,7 +317,11 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     t->stats.routes++;
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = layer * t->n_expert + experts[i];
-        if (!t->cur[f]) { t->cur[f] = 1; t->cur_list[t->n_cur++] = f; }
+        if (!t->cur[f]) {
+            t->cur[f] = 1;                  /* in use: no drop touches its pages now */
+            t->cur_list[t->n_cur++] = f;
+            cancel_drop(t, f);
+        }
     }
     for (int32_t i = 0; i < r.n_evicted; i++) evict(t, r.evicted[i]);
     for (int32_t i = 0, v = 0; i < r.n_prefetched; i++) {
@@ -263,11 +368,12 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         if (t->on_reclaim) t->on_reclaim(layer, t->on_reclaim_user);
     }
     int64_t bytes = 0;
+    int32_t *ids = (int32_t *) t->want_len;  /* (n_want,) range ids, for one queueing */
     for (int32_t i = 0; i < t->n_want; i++) {
-        const int32_t q = (int32_t) t->want_off[i];
-        bytes += t->range_len[q];
-        rd_queue(t->reader, q, RD_DEMAND);
+        ids[i] = (int32_t) t->want_off[i];
+        bytes += t->range_len[ids[i]];
     }
+    rd_queue_many(t->reader, ids, t->n_want, RD_DEMAND);
     t->stats.reads += t->n_want;
     int failed = 0;
     if (!t->async)                /* no matmul hook: every byte in before the matmul runs */
@@ -370,6 +476,7 @@ void rt_get_stats(const rt_tier *t, rt_stats *out) {
     out->waits = rs.waits;
 }
 void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); rd_set_fd(t->reader, fd); }
+void rt_set_read_chunk(rt_tier *t, int64_t bytes) { rd_set_chunk(t->reader, bytes); }
 void rt_set_mlock(rt_tier *t, int32_t on) { t->mlock = on; }
 void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
     t->on_reclaim = cb;
@@ -420,12 +527,37 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     g_sort_tier = NULL;
     pthread_rwlock_unlock(&g_tiers_lock);
     t->page = fp_page_size(t->file);
+    t->dropping = -1;
+    t->drop_ring = malloc((size_t) t->n_flat * sizeof *t->drop_ring);
+    t->drop_pending = calloc((size_t) t->n_flat, 1);
+    if (t->drop_ring && t->drop_pending) {
+        pthread_mutex_init(&t->drop_mu, NULL);
+        pthread_cond_init(&t->drop_cv, NULL);
+        pthread_cond_init(&t->drop_idle, NULL);
+        t->drop_started = pthread_create(&t->drop_thread, NULL, drop_main, t) == 0;
+        if (!t->drop_started) {
+            pthread_mutex_destroy(&t->drop_mu);
+            pthread_cond_destroy(&t->drop_cv);
+            pthread_cond_destroy(&t->drop_idle);
+        }
+    }
     return t;
 }
 
 void rt_free(rt_tier *t) {
     if (t == NULL) return;
     rt_set_async(t, 0);                      /* no matmul looks this tier up any more */
+    if (t->drop_started) {                   /* the queued drops run, then the thread ends */
+        pthread_mutex_lock(&t->drop_mu);
+        t->drop_stop = 1;
+        pthread_cond_signal(&t->drop_cv);
+        pthread_mutex_unlock(&t->drop_mu);
+        pthread_join(t->drop_thread, NULL);
+        pthread_mutex_destroy(&t->drop_mu);
+        pthread_cond_destroy(&t->drop_cv);
+        pthread_cond_destroy(&t->drop_idle);
+    }
+    free(t->drop_ring); free(t->drop_pending);
     rd_free(t->reader);
     fp_free(t->file);
     free(t->cur); free(t->mark); free(t->advised); free(t->cur_list); free(t->transient);

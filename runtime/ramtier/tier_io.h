@@ -10,8 +10,9 @@
  * 0007) rt_step returns at once: the matmul computes the layer's resident experts while the
  * others come in, and waits for each of those just before it reads it. Without it rt_step
  * returns when every byte is in. Evicted experts' pages leave every mapping and the page cache
- * (MADV_DONTNEED, then posix_fadvise(DONTNEED)), except pages a held, busy or running expert
- * shares. A failed read (EIO, a short read: the file was truncated) fails the layer-step or,
+ * (MADV_DONTNEED, then posix_fadvise(DONTNEED)) on the tier's drop thread, except pages a held,
+ * busy or running expert shares (checked when the drop runs; a key read or used again before
+ * its queued drop runs keeps its pages). A failed read (EIO, a short read: the file was truncated) fails the layer-step or,
  * found by the matmul, the batch (rt_batch_end): rt_error says which.
  *
  * Shared state, owned by Python (numpy arrays, one byte per flat key = layer * n_expert + e):
@@ -72,6 +73,8 @@ void rt_free(rt_tier *t);
 int rt_set_regions(rt_tier *t, int32_t n, const int64_t *file_off, const int64_t *length,
                    const int64_t *addr, const int32_t *copy);
 void rt_set_fd(rt_tier *t, int32_t fd);
+/* bytes per read request: at most what the model's disk takes in one (max_sectors_kb) */
+void rt_set_read_chunk(rt_tier *t, int64_t bytes);
 void rt_set_mlock(rt_tier *t, int32_t on);   /* munlock before a drop */
 
 int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
@@ -90,7 +93,12 @@ const char *rt_error(const rt_tier *t);
 /* the page-aligned ranges of flat's pages no held, busy or running expert shares; their
  * number (at most cap are written) */
 int32_t rt_droppable(const rt_tier *t, int32_t flat, int64_t *off, int64_t *len, int32_t cap);
-int64_t rt_drop(rt_tier *t, int32_t flat);   /* drop those pages; bytes */
+int64_t rt_drop(rt_tier *t, int32_t flat);   /* drop those pages now; bytes */
+/* evictions and transient uses leave on the tier's drop thread (fadvise(DONTNEED) waits for
+ * every CPU): the bytes of the keys whose drop is queued or running (an upper bound), and a
+ * wait until none is */
+int64_t rt_pending_drop_bytes(rt_tier *t);
+void rt_drain_drops(rt_tier *t);
 /* read file ranges into the page cache on this thread (explicit preads); 0, or -1 (rt_error) */
 int rt_page_in(rt_tier *t, const int64_t *off, const int64_t *len, int32_t n);
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from runtime.clib import load_library
 from runtime.ramtier.layout import ExpertLayout
+from runtime.ramtier import vm
 from runtime.ramtier.mapping import FileMapping
 
 EV_ADMIT, EV_DROP = 1, 2
@@ -60,6 +61,9 @@ class TierIO:
             raise MemoryError("rt_create failed")
         self._handle = handle
         self.set_regions(mapping)
+        limit = vm.max_request_bytes(mapping.path)
+        if limit is not None:     # readahead(2) reads at most one device request per call
+            self.lib.rt_set_read_chunk(handle, limit)
 
     def _ptr(self, kind: str, array: np.ndarray):
         if not len(array):
@@ -131,6 +135,15 @@ class TierIO:
         n = self.lib.rt_droppable(self._handle, flat, self.ffi.from_buffer("int64_t[]", off),
                                   self.ffi.from_buffer("int64_t[]", length), 16)
         return list(zip(off[:n].tolist(), length[:n].tolist()))
+
+    def pending_drop_bytes(self) -> int:
+        """Bytes of the evicted / transient keys whose drop (on the tier's drop thread) is
+        queued or running: an upper bound of what they still hold."""
+        return int(self.lib.rt_pending_drop_bytes(self._handle))
+
+    def drain_drops(self) -> None:
+        """Return once every queued drop has run."""
+        self.lib.rt_drain_drops(self._handle)
 
     def drop(self, flat: int) -> int:
         """Drop ``flat``'s pages unless it is held, busy or running; bytes dropped."""

@@ -113,3 +113,19 @@ def memlock_limits() -> MemlockLimits:
     except OSError:
         pass
     return MemlockLimits(None if soft == resource.RLIM_INFINITY else int(soft), cap)
+
+
+def max_request_bytes(path: str) -> int | None:
+    """The largest read request the block device holding ``path`` takes (its
+    ``queue/max_sectors_kb``, a partition's from its disk), or None where sysfs does not say
+    (a network or FUSE filesystem, no sysfs)."""
+    try:
+        st = os.stat(path)
+        dev = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+        for queue in (os.path.join(dev, "queue"), os.path.join(os.path.dirname(dev), "queue")):
+            if os.path.isfile(os.path.join(queue, "max_sectors_kb")):
+                with open(os.path.join(queue, "max_sectors_kb")) as fh:
+                    return int(fh.read()) * 1024
+    except (OSError, ValueError):
+        pass
+    return None

@@ -212,6 +212,20 @@ async def metrics(request: Request) -> Response:
     return response
 
 
+def degraded(engine: Any) -> JSONResponse | None:
+    """/health's answer while a part of ``engine`` is broken (``Engine.faults()``: the model
+    file changed, a writer stopped), else None."""
+    faults = engine.faults() if engine is not None and hasattr(engine, "faults") else []
+    if not faults:
+        return None
+    parts = {f.component: f.message for f in faults}
+    fatal = [f for f in faults if not f.serving]
+    if not fatal:                              # serving still: no balancer should drop it
+        return JSONResponse({"status": "degraded", "degraded": parts})
+    body = error_body(fatal[0].message, "unavailable_error", f"{fatal[0].component}_broken")
+    return JSONResponse(body | {"status": "degraded", "degraded": parts}, status_code=503)
+
+
 def begin_shutdown(app: FastAPI) -> None:
     """Cancel every queued and running generation now, so that answers in flight end (with
     a ``server_shutdown`` error) while the server still drains its connections."""
@@ -259,9 +273,14 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     @app.get("/health")
     @app.get("/v1/health")
     async def health(request: Request) -> JSONResponse:
-        """200 ``{"status": "ok"}`` when the model is loaded, 503 with an error body before."""
+        """200 ``{"status": "ok"}`` when the model is loaded, 503 with an error body before;
+        ``"status": "degraded"`` with ``degraded: {component: message}`` while a part is
+        broken: 200 when generations go on without it, else 503."""
         host: ModelHost = request.app.state.host
         if host.state is LoadState.READY:
+            faults = degraded(host.engine_if_ready())
+            if faults is not None:
+                return faults
             remote = getattr(host.engine_if_ready(), "remote", None)
             status = remote.status() if remote is not None else {}
             down = [d for d, state in status.items() if state == "down"]

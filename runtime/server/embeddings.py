@@ -15,9 +15,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from runtime.engine.embedding import embed, pooled
-from runtime.engine.types import Timings
+from runtime.engine.types import ModelFileChanged, NonFiniteLogits, Timings
 from runtime.errors import UserError
 from runtime.server.errors import APIError
+from runtime.server.jobs import engine_failure
 from runtime.server.requests import json_object
 from runtime.server.token_ids import checked_ids, engine_vocab
 from runtime.server.queue import QueueClosed, QueueFull
@@ -118,6 +119,8 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
         try:
             async for vectors in job:
                 results.append((ids, vectors))
+        except (ModelFileChanged, NonFiniteLogits) as exc:    # the server's fault, not the input's
+            raise engine_failure(exc) from exc
         except UserError as exc:
             raise APIError(400, str(exc), code="invalid_value", param="input") from exc
     return results, oai, fmt

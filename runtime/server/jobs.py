@@ -17,7 +17,8 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from runtime.engine.types import CANCELLED, ContextLengthError, KVCacheFullError
+from runtime.engine.types import (CANCELLED, ContextLengthError, KVCacheFullError,
+                                  ModelFileChanged, NonFiniteLogits)
 from runtime.errors import UserError
 from runtime.rpc.setup import RemoteDeviceLost
 from runtime.server import shapes
@@ -74,6 +75,14 @@ def engine_failure(exc: BaseException) -> APIError:
     if isinstance(exc, RemoteDeviceLost):
         log.error("generation failed: %s", exc)
         return APIError(503, str(exc), code="remote_device_down")
+    if isinstance(exc, ModelFileChanged):       # every request fails until it is back: one line
+        if exc.first:
+            exc.first = False                   # (one exception may fail several requests)
+            log.error("%s", exc)
+        return APIError(503, str(exc), code="model_file_changed")
+    if isinstance(exc, NonFiniteLogits):
+        log.error("generation failed: %s", exc)
+        return APIError(500, f"Generation failed: {exc}", code="non_finite_logits")
     if isinstance(exc, UserError):
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, KVCacheFullError):       # llama-server's answer: the pool is aborted

@@ -169,5 +169,8 @@ class TraceWriter:
     def _cleanup(self) -> None:
         for f in self._files.values():
             if not f.closed:
-                f.close()
+                try:
+                    f.close()           # flushes its buffer: on a full disk, ENOSPC again
+                except OSError:
+                    pass                # discarded anyway: the failure is already reported
         self._target.discard()          # the temp file and the spills (none after publish)

@@ -288,7 +288,7 @@ def test_write_error_is_one_line(tmp_path):
 
 
 def test_slot_save_killed(tmp_path, tiny_model):
-    """``POST /slots/N?action=save``: llama.cpp writes the temp file, renamed into place."""
+    """``POST /slots/N?action=save``: the slot file goes to a temp file, renamed into place."""
     from runtime.engine import slot_state
     from runtime.engine.engine import Engine, EngineSettings, SamplingParams
     engine = Engine(EngineSettings(model_path=str(tiny_model), n_ctx=512, n_threads=1, seed=0,

@@ -1,6 +1,7 @@
 """The soak (scripts/soak.py) for a minute: ``serve -np 4`` under mixed OpenAI / llama-server
-/ streamed / structured / tool traffic with clients that hang up and invalid requests. No 5xx,
-no malformed answer, every invalid request a 4xx in its route's shape, /metrics' request totals
+/ streamed / structured / tool traffic with clients that hang up, invalid requests and broken
+slot files. No 5xx, no malformed answer (NaN in JSON included), every invalid request a 4xx in
+its route's shape, every broken slot refused and then serving, /metrics' request totals
 equal to what the clients sent, the server alive and its log free of tracebacks."""
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_a_minute_of_mixed_hostile_traffic(tiny_model):
     outcomes = report["outcomes"]
     assert report["ok"], report
     for kind in ("ok_chat", "ok_text", "ok_native", "ok_structured", "ok_tool",
-                 "invalid_refused"):
+                 "invalid_refused", "slot_attack_refused"):
         assert outcomes.get(kind, 0) > 0, outcomes
     assert outcomes.get("dropped_waiting", 0) + outcomes.get("dropped_streaming", 0) > 0
     assert 0 < report["metrics"]["cancelled_total"]

@@ -85,16 +85,21 @@ def test_n_probs_is_bounded(server):
 
 def test_a_slot_file_with_ids_outside_the_vocabulary_is_refused(start_server, tiny_model,
                                                                   tmp_path):
-    """A slot file (llama.cpp's seq state: magic, version, token count, int32 ids, state)
-    from another model, or edited, carries ids llama.cpp would index unchecked later."""
+    """A slot file (runtime/engine/slot_file.py: header, int32 ids, state) from another
+    model, or edited (its checksum made to match), carries ids llama.cpp would index
+    unchecked later."""
     import struct
+
+    from runtime.engine import slot_file
     server = start_server(tiny_model, "--slot-save-path", str(tmp_path), "-c", "256")
     with httpx.Client(base_url=server.base_url, timeout=60) as http:
         assert http.post("/completion", json={"prompt": "the sea", "n_predict": 2}).is_success
         assert http.post("/slots/0?action=save", json={"filename": "s.bin"}).is_success
         raw = bytearray((tmp_path / "s.bin").read_bytes())
-        assert struct.unpack_from("<I", raw, 8)[0] > 0          # the token count
-        struct.pack_into("<i", raw, 12, 99999)                   # the first id
+        n_tokens = slot_file.HEADER.unpack_from(raw)[3]
+        assert n_tokens > 0
+        struct.pack_into("<i", raw, slot_file.HEADER.size, 99999)     # the first id
+        slot_file.seal(raw, n_tokens)
         (tmp_path / "bad.bin").write_bytes(bytes(raw))
         r = http.post("/slots/0?action=restore", json={"filename": "bad.bin"})
         err = error_of(r, "/slots/0")

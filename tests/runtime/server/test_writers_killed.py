@@ -1,7 +1,8 @@
 """The server's own writers, SIGKILLed at 10 random moments mid-write (tests/runtime/
 test_atomic_write.py kills each writer in a forked child; here the real server is killed):
 
-- ``POST /slots/0?action=save``: llama.cpp writes the temp file, renamed into place;
+- ``POST /slots/0?action=save``: the slot file (runtime/engine/slot_file.py) goes to a temp file,
+  renamed into place;
 - ``serve --write-profile``: the profile written at shutdown (SIGTERM, then the kill).
 
 The previous file stays byte-identical (or, once the rename happened, the whole new file is
