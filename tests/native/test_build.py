@@ -12,6 +12,7 @@ from runtime.cli import main
 from runtime.errors import UserError
 from runtime.native.build import (BuildRequest, build, build_key, find_build, patch_files,
                                   read_build)
+from runtime.native.install import request_from_cmake_args
 from runtime.native.source import resolve_source
 
 
@@ -57,7 +58,7 @@ def test_build_is_cached_and_complete(native_build):
     assert "ggml_backend_rpc_start_server" in rpc_nm
     assert "ggml_backend_rpc_failure_count" in rpc_nm        # patch 0004
     assert native_build.rpc is True
-    again = build(BuildRequest(backend="cpu", rpc=True))   # same key: nothing is rebuilt
+    again = build(request_from_cmake_args())   # what the install asked: nothing is rebuilt
     assert again == native_build
     assert read_build(lib.parent).built_at == native_build.built_at
     newest = find_build("cpu")          # the newest current build (any source)
