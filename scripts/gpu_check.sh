@@ -92,14 +92,25 @@ tar -xJf "$ARCHIVE" -C "$WORK/py" --strip-components=1 llama_cpp_python-0.3.36/l
 export PYTHONPATH=$SITE$REPO:$WORK/py
 CLI=("$PY" -m runtime.cli)
 
-# (2) the patched libraries from the pruned archive
+# (2) the patched libraries from the pruned archive. The CPU dry run asks for what `pip install
+# -e .` built (same archive, patches, flags and CMAKE_ARGS: the same key), so it compiles
+# nothing on an installed checkout. `native build` records what it builds as the install's
+# llama.cpp: a dry run puts the install's record back, so the Vulkan one does not switch this
+# install to its build.
 if [[ $VK == 1 ]]; then BUILD=(--backend vulkan)
 elif [[ $DRY == 1 ]]; then BUILD=(--backend cpu)
 else BUILD=(--backend cuda --cuda-arch "$ARCH"); fi
 [[ $DRY == 1 || "${GPU_CHECK_CUDA_FA:-0}" == 1 ]] || BUILD+=(--no-cuda-fa)   # half the compile time
+RECORD=$("$PY" -c 'from runtime.native.install import RECORD
+from runtime.native.source import cache_root
+print(cache_root() / RECORD)')
+KEPT=$WORK/installed.json.kept
+rm -f "$KEPT"
+[[ $DRY == 1 && -f $RECORD ]] && cp "$RECORD" "$KEPT"
 step "native build ${BUILD[*]}"
 LIB=$("${CLI[@]}" native build "${BUILD[@]}" --source "$ARCHIVE" --json \
       | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["lib_dir"])')
+[[ -f $KEPT ]] && mv "$KEPT" "$RECORD"
 export LLAMA_CPP_LIB_PATH=$LIB
 step "libraries: $LIB"
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Run llama.cpp's own server tests (tools/server/tests) against ``moe-offload serve``.
 
-The tests come from the llama-cpp-python 0.3.36 source archive this project already keeps
-(``moe-offload native build`` caches it in ~/.cache/moe-offload/native/sdist/), so they match
-the llama.cpp our runtime links, and nothing is downloaded: the models the tests name are
-replaced by a synthetic MoE model (scripts/llama_server_compat.py maps llama-server's flags).
+The tests come from the llama-cpp-python 0.3.36 source archive (the sdist), so they match the
+llama.cpp our runtime links; the repository's pruned archive (native/offline/) leaves them out,
+so the sdist is fetched once by pip (~75 MB, runtime.native.source.download_sdist) into
+~/.cache/moe-offload/native/sdist/ when it is not there. The tests themselves download nothing:
+the models they name are replaced by a synthetic MoE model (scripts/llama_server_compat.py maps
+llama-server's flags).
 The tests are extracted into a temporary directory, run, and the counts printed:
 
     python scripts/run_llama_server_tests.py [--sdist FILE | --tests DIR] [--suites A,B]
@@ -23,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -82,9 +85,10 @@ class FileLock:
 
 
 def default_sdist() -> Path:
-    cache = Path(os.environ.get("MOE_OFFLOAD_CACHE") or
-                 Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-offload")
-    return cache / "native" / "sdist" / ARCHIVE
+    """The cached sdist, fetched by pip first when missing (UserError when that fails)."""
+    from runtime.native.source import cache_root, download_sdist  # noqa: PLC0415
+
+    return download_sdist(cache_root() / "sdist")
 
 
 def extract(sdist: Path, into: Path) -> Path:
@@ -122,9 +126,14 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
     launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {REPO / 'scripts/llama_server_compat.py'}"
                         ' "$@"\n')
     launcher.chmod(0o755)
+    # a free port, not the tests' default 8080: two runs (or another server) on one machine
+    # would answer each other's requests
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(launcher),
                PYTHONPATH=os.pathsep.join([str(stubs), str(REPO)]), PYTHONUNBUFFERED="1",
-               LLAMA_TESTS_TIMEOUT=str(per_test))
+               LLAMA_TESTS_TIMEOUT=str(per_test), PORT=str(port))
     files = sorted(f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")
                    if suites is None or p.stem in suites)
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
@@ -143,7 +152,9 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
 
 def main() -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sdist", type=Path, default=None, help=f"the {ARCHIVE} to read")
+    parser.add_argument("--sdist", type=Path, default=None,
+                        help=f"the {ARCHIVE} to read (default: the cached one, fetched by pip "
+                             "when missing)")
     parser.add_argument("--tests", type=Path, default=None,
                         help="an already extracted tools/server/tests directory")
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression")
@@ -158,10 +169,16 @@ def main() -> int:
         if args.tests is not None:
             tests = args.tests
         else:
-            sdist = args.sdist or default_sdist()
+            sys.path.insert(0, str(REPO))       # runtime, also from a checkout not installed
+            from runtime.errors import UserError  # noqa: PLC0415
+
+            try:
+                sdist = args.sdist or default_sdist()
+            except UserError as exc:
+                sys.stderr.write(f"{exc} (or give --sdist / --tests)\n")
+                return 2
             if not sdist.is_file():
-                sys.stderr.write(f"{sdist}: not found (`moe-offload native build` caches it; or "
-                                 "give --sdist / --tests)\n")
+                sys.stderr.write(f"{sdist}: not found (give --sdist / --tests)\n")
                 return 2
             tests = extract(sdist, work)
         suites = args.suites.split(",") if args.suites else None

@@ -8,7 +8,8 @@ docs/design/contracts.md, "Native").
 
 ``lib_dir_for(devices)`` is the libllama directory a process about to load llama.cpp uses:
 $LLAMA_CPP_LIB_PATH when set, a CUDA (Vulkan) build for a cuda:N (vulkan:N) device, else this
-install's build; a UserError saying which command builds it when there is none.
+install's build; a UserError (install.NativeBuildMissing, exit 1) saying which command builds
+it when there is none.
 ``preferred_lib_dir(devices)`` is the same without the error (None), for probes.
 """
 from __future__ import annotations
@@ -41,8 +42,7 @@ def preferred_lib_dir(devices: Iterable[str] = ()) -> str | None:
 def lib_dir_for(devices: Iterable[str] = ()) -> str:
     """$LLAMA_CPP_LIB_PATH when set, else ``preferred_lib_dir(devices)``; UserError (one
     line: the command that builds it) when no current build serves them."""
-    from runtime.errors import UserError  # noqa: PLC0415
-    from runtime.native.install import missing_message  # noqa: PLC0415
+    from runtime.native.install import NativeBuildMissing, missing_message  # noqa: PLC0415
 
     env = os.environ.get(LIB_PATH_ENV)
     if env:
@@ -50,5 +50,5 @@ def lib_dir_for(devices: Iterable[str] = ()) -> str:
     devices = set(devices)
     found = preferred_lib_dir(devices)
     if found is None:
-        raise UserError(missing_message(_backend_for(devices)))
+        raise NativeBuildMissing(missing_message(_backend_for(devices)))
     return found

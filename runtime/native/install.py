@@ -71,6 +71,13 @@ def default_build() -> BuildInfo | None:
     return find_build(backend) or (find_build("cpu") if backend != "cpu" else None)
 
 
+class NativeBuildMissing(UserError):
+    """No current build serves this run (``missing_message``): the environment lacks a step of
+    the install, not a bad input, so the CLI exits 1 as on other failures of the machine."""
+
+    exit_code = 1
+
+
 def missing_message(backend: str | None = None) -> str:
     """One line: no current build of ``backend`` (default: the installed one), and the fix."""
     backend = backend or installed_backend()

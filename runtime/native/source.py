@@ -61,8 +61,7 @@ def download_sdist(dest_dir: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not target.is_file():
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"pip download {SDIST_REQUIREMENT}: failed ({last}); "
-                        "pass --source PATH to build from a local copy")
+        raise UserError(f"pip download {SDIST_REQUIREMENT}: failed ({last})")
     return target
 
 

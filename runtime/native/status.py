@@ -1,26 +1,35 @@
-"""What native builds exist: ``moe-offload native status [--json]``."""
+"""What native builds exist, and which one runs: ``moe-offload native status [--json]``."""
 from __future__ import annotations
+
+import os
 
 from runtime.native.build import BACKENDS, find_build, list_builds, patch_files, patches_hash
 from runtime.native.source import cache_root
 
 
 def native_status() -> dict:
-    """``{"built": bool, "dir": lib dir of the preferred current build or None, "backends":
-    [backends with a current build], "builds": [...], "stale": n, "cache": root,
-    "patches": [names]}``. A build is current when made from today's patches and device cache
-    store sources."""
+    """``{"built": bool, "dir": lib dir of this install's current build or None, "in_use": the
+    lib dir a command loads (runtime.native.lib_dir_for without devices) or None, "in_use_from":
+    "LLAMA_CPP_LIB_PATH" | "install" | None, "backends": [backends with a current build],
+    "builds": [...], "stale": n, "cache": root, "patches": [names]}``. A build is current when
+    made from today's patches and device cache store sources."""
     current = patches_hash()
     builds = list_builds()
     fresh = [b for b in builds if b.patches_hash == current]
     backends = [be for be in BACKENDS if any(b.backend == be for b in fresh)]
     from runtime.native.install import default_build, installed_backend  # noqa: PLC0415
 
+    from runtime.native import LIB_PATH_ENV  # noqa: PLC0415
+
     preferred = default_build()
     rpc = find_build(rpc=True)
+    env = os.environ.get(LIB_PATH_ENV)
+    in_use = env or (preferred.lib_dir if preferred else None)
     return {
         "built": bool(fresh),
         "dir": preferred.lib_dir if preferred else None,
+        "in_use": in_use,
+        "in_use_from": LIB_PATH_ENV if env else ("install" if preferred else None),
         "installed_backend": installed_backend(),
         "backends": backends,
         "rpc": rpc is not None,
@@ -38,8 +47,14 @@ def native_status() -> dict:
 def format_status(status: dict) -> str:
     """The human-readable form: one line per fact."""
     lines = [f"built: {'yes' if status['built'] else 'no'}"]
+    if status["in_use_from"] == "install":
+        backend = next((b["backend"] for b in status["builds"] if b["dir"] == status["dir"]),
+                       status["installed_backend"])
+        lines.append(f"in use: {status['in_use']} (this install's {backend} build)")
+    elif status["in_use_from"] is not None:
+        lines.append(f"in use: {status['in_use']} (${status['in_use_from']}; this install's "
+                     f"build: {status['dir'] or 'none'})")
     if status["built"]:
-        lines.append(f"dir: {status['dir']}")
         lines.append(f"backends: {', '.join(status['backends'])}")
         lines.append(f"rpc: yes ({status['rpc_dir']})" if status["rpc"] else
                      "rpc: no (`moe-offload native build` builds ggml's RPC backend)")

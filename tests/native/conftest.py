@@ -1,4 +1,4 @@
-"""Fixtures for the native tests: the patched build (built once, cached across runs) and a
+"""Fixtures for the native tests: the patched build (this install's, tests/conftest.py) and a
 helper that runs tests/native/native_child.py in a subprocess with a chosen libllama."""
 from __future__ import annotations
 
@@ -20,18 +20,10 @@ Q8_SPEC = SynthSpec(arch="qwen3moe", layers=4, experts=16, top_k=4, embd=128, ff
 
 
 @pytest.fixture(scope="session")
-def native_build():
-    """The current patched CPU build with the RPC backend (built here if missing: a few
-    minutes on 2 cores). One build serves the native tests and tests/runtime/rpc: a build with
-    GGML_RPC=ON is the same libllama plus libggml-rpc."""
-    from runtime.native.build import BuildRequest, build
-
-    from tests.conftest import terminal_notice
-
-    def say(line: str) -> None:          # on pytest's terminal: a build takes minutes
-        terminal_notice(f"[tests/native, once per cache] {line}")
-
-    return build(BuildRequest(backend="cpu", rpc=True), log=say)
+def native_build(llama_build):
+    """This install's patched build (with the RPC backend, as every build by default): the
+    one the native tests and tests/runtime/rpc run on; never a second CPU build."""
+    return llama_build
 
 
 @pytest.fixture(scope="session")
@@ -55,17 +47,13 @@ def skip_without_vulkan_toolchain() -> None:
         pytest.skip(str(exc))
 
 
-def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300, *,
-              auto_lib: bool = False) -> dict:
-    """Run native_child.py MODE with LLAMA_CPP_LIB_PATH=lib_dir (None: the stock wheel, or
-    with ``auto_lib`` whatever library the engine picks by itself)."""
+def run_child(mode: str, args: dict, lib_dir: str | None, timeout: float = 300) -> dict:
+    """Run native_child.py MODE with LLAMA_CPP_LIB_PATH=lib_dir (None: unset, so the child
+    loads whatever library it picks by itself: this install's build)."""
     env = dict(os.environ)
     env.pop("LLAMA_CPP_LIB_PATH", None)
-    env.pop("MOE_OFFLOAD_NATIVE", None)
     if lib_dir is not None:
         env["LLAMA_CPP_LIB_PATH"] = lib_dir
-    elif not auto_lib:
-        env["MOE_OFFLOAD_NATIVE"] = "off"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(CHILD), mode, json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -1,7 +1,7 @@
 """Runs in a subprocess (one libllama per process): ``python native_child.py MODE JSON_ARGS``.
 
-The parent sets ``LLAMA_CPP_LIB_PATH`` (patched build or the stock wheel's libraries) and reads
-one JSON object from the last stdout line.
+The parent sets ``LLAMA_CPP_LIB_PATH`` (the patched build; unset: the one the engine picks by
+itself) and reads one JSON object from the last stdout line.
 
 Modes:
   logits  {"model", "capacity" (bytes or null: no cache), "fill" ("all" | "even" | "shifted"),
@@ -95,7 +95,7 @@ def _prompt_and_greedy(ll, ctx, model, tokens, n_greedy):
 
 def mode_logits(args):
     from runtime.native.llama_lib import bindings
-    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
     model = _load(ll, args["model"], args.get("ngl", 0), args.get("experts_on_cpu", False),
                   args.get("extra_bufts", True))
     cache, resident, eval_cb = None, 0, None
@@ -148,7 +148,7 @@ def mode_logits(args):
 
 def mode_capi(args):
     from runtime.native.llama_lib import bindings
-    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
     from runtime.native.device_cache_store import (DeviceCacheError, DeviceCacheStore, ffi,
                                                    load_store)
     model = _load(ll, args["model"])
@@ -271,7 +271,7 @@ def mode_placement(args):
 
 def mode_ids(args):
     from runtime.native.llama_lib import bindings
-    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
     from runtime.native import llama_lib
     from runtime.native.device_cache_store import DeviceCacheStore, load_store
 
@@ -316,7 +316,7 @@ def mode_ids(args):
 def mode_nodes(args):
     import re
     from runtime.native.llama_lib import bindings
-    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
     from runtime.native import llama_lib
     from runtime.native.device_cache_store import DeviceCacheStore, load_store
 
@@ -375,7 +375,7 @@ def mode_nodes(args):
 
 def mode_churn(args):
     from runtime.native.llama_lib import bindings
-    ll = bindings()          # through ours: AMX-safe defaults on a stock libllama
+    ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
     from types import SimpleNamespace
     from gguf_tools.expert_index import ExpertIndex
     from runtime.native.device_cache import DeviceCache, ExpertSource

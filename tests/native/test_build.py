@@ -12,6 +12,7 @@ from runtime.cli import main
 from runtime.errors import UserError
 from runtime.native.build import (BuildRequest, build, build_key, find_build, patch_files,
                                   read_build)
+from runtime.native.install import request_from_cmake_args
 from runtime.native.source import resolve_source
 
 
@@ -21,7 +22,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
                                                "0003-ggml-cpu-amx-tile-config.patch",
                                                "0004-rpc-errors-not-abort.patch",
                                                "0005-ggml-vulkan-mmid-prealloc-per-graph.patch",
-                                               "0006-lazy-routed-experts.patch"]
+                                               "0006-lazy-routed-experts.patch",
+                                               "0007-ggml-cpu-weight-ready.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -39,6 +41,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert "memset(matrix_row_counts" not in cpu and "used_as" in cpu        # patch 0002
     vulkan = (tree / "ggml" / "src" / "ggml-vulkan" / "ggml-vulkan.cpp").read_text()
     assert "sized for every mmid of" in vulkan                                 # patch 0005
+    cpu_h = (tree / "ggml" / "include" / "ggml-cpu.h").read_text()
+    assert "ggml_cpu_set_weight_ready" in cpu_h and "weight_ready" in cpu        # patch 0007
 
 
 def test_build_is_cached_and_complete(native_build):
@@ -54,7 +58,7 @@ def test_build_is_cached_and_complete(native_build):
     assert "ggml_backend_rpc_start_server" in rpc_nm
     assert "ggml_backend_rpc_failure_count" in rpc_nm        # patch 0004
     assert native_build.rpc is True
-    again = build(BuildRequest(backend="cpu", rpc=True))   # same key: nothing is rebuilt
+    again = build(request_from_cmake_args())   # what the install asked: nothing is rebuilt
     assert again == native_build
     assert read_build(lib.parent).built_at == native_build.built_at
     newest = find_build("cpu")          # the newest current build (any source)
@@ -70,7 +74,10 @@ def test_key_depends_on_backend_and_flags():
     assert cuda != base
     assert build_key("src", BuildRequest(backend="cuda", cuda_arch="90", cuda_fa=False)) != cuda
     assert build_key("src", BuildRequest(backend="cpu", native_cpu=False)) != base
-    assert build_key("src", BuildRequest(backend="cpu", rpc=True)) != base
+    assert build_key("src", BuildRequest(backend="cpu", rpc=False)) != base
+    assert build_key("src", BuildRequest(backend="cpu", extra_cmake_args=("-DX=1",))) != base
+    # the RPC backend is in every build by default: the install's, the tests', gpu_check's
+    assert BuildRequest(backend="cpu").rpc is True
 
 
 def test_status_json_is_truthful(native_build, capsys):

@@ -47,21 +47,11 @@ def test_device_names():
         ggml_device_name("cpu")
 
 
-def test_stock_library_says_so_and_still_generates(q8_model, plain):
-    """On the stock wheel the cpu-slots device is bookkeeping only, with one notice."""
-    res = run_child("engine", {"model": str(q8_model), "lib_dir": None, "slots": "200KB",
-                               "prompt": PROMPT, "max_tokens": 24}, None)
-    assert res["tokens"] == plain["tokens"]
-    assert "copies" not in res
-    notices = [ln for ln in res["stderr"].splitlines() if "needs the patched llama.cpp" in ln]
-    assert len(notices) == 1, res["stderr"][-2000:]
-
-
 def test_engine_picks_the_patched_build_by_itself(native_build, q8_model, plain):
-    """No lib_dir and no LLAMA_CPP_LIB_PATH: a cpu-slots device makes the engine load the
-    native build, so the cache really copies experts, and tokens stay identical."""
+    """No lib_dir and no LLAMA_CPP_LIB_PATH: the engine loads this install's build by
+    itself, so the cache really copies experts, and tokens stay identical."""
     res = run_child("engine", {"model": str(q8_model), "lib_dir": None, "slots": "300KB",
-                               "prompt": PROMPT, "max_tokens": 24}, None, auto_lib=True)
+                               "prompt": PROMPT, "max_tokens": 24}, None)
     assert res["tokens"] == plain["tokens"]
     assert res.get("copies", 0) > 0, res["stderr"][-2000:]
     assert "needs the patched llama.cpp" not in res["stderr"]

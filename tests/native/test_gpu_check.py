@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh is ready for the GPU machine as far as a CPU can tell: its dry run
-takes every step (offline wheels, build from the pruned archive, model, benchmark) on the CPU,
-and its Vulkan dry run the GPU steps on lavapipe."""
+takes every step (offline wheels, the build from the pruned archive, which is the install's
+own and so compiles nothing, model, benchmark) on the CPU, and its Vulkan dry run the GPU steps
+on lavapipe."""
 from __future__ import annotations
 
 import os
@@ -52,6 +53,10 @@ def test_dry_run(native_build, tmp_path):
                 "routing imposed from qwen3-30b-a3b.route.csv"):
         assert row in table
     assert "cpu-slots" in table and re.search(r"gpu_check \[\d+ s\]: libraries:", proc.stderr)
+    # the install's build, found by its key (same archive, patches and flags): nothing compiles
+    assert "native build cpu: compiling" not in proc.stderr, proc.stderr[-3000:]
+    if native_build.backend == "cpu":
+        assert f"libraries: {native_build.lib_dir}" in proc.stderr
     assert "installing from" in proc.stderr     # the wheels path ran (the bare interpreter)
     check_rows = [ln for ln in table.splitlines() if ln.startswith("| lru | cpu-slots")
                   or ln.startswith("| phase-specific | cpu-slots")]

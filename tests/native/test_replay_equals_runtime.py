@@ -26,7 +26,6 @@ COUNTERS = ("accesses", "hits", "misses", "admissions", "evictions", "transient_
 def cli(*args: str, lib_dir: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, LLAMA_CPP_LIB_PATH=lib_dir,
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("MOE_OFFLOAD_NATIVE", None)
     proc = subprocess.run([sys.executable, "-m", "runtime.cli", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -9,7 +9,6 @@ cells, with or without the cache."""
 from __future__ import annotations
 
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -23,10 +22,18 @@ TEXT = "the quick brown fox jumps over the lazy dog and then"
 
 @pytest.fixture(scope="module")
 def vulkan_build():
-    from runtime.native.build import BuildRequest, build
+    """The Vulkan build `moe-offload native build --backend vulkan` (and the Vulkan dry run of
+    scripts/gpu_check.sh) makes: the install's request with the backend switched, so the
+    three share one key and one compile."""
+    import dataclasses
+
+    from runtime.native.install import request_from_cmake_args
+
+    from tests.conftest import build_with_progress
 
     skip_without_vulkan_toolchain()
-    return build(BuildRequest(backend="vulkan"), log=lambda s: print(s, file=sys.stderr))
+    req = dataclasses.replace(request_from_cmake_args(), backend="vulkan")
+    return build_with_progress(req, "tests/native/test_vulkan.py")
 
 
 @pytest.fixture(scope="module", autouse=True)

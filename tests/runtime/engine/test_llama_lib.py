@@ -4,6 +4,7 @@ array reaches llama.cpp."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,24 +31,26 @@ print(json.dumps({"paths": paths, "llama": ll._lib._name, "text": text,
 
 
 def _probe(model, *extra):
+    env = dict(os.environ)
+    env.pop("LLAMA_CPP_LIB_PATH", None)          # the engine's own choice, unless given
     proc = subprocess.run([sys.executable, "-c", PROBE, str(model), *extra], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[3],
+                          env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_one_copy_of_ggml_and_a_chosen_library_dir(tiny_model, tmp_path):
-    import llama_cpp
-
-    wheel = Path(llama_cpp.__file__).parent / "lib"
+def test_one_copy_of_ggml_and_a_chosen_library_dir(tiny_model, tmp_path, llama_build):
+    installed = Path(llama_build.lib_dir)             # the engine's default: this install's
     default = _probe(tiny_model)
+    assert default["llama"].startswith(str(installed))
     base = [p for p in default["paths"] if "libggml-base" in p]
     assert len(base) == 1, default["paths"]          # by soname: the copy libllama loaded
-    assert base[0].startswith(str(wheel))
+    assert base[0].startswith(str(installed))
     assert default["cpu_buft"] == "CPU"
 
     copy = tmp_path / "lib"
-    shutil.copytree(wheel, copy, symlinks=True)
+    shutil.copytree(installed, copy, symlinks=True)
     swapped = _probe(tiny_model, str(copy))
     assert swapped["llama"].startswith(str(copy))
     assert all(p.startswith(str(copy)) for p in swapped["paths"]), swapped["paths"]

@@ -1,8 +1,6 @@
-"""Fixtures for the RPC tests: the patched build with ggml-rpc (the same one tests/native
-uses, built once per cache), two real ``moe-offload rpc-server`` processes on free loopback
-ports, and a child process that runs the Engine with that build.
-
-Skips only where the RPC build cannot be made (saying why)."""
+"""Fixtures for the RPC tests: the patched build with ggml-rpc (this install's, the same one
+tests/native uses), two real ``moe-offload rpc-server`` processes on free loopback ports, and a
+child process that runs the Engine with that build."""
 from __future__ import annotations
 
 import json
@@ -28,25 +26,16 @@ SPLIT_SPEC = SynthSpec(arch="qwen3moe", layers=8, experts=16, top_k=2, embd=256,
 
 
 @pytest.fixture(scope="session")
-def rpc_build():
-    from runtime.errors import UserError
-    from runtime.native.build import BuildRequest, build
-
-    from tests.conftest import terminal_notice
-
-    def say(line: str) -> None:          # on pytest's terminal: a build takes minutes
-        terminal_notice(f"[tests/runtime/rpc, once per cache] {line}")
-
-    try:
-        return build(BuildRequest(backend="cpu", rpc=True), log=say)
-    except UserError as exc:
-        pytest.skip(f"the RPC build (moe-offload native build --rpc) cannot be made here: {exc}")
+def rpc_build(llama_build):
+    """This install's patched build (tests/conftest.py): every build has ggml's RPC backend
+    (libggml-rpc) unless made with --no-rpc."""
+    assert llama_build.rpc, f"{llama_build.lib_dir}: built without the RPC backend"
+    return llama_build
 
 
 def child_env(lib_dir: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1",
                LLAMA_CPP_LIB_PATH=lib_dir)
-    env.pop("MOE_OFFLOAD_NATIVE", None)
     return env
 
 
