@@ -29,7 +29,7 @@ class EngineSettings:
     n_threads_batch: int | None = None  # prefill threads; None = n_threads, or cpu_count
     capture_all_tokens: bool = False   # route every prompt token of every layer (recording);
                                        # requests logits for every prompt token
-    lib_dir: str | None = None         # directory of a (patched) libllama.so; None = the wheel's
+    lib_dir: str | None = None         # directory of a patched libllama.so; None = this install's
     config: Any = None                 # a built ResidencyConfig; wins over config_path
     profile_path: str | None = None    # a routing profile warm-starting the learned policies
     flash_attn: str = "off"            # "on" | "off" | "auto"; off = llama-cpp-python's default

@@ -254,8 +254,8 @@ def attach(engine) -> DeviceCaches | None:
         build = " && ".join(f"moe-offload native build --backend {b}" for b in backends)
         notice(f"{', '.join(devices)}: the device cache needs the patched llama.cpp "
                f"built for {'/'.join(b.upper() for b in backends)}, which is missing; "
-               f"`{build}` makes it (it then loads by itself); running on the stock CPU "
-               "libraries, where these devices are bookkeeping only")
+               f"`{build}` makes it (it then loads by itself); running without it, these "
+               "devices are bookkeeping only")
         return None
     reason = check_same_libllama(lib_dir)
     if reason:
