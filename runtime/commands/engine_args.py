@@ -39,11 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = T
     g.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
                    help="context size in tokens (0 = the model's training context)")
     g.add_argument("-t", "--threads", type=int, default=None, metavar="N",
-                   help="CPU threads for generation and prompts (default: measured while it "
-                        "runs: 1 or every core, whichever is faster per token for each; on a "
-                        "busy machine one thread can be faster)")
+                   help="CPU threads at most, for generation and prompts (default: every "
+                        "core). Each runs on N or on 1, whichever measures faster per token "
+                        "while it runs: on a busy machine one thread can be faster")
     g.add_argument("-tb", "--threads-batch", type=int, default=None, metavar="N",
-                   help="CPU threads for prompts (default: -t's, else measured as -t)")
+                   help="CPU threads at most for prompts (default: -t's, else every core)")
     g.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int,
                    default=0, metavar="N",
                    help="layers whose dense weights go to the GPU (-1 = all); experts are "

@@ -36,14 +36,22 @@ def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs
     kind = threads_phase or (Phase.DECODE if phase == Phase.MIXED else phase)
     if tuner is not None:
         n = tuner.threads(kind)
-        if n != engine.threads_now:
-            engine._ll.llama_set_n_threads(engine.ctx_ptr, n, n)  # noqa: SLF001
+        if n != engine.threads_now:         # within each pool's size (engine._threadpools)
+            most = tuner.most
+            engine._ll.llama_set_n_threads(engine.ctx_ptr, min(n, most[0]),  # noqa: SLF001
+                                           min(n, most[1]))
             engine.threads_now = n
-    started = time.perf_counter()
+    started, waited = time.perf_counter(), _read_wait_s(engine)
     with watch.batch() if watch is not None else contextlib.nullcontext():
         _decode(engine, batch, phase, first_pos, n_tokens, n_outputs, where)
-    if tuner is not None:
-        tuner.record(kind, engine.threads_now, time.perf_counter() - started, n_tokens)
+    if tuner is not None:                  # the time the threads change: not the reads' waits
+        busy = time.perf_counter() - started - (_read_wait_s(engine) - waited)
+        tuner.record(kind, engine.threads_now, busy, n_tokens)
+
+
+def _read_wait_s(engine) -> float:
+    """Seconds the engine's RAM tier has waited for reads so far (0 without one)."""
+    return sum(t.read_wait_s() for t in engine.tiers if hasattr(t, "read_wait_s"))
 
 
 def _decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,

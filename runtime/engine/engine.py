@@ -145,9 +145,11 @@ class Engine:
                 self.ctx_ptr = llama_lib.new_context(self.model_ptr, params)
         except RuntimeError as exc:
             raise UserError(f"{settings.model_path}: cannot create a context ({exc})") from None
-        # the threads each llama_decode runs on (decode.py sets them per call)
+        # the threads each llama_decode runs on (decode.py sets them per call), in pools that
+        # live as long as the context
         self.threads = thread_tuner(settings)
         self.threads_now = thread_counts(settings)[1]
+        self._threadpools = llama_lib.Threadpools(self.ctx_ptr, *thread_counts(settings))
         # Ctrl-C inside a decode stops the graph at the next node (see interrupt.py)
         self._ll.llama_set_abort_callback(self.ctx_ptr, *interrupt.abort_callback(self._ll))
         self._vocab = self._ll.llama_model_get_vocab(self.model_ptr)
@@ -307,6 +309,11 @@ class Engine:
         if self.ctx_ptr:
             self._ll.llama_free(self.ctx_ptr)
             self.ctx_ptr = 0
+        pools = getattr(self, "_threadpools", None)
+        if pools is not None:          # after the context: it no longer uses them
+            pools.forget_context()
+            pools.close()
+            self._threadpools = None
         if self.model_ptr:
             self._ll.llama_model_free(self.model_ptr)
             self.model_ptr = 0

@@ -43,9 +43,9 @@ def load_with_progress(settings: EngineSettings, overrides: llama_lib.BuftOverri
 
 
 def thread_counts(settings: EngineSettings) -> tuple[int, int]:
-    """(generation threads, prompt threads) at most: the given ones (-t sets both, as in
-    llama.cpp), else every core; without -t each call runs on 1 or all of them, whichever
-    measures faster (runtime/engine/threads.py)."""
+    """(generation, prompt) threads at most: -t (which sets both, as in llama.cpp) and -tb,
+    else every core. Each call runs on that many or on one, whichever measures faster
+    (runtime/engine/threads.py)."""
     cores = os.cpu_count() or 1
     n_threads = settings.n_threads or cores
     n_threads_batch = settings.n_threads_batch or settings.n_threads or cores
@@ -53,11 +53,10 @@ def thread_counts(settings: EngineSettings) -> tuple[int, int]:
 
 
 def thread_tuner(settings: EngineSettings):
-    """The engine's ThreadTuner: fixed by -t (and n_threads_batch), else measured."""
+    """The engine's ThreadTuner over ``thread_counts(settings)``."""
     from runtime.engine.threads import ThreadTuner  # noqa: PLC0415
 
-    batch = settings.n_threads_batch or settings.n_threads
-    return ThreadTuner(os.cpu_count() or 1, fixed=(settings.n_threads, batch))
+    return ThreadTuner(*thread_counts(settings))
 
 
 # llama_pooling_type by name (None: LLAMA_POOLING_TYPE_UNSPECIFIED, the model's own)

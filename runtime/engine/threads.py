@@ -1,14 +1,15 @@
-"""How many CPU threads each llama_decode runs on: fixed when the user says (-t), else chosen
-by measured speed.
+"""How many CPU threads each llama_decode runs on: measured.
 
 On a small machine the second core is not free: ggml's threads meet at a barrier after every
 graph op, and when another process (or the hypervisor) takes one of them away the other waits.
-At real scale on this project's 2-core VM, two threads beat one when the machine was quiet and
-lost to it beside two busy processes (docs/benchmarks/). So by default each phase (generation,
-prompt) tries one thread and every core, keeps the faster per token (a moving average), and
-tries the other again now and then, since the machine's load changes:
+At real scale on this project's 2-core VM two threads ran 1.39x one when the machine was quiet
+and 0.84x beside two busy processes (docs/benchmarks/). So each phase (generation, prompt) runs
+on its most (-t / -tb, else every core) or on one thread, keeps whichever is faster per token
+(a moving average of the time not spent waiting for the RAM tier's reads, which the thread
+count does not change and which varies most from token to token), and tries the other again now
+and then, since the machine's load changes:
 
-    tuner = ThreadTuner(max_threads=os.cpu_count())        # or fixed=(n, n_batch)
+    tuner = ThreadTuner(decode_max=2, prompt_max=2)
     n = tuner.threads(Phase.DECODE)                           # before llama_decode
     tuner.record(Phase.DECODE, n, seconds, n_tokens)          # after it
 """
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 
 from runtime.residency.types import Phase
 
-EXPLORE_EVERY = 16       # decode calls between two tries of the arm not in use
+WARMUP = 4               # calls of each arm, taken in turn, before the choice
+EXPLORE_EVERY = 16       # calls between two tries of the arm not in use
 ALPHA = 0.25             # weight of a new sample in the per-token moving average
 MARGIN = 0.05            # the other arm must be this much faster to take over
 
@@ -38,9 +40,8 @@ class _Arms:
         if len(self.arms) == 1:
             return self.arms[0]
         self.calls += 1
-        for arm in self.arms:                     # every arm measured twice first
-            if self.samples.get(arm, 0) < 2:
-                return arm
+        if self.calls <= WARMUP * len(self.arms):  # first: each arm in turn, WARMUP times
+            return self.arms[(self.calls - 1) % len(self.arms)]
         if self.calls % EXPLORE_EVERY == 0:       # now and then, the other one again
             return next(a for a in self.arms if a != self.best)
         return self.best
@@ -58,47 +59,37 @@ class _Arms:
 
 
 class ThreadTuner:
-    """Threads per phase: ``fixed`` (decode, prompt) when given, else measured between 1 and
-    ``max_threads`` (see the module docstring)."""
+    """Threads per phase, between 1 and its most (see the module docstring)."""
 
-    def __init__(self, max_threads: int | None = None, *,
-                 fixed: tuple[int | None, int | None] = (None, None)):
-        n = max(1, max_threads or os.cpu_count() or 1)
-        self.max_threads = n
-        self.fixed = fixed
-        arms = (n, 1) if n > 1 else (1,)          # measured in this order: every core first
-        self._phases = {Phase.DECODE: _Arms(arms, best=n), Phase.PREFILL: _Arms(arms, best=n)}
+    def __init__(self, decode_max: int | None = None, prompt_max: int | None = None):
+        cores = os.cpu_count() or 1
+        self.most = (max(1, decode_max or cores), max(1, prompt_max or decode_max or cores))
+        self._phases = {phase: _Arms((n, 1) if n > 1 else (1,), best=n)   # most first
+                        for phase, n in zip((Phase.DECODE, Phase.PREFILL), self.most)}
 
     def threads(self, phase: Phase) -> int:
         """The thread count for the next call of ``phase`` (a MIXED step counts as decode)."""
-        i = 1 if phase == Phase.PREFILL else 0
-        if self.fixed[i] is not None:
-            return self.fixed[i]
-        return self._phases[Phase.PREFILL if i else Phase.DECODE].pick()
+        return self._arms(phase).pick()
 
     def record(self, phase: Phase, threads: int, seconds: float, n_tokens: int) -> None:
-        i = 1 if phase == Phase.PREFILL else 0
-        if self.fixed[i] is not None or seconds <= 0:
-            return
-        arms = self._phases[Phase.PREFILL if i else Phase.DECODE]
-        if threads in arms.arms:
+        arms = self._arms(phase)
+        if seconds > 0 and threads in arms.arms:
             arms.record(threads, seconds / max(1, n_tokens))
 
+    def _arms(self, phase: Phase) -> _Arms:
+        return self._phases[Phase.PREFILL if phase == Phase.PREFILL else Phase.DECODE]
+
     def current(self) -> tuple[int, int]:
-        """(generation, prompt) thread counts in use: the fixed ones, or the faster so far."""
-        return tuple(self.fixed[i] if self.fixed[i] is not None else self._phases[p].best
-                     for i, p in ((0, Phase.DECODE), (1, Phase.PREFILL)))
+        """(generation, prompt) thread counts in use: the faster so far."""
+        return self._phases[Phase.DECODE].best, self._phases[Phase.PREFILL].best
 
     def describe(self) -> str:
-        """One line for logs and --verbose: what each phase runs on now."""
+        """One line for logs and benchmarks: what each phase runs on now, and why."""
         parts = []
-        for name, i, phase in (("generation", 0, Phase.DECODE), ("prompt", 1, Phase.PREFILL)):
-            if self.fixed[i] is not None:
-                parts.append(f"{name} {self.fixed[i]} (-t)")
-                continue
+        for name, phase, most in (("generation", Phase.DECODE, self.most[0]),
+                                  ("prompt", Phase.PREFILL, self.most[1])):
             arms = self._phases[phase]
             rates = ", ".join(f"{a}: {1 / s:.1f} t/s" for a, s in sorted(arms.per_token.items())
                               if s > 0)
-            parts.append(f"{name} {arms.best} of 1..{self.max_threads}"
-                         + (f" ({rates})" if rates else ""))
+            parts.append(f"{name} {arms.best} of 1..{most}" + (f" ({rates})" if rates else ""))
         return "threads: " + "; ".join(parts)

@@ -130,10 +130,10 @@ def bindings() -> ModuleType:
             from runtime.native import lib_dir_for  # noqa: PLC0415
 
             select_library_dir(lib_dir_for())    # this install's build (UserError: none)
-        # llama.cpp's CPU backend runs on OpenMP, whose threads spin at every barrier between
-        # graph ops: on a busy machine a spinning thread takes the core from the one doing
-        # the work (prefill 9x slower on a 2-core box with one busy core, measured). Passive
-        # waiting was faster here without the busy core too. libgomp reads it when it loads.
+        # a build with OpenMP (CMAKE_ARGS=-DGGML_OPENMP=ON; ours has none): its threads spin at
+        # every barrier between graph ops, and on a busy machine a spinning thread takes the
+        # core from the one doing the work (prefill 9x slower on a 2-core box with one busy
+        # core, measured). libgomp reads it when it loads.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         import llama_cpp.llama_cpp as ll  # noqa: PLC0415 - must follow select_library_dir
         ll.llama_backend_init()
@@ -241,6 +241,63 @@ def ggml() -> _Ggml:
     if _ggml is None:
         _ggml = _Ggml()
     return _ggml
+
+
+class ThreadpoolParams(ctypes.Structure):
+    """``struct ggml_threadpool_params`` (ggml.h)."""
+
+    _fields_ = [("cpumask", ctypes.c_bool * 512), ("n_threads", ctypes.c_int),
+                ("prio", ctypes.c_int), ("poll", ctypes.c_uint32), ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+class Threadpools:
+    """ggml-cpu threadpools attached to a context, one for generation and one for prompts:
+    without them ggml-cpu (built without OpenMP) starts and joins its threads at every graph
+    it computes, and a decode is ~150 graphs (the routing hook splits each layer's). ``poll``
+    0: a thread with no graph to compute sleeps at once (no spinning between graphs). A count
+    above a pool's size is what llama_set_n_threads may not ask for: the pools are sized at
+    the most the engine uses."""
+
+    def __init__(self, ctx: int, n_threads: int, n_threads_batch: int, *, poll: int = 0):
+        bindings()
+        cpu = ctypes.CDLL("libggml-cpu.so.0")
+        cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(ThreadpoolParams)]
+        cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+        cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+        cpu.ggml_threadpool_free.restype = None
+        base = ctypes.CDLL("libggml-base.so.0")
+        base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+        base.ggml_threadpool_params_default.restype = ThreadpoolParams
+        lib = _bindings._lib
+        lib.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.llama_attach_threadpool.restype = None
+        lib.llama_detach_threadpool.argtypes = [ctypes.c_void_p]
+        lib.llama_detach_threadpool.restype = None
+        self._cpu, self._lib, self._ctx = cpu, lib, ctx
+        self.pools = []
+        for n in dict.fromkeys((n_threads, n_threads_batch)):
+            params = base.ggml_threadpool_params_default(n)
+            params.poll = poll
+            pool = cpu.ggml_threadpool_new(ctypes.byref(params))
+            if not pool:
+                self.close()
+                raise RuntimeError(f"ggml_threadpool_new({n} threads) failed")
+            self.pools.append((n, pool))
+        by_size = dict(self.pools)
+        lib.llama_attach_threadpool(ctx, by_size[n_threads], by_size[n_threads_batch])
+
+    def forget_context(self) -> None:
+        """The context was freed: nothing to detach from any more."""
+        self._ctx = 0
+
+    def close(self) -> None:
+        if self._ctx:
+            self._lib.llama_detach_threadpool(self._ctx)
+            self._ctx = 0
+        for _, pool in self.pools:
+            self._cpu.ggml_threadpool_free(pool)
+        self.pools = []
 
 
 def set_weight_ready(pointer: int) -> bool:

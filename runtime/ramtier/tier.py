@@ -290,6 +290,10 @@ class RamTier:
         log.warning("%s", message)
 
     # ---- telemetry ----------------------------------------------------------------------
+    def read_wait_s(self) -> float:
+        """Seconds a thread has waited for the tier's reads so far (the step or the matmul)."""
+        return self.io.counters().wait_s
+
     def stats(self) -> TierStats:
         c = self.io.counters()
         with self._guard:

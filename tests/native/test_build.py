@@ -23,7 +23,8 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
                                                "0004-rpc-errors-not-abort.patch",
                                                "0005-ggml-vulkan-mmid-prealloc-per-graph.patch",
                                                "0006-lazy-routed-experts.patch",
-                                               "0007-ggml-cpu-weight-ready.patch"]
+                                               "0007-ggml-cpu-weight-ready.patch",
+                                               "0008-ggml-cpu-barrier-sleeps.patch"]
     source = resolve_source(None)
     tree = tmp_path / "llama.cpp"
     source.extract(tree)
@@ -43,6 +44,7 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
     assert "sized for every mmid of" in vulkan                                 # patch 0005
     cpu_h = (tree / "ggml" / "include" / "ggml-cpu.h").read_text()
     assert "ggml_cpu_set_weight_ready" in cpu_h and "weight_ready" in cpu        # patch 0007
+    assert "FUTEX_WAIT_PRIVATE" in cpu and "GGML_BARRIER_SPIN" in cpu           # patch 0008
 
 
 def test_build_is_cached_and_complete(native_build):
