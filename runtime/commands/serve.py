@@ -1,21 +1,22 @@
 """``moe-offload serve``: the OpenAI-compatible HTTP server (like llama.cpp's ``llama-server``).
 
     moe-offload serve -m MODEL [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--alias NAME]
-        [--write-profile PROFILE]
+        [--write-profile PROFILE] [--sleep-idle-seconds N]
+    moe-offload serve --models-dir DIR | --models-preset FILE [--models-max N]   (router mode)
 
 The port is bound first (so a busy port is a one-line error), then the server answers at once
 while the model loads in the background: ``/health`` is 503 until the model is ready. A model
-that fails to load stops the server with a one-line error and a non-zero exit.
+that fails to load stops the server with a one-line error and a non-zero exit. In router mode
+(runtime/commands/serve_router.py) no model loads at start: each loads when a request names
+it, or with ``POST /models/load``.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 from runtime.errors import UserError
 
@@ -23,7 +24,7 @@ log = logging.getLogger("moe_offload.server")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.commands.engine_args import HelpFormatter, add_engine_args, add_sampling_args
+    from runtime.commands.engine_args import HelpFormatter
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -32,8 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
                     "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
                     "with --embedding), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
-                    "page at /, plus /v1/residency, /metrics, /health.",
+                    "page at /, plus /v1/residency, /metrics, /health. Without -m, "
+                    "--models-dir or --models-preset serve several models (router mode: "
+                    "/models, /models/load, /models/unload; a request's \"model\" picks one).",
         formatter_class=HelpFormatter)
+    add_serve_args(parser)
+    parser.set_defaults(func=run)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``serve`` (also parsed from a router's model presets)."""
+    from runtime.commands.engine_args import add_engine_args, add_sampling_args
+
     add_engine_args(parser)
     add_sampling_args(parser, predict_default=-1)
     parser.set_defaults(temp=0.8)
@@ -154,7 +165,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="on exit (SIGINT, SIGTERM) write the routing profile of the tokens "
                             "generated while serving (as moe-offload profile), for --profile "
                             "on a later run")
-    parser.set_defaults(func=run)
+    group.add_argument("--sleep-idle-seconds", type=float, default=-1, metavar="N",
+                       help="after N seconds with no request, free the model (its engine and "
+                            "the RAM tier's pages) until a request wakes it; /props says "
+                            "is_sleeping, answers' timings say wake_ms (-1: never)")
+    router = parser.add_argument_group(
+        "router mode (several models in one process; give these instead of -m)")
+    router.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="serve each GGUF file of DIR (named by its file name without "
+                             ".gguf) and each subdirectory holding one (named by the "
+                             "directory)")
+    router.add_argument("--models-preset", default=None, metavar="FILE",
+                        help="an INI file, one [NAME] section per model: serve's long flags "
+                             "without dashes (model = FILE, ctx-size = 8192, devices.cpu = "
+                             "8GiB ...), plus alias, tags, load-on-startup, stop-timeout; "
+                             "[*] applies to every model")
+    router.add_argument("--models-max", type=int, default=4, metavar="N",
+                        help="models loaded at once; loading one more unloads the least "
+                             "recently used idle one (0: no limit)")
+    router.add_argument("--models-autoload", dest="models_autoload", action="store_true",
+                        default=True,
+                        help="load a model when a request names it (the default)")
+    router.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
+                        help="a request for a model that is not loaded is a 400: load it with "
+                             "POST /models/load")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -193,59 +227,61 @@ def _setup_logging(verbose: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, a UserError if the model cannot load."""
+    from runtime.commands.serve_model import edge_from_args, model_server  # noqa: PLC0415
+    from runtime.server.app import create_app  # noqa: PLC0415
+
+    edge = edge_from_args(args)
+    if args.models_dir is not None or args.models_preset is not None:
+        from runtime.commands.serve_router import router_app  # noqa: PLC0415
+
+        if args.model or args.hf_repo:
+            raise UserError("give -m FILE (one model) or --models-dir / --models-preset "
+                            "(router mode), not both")
+        app = router_app(args, edge)
+        _setup_logging(args.verbose)
+        models = len(app.state.router.instances)
+        return _serve(app, args, edge, what=f"no model yet: router mode, {models} models")
+    server = model_server(args, edge)
+    model_path = server.model_path
+    model_id = server.settings.model_id
+    _setup_logging(args.verbose)
+    load_errors: list[str] = []
+    t0 = time.perf_counter()
+    urls: list[str] = []
+
+    def on_ready() -> None:
+        log.info("model %s loaded in %.1f s; serving %s", model_id, time.perf_counter() - t0,
+                 ", ".join(f"{u}/v1" for u in urls))
+
+    def on_failure(message: str) -> None:      # from the loader thread
+        load_errors.append(message)
+        app.state.uvicorn.should_exit = True
+
+    capture = server.capture
+
+    def on_closed() -> None:             # the engine is closed: its routing is all in
+        message = capture.finish()
+        if not load_errors:
+            log.info("%s", message)
+
+    app = create_app(server.settings, server.load, on_ready=on_ready, on_load_failure=on_failure,
+                     on_closed=None if capture is None else on_closed)
+    code = _serve(app, args, edge, what=model_path.name, urls=urls)
+    if load_errors:
+        message = load_errors[0]
+        raise UserError(message if message.startswith(str(model_path)) else
+                        f"{model_path}: {message}")
+    return code
+
+
+def _serve(app, args: argparse.Namespace, edge, *, what: str,
+           urls: list[str] | None = None) -> int:
+    """Listen (every --host, one port), then run uvicorn on ``app`` until interrupted."""
     import uvicorn
 
-    from gguf_tools.facts import read_model_facts
-    from runtime.commands.engine_args import sampling_from_args, settings_from_args
-    from runtime.engine.engine import Engine, check_model_path
-    from runtime.server.app import ServerSettings, begin_shutdown, create_app
-    from runtime.server.cors_proxy import proxy_allow_list
+    from runtime.server.app import begin_shutdown
     from runtime.server.exposure import exposure_warning
-    from runtime.server.limits import Limits
 
-    settings = settings_from_args(args)
-    model_path = Path(settings.model_path)
-    check_model_path(str(model_path))
-    read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
-    if args.cache_ram < -1:
-        raise UserError(f"--cache-ram: {args.cache_ram} must be -1 (no limit), 0 (off) or a "
-                        "size in MiB")
-    if args.queue_size < 0:
-        raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
-    if not 1 <= args.parallel <= 64:
-        raise UserError(f"--parallel: {args.parallel} must be in 1..64")
-    if not args.jinja:
-        raise UserError("--no-jinja: chat templates are always rendered with jinja here")
-    template = args.chat_template
-    if args.chat_template_file is not None:
-        try:
-            template = Path(args.chat_template_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
-    defaults = sampling_from_args(args)
-    slot_dir = Path(args.slot_save_path) if args.slot_save_path is not None else None
-    if slot_dir is not None:               # made when missing, as llama-server does
-        try:
-            slot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"--slot-save-path {slot_dir}: cannot create it "
-                            f"({exc.strerror})") from None
-    origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
-    try:
-        limits = Limits(max_body_bytes=args.max_body_mib << 20,
-                        max_prompt_tokens=args.max_prompt_tokens,
-                        max_grammar_bytes=args.max_grammar_kib << 10,
-                        max_repeat=args.max_grammar_repeat)
-        proxy_allow = proxy_allow_list(args.ui_mcp_proxy_allow)
-    except ValueError as exc:
-        raise UserError(f"serve: {exc}") from None
-    api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
-    if api_key is not None and not api_key.strip():
-        raise UserError("--api-key: must not be empty")
-    aliases = tuple(sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()}))
-    model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
-
-    _setup_logging(args.verbose)
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
     if not hosts:
         raise UserError("--host: no address given")
@@ -257,74 +293,13 @@ def run(args: argparse.Namespace) -> int:
         for s in socks:
             s.close()
         raise
+    if urls is not None:
+        urls.extend(_url(s) for s in socks)
     shown = ", ".join(_url(s) for s in socks)
-    warning = exposure_warning([s.getsockname()[0] for s in socks], api_key is not None,
+    warning = exposure_warning([s.getsockname()[0] for s in socks], edge.api_key is not None,
                                args.cors_proxy)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    load_errors: list[str] = []
-    t0 = time.perf_counter()
-
-    def on_ready() -> None:
-        log.info("model %s loaded in %.1f s; serving %s", model_id, time.perf_counter() - t0,
-                 ", ".join(f"{_url(s)}/v1" for s in socks))
-
-    def on_failure(message: str) -> None:      # from the loader thread
-        load_errors.append(message)
-        server.should_exit = True
-
-    settings.n_parallel = args.parallel
-    settings.kv_unified = args.kv_unified and args.parallel > 1
-    settings.embeddings, settings.pooling = args.embedding, args.pooling
-    settings.context_shift = args.context_shift
-    prompt_cache = None
-    if args.cache_ram != 0 and not args.embedding:
-        from runtime.engine.prompt_cache import PromptCache  # noqa: PLC0415
-
-        prompt_cache = PromptCache(max(0, args.cache_ram) << 20)
-        log.debug("prompt cache on, limit %s", "none" if args.cache_ram < 0
-                  else f"{args.cache_ram} MiB")
-        if args.cache_idle_slots:      # llama-server's debug line (its tests read it)
-            log.debug("idle slots are saved to the prompt cache when a request starts "
-                      "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)")
-    capture = None
-    if args.write_profile is not None:
-        from runtime.commands.trace_record import ProfileCapture  # noqa: PLC0415
-
-        capture = ProfileCapture(args.write_profile)
-
-    def on_closed() -> None:             # the engine is closed: its routing is all in
-        message = capture.finish()
-        if not load_errors:
-            log.info("%s", message)
-
-    def load() -> Engine:
-        engine = Engine(settings, progress=True)
-        if capture is not None:
-            capture.attach(engine, str(model_path))
-        if template is not None:
-            engine.use_chat_template(template)
-        # embeddings: one input at a time; the prompt cache lives in the slot scheduler
-        if (args.parallel > 1 or prompt_cache is not None) and not args.embedding:
-            from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
-
-            engine.batcher = BatchScheduler(engine, prompt_cache, args.cache_idle_slots)
-        return engine
-
-    app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
-                                    max_waiting=args.queue_size, slots_endpoint=args.slots,
-                                    cors_origins=origins, defaults=defaults,
-                                    parallel=args.parallel, aliases=aliases,
-                                    verbose=args.verbose, reasoning=args.reasoning,
-                                    reasoning_format=args.reasoning_format,
-                                    metrics_endpoint=args.metrics, embedding=args.embedding,
-                                    slot_save_path=slot_dir, web_ui=args.web_ui,
-                                    cors_proxy=args.cors_proxy,
-                                    cors_proxy_allow=proxy_allow, limits=limits,
-                                    tags=tuple(t.strip() for t in (args.tags or "").split(",")
-                                               if t.strip())),
-                     load, on_ready=on_ready, on_load_failure=on_failure,
-                     on_closed=None if capture is None else on_closed)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:   # SIGINT / SIGTERM
@@ -333,14 +308,11 @@ def run(args: argparse.Namespace) -> int:
 
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=3, lifespan="on"))
-    log.info("listening on %s (loading %s)", shown, model_path.name)
+    app.state.uvicorn = server            # a failed load stops it (single-model mode)
+    log.info("listening on %s (loading %s)", shown, what)
     try:
         server.run(sockets=socks)
     finally:
         for s in socks:
             s.close()
-    if load_errors:
-        message = load_errors[0]
-        raise UserError(message if message.startswith(str(model_path)) else
-                        f"{model_path}: {message}")
     return 0
