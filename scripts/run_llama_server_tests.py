@@ -123,7 +123,9 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
                         ' "$@"\n')
     launcher.chmod(0o755)
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(launcher),
-               PYTHONPATH=os.pathsep.join([str(stubs), str(REPO)]), PYTHONUNBUFFERED="1",
+               # the stubs first; the caller's own path kept (where its llama_cpp may be)
+               PYTHONPATH=os.pathsep.join([str(stubs), str(REPO), *filter(None, [
+                   os.environ.get("PYTHONPATH")])]), PYTHONUNBUFFERED="1",
                LLAMA_TESTS_TIMEOUT=str(per_test))
     files = sorted(f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")
                    if suites is None or p.stem in suites)

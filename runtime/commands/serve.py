@@ -240,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
         app = router_app(args, edge)
         _setup_logging(args.verbose)
         models = len(app.state.router.instances)
-        return _serve(app, args, edge, what=f"no model yet: router mode, {models} models")
+        loading = sum(i.spec.load_on_startup for i in app.state.router.instances.values())
+        return _serve(app, args, edge, what=f"router mode: {models} models, "
+                      + (f"loading {loading}" if loading else "each loaded when asked for"))
     server = model_server(args, edge)
     model_path = server.model_path
     model_id = server.settings.model_id
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(server.settings, server.load, on_ready=on_ready, on_load_failure=on_failure,
                      on_closed=None if capture is None else on_closed)
-    code = _serve(app, args, edge, what=model_path.name, urls=urls)
+    code = _serve(app, args, edge, what=f"loading {model_path.name}", urls=urls)
     if load_errors:
         message = load_errors[0]
         raise UserError(message if message.startswith(str(model_path)) else
@@ -309,7 +311,7 @@ def _serve(app, args: argparse.Namespace, edge, *, what: str,
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=3, lifespan="on"))
     app.state.uvicorn = server            # a failed load stops it (single-model mode)
-    log.info("listening on %s (loading %s)", shown, what)
+    log.info("listening on %s (%s)", shown, what)
     try:
         server.run(sockets=socks)
     finally:

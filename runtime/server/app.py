@@ -200,9 +200,12 @@ async def metrics(request: Request) -> Response:
                             "--no-metrics).", code="not_supported",
                        error_type="not_supported_error")
     snapshot = state.lifecycle.snapshot
-    asleep = snapshot is not None and snapshot.metrics is not None and state.lifecycle.sleeping
-    response = Response(snapshot.metrics if asleep else metrics_text(state),
-                        media_type=CONTENT_TYPE)
+    if snapshot is not None and snapshot.metrics is not None and state.lifecycle.sleeping:
+        text = snapshot.metrics
+    else:
+        text = metrics_text(state)
+        state.lifecycle.served_metrics(text)
+    response = Response(text, media_type=CONTENT_TYPE)
     # raw, in llama-server's casing (Starlette lowercases header names it is given)
     response.raw_headers.append((b"Process-Start-Time-Unix", str(state.started).encode()))
     return response

@@ -7,7 +7,8 @@ that needs the model wakes it first (``ModelHost.wake``, the same load as at sta
 answer's ``timings.wake_ms`` says how long it waited. Requests that only read (GET, HEAD,
 OPTIONS: ``/health``, ``/props``, ``/metrics``, ``/models``, the chat page ...) never wake
 it: ``/props`` answers with ``is_sleeping: true`` and ``/metrics`` with the text rendered as
-the model fell asleep (llama-server's snapshot), both from ``Lifecycle.snapshot``.
+the model fell asleep (llama-server's snapshot: the last text served awake when the model
+did no work after it), both from ``Lifecycle.snapshot``.
 
 Invariants: ``leases`` counts requests inside the app (``LifecycleGate``) plus holds taken by
 a router between choosing this model and forwarding to it; a model sleeps only with no lease,
@@ -89,6 +90,7 @@ class Lifecycle:
         self.on_idle = on_idle or (lambda: None)
         self._lock = asyncio.Lock()
         self._waking = False
+        self._metrics_served: tuple[str, float] | None = None   # (text, monotonic s)
         self._watcher: asyncio.Task | None = None
 
     # -- leases ------------------------------------------------------------------------------
@@ -113,6 +115,11 @@ class Lifecycle:
     @property
     def sleeping(self) -> bool:
         return self.host.state is LoadState.SLEEPING and not self._waking
+
+    def served_metrics(self, text: str) -> None:
+        """``/metrics``' text as just served awake: if the model does no work before it
+        falls asleep, asleep repeats exactly this (what llama-server's snapshot shows)."""
+        self._metrics_served = (text, time.monotonic())
 
     # -- wake --------------------------------------------------------------------------------
     async def ready(self, wakes: bool) -> float | None:
@@ -151,7 +158,12 @@ class Lifecycle:
                     or self.host.state is not LoadState.READY:
                 return False
             if self._take_snapshot is not None:
-                self.snapshot = self._take_snapshot()
+                snapshot = self._take_snapshot()
+                served = self._metrics_served
+                if served is not None and served[1] >= self.last_used \
+                        and snapshot.metrics is not None:
+                    snapshot = Snapshot(snapshot.props, served[0])
+                self.snapshot = snapshot
             asleep = await anyio.to_thread.run_sync(self.host.sleep)
             if asleep:
                 self.on_change("sleeping")

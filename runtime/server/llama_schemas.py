@@ -16,6 +16,7 @@ from runtime.server.errors import APIError
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    model: str | None = None     # accepted, as llama-server does (a router picks the model by it)
     content: str
     add_special: bool = False
     parse_special: bool = True

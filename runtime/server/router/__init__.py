@@ -10,5 +10,6 @@ forwards requests to, so that every model shares one host-RAM budget.
 - instance.py: one model's state (unloaded, loading, loaded, sleeping) and its app;
 - models.py: the router itself (load, unload, LRU eviction, requests' leases);
 - events.py: ``/models/sse``'s event feed;
-- routes.py: the router's HTTP app and the dispatch of every other request to its model.
+- routes.py: the router's HTTP app and its own routes;
+- dispatch.py: every other request, run in its model's app.
 """

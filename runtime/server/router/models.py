@@ -58,6 +58,16 @@ class ModelRouter:
         """The model called ``name`` (its name or one of its aliases)."""
         return self._names.get(name)
 
+    def stream_owner(self, conversation_id: str) -> ModelInstance | None:
+        """The running model holding a resumable stream: the one named after ``::`` in its
+        id (as llama-server's web UI writes it), else the one whose sessions have it."""
+        name = conversation_id.rpartition("::")[2] if "::" in conversation_id else ""
+        if name:
+            inst = self.resolve(name)
+            return inst if inst is not None and inst.running else None
+        return next((i for i in self.instances.values() if i.running
+                     and i.app.state.streams.get(conversation_id) is not None), None)
+
     # -- requests ----------------------------------------------------------------------------
     async def acquire(self, inst: ModelInstance, *, autoload: bool) -> float | None:
         """Hold a lease on ``inst`` (release it with ``release``), loading it first when it

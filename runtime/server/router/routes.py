@@ -1,4 +1,4 @@
-"""The router's HTTP app: its own routes, and every other request forwarded to its model.
+"""The router's HTTP app: its own routes; every other request goes to its model (dispatch.py).
 
 Own routes (llama-server's router): ``GET /models`` and ``/v1/models`` (every model with its
 status), ``POST /models/load`` and ``/models/unload`` (``{"model": NAME}``, answered at once,
@@ -22,23 +22,32 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from runtime.server.app import FINGERPRINT, ServerSettings, add_http_edge
 from runtime.server.cors_proxy import router as cors_proxy_router
-from runtime.server.errors import APIError, install_error_handlers, route_response
-from runtime.server.lifecycle import WAKE_SECONDS, wakes_model
+from runtime.server.errors import APIError, install_error_handlers
+from runtime.server.requests import json_object
+from runtime.server.stream_sessions import lookup_answer
 from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
+from runtime.server.router.dispatch import Dispatch
 from runtime.server.router.models import ModelRouter
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
 
 OWN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/load",
-                       "/models/unload", "/models/sse", "/cors-proxy", *UI_PATHS})
+                       "/models/unload", "/models/sse", "/cors-proxy", "/v1/streams/lookup",
+                       *UI_PATHS})
 OWN_UNLESS_MODEL = frozenset({"/props", "/metrics"})     # the router's own without ?model=
-BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 routes = APIRouter()
+
+
+def _own(scope) -> bool:
+    """A request the router answers itself (else Dispatch forwards it to its model)."""
+    path = scope.get("path", "")
+    if path in OWN_PATHS or path.startswith("/_app/"):
+        return True
+    return path in OWN_UNLESS_MODEL and b"model=" not in scope.get("query_string", b"")
 
 
 def _router(request: Request) -> ModelRouter:
@@ -153,6 +162,14 @@ async def router_metrics(request: Request) -> Response:
                     media_type=CONTENT_TYPE)
 
 
+@routes.post("/v1/streams/lookup")
+async def stream_lookup(request: Request) -> list[dict]:
+    """Resumable streams (X-Conversation-Id) of every loaded model."""
+    router = _router(request)
+    return lookup_answer(await json_object(request),
+                         [i.app.state.streams for i in router.instances.values() if i.running])
+
+
 @routes.post("/models")
 @routes.delete("/models")
 async def not_downloaded() -> None:
@@ -160,92 +177,6 @@ async def not_downloaded() -> None:
                         "here: put the GGUF file in --models-dir or name it in "
                         "--models-preset.", code="not_supported",
                    error_type="not_supported_error")
-
-
-class Dispatch:
-    """ASGI middleware (innermost): a request for a model goes to that model's app."""
-
-    def __init__(self, app: ASGIApp, router: ModelRouter) -> None:
-        self.app = app
-        self.router = router
-
-    def _own(self, scope: Scope) -> bool:
-        path = scope.get("path", "")
-        if path in OWN_PATHS or path.startswith("/_app/"):
-            return True
-        return path in OWN_UNLESS_MODEL and b"model=" not in scope.get("query_string", b"")
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._own(scope):
-            await self.app(scope, receive, send)
-            return
-        body: bytes | None = None
-        try:
-            if scope.get("method") in BODY_METHODS:
-                body = await _read_body(receive)
-                if body is None:          # the client left while sending
-                    return
-            inst, autoload = self._choose(scope, body)
-            waited = await self.router.acquire(inst, autoload=autoload)
-        except APIError as err:
-            await route_response(scope.get("path", ""), err)(scope, receive, send)
-            return
-        try:
-            if waited is not None:
-                WAKE_SECONDS.set(waited)
-            child = dict(scope)           # the same "state": the request log reads it
-            await inst.app(child, receive if body is None else _replay(body, receive), send)
-        finally:
-            self.router.release(inst, used=wakes_model(scope))
-
-    def _choose(self, scope: Scope, body: bytes | None):
-        """(the model instance, autoload) for this request; APIError 400 naming why not."""
-        query = Request(scope).query_params
-        if body is None:
-            name = query.get("model")
-        else:
-            try:
-                parsed = json.loads(body) if body else None
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                parsed = None
-            name = parsed.get("model") if isinstance(parsed, dict) else None
-        if not isinstance(name, str) or not name:
-            where = "?model=NAME" if body is None else '"model" in the body'
-            raise APIError(400, f"model name is missing from the request ({where}: this "
-                                f"server serves several models, see GET /models)",
-                           code="model_missing", param="model")
-        inst = self.router.resolve(name)
-        if inst is None:
-            served = ", ".join(sorted(self.router.instances))
-            raise APIError(400, f"model '{name}' not found (served here: {served})",
-                           code="model_not_found", param="model")
-        autoload = query.get("autoload")
-        return inst, self.router.autoload if autoload is None else autoload in ("true", "1")
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """``receive`` that gives ``body`` once, then the client's later messages (a
-    disconnect: what stops a stream)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-    return replay
 
 
 def create_router_app(settings: ServerSettings, router: ModelRouter) -> FastAPI:
@@ -271,6 +202,7 @@ def create_router_app(settings: ServerSettings, router: ModelRouter) -> FastAPI:
     app.include_router(cors_proxy_router)
     if settings.web_ui:
         app.include_router(web_ui_router)
-    app.add_middleware(Dispatch, router=router)       # inside the key and the limits
+    app.add_middleware(Dispatch, router=router,       # inside the key and the limits
+                       own=_own)
     add_http_edge(app, settings)
     return app

@@ -219,3 +219,22 @@ def test_a_preset_that_is_not_right_stops_the_server_before_it_listens(tmp_path,
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, \
             (text, r.stderr)
+
+
+def test_resumable_streams_find_their_model(server, http):
+    """X-Conversation-Id streams behind a router: resumed and stopped through the router,
+    their model named by the id's ``::NAME`` suffix or found by the session it holds."""
+    for conversation, model in (("conv-1::beta", "beta"), ("plain-conv", "alpha")):
+        with http.stream("POST", "/v1/chat/completions", headers={
+                "X-Conversation-Id": conversation}, json={
+                "model": model, "stream": True, "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            assert r.status_code == 200 and "data: " in r.read().decode()
+        replay = http.get("/v1/stream", params={"conv_id": conversation, "from": "0"})
+        assert replay.status_code == 200 and f'"model":"{model}"' in replay.text
+    found = http.post("/v1/streams/lookup",
+                      json={"conversation_ids": ["conv-1::beta", "plain-conv", "other"]})
+    assert sorted(s["conversation_id"] for s in found.json()) == ["conv-1::beta", "plain-conv"]
+    assert http.delete("/v1/stream", params={"conv_id": "conv-1::beta"}).status_code == 204
+    assert http.get("/v1/stream", params={"conv_id": "conv-1::beta"}).status_code == 404
+    assert http.delete("/v1/stream", params={"conv_id": "never-was"}).status_code == 204
