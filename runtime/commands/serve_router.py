@@ -43,7 +43,7 @@ class _PresetParser(argparse.ArgumentParser):
 
 
 def serve_parser() -> _PresetParser:
-    from runtime.commands.serve import add_serve_args  # noqa: PLC0415
+    from runtime.commands.serve_flags import add_serve_args  # noqa: PLC0415
 
     parser = _PresetParser(prog="moe-offload serve", add_help=False)
     add_serve_args(parser)

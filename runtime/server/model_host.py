@@ -22,6 +22,10 @@ from runtime.server.errors import APIError
 
 log = logging.getLogger("moe_offload.server")
 
+# One engine loads at a time in a process (a router's models, their wakes): llama.cpp's load
+# log capture and the engine's memory check (runtime/engine/memory_check.py) see one load.
+_ONE_LOAD = threading.Lock()
+
 
 class LoadState(enum.Enum):
     LOADING = "loading"
@@ -74,7 +78,8 @@ class ModelHost:
         fails goes back to SLEEPING, so that the next request tries again."""
         t0 = time.perf_counter()
         try:
-            engine = self._load_engine()
+            with _ONE_LOAD:
+                engine = self._load_engine()
         except BaseException as exc:  # noqa: BLE001 - a failed load is reported, not raised
             message = str(exc) or type(exc).__name__
             with self._lock:

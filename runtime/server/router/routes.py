@@ -82,33 +82,35 @@ async def list_models(request: Request) -> dict:
                      for inst in router.instances.values()], "object": "list"}
 
 
+async def _named_instance(request: Request, *, unknown: int):
+    """The model a ``/models/load|unload`` body names; ``unknown``: the status of a name not
+    served (llama-server's: 404 to load, 400 to unload)."""
+    name = await _model_name(request)
+    inst = _router(request).resolve(name)
+    if inst is None:
+        raise APIError(unknown, f"model '{name}' is not found", code="model_not_found",
+                       error_type="not_found_error" if unknown == 404 else None,
+                       param="model")
+    return inst
+
+
 @routes.post("/models/load")
 async def load_model(request: Request) -> dict:
-    router = _router(request)
-    name = await _model_name(request)
-    inst = router.resolve(name)
-    if inst is None:
-        raise APIError(404, f"model '{name}' is not found", code="model_not_found",
-                       error_type="not_found_error", param="model")
+    inst = await _named_instance(request, unknown=404)
     if inst.running:
         raise APIError(400, f"model '{inst.name}' is already running",
                        code="model_already_running", param="model")
-    router.start_load(inst)
+    _router(request).start_load(inst)
     return {"success": True}
 
 
 @routes.post("/models/unload")
 async def unload_model(request: Request) -> dict:
-    router = _router(request)
-    name = await _model_name(request)
-    inst = router.resolve(name)
-    if inst is None:
-        raise APIError(400, f"model '{name}' is not found", code="model_not_found",
-                       param="model")
+    inst = await _named_instance(request, unknown=400)
     if not inst.running:
         raise APIError(400, f"model '{inst.name}' is not running", code="model_not_running",
                        param="model")
-    router.start_unload(inst)
+    _router(request).start_unload(inst)
     return {"success": True}
 
 

@@ -201,26 +201,6 @@ def test_no_autoload_models_max_and_the_api_key(manual):
            "beta is loading)" in manual.log()
 
 
-def test_a_preset_that_is_not_right_stops_the_server_before_it_listens(tmp_path, models_dir):
-    import subprocess
-    import sys
-
-    from tests.runtime.server.conftest import REPO_ROOT
-
-    bad = tmp_path / "bad.ini"
-    cases = {"[x]\nmodel = /no/such.gguf\n": "no such file",
-             "[x]\nmodle = /a.gguf\n": "option 'modle' not recognized",
-             "[x]\nport = 9\n": "not a per-model option",
-             "[alpha]\nalias = beta\n": "already model 'alpha'"}
-    for text, said in cases.items():
-        bad.write_text(text)
-        r = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", "--models-dir",
-                            str(models_dir), "--models-preset", str(bad), "--port", "0"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, \
-            (text, r.stderr)
-
-
 def test_resumable_streams_find_their_model(server, http):
     """X-Conversation-Id streams behind a router: resumed and stopped through the router,
     their model named by the id's ``::NAME`` suffix or found by the session it holds."""
