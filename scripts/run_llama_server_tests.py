@@ -127,6 +127,9 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
                PYTHONPATH=os.pathsep.join([str(stubs), str(REPO), *filter(None, [
                    os.environ.get("PYTHONPATH")])]), PYTHONUNBUFFERED="1",
                LLAMA_TESTS_TIMEOUT=str(per_test))
+    # their servers listen on $PORT (8080 by default): a free one, so that two runs on one
+    # machine never answer each other's requests
+    env.setdefault("PORT", str(_free_port()))
     files = sorted(f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")
                    if suites is None or p.stem in suites)
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
@@ -140,7 +143,15 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
                                                r"deselected|xfailed|xpassed)", tail)}
     return {"command": " ".join(cmd), "summary": tail, "counts": counts,
             "passed": counts.get("passed", 0), "output": proc.stdout,
-            "stderr": proc.stderr[-4000:]}
+            "stderr": proc.stderr[-4000:], "returncode": proc.returncode}
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -172,6 +183,9 @@ def main() -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "output"}))
     else:
         print(result["output"])
+        if not result["counts"]:          # pytest ended without its summary: say why
+            print(f"pytest exited with {result['returncode']}; its stderr ends:\n"
+                  f"{result['stderr']}")
         print(f"llama.cpp server tests against moe-offload serve: {result['summary']}")
     return 0
 

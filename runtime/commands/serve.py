@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime.commands.serve_model import edge_from_args, model_server  # noqa: PLC0415
     from runtime.server.app import create_app  # noqa: PLC0415
 
+    _setup_logging(args.verbose)         # before the model's checks: they log (debug) too
     edge = edge_from_args(args)
     if args.models_dir is not None or args.models_preset is not None:
         from runtime.commands.serve_router import router_app  # noqa: PLC0415
@@ -90,7 +91,6 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("give -m FILE (one model) or --models-dir / --models-preset "
                             "(router mode), not both")
         app = router_app(args, edge)
-        _setup_logging(args.verbose)
         models = len(app.state.router.instances)
         loading = sum(i.spec.load_on_startup for i in app.state.router.instances.values())
         return _serve(app, args, edge, what=f"router mode: {models} models, "
@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
     server = model_server(args, edge)
     model_path = server.model_path
     model_id = server.settings.model_id
-    _setup_logging(args.verbose)
     load_errors: list[str] = []
     t0 = time.perf_counter()
     urls: list[str] = []

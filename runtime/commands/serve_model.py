@@ -124,11 +124,8 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
     settings.kv_unified = args.kv_unified and args.parallel > 1
     settings.embeddings, settings.pooling = args.embedding, args.pooling
     settings.context_shift = args.context_shift
-    prompt_cache = None
-    if args.cache_ram != 0 and not args.embedding:
-        from runtime.engine.prompt_cache import PromptCache  # noqa: PLC0415
-
-        prompt_cache = PromptCache(max(0, args.cache_ram) << 20)
+    cache_ram = args.cache_ram != 0 and not args.embedding
+    if cache_ram:
         log.debug("prompt cache on, limit %s", "none" if args.cache_ram < 0
                   else f"{args.cache_ram} MiB")
         if args.cache_idle_slots:      # llama-server's debug line (its tests read it)
@@ -146,10 +143,13 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
             capture.attach(engine, str(model_path))
         if template is not None:
             engine.use_chat_template(template)
-        # embeddings: one input at a time; the prompt cache lives in the slot scheduler
-        if (args.parallel > 1 or prompt_cache is not None) and not args.embedding:
+        # embeddings: one input at a time; the prompt cache lives in the slot scheduler, one
+        # per load (a sleeping model's goes with its engine: host RAM is the experts')
+        if (args.parallel > 1 or cache_ram) and not args.embedding:
             from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
+            from runtime.engine.prompt_cache import PromptCache  # noqa: PLC0415
 
+            prompt_cache = PromptCache(max(0, args.cache_ram) << 20) if cache_ram else None
             engine.batcher = BatchScheduler(engine, prompt_cache, args.cache_idle_slots)
         return engine
 

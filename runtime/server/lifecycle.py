@@ -88,8 +88,7 @@ class Lifecycle:
         self._take_snapshot = take_snapshot
         self.on_change = on_change or (lambda status: None)    # settable: a router's feed
         self.on_idle = on_idle or (lambda: None)
-        self._lock = asyncio.Lock()
-        self._waking = False
+        self._lock = asyncio.Lock()      # held by a sleep or a wake: requests wait on it
         self._metrics_served: tuple[str, float] | None = None   # (text, monotonic s)
         self._watcher: asyncio.Task | None = None
 
@@ -114,7 +113,7 @@ class Lifecycle:
 
     @property
     def sleeping(self) -> bool:
-        return self.host.state is LoadState.SLEEPING and not self._waking
+        return self.host.state is LoadState.SLEEPING
 
     def served_metrics(self, text: str) -> None:
         """``/metrics``' text as just served awake: if the model does no work before it
@@ -123,23 +122,21 @@ class Lifecycle:
 
     # -- wake --------------------------------------------------------------------------------
     async def ready(self, wakes: bool) -> float | None:
-        """Wake the model when ``wakes`` and it sleeps (or is waking); the seconds this
-        request waited for that, or None. A failed wake is a 503 naming why."""
-        if not wakes or (self.host.state is not LoadState.SLEEPING and not self._waking):
-            return None
+        """Wake the model when ``wakes`` and it sleeps (or is falling asleep, or waking: the
+        lock is held); the seconds this request waited for that, or None. A failed wake is a
+        503 naming why."""
+        if not wakes or (not self._lock.locked()
+                         and self.host.state is not LoadState.SLEEPING):
+            return None              # awake (or loading at start: the routes say so)
         t0 = time.monotonic()
         async with self._lock:
             if self.host.state is LoadState.SLEEPING:
-                self._waking = True
                 self.on_change("loading")
-                try:
-                    ok = await anyio.to_thread.run_sync(self.host.wake)
-                finally:
-                    self._waking = False
+                ok = await anyio.to_thread.run_sync(self.host.wake)
                 self.on_change("loaded" if ok else "sleeping")
-                waited = time.monotonic() - t0
                 if ok:
-                    log.info("model %s woke in %.2f s", self.host.model_id, waited)
+                    log.info("model %s woke in %.2f s", self.host.model_id,
+                             time.monotonic() - t0)
                     self.snapshot = None
             if self.host.state is not LoadState.READY:
                 raise APIError(503, f"Waking the model failed: {self.host.error}",

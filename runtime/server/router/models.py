@@ -138,7 +138,7 @@ class ModelRouter:
         t0 = time.monotonic()
         start_serving(inst.app)
         await anyio.to_thread.run_sync(inst.app.state.host.wait_settled)
-        if inst.status != LOADED:
+        if not inst.usable():           # failed (loaded and already asleep is usable)
             error = inst.app.state.host.error or "unknown error"
             await anyio.to_thread.run_sync(stop_serving, inst.app)
             self.pool.release(inst.name)

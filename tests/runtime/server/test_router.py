@@ -7,6 +7,7 @@ model (an unknown one refused in each API's shape), load and unload with their
 the API key. States are polled, never timed."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anthropic
@@ -173,9 +174,14 @@ def test_a_load_that_does_not_fit_the_budget_unloads_the_lru_idle_model_and_says
 
 
 @pytest.fixture(scope="module")
-def manual(start_server, models_dir):
-    """A router that loads only on request, one model at a time, behind an API key."""
-    return start_server(None, "--models-dir", str(models_dir), "--no-models-autoload",
+def manual(start_server, models_dir, tmp_path_factory):
+    """A router that loads only on request, one model at a time, behind an API key; its
+    directory also holds a file that is no model."""
+    root = tmp_path_factory.mktemp("manual")
+    for name in ("alpha", "beta"):
+        (root / f"{name}.gguf").symlink_to((models_dir / f"{name}.gguf").resolve())
+    (root / "broken.gguf").write_bytes(b"GGUF but not really" * 64)
+    return start_server(None, "--models-dir", str(root), "--no-models-autoload",
                         "--models-max", "1", "--api-key", "router-key", "-c", "512")
 
 
@@ -197,6 +203,19 @@ def test_no_autoload_models_max_and_the_api_key(manual):
         # --models-max 1: loading beta unloads alpha, saying why
         load(http, "beta", key)
         assert statuses(http, key)["alpha"]["status"]["value"] == "unloaded"
+        # a file that does not load: the load fails, /models says why, the others go on
+        assert http.post("/models/load", headers=key, json={"model": "broken"}).json() == \
+            {"success": True}
+        deadline = time.monotonic() + 60
+        while not (broken := statuses(http, key)["broken"])["status"].get("failed"):
+            assert time.monotonic() < deadline, broken
+            time.sleep(0.05)
+        assert broken["status"]["value"] == "unloaded" and "broken.gguf" in \
+            broken["status"]["error"]
+        assert statuses(http, key)["beta"]["status"]["value"] == "loaded"
+        r = http.post("/completion", headers=key, json={"model": "broken", "prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            "model 'broken' is not loaded")
     assert "model alpha unloaded (least recently used idle model: --models-max 1 reached, " \
            "beta is loading)" in manual.log()
 

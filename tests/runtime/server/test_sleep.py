@@ -34,8 +34,9 @@ def single(start_server, tiny_model):
 
 def test_one_model_sleeps_when_idle_and_the_next_generation_wakes_it(single, tiny_model):
     with httpx.Client(base_url=single.base_url, timeout=60) as http:
+        # (on a loaded machine the model may be asleep already: this request then wakes it)
         r = http.post("/completion", json={"prompt": "the king saw", "n_predict": 4})
-        assert r.status_code == 200 and "wake_ms" not in r.json()["timings"]
+        assert r.status_code == 200
         held = resident_expert_bytes(tiny_model)
         if not http.get("/props").json()["is_sleeping"]:     # still awake as we looked
             assert held > 0                                  # the tier holds experts
