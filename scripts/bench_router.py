@@ -177,7 +177,7 @@ def main() -> int:
 
 
 def report(result: dict) -> str:
-    mib = lambda n: f"{n / MIB:,.0f}" if n is not None else "-"  # noqa: E731
+    mib = lambda n: f"{n / MIB:,.1f}" if n is not None else "-"  # noqa: E731
     lines = ["| model | budget MiB | first answer s (load ms) | read MiB | warm t/s | "
              "asleep: experts in RAM MiB | wake ms | wake read MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -188,8 +188,10 @@ def report(result: dict) -> str:
                      f"{warm['tokens_per_second'] or 0:.1f} | {mib(m['asleep_expert_bytes'])} "
                      f"| {wake['wake_ms'] or 0:.0f} | {mib(wake['read_bytes'])} |")
     peak = result["peak"]
+    within = peak.get("experts_total", 0) <= result["pool_bytes"]
     lines += ["", f"pool {mib(result['pool_bytes'])} MiB; peaks: experts in RAM (all models, "
-              f"mincore) {mib(peak.get('experts_total', 0))} MiB, RSS {mib(peak.get('VmRSS', 0))}"
+              f"mincore) {mib(peak.get('experts_total', 0))} MiB "
+              f"({'within' if within else 'OVER'} the pool), RSS {mib(peak.get('VmRSS', 0))}"
               f" MiB (anonymous {mib(peak.get('RssAnon', 0))}, file "
               f"{mib(peak.get('RssFile', 0))})"]
     return "\n".join(lines)
