@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import threading
 from typing import Any
 
 from runtime.commands.serve_model import Edge, model_server
@@ -116,6 +117,7 @@ class ModelLauncher:
         self.edge = edge
         self.pools = pools
         self.default_share = default_share    # of each pool, for a model that asks nothing
+        self._parsing = threading.Lock()      # the parser names the preset in its errors
 
     def own_argv(self, spec) -> list[str]:
         """The model's preset as flags; UserError for a bad key."""
@@ -125,8 +127,9 @@ class ModelLauncher:
         return argv
 
     def parse(self, spec, argv: list[str]) -> argparse.Namespace:
-        self.parser.where = spec.preset
-        args = self.parser.parse_args(argv)
+        with self._parsing:             # loads and a reload parse on worker threads
+            self.parser.where = spec.preset
+            args = self.parser.parse_args(argv)
         if not args.model and not args.hf_repo:
             raise UserError(f"{spec.preset}: no model (model = FILE or hf-repo = USER/MODEL)")
         return args
@@ -216,13 +219,26 @@ def router_app(args: argparse.Namespace, edge: Edge):
     if not specs:
         raise UserError("router mode: no model found (no .gguf in --models-dir, no section in "
                         "--models-preset)")
+    startup = [s.name for s in specs if s.load_on_startup]
+    if 0 < args.models_max < len(startup):
+        raise UserError(f"{len(startup)} models have load-on-startup, more than --models-max "
+                        f"{args.models_max}")
     pools = resolve_pools(args)
     share = 1.0 / (args.models_max or len(specs))
     launcher = ModelLauncher(args, edge, pools, share)
+
+    def read_catalogue() -> list:
+        """The catalogue, every preset checked (at start, and on GET /models?reload)."""
+        fresh = catalogue(args.models_dir, args.models_preset)
+        for spec in fresh:
+            launcher.check(spec)
+        return fresh
+
     for spec in specs:
         launcher.check(spec)
     router = ModelRouter(specs, prepare=launcher.prepare, pool=BudgetPool(pools),
-                         models_max=args.models_max, autoload=args.models_autoload)
+                         models_max=args.models_max, autoload=args.models_autoload,
+                         catalogue=read_catalogue)
     settings = ServerSettings(model_id="moe-offload", api_key=edge.api_key,
                               cors_origins=edge.origins, limits=edge.limits,
                               web_ui=args.web_ui, cors_proxy=args.cors_proxy,

@@ -39,13 +39,16 @@ def _mib(n: int) -> str:
 class ModelRouter:
     def __init__(self, specs: list[ModelSpec], *, prepare: Callable[[ModelSpec], Launch],
                  pool: BudgetPool, models_max: int, autoload: bool,
+                 catalogue: Callable[[], list[ModelSpec]] | None = None,
                  events: ModelEvents | None = None) -> None:
         """``prepare(spec)``: the model's app, built but not started (blocking: parses its
-        options, checks its file). ``models_max``: models running at once (0: no limit)."""
-        self.instances = {s.name: ModelInstance(s) for s in specs}
-        self._names = {n: inst for inst in self.instances.values()
-                       for n in (inst.name, *inst.spec.aliases)}
+        options, checks its file). ``models_max``: models running at once (0: no limit).
+        ``catalogue()``: the specs read again (``GET /models?reload``; blocking)."""
+        self.instances: dict[str, ModelInstance] = {}
+        self._names: dict[str, ModelInstance] = {}
+        self._index([ModelInstance(s) for s in specs])
         self._prepare = prepare
+        self.read_catalogue = catalogue
         self.pool = pool
         self.models_max = models_max
         self.autoload = autoload
@@ -53,6 +56,11 @@ class ModelRouter:
         self._lock = asyncio.Lock()
         self._idle = asyncio.Event()          # set when some model's last lease ends
         self._tasks: set[asyncio.Task] = set()
+
+    def _index(self, instances: list[ModelInstance]) -> None:
+        self.instances = {i.name: i for i in sorted(instances, key=lambda i: i.name)}
+        self._names = {n: inst for inst in self.instances.values()
+                       for n in (inst.name, *inst.spec.aliases)}
 
     def resolve(self, name: str) -> ModelInstance | None:
         """The model called ``name`` (its name or one of its aliases)."""
@@ -216,14 +224,35 @@ class ModelRouter:
             data["reason"] = reason
         self.events.publish("status_change", inst.name, data)
 
+    async def reload(self, specs: list[ModelSpec]) -> None:
+        """``GET /models?reload``: the catalogue as read again. A model gone from it, or
+        whose options changed, is unloaded first (saying why); new ones are added, those
+        marked ``load-on-startup`` loaded."""
+        async with self._lock:
+            fresh = {s.name: s for s in specs}
+            kept = []
+            for name, inst in self.instances.items():
+                spec = fresh.get(name)
+                if spec != inst.spec:
+                    await self._unload_locked(inst, "gone from the preset" if spec is None
+                                              else "its preset changed")
+                    if spec is None:
+                        continue
+                    inst.spec, inst.failed = spec, None
+                kept.append(inst)
+            added = [ModelInstance(s) for n, s in fresh.items() if n not in self.instances]
+            self._index(kept + added)
+        log.info("models reloaded: %s", ", ".join(self.instances) or "none")
+        self.events.publish("models_reload", "*")
+        for inst in added:
+            if inst.spec.load_on_startup:
+                self.start_load(inst)
+
     async def start(self) -> None:
         """The models marked ``load-on-startup``, loaded in the background."""
-        startup = [i for i in self.instances.values() if i.spec.load_on_startup]
-        if self.models_max and len(startup) > self.models_max:
-            raise UserError(f"{len(startup)} models have load-on-startup, more than "
-                            f"--models-max {self.models_max}")
-        for inst in startup:
-            self.start_load(inst)
+        for inst in self.instances.values():
+            if inst.spec.load_on_startup:
+                self.start_load(inst)
 
     async def close(self) -> None:
         """Unload everything (shutdown)."""

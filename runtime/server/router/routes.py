@@ -19,10 +19,12 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from sse_starlette.sse import EventSourceResponse
 
+from runtime.errors import UserError
 from runtime.server.app import FINGERPRINT, ServerSettings, add_http_edge
 from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.errors import APIError, install_error_handlers
@@ -75,8 +77,15 @@ async def health() -> dict:
 @routes.get("/models")
 @routes.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    """Every model of the catalogue with its status (llama-server's router listing)."""
+    """Every model of the catalogue with its status (llama-server's router listing);
+    ``?reload=1`` reads the models directory and the preset again first."""
     router = _router(request)
+    if request.query_params.get("reload") and router.read_catalogue is not None:
+        try:
+            specs = await anyio.to_thread.run_sync(router.read_catalogue)
+        except UserError as err:
+            raise APIError(400, f"reload: {err}", code="invalid_preset") from None
+        await router.reload(specs)
     created = request.app.state.started
     return {"data": [inst.to_json(created, router.pool.held(inst.name))
                      for inst in router.instances.values()], "object": "list"}

@@ -237,3 +237,30 @@ def test_resumable_streams_find_their_model(server, http):
     assert http.delete("/v1/stream", params={"conv_id": "conv-1::beta"}).status_code == 204
     assert http.get("/v1/stream", params={"conv_id": "conv-1::beta"}).status_code == 404
     assert http.delete("/v1/stream", params={"conv_id": "never-was"}).status_code == 204
+
+
+def test_reload_reads_the_preset_again(server, http, preset, models_dir):
+    """``GET /models?reload=1``: a model added to the preset is served, one whose options
+    changed is unloaded first (saying why), and a preset that is not right is a 400 that
+    changes nothing."""
+    text = preset.read_text()
+    events = Events(server.base_url)
+    try:
+        load(http, "beta")
+        preset.write_text(text + f"\n[beta]\nctx-size = 256\n\n[delta]\nmodel = "
+                                 f"{(models_dir / 'alpha.gguf').resolve()}\nalias = d\n")
+        models = {m["id"]: m for m in http.get("/models", params={"reload": "1"}).json()["data"]}
+        assert sorted(models) == ["alpha", "beta", "delta", "gamma"]
+        assert models["beta"]["status"]["value"] == "unloaded"
+        assert events.wait_for("beta", "unloaded")["data"]["reason"] == "its preset changed"
+        r = chat(http, "d")
+        assert r.status_code == 200 and r.json()["model"] == "delta"
+        preset.write_text("[broken\n")
+        r = http.get("/models", params={"reload": "1"})
+        assert r.status_code == 400 and "not a valid INI file" in r.json()["error"]["message"]
+        assert sorted(statuses(http)) == ["alpha", "beta", "delta", "gamma"]
+    finally:
+        events.close()
+        preset.write_text(text)
+        http.get("/models", params={"reload": "1"})
+    assert sorted(statuses(http)) == ["alpha", "beta", "gamma"]
