@@ -133,10 +133,18 @@ def router_preset(given: str | None) -> Path:
                 else:
                     keys[key] = value
             out[section] = keys
-    path = _cache_dir() / f"router-{os.getpid()}.ini"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        out.write(f)
+    import hashlib
+    import io
+
+    text = io.StringIO()
+    out.write(text)
+    digest = hashlib.sha256(text.getvalue().encode()).hexdigest()[:16]
+    path = _cache_dir() / f"router-{digest}.ini"        # one file per distinct preset
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text.getvalue())
+        os.replace(tmp, path)
     return path
 
 
