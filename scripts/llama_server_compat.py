@@ -10,6 +10,11 @@ once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it
 ``mean``, as the tests' embedding models do). Tests whose assertions depend on the text or the
 vocabulary of llama.cpp's own test models cannot pass against it; the others can.
 
+Router mode: started without a model, llama-server serves the models of its download cache;
+here those the tests name (``CACHED``) are written as a preset of stand-ins (one file each,
+so that they differ), added to any ``--models-preset`` given, whose ``hf-repo`` keys become
+stand-ins too (keys with no meaning here are dropped, with a note).
+
     LLAMA_SERVER_BIN_PATH=scripts/llama-server  pytest tools/server/tests/unit/...
 """
 from __future__ import annotations
@@ -28,6 +33,7 @@ VALUE_FLAGS = {
     "--min-p": None, "--repeat-penalty": None, "--parallel": "-np", "-np": None,
     "--reasoning": None, "--reasoning-format": None, "--tags": None,
     "--pooling": None, "--slot-save-path": None, "--cache-ram": None,
+    "--sleep-idle-seconds": None, "--models-max": None, "--models-dir": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
@@ -35,7 +41,8 @@ SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-
             "--ui-mcp-proxy": "--ui-mcp-proxy",
             "--no-cache-idle-slots": "--no-cache-idle-slots",
             "--cache-idle-slots": "--cache-idle-slots", "--embedding": "--embedding",
-            "--embeddings": "--embedding", "--context-shift": "--context-shift"}
+            "--embeddings": "--embedding", "--context-shift": "--context-shift",
+            "--no-models-autoload": "--no-models-autoload"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
@@ -43,7 +50,7 @@ DROPPED = {
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
     "--reranking": (False, "no reranking (those tests fail)"),
-    "--no-mmproj": (False, "text only"), "--no-models-autoload": (False, "one model"),
+    "--no-mmproj": (False, "text only"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
     "--grp-attn-n": (True, "no self-extend"),
@@ -59,27 +66,85 @@ DROPPED = {
     "--reasoning-force-close-message": (True, "no reasoning budget"),
     "--model-draft": (True, "no speculative decoding"),
     "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
-    "--sleep-idle-seconds": (True, "no sleep mode"),
     "--cache-reuse-hybrid": (True, "no prompt cache"),
     "--cache-reuse-hybrid-min-share": (True, "no prompt cache"),
-    "--models-dir": (True, "one model"), "--models-max": (True, "one model"),
-    "--models-preset": (True, "one model"), "--tools": (True, "no built-in tools"),
+    "--tools": (True, "no built-in tools"),
     "--tools-runtime": (True, "no built-in tools"),
     "--mcp-servers-config": (True, "no MCP"), "--mcp-servers-json": (True, "no MCP"),
 }
 
 
-def synthetic_model(name: str) -> Path:
-    """A small synthetic MoE model standing in for ``name`` (written once)."""
+# llama-server's download cache as the router tests find it (their models, by cache name)
+CACHED = ("ggml-org/tinygemma3-GGUF:Q8_0", "ggml-org/test-model-stories260K:F32",
+          "ggml-org/test-model-stories260K-infill:F32", "ggml-org/stories15M_MOE:F16")
+
+
+def _cache_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "moe-offload" / "llama-server-compat"
+
+
+def synthetic_model(name: str, seed: int = 0) -> Path:
+    """A small synthetic MoE model standing in for ``name`` (written once; ``seed`` > 0:
+    a file of its own, for a router's several models)."""
     from gguf_tools.synth import SynthSpec, write_synthetic_model
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    path = cache / "moe-offload" / "llama-server-compat" / "stand-in.gguf"
+    path = _cache_dir() / ("stand-in.gguf" if seed == 0 else f"stand-in-{seed}.gguf")
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         spec = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
-                         dtype="f32", seed=0, skew=1.0, context_length=8192)
-        write_synthetic_model(path, spec)
+                         dtype="f32", seed=seed, skew=1.0, context_length=8192)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        write_synthetic_model(tmp, spec)
+        os.replace(tmp, path)             # two servers starting at once: one file, whole
+    return path
+
+
+def router_preset(given: str | None) -> Path:
+    """A preset of stand-ins: the cache's models, then ``given``'s sections (their
+    ``hf-repo`` as a stand-in; keys with no meaning here dropped)."""
+    import configparser
+
+    out = configparser.ConfigParser(delimiters=("=",), interpolation=None,
+                                    default_section="\x00none")
+    out.optionxform = str
+    stand_ins: dict[str, Path] = {}
+
+    def stand_in(name: str) -> str:
+        if name not in stand_ins:
+            stand_ins[name] = synthetic_model(name, seed=len(stand_ins) + 1)
+        return str(stand_ins[name])
+
+    for name in CACHED:
+        out[name] = {"model": stand_in(name)}
+    if given is not None:
+        src = configparser.ConfigParser(delimiters=("=",), interpolation=None,
+                                        default_section="\x00none")
+        src.optionxform = str
+        src.read(given)
+        for section in src.sections():
+            keys = {}
+            for key, value in src.items(section):
+                if key in ("hf-repo", "hf", "hfr", "model-url", "mu"):
+                    keys["model"] = stand_in(value.split(":")[0] + ":stand-in")
+                elif key in ("dedup-cache-models",):
+                    sys.stderr.write(f"llama-server-compat: preset key {key} dropped (no "
+                                     "download cache here)\n")
+                else:
+                    keys[key] = value
+            out[section] = keys
+    import hashlib
+    import io
+
+    text = io.StringIO()
+    out.write(text)
+    digest = hashlib.sha256(text.getvalue().encode()).hexdigest()[:16]
+    path = _cache_dir() / f"router-{digest}.ini"        # one file per distinct preset
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text.getvalue())
+        os.replace(tmp, path)
     return path
 
 
@@ -88,6 +153,7 @@ def translate(argv: list[str]) -> list[str]:
     out: list[str] = []
     model: str | None = None
     wanted: str | None = None
+    preset: str | None = None
     i = 0
     while i < len(argv):
         flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
@@ -102,6 +168,9 @@ def translate(argv: list[str]) -> list[str]:
             i += 2
         elif flag in ("--model", "-m"):
             model = value
+            i += 2
+        elif flag == "--models-preset":
+            preset = value
             i += 2
         elif flag in ("--hf-repo", "--hf-file", "--model-url", "-hf", "-hff", "-mu"):
             wanted = wanted or value
@@ -122,6 +191,10 @@ def translate(argv: list[str]) -> list[str]:
         out += ["--ui-mcp-proxy-allow", "127.0.0.0/8,::1,localhost"]   # proxy to 127.0.0.1
     if "--embedding" in out and "--pooling" not in out:
         out += ["--pooling", "mean"]      # the stand-in model has none; the tests' models mean
+    if model is None and wanted is None:           # llama-server's router mode
+        if "--models-dir" not in out or preset is not None:
+            out += ["--models-preset", str(router_preset(preset))]
+        return ["serve", *out]
     if model is None or not Path(model).is_file():
         model = str(synthetic_model(model or wanted or "model"))
     return ["serve", "-m", model, *out]

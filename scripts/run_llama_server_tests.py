@@ -132,8 +132,11 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, LLAMA_SERVER_BIN_PATH=str(launcher),
-               PYTHONPATH=os.pathsep.join([str(stubs), str(REPO)]), PYTHONUNBUFFERED="1",
-               LLAMA_TESTS_TIMEOUT=str(per_test), PORT=str(port))
+               # the stubs first; the caller's own path kept (where its llama_cpp may be)
+               PYTHONPATH=os.pathsep.join([str(stubs), str(REPO), *filter(None, [
+                   os.environ.get("PYTHONPATH")])]), PYTHONUNBUFFERED="1",
+               LLAMA_TESTS_TIMEOUT=str(per_test))
+    env.setdefault("PORT", str(port))
     files = sorted(f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")
                    if suites is None or p.stem in suites)
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
@@ -147,7 +150,7 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
                                                r"deselected|xfailed|xpassed)", tail)}
     return {"command": " ".join(cmd), "summary": tail, "counts": counts,
             "passed": counts.get("passed", 0), "output": proc.stdout,
-            "stderr": proc.stderr[-4000:]}
+            "stderr": proc.stderr[-4000:], "returncode": proc.returncode}
 
 
 def main() -> int:
@@ -187,6 +190,9 @@ def main() -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "output"}))
     else:
         print(result["output"])
+        if not result["counts"]:          # pytest ended without its summary: say why
+            print(f"pytest exited with {result['returncode']}; its stderr ends:\n"
+                  f"{result['stderr']}")
         print(f"llama.cpp server tests against moe-offload serve: {result['summary']}")
     return 0
 

@@ -1,21 +1,22 @@
 """``moe-offload serve``: the OpenAI-compatible HTTP server (like llama.cpp's ``llama-server``).
 
     moe-offload serve -m MODEL [--host 127.0.0.1] [--port 8080] [--api-key KEY] [--alias NAME]
-        [--write-profile PROFILE]
+        [--write-profile PROFILE] [--sleep-idle-seconds N]
+    moe-offload serve --models-dir DIR | --models-preset FILE [--models-max N]   (router mode)
 
 The port is bound first (so a busy port is a one-line error), then the server answers at once
 while the model loads in the background: ``/health`` is 503 until the model is ready. A model
-that fails to load stops the server with a one-line error and a non-zero exit.
+that fails to load stops the server with a one-line error and a non-zero exit. In router mode
+(runtime/commands/serve_router.py) no model loads at start: each loads when a request names
+it, or with ``POST /models/load``.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import time
-from pathlib import Path
 
 from runtime.errors import UserError
 
@@ -25,8 +26,7 @@ BACKLOG = 128           # connections the kernel completes before the server acc
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from runtime.commands.engine_args import HelpFormatter, add_engine_args, add_sampling_args
-    from runtime.server.connection_guard import FD_RESERVE
+    from runtime.commands.engine_args import HelpFormatter
 
     parser = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
@@ -35,164 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
                     "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
                     "with --embedding), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
-                    "page at /, plus /v1/residency, /metrics, /health.",
+                    "page at /, plus /v1/residency, /metrics, /health. Without -m, "
+                    "--models-dir or --models-preset serve several models (router mode: "
+                    "/models, /models/load, /models/unload; a request's \"model\" picks one).",
         formatter_class=HelpFormatter)
-    add_engine_args(parser)
-    add_sampling_args(parser, predict_default=-1)
-    parser.set_defaults(temp=0.8)
-    for action in parser._actions:  # noqa: SLF001 - say what the sampling flags mean here
-        if action.dest in ("predict", "temp", "top_p", "top_k", "min_p", "repeat_penalty",
-                           "stop") and action.help:
-            action.help += "; the default of requests that do not set it"
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on; a,b listens on several (0.0.0.0 exposes "
-                            "the server to the network)")
-    group.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
-    group.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every "
-                            "route but /health and /models, as llama-server (default: the "
-                            "MOE_OFFLOAD_API_KEY environment variable, if set)")
-    group.add_argument("-a", "--alias", default=None, metavar="NAME",
-                       help="model name shown by /v1/models and in answers; a,b,c gives "
-                            "several, the first in sorted order is the id (default: the "
-                            "model file's name without .gguf)")
-    group.add_argument("--queue-size", type=int, default=16, metavar="N",
-                       help="requests that may wait behind the running one; more get 429")
-    group.add_argument("-np", "--parallel", type=int, default=1, metavar="N",
-                       help="requests generated at once, in one batch per step (continuous "
-                            "batching; each gets ctx-size / N tokens, as llama-server). Each "
-                            "request has its own KV and sampler, but llama.cpp computes a "
-                            "shared batch in another order than a lone request, so a greedy "
-                            "answer may part from the same request alone where two tokens "
-                            "nearly tie (--batch-invariant makes them equal)")
-    group.add_argument("--batch-invariant", action="store_true",
-                       help="with -np N: decode each request on its own, shaped as when it "
-                            "runs alone (its prompt in one piece, then one token per step), "
-                            "so every answer equals the same request alone; the requests "
-                            "still take turns step by step, without the batching speedup "
-                            "(not with --kv-unified, whose shared pool mixes the requests)")
-    group.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true",
-                       help="serve embeddings (/v1/embeddings, /embedding) instead of "
-                            "completions")
-    group.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
-                       help="how --embedding pools the tokens' vectors (default: the model's)")
-    group.add_argument("--slot-save-path", default=None, metavar="DIR",
-                       help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
-                            "cache to a file in DIR and back, versioned and checksummed, "
-                            "checked before a restore; DIR is made if missing)")
-    group.add_argument("--cache-ram", type=int, default=0, metavar="MiB",
-                       help="host memory for llama-server's prompt cache: a slot's KV is "
-                            "copied there before a request replaces it, and loaded back when "
-                            "its prompt returns; -1: no limit, 0: off (llama-server's default "
-                            "is 8192; here host RAM holds the expert tier, so it is opt-in)")
-    group.add_argument("--cache-idle-slots", dest="cache_idle_slots", action="store_true",
-                       default=True,
-                       help="with --cache-ram: copy idle slots to the prompt cache when a "
-                            "request starts (with --kv-unified they are emptied too); on by "
-                            "default, as llama-server")
-    group.add_argument("--no-cache-idle-slots", dest="cache_idle_slots", action="store_false",
-                       help="with --cache-ram: leave idle slots alone")
-    group.add_argument("--no-context-shift", dest="context_shift", action="store_false",
-                       default=False, help="refuse a request whose context fills (the default)")
-    group.add_argument("--context-shift", action="store_true",
-                       help="when a request's context is full, drop the oldest half after its "
-                            "first n_keep tokens and go on generating (llama-server's flag)")
-    group.add_argument("-kvu", "--kv-unified", action="store_true",
-                       help="with -np N: one KV pool that every request may fill up to -c "
-                            "(a request fails with 500 when the pool is full); default: "
-                            "ctx-size / N each")
-    group.add_argument("--slots", dest="slots", action="store_true", default=True,
-                       help="serve GET /slots (llama-server's flag; on by default)")
-    group.add_argument("--no-slots", dest="slots", action="store_false",
-                       help="answer GET /slots with 501")
-    group.add_argument("--cors-origin", "--cors-origins", dest="cors_origin", default="*",
-                       metavar="ORIGINS",
-                       help="comma-separated browser origins allowed by CORS: a listed "
-                            "origin (or 'localhost': any port on localhost, 127.0.0.1, [::1]) "
-                            "is echoed with credentials allowed; '*' (the default) lets any "
-                            "origin read answers without credentials (a preflight echoes the "
-                            "origin with credentials, as llama-server's; the answers carry "
-                            "'*'); '' = no CORS headers")
-    group.add_argument("--metrics", dest="metrics", action="store_true", default=True,
-                       help="serve GET /metrics (on by default here; llama-server's flag)")
-    group.add_argument("--no-metrics", dest="metrics", action="store_false",
-                       help="answer GET /metrics with 501 (llama-server's default)")
-    group.add_argument("-cb", "--cont-batching", action="store_true",
-                       help="accepted: -np N batches its requests continuously (llama-server's "
-                            "default)")
-    group.add_argument("--webui", dest="web_ui", action="store_true", default=True,
-                       help="serve the chat page at / (the default)")
-    group.add_argument("--no-webui", "--no-ui", dest="web_ui", action="store_false",
-                       default=True,
-                       help="do not serve the chat page at / (404 there)")
-    group.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="cors_proxy",
-                       action="store_true",
-                       help="serve GET|POST /cors-proxy?url=URL: the server calls URL for a "
-                            "browser page (llama.cpp's web UI uses it for MCP servers); it "
-                            "reaches any URL the server can, so keep it off on untrusted "
-                            "networks (off: 403); it refuses loopback, private, link-local, "
-                            "multicast and metadata addresses unless --ui-mcp-proxy-allow "
-                            "names them")
-    group.add_argument("--ui-mcp-proxy-allow", default="", metavar="HOSTS",
-                       help="comma-separated host names, addresses or networks (CIDR) that "
-                            "/cors-proxy may reach although they are internal (e.g. "
-                            "127.0.0.1 for an MCP server on this machine)")
-    limits = parser.add_argument_group("request limits (a request over one is a 400 naming it)")
-    limits.add_argument("--max-body-mib", type=int, default=16, metavar="MiB",
-                        help="largest request body (a 400 beyond)")
-    limits.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
-                        help="most prompt tokens per request (default: the context decides)")
-    limits.add_argument("--max-grammar-kib", type=int, default=256, metavar="KiB",
-                        help="largest grammar or JSON schema")
-    limits.add_argument("--max-grammar-repeat", type=int, default=1000, metavar="N",
-                        help="largest repetition count in a grammar or schema (minLength, "
-                             "maxItems, x{m,n} ...); all of them together: 16x this")
-    limits.add_argument("--max-json-depth", type=int, default=128, metavar="N",
-                        help="deepest nesting of arrays and objects in a JSON body")
-    limits.add_argument("--max-stop-strings", type=int, default=64, metavar="N",
-                        help="most stop strings per request")
-    limits.add_argument("--max-stop-bytes", type=int, default=4096, metavar="BYTES",
-                        help="a request's stop strings together, in UTF-8 bytes")
-    limits.add_argument("--max-tokenize-kib", type=int, default=1024, metavar="KiB",
-                        help="largest text /tokenize takes")
-    limits.add_argument("--max-detokenize-tokens", type=int, default=262144, metavar="N",
-                        help="most token ids /detokenize takes")
-    conns = parser.add_argument_group("connections and side work (slowloris, floods)")
-    conns.add_argument("--max-connections", type=int, default=1024, metavar="N",
-                       help="open client connections; a new one past it closes the oldest "
-                            "that has sent no request (lowered to the open-file limit less "
-                            f"{FD_RESERVE})")
-    conns.add_argument("--header-timeout", type=float, default=20.0, metavar="S",
-                       help="seconds a connection has to send a whole request head, from "
-                            "when it opens or its last answer ends; then it is closed")
-    conns.add_argument("--threads-http", type=int, default=2, metavar="N",
-                       help="threads for the work beside generation (tokenize, detokenize, "
-                            "templates, schema preparation); --queue-size requests may wait "
-                            "for one, more get 429")
-    group.add_argument("--tags", default=None, metavar="A,B",
-                       help="the model's tags, listed by /v1/models")
-    group.add_argument("--reasoning", default="auto", choices=("on", "off", "auto"),
-                       help="thinking in chat templates: off renders them with "
-                            "enable_thinking=false (a request's chat_template_kwargs wins)")
-    group.add_argument("--reasoning-format", default="auto",
-                       choices=("auto", "deepseek", "none"),
-                       help="chat answers: the text in <think>...</think> goes to "
-                            "reasoning_content (auto, deepseek) or stays in content (none)")
-    group.add_argument("--jinja", dest="jinja", action="store_true", default=True,
-                       help="accepted: chat templates are always rendered with jinja")
-    group.add_argument("--no-jinja", dest="jinja", action="store_false",
-                       help="refused: chat templates are always rendered with jinja")
-    group.add_argument("--chat-template", default=None, metavar="NAME|JINJA",
-                       help="one of llama.cpp's built-in templates by name (chatml, llama3, "
-                            "mistral-v7 ...) or a jinja template, instead of the model's")
-    group.add_argument("--chat-template-file", default=None, metavar="FILE",
-                       help="a jinja chat template to use instead of the model's")
-    group.add_argument("--write-profile", default=None, metavar="PROFILE",
-                       help="on exit (SIGINT, SIGTERM) write the routing profile of the tokens "
-                            "generated while serving (as moe-offload profile), for --profile "
-                            "on a later run; a failed write (disk full) stops the profile, "
-                            "not the server")
+    from runtime.commands.serve_flags import add_serve_args
+
+    add_serve_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -234,71 +83,65 @@ def _setup_logging(verbose: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; 0 on a clean stop, a UserError if the model cannot load."""
-    from gguf_tools.facts import read_model_facts
-    from runtime.commands.engine_args import sampling_from_args, settings_from_args
-    from runtime.engine.engine import Engine, check_model_path
-    from runtime.server.app import ServerSettings, begin_shutdown, create_app
-    from runtime.server.cors_proxy import proxy_allow_list
-    from runtime.server.exposure import exposure_warning
-    from runtime.server.connection_guard import ConnectionLimits, guarded_server
-    from runtime.server.limits import Limits
-
-    from runtime.engine.file_lease import handle_breaks
+    from runtime.commands.serve_model import edge_from_args, model_server  # noqa: PLC0415
+    from runtime.engine.file_lease import handle_breaks  # noqa: PLC0415
+    from runtime.server.app import create_app  # noqa: PLC0415
 
     handle_breaks()     # the model file is leased through each batch (engine/model_file.py)
-    settings = settings_from_args(args)
-    model_path = Path(settings.model_path)
-    check_model_path(str(model_path))
-    read_model_facts(model_path)          # a file that is not a usable GGUF fails here, at once
-    if args.cache_ram < -1:
-        raise UserError(f"--cache-ram: {args.cache_ram} must be -1 (no limit), 0 (off) or a "
-                        "size in MiB")
-    if args.queue_size < 0:
-        raise UserError(f"--queue-size: {args.queue_size} must be >= 0")
-    if not 1 <= args.parallel <= 64:
-        raise UserError(f"--parallel: {args.parallel} must be in 1..64")
-    if args.batch_invariant and args.kv_unified:
-        raise UserError("--batch-invariant needs each request's own KV: not with --kv-unified "
-                        "(one shared pool computes a request differently from alone)")
-    if not args.jinja:
-        raise UserError("--no-jinja: chat templates are always rendered with jinja here")
-    template = args.chat_template
-    if args.chat_template_file is not None:
-        try:
-            template = Path(args.chat_template_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UserError(f"{args.chat_template_file}: cannot read ({exc.strerror})") from None
-    defaults = sampling_from_args(args)
-    slot_dir = Path(args.slot_save_path) if args.slot_save_path is not None else None
-    if slot_dir is not None:               # made when missing, as llama-server does
-        try:
-            slot_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"--slot-save-path {slot_dir}: cannot create it "
-                            f"({exc.strerror})") from None
-    origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())
-    try:
-        limits = Limits(max_body_bytes=args.max_body_mib << 20,
-                        max_prompt_tokens=args.max_prompt_tokens,
-                        max_grammar_bytes=args.max_grammar_kib << 10,
-                        max_repeat=args.max_grammar_repeat, max_json_depth=args.max_json_depth,
-                        max_stop_strings=args.max_stop_strings,
-                        max_stop_bytes=args.max_stop_bytes,
-                        max_tokenize_bytes=args.max_tokenize_kib << 10,
-                        max_detokenize_tokens=args.max_detokenize_tokens)
-        connection_limits = ConnectionLimits(args.max_connections, args.header_timeout)
-        if args.threads_http < 1:
-            raise ValueError("--threads-http must be >= 1")
-        proxy_allow = proxy_allow_list(args.ui_mcp_proxy_allow)
-    except ValueError as exc:
-        raise UserError(f"serve: {exc}") from None
-    api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
-    if api_key is not None and not api_key.strip():
-        raise UserError("--api-key: must not be empty")
-    aliases = tuple(sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()}))
-    model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
+    _setup_logging(args.verbose)         # before the model's checks: they log (debug) too
+    edge = edge_from_args(args)
+    if args.models_dir is not None or args.models_preset is not None:
+        from runtime.commands.serve_router import router_app  # noqa: PLC0415
 
-    _setup_logging(args.verbose)
+        if args.model or args.hf_repo:
+            raise UserError("give -m FILE (one model) or --models-dir / --models-preset "
+                            "(router mode), not both")
+        app = router_app(args, edge)
+        models = len(app.state.router.instances)
+        loading = sum(i.spec.load_on_startup for i in app.state.router.instances.values())
+        return _serve(app, args, edge, what=f"router mode: {models} models, "
+                      + (f"loading {loading}" if loading else "each loaded when asked for"))
+    server = model_server(args, edge)
+    model_path = server.model_path
+    model_id = server.settings.model_id
+    load_errors: list[str] = []
+    t0 = time.perf_counter()
+    urls: list[str] = []
+
+    def on_ready() -> None:
+        page = f"; the chat page: {urls[0]}/" if args.web_ui and urls else ""
+        log.info("model %s loaded in %.1f s; serving %s%s", model_id, time.perf_counter() - t0,
+                 ", ".join(f"{u}/v1" for u in urls), page)
+
+    def on_failure(message: str) -> None:      # from the loader thread
+        load_errors.append(message)
+        app.state.uvicorn.should_exit = True
+
+    capture = server.capture
+
+    def on_closed() -> None:             # the engine is closed: its routing is all in
+        message = capture.finish()
+        if not load_errors:
+            log.info("%s", message)
+
+    app = create_app(server.settings, server.load, on_ready=on_ready, on_load_failure=on_failure,
+                     on_closed=None if capture is None else on_closed)
+    code = _serve(app, args, edge, what=f"loading {model_path.name}", urls=urls)
+    if load_errors:
+        message = load_errors[0]
+        raise UserError(message if message.startswith(str(model_path)) else
+                        f"{model_path}: {message}")
+    return code
+
+
+def _serve(app, args: argparse.Namespace, edge, *, what: str,
+           urls: list[str] | None = None) -> int:
+    """Listen (every --host, one port), then run uvicorn on ``app`` until interrupted, with
+    the connection limits (a cap on open connections, a deadline for request heads)."""
+    from runtime.server.app import begin_shutdown
+    from runtime.server.connection_guard import guarded_server
+    from runtime.server.exposure import exposure_warning
+
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
     if not hosts:
         raise UserError("--host: no address given")
@@ -310,89 +153,23 @@ def run(args: argparse.Namespace) -> int:
         for s in socks:
             s.close()
         raise
+    if urls is not None:
+        urls.extend(_url(s) for s in socks)
     shown = ", ".join(_url(s) for s in socks)
-    warning = exposure_warning([s.getsockname()[0] for s in socks], api_key is not None,
+    warning = exposure_warning([s.getsockname()[0] for s in socks], edge.api_key is not None,
                                args.cors_proxy)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    load_errors: list[str] = []
-    t0 = time.perf_counter()
 
-    def on_ready() -> None:
-        page = f"; the chat page: {_url(socks[0])}/" if args.web_ui else ""
-        log.info("model %s loaded in %.1f s; serving %s%s", model_id, time.perf_counter() - t0,
-                 ", ".join(f"{_url(s)}/v1" for s in socks), page)
-
-    def on_failure(message: str) -> None:      # from the loader thread
-        load_errors.append(message)
-        server.should_exit = True
-
-    settings.n_parallel = args.parallel
-    settings.kv_unified = args.kv_unified and args.parallel > 1
-    settings.embeddings, settings.pooling = args.embedding, args.pooling
-    settings.context_shift = args.context_shift
-    prompt_cache = None
-    if args.cache_ram != 0 and not args.embedding:
-        from runtime.engine.prompt_cache import PromptCache  # noqa: PLC0415
-
-        prompt_cache = PromptCache(max(0, args.cache_ram) << 20)
-        log.debug("prompt cache on, limit %s", "none" if args.cache_ram < 0
-                  else f"{args.cache_ram} MiB")
-        if args.cache_idle_slots:      # llama-server's debug line (its tests read it)
-            log.debug("idle slots are saved to the prompt cache when a request starts "
-                      "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)")
-    capture = None
-    if args.write_profile is not None:
-        from runtime.commands.trace_record import ProfileCapture  # noqa: PLC0415
-
-        capture = ProfileCapture(args.write_profile)
-
-    def on_closed() -> None:             # the engine is closed: its routing is all in
-        message = capture.finish()
-        if not load_errors:
-            log.info("%s", message)
-
-    def load() -> Engine:
-        engine = Engine(settings, progress=True)
-        if capture is not None:
-            capture.attach(engine, str(model_path))
-        if template is not None:
-            engine.use_chat_template(template)
-        # embeddings: one input at a time; the prompt cache lives in the slot scheduler
-        if (args.parallel > 1 or prompt_cache is not None) and not args.embedding:
-            from runtime.engine.batched import BatchScheduler  # noqa: PLC0415
-
-            engine.batcher = BatchScheduler(engine, prompt_cache, args.cache_idle_slots,
-                                            batch_invariant=args.batch_invariant)
-        return engine
-
-    app = create_app(ServerSettings(model_id=model_id, api_key=api_key,
-                                    max_waiting=args.queue_size, slots_endpoint=args.slots,
-                                    cors_origins=origins, defaults=defaults,
-                                    parallel=args.parallel, aliases=aliases,
-                                    verbose=args.verbose, reasoning=args.reasoning,
-                                    reasoning_format=args.reasoning_format,
-                                    metrics_endpoint=args.metrics, embedding=args.embedding,
-                                    slot_save_path=slot_dir, web_ui=args.web_ui,
-                                    cors_proxy=args.cors_proxy,
-                                    cors_proxy_allow=proxy_allow, limits=limits,
-                                    threads_http=args.threads_http,
-                                    tags=tuple(t.strip() for t in (args.tags or "").split(",")
-                                               if t.strip())),
-                     load, on_ready=on_ready, on_load_failure=on_failure,
-                     on_closed=None if capture is None else on_closed)
-
-    server = guarded_server(app, connection_limits, on_exit=lambda: begin_shutdown(app),
+    # SIGINT / SIGTERM: answers in flight end now, not after the drain timeout
+    server = guarded_server(app, edge.connections, on_exit=lambda: begin_shutdown(app),
                             log_level="warning", access_log=False, timeout_graceful_shutdown=3,
                             lifespan="on", backlog=BACKLOG)
-    log.info("listening on %s (loading %s)", shown, model_path.name)
+    app.state.uvicorn = server            # a failed load stops it (single-model mode)
+    log.info("listening on %s (%s)", shown, what)
     try:
         server.run(sockets=socks)
     finally:
         for s in socks:
             s.close()
-    if load_errors:
-        message = load_errors[0]
-        raise UserError(message if message.startswith(str(model_path)) else
-                        f"{model_path}: {message}")
     return 0

@@ -9,7 +9,10 @@ the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/heal
 
 The engine is loaded on a background thread once the server runs (see model_host.py); requests
 are served in order by the bounded queue (queue.py), and the work beside generation
-(tokenizing, templates, schema preparation) by a small bounded pool (side_work.py).
+(tokenizing, templates, schema preparation) by a small bounded pool (side_work.py). With
+``sleep_idle_seconds`` the model falls asleep when idle and the next request wakes it
+(lifecycle.py). In router mode (router/) one such app runs per loaded model, built with
+``edge=False``: the router's own app does the logging, CORS and the API key.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from runtime.server.errors import (APIError, error_body, route_response,
 from runtime.server.llamacpp_metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.request_log import JsonBody, RequestLog
+from runtime.server.lifecycle import Lifecycle, LifecycleGate, Snapshot
 from runtime.server.model_host import LoadState, ModelHost
 from runtime.server.limits import Limits
 from runtime.server.queue import RequestQueue
@@ -89,6 +93,7 @@ class ServerSettings:
     limits: Limits = field(default_factory=Limits)   # what one request may ask (limits.py)
     # threads for tokenizing, templates and schema preparation (--threads-http; side_work.py)
     threads_http: int = 2
+    sleep_idle_seconds: float | None = None   # --sleep-idle-seconds: None = never sleeps
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -99,6 +104,8 @@ class ServerSettings:
             raise ValueError("api_key must not be empty")
         if self.reasoning not in ("on", "off", "auto"):
             raise ValueError(f"reasoning must be on, off or auto, not {self.reasoning!r}")
+        if self.sleep_idle_seconds is not None and self.sleep_idle_seconds < 0:
+            raise ValueError("sleep_idle_seconds must be >= 0 (None: never sleep)")
         if self.reasoning_format not in FORMATS:
             raise ValueError(f"reasoning_format must be auto, deepseek or none, not "
                              f"{self.reasoning_format!r}")
@@ -191,12 +198,27 @@ async def residency(request: Request) -> Response:
 
 @info_router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus text: request and token counters, then the manager's moe_expert_* series."""
+    """Prometheus text: request and token counters, then the manager's moe_expert_* series.
+    While the model sleeps: the text it had as it fell asleep (llama-server's snapshot)."""
     state = request.app.state
     if not state.settings.metrics_endpoint:
         raise APIError(501, "This server does not support metrics endpoint (start it without "
                             "--no-metrics).", code="not_supported",
                        error_type="not_supported_error")
+    snapshot = state.lifecycle.snapshot
+    if snapshot is not None and snapshot.metrics is not None and state.lifecycle.sleeping:
+        text = snapshot.metrics
+    else:
+        text = metrics_text(state)
+        state.lifecycle.served_metrics(text)
+    response = Response(text, media_type=CONTENT_TYPE)
+    # raw, in llama-server's casing (Starlette lowercases header names it is given)
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(state.started).encode()))
+    return response
+
+
+def metrics_text(state: Any) -> str:
+    """``GET /metrics``'s text for an app's ``state``."""
     engine = state.host.engine_if_ready()
     manager = getattr(engine, "manager", None) if engine is not None else None
     residency_text = manager.snapshot().to_prometheus() if manager is not None else None
@@ -214,10 +236,7 @@ async def metrics(request: Request) -> Response:
     remote = getattr(engine, "remote", None) if engine is not None else None
     if remote is not None:
         text += remote.to_prometheus()
-    response = Response(text, media_type=CONTENT_TYPE)
-    # raw, in llama-server's casing (Starlette lowercases header names it is given)
-    response.raw_headers.append((b"Process-Start-Time-Unix", str(state.started).encode()))
-    return response
+    return text
 
 
 def degraded(engine: Any) -> JSONResponse | None:
@@ -240,35 +259,75 @@ def begin_shutdown(app: FastAPI) -> None:
     queue = getattr(app.state, "queue", None)
     if queue is not None:
         queue.cancel_all()
+    router = getattr(app.state, "router", None)       # router mode: every loaded model's
+    for inst in (router.instances.values() if router is not None else ()):
+        if inst.app is not None:
+            begin_shutdown(inst.app)
+
+
+def start_serving(app: FastAPI) -> None:
+    """Start the app's queue, its model's load and (with sleep) its idle watcher; on the
+    event loop (uvicorn's lifespan, or a router loading the model)."""
+    state = app.state
+    state.queue = RequestQueue(state.settings.max_waiting, workers=state.settings.parallel)
+    state.side_work = SideWork(state.settings.threads_http, state.settings.max_waiting)
+    state.host.start(on_ready=state.hooks["on_ready"], on_failure=state.hooks["on_failure"])
+    state.lifecycle.start()
+
+
+def stop_serving(app: FastAPI) -> None:
+    """Stop what ``start_serving`` started and close the engine (blocking while a load or a
+    generation ends: a router runs it off the event loop)."""
+    state = app.state
+    state.lifecycle.stop()
+    state.streams.stop_all()
+    if state.queue is not None:
+        state.queue.close()
+    state.host.close()
+    if state.hooks["on_closed"] is not None:
+        state.hooks["on_closed"]()
 
 
 def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
                on_load_failure: Callable[[str], None] | None = None,
                on_ready: Callable[[], None] | None = None,
-               on_closed: Callable[[], None] | None = None) -> FastAPI:
+               on_closed: Callable[[], None] | None = None,
+               edge: bool = True) -> FastAPI:
     """Build the app. ``load_engine()`` runs on a background thread once the server starts;
     ``on_load_failure(message)`` / ``on_ready()`` are called from that thread afterwards;
     ``on_closed()`` at shutdown, once the engine is closed (uvicorn re-raises SIGINT / SIGTERM
-    after the shutdown, so nothing after ``server.run`` is sure to run)."""
+    after the shutdown, so nothing after ``server.run`` is sure to run). ``edge=False``: a
+    model app behind a router, which logs requests, checks the key, answers CORS and serves
+    the chat page itself."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.queue = RequestQueue(settings.max_waiting, workers=settings.parallel)
-        app.state.side_work = SideWork(settings.threads_http, settings.max_waiting)
-        app.state.host.start(on_ready=on_ready, on_failure=on_load_failure)
+        start_serving(app)
         try:
             yield
         finally:
-            app.state.streams.stop_all()
-            app.state.queue.close()
-            app.state.host.close()
-            if on_closed is not None:
-                on_closed()
+            stop_serving(app)
 
     app = FastAPI(title="moe-offload", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.settings = settings
     app.state.host = ModelHost(load_engine, settings.model_id)
+    app.state.hooks = {"on_ready": on_ready, "on_failure": on_load_failure,
+                       "on_closed": on_closed}
+
+    def queue_busy() -> bool:
+        stats = app.state.queue.stats() if app.state.queue is not None else None
+        return stats is not None and (stats.running > 0 or stats.waiting > 0)
+
+    def take_snapshot() -> Snapshot:
+        from runtime.server.llama_routes import props_payload  # noqa: PLC0415
+
+        request = Request({"type": "http", "app": app, "headers": [], "query_string": b""})
+        return Snapshot(props_payload(request), metrics_text(app.state)
+                        if settings.metrics_endpoint else None)
+
+    app.state.lifecycle = Lifecycle(app.state.host, idle_seconds=settings.sleep_idle_seconds,
+                                    queue_busy=queue_busy, take_snapshot=take_snapshot)
     app.state.metrics = ServerMetrics()
     app.state.llamacpp = LlamaCppCounters()
     app.state.queue = None
@@ -286,6 +345,8 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         ``"status": "degraded"`` with ``degraded: {component: message}`` while a part is
         broken: 200 when generations go on without it, else 503."""
         host: ModelHost = request.app.state.host
+        if host.state is LoadState.SLEEPING:      # llama-server: 200 while asleep
+            return JSONResponse({"status": "ok"})
         if host.state is LoadState.READY:
             faults = degraded(host.engine_if_ready())
             if faults is not None:
@@ -317,15 +378,25 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(stream_router)
     app.include_router(cors_proxy_router)
     app.include_router(unsupported_router)     # 501s naming what is not served
-    if settings.web_ui:
+    if settings.web_ui and edge:
         app.include_router(web_ui_router)
     gcp_predict.install(app)             # Vertex AI's /predict, with AIP_MODE=PREDICTION
+    # innermost: only a request past the key and the limits may wake the model
+    app.add_middleware(LifecycleGate, lifecycle=app.state.lifecycle)
+    add_http_edge(app, settings, edge=edge)
+    return app
+
+
+def add_http_edge(app: FastAPI, settings: ServerSettings, *, edge: bool = True) -> None:
+    """The middleware around an app's routes (added after its own inner ones), inside out:
+    body limits, the API key, CORS, JSON bodies, request counts, the request log. Without
+    ``edge`` (a model app behind a router) the key, CORS and the log are the router's."""
     app.add_middleware(BodyGuard, limits=settings.limits)     # inside the key guard
-    if settings.api_key is not None:
+    if settings.api_key is not None and edge:
         app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
-    if settings.cors_origins:            # outside the key guard: preflights need no key
+    if settings.cors_origins and edge:   # outside the key guard: preflights need no key
         app.add_middleware(CorsMiddleware, origins=settings.cors_origins)
     app.add_middleware(JsonBody)         # a body without a Content-Type is JSON (llama-server)
     app.add_middleware(RequestCounter, metrics=app.state.metrics)   # counts 401s too
-    app.add_middleware(RequestLog)       # outermost: one line per request, 401s included
-    return app
+    if edge:
+        app.add_middleware(RequestLog)   # outermost: one line per request, 401s included

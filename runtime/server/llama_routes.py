@@ -287,6 +287,16 @@ async def apply_template(request: Request) -> dict:
 
 @router.get("/props")
 async def props(request: Request) -> dict:
+    """The model's properties; while it sleeps, those it had as it fell asleep (lifecycle.py),
+    with ``is_sleeping: true``: reading them does not wake it."""
+    snapshot = request.app.state.lifecycle.snapshot
+    if snapshot is not None and request.app.state.lifecycle.sleeping:
+        return snapshot.props | {"is_sleeping": True}
+    return props_payload(request)
+
+
+def props_payload(request: Request) -> dict:
+    """``GET /props`` of the loaded model (503 while it loads)."""
     host = request.app.state.host
     engine = host.engine()
     template = engine.chat_template

@@ -19,6 +19,7 @@ BAN = float("-inf")     # a logit bias that bans the token (llama-server's for f
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    model: str | None = None     # accepted, as llama-server does (a router picks the model by it)
     content: str
     add_special: bool = False
     parse_special: bool = True

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.engine.types import PromptProgress, Timings, TokenLogprob
+from runtime.server.lifecycle import WAKE_SECONDS
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -56,12 +57,14 @@ class ChoiceResult:
 
 def llama_timings(t: Any, n_prompt: int) -> dict:
     """llama-server's timings. The first token comes from the prompt's last logits, so the
-    generation rate is over the n - 1 decode steps after it (0 for one token)."""
+    generation rate is over the n - 1 decode steps after it (0 for one token). A request
+    that waited for its model to load or wake also gets ``wake_ms`` (ours: lifecycle.py)."""
     if t is None:
         return {}
     prompt_ms, predicted_ms = t.prompt_s * 1e3, t.generation_s * 1e3
     steps = t.completion_tokens - 1
-    return {"cache_n": max(0, n_prompt - t.prompt_tokens), "prompt_n": t.prompt_tokens,
+    waited = WAKE_SECONDS.get()
+    return ({"wake_ms": waited * 1e3} if waited is not None else {}) | {"cache_n": max(0, n_prompt - t.prompt_tokens), "prompt_n": t.prompt_tokens,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / t.prompt_tokens if t.prompt_tokens else 0.0,
             "prompt_per_second": t.prompt_tps, "predicted_n": t.completion_tokens,

@@ -189,8 +189,12 @@ async def replay(request: Request) -> StreamingResponse:
 @router.post("/v1/streams/lookup")
 async def lookup(request: Request) -> JSONResponse:
     """The sessions of the ids asked for (only those: live ids are never listed)."""
+    return JSONResponse(lookup_answer(await json_object(request),
+                                      [request.app.state.streams]))
 
-    body = await json_object(request)
+
+def lookup_answer(body: dict, stores: list[StreamSessions]) -> list[dict]:
+    """``/v1/streams/lookup``'s answer over one or more session stores (a router's models)."""
     extra = sorted(set(body) - {"conversation_ids"})
     if extra:
         raise APIError(400, f"Unknown field {extra[0]!r}: the lookup takes conversation_ids",
@@ -199,10 +203,10 @@ async def lookup(request: Request) -> JSONResponse:
     if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
         raise APIError(400, "conversation_ids must be a list of conversation ids (non-empty "
                             "strings)", param="conversation_ids", code="invalid_value")
-    return JSONResponse([{"conversation_id": s.conversation_id, "is_done": s.done,
-                          "total_bytes": s.total_bytes, "started_at": s.started_at,
-                          "completed_at": s.completed_at}
-                         for s in request.app.state.streams.lookup(ids)])
+    return [{"conversation_id": s.conversation_id, "is_done": s.done,
+             "total_bytes": s.total_bytes, "started_at": s.started_at,
+             "completed_at": s.completed_at}
+            for store in stores for s in store.lookup(ids)]
 
 
 @router.delete("/v1/stream")

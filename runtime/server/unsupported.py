@@ -6,8 +6,9 @@ from fastapi import APIRouter
 
 from runtime.server.errors import APIError
 
-ROUTER_MODE = ("llama-server's router mode (several models, loaded on demand) is not "
-               "supported: this server serves the one model given with -m")
+ROUTER_MODE = ("router mode (several models, loaded on demand) is off: this server serves the "
+               "one model given with -m (start serve with --models-dir or --models-preset "
+               "instead)")
 # (method, path) -> what is not supported
 UNSUPPORTED = {
     ("POST", "/models"): ROUTER_MODE,

@@ -1,7 +1,10 @@
 // The chat: streams /v1/chat/completions, renders answers with markdown.js, folds the
 // thinking (reasoning_content), stops and regenerates, and keeps the settings (system prompt,
 // sampling, API key) and the conversation in localStorage. Tells the expert panel
-// (experts.js) when an answer starts and ends, so that it polls faster meanwhile.
+// (experts.js) when an answer starts and ends, so that it polls faster meanwhile. With
+// several models (a router: /v1/models lists each with its status) the header's picker
+// chooses the one that answers ("model" in each request; kept in localStorage) and tells
+// the expert panel ("moe-model"), which then maps that model.
 "use strict";
 (function () {
   const $ = (id) => document.getElementById(id);
@@ -51,7 +54,8 @@
     const system = $("system").value.trim();
     if (system) messages.push({role: "system", content: system});
     for (const m of history) messages.push({role: m.role, content: m.content});
-    return {messages, stream: true, stream_options: {include_usage: true},
+    const model = $("model").value ? {model: $("model").value} : {};
+    return {...model, messages, stream: true, stream_options: {include_usage: true},
             timings_per_token: true, max_tokens: Math.max(1, number("max_tokens", parseInt)),
             temperature: number("temperature", parseFloat), top_p: number("top_p", parseFloat)};
   }
@@ -66,11 +70,48 @@
       $("health").className = "dot bad"; $("health").title = "unreachable";
     }
   }
-  fetch("/v1/models", {headers: headers()}).then((r) => r.json())
-    .then((b) => { if (b.data && b.data[0]) $("model").textContent = b.data[0].id; })
-    .catch(() => {});
   health();
   setInterval(health, 10000);
+
+  // ---- the models: one, or several behind a router (each with its status) ---------------
+  const MODEL = "moe-offload-model";
+  let router = false, status = {};     // a router's models: id -> "loaded", "sleeping" ...
+  // the expert panel's model: null with one model, else {name, status}
+  window.moeModel = () => router ? {name: $("model").value, status: status[$("model").value]}
+    : null;
+  let listed;
+  window.moeModelsListed = new Promise((resolve) => { listed = resolve; });
+  async function listModels() {
+    let data;
+    try {
+      const r = await fetch("/v1/models", {headers: headers()});
+      data = (await r.json()).data;
+    } catch (e) { return; } finally { listed(); }
+    if (!Array.isArray(data) || !data.length) return;
+    const picker = $("model");
+    const wanted = picker.value || localStorage.getItem(MODEL) || "";
+    router = data.some((m) => m.status && typeof m.status === "object");
+    status = Object.fromEntries(data.map((m) => [m.id, m.status && m.status.value]));
+    picker.textContent = "";
+    for (const m of data) {
+      const option = document.createElement("option");
+      option.value = m.id;
+      option.textContent = router ? m.id + " · " + m.status.value : m.id;
+      picker.appendChild(option);
+    }
+    if (data.some((m) => m.id === wanted)) picker.value = wanted;
+    picker.disabled = data.length < 2;
+    picker.title = router ? "the model that answers (loaded when first asked)"
+      : "the model this server runs";
+    if (router && picker.value !== wanted) document.dispatchEvent(new CustomEvent("moe-model"));
+  }
+  $("model").onchange = () => {
+    localStorage.setItem(MODEL, $("model").value);
+    document.dispatchEvent(new CustomEvent("moe-model"));
+  };
+  listModels();
+  setInterval(listModels, 10000);
+  document.addEventListener("moe-answer", (e) => { if (!e.detail) listModels(); });
 
   // ---- messages ---------------------------------------------------------------------------
   function scrollDown(force) {
@@ -163,6 +204,8 @@
           : this.rate();
         this.statsText = tokens + " tokens · " + rate.toFixed(1) + " tokens/s · "
           + seconds.toFixed(1) + " s";
+        if (timings && timings.wake_ms)      // the model was loaded (or woken) for it
+          this.statsText += " · model loaded in " + (timings.wake_ms / 1000).toFixed(1) + " s";
       }
       this.meta.textContent = "";
       const stats = document.createElement("span");

@@ -50,6 +50,10 @@
     schedule(0);                 // the answer's start, or its final counters
   });
   document.addEventListener("visibilitychange", () => { if (!document.hidden) schedule(0); });
+  document.addEventListener("moe-model", () => {     // another model picked: its map
+    lastRouted = null; lastTotals = null; signature = ""; answerFrom = null;
+    schedule(0);
+  });
 
   async function poll() {
     if (inFlight) return;
@@ -57,7 +61,20 @@
     let delay = busy ? FAST_MS : SLOW_MS;
     try {
       const headers = window.moeHeaders ? window.moeHeaders() : {};
-      const r = await fetch("/v1/residency", {headers});
+      // several models: the picked one's map, never loading (or waking) it just to look
+      if (document.readyState === "loading")      // app.js (the model list) not run yet
+        await new Promise((ok) => document.addEventListener("DOMContentLoaded", ok,
+                                                            {once: true}));
+      if (window.moeModelsListed) await window.moeModelsListed;
+      const model = window.moeModel ? window.moeModel() : null;
+      if (model && (model.status === "unloaded" || model.status === "sleeping")) {
+        setStatus(model.status === "unloaded" ? "not loaded: the next message loads it"
+          : "asleep (idle): the next message wakes it");
+        $("experts-body").hidden = true;
+        return;
+      }
+      const r = await fetch("/v1/residency" + (model ? "?autoload=false&model="
+        + encodeURIComponent(model.name) : ""), {headers});
       if (r.ok) {
         update(await r.json());
       } else {
@@ -68,6 +85,10 @@
           delay = OFF_MS;
         } else if (r.status === 401) {
           setStatus("needs the API key (Settings)");
+        } else if (code === "model_not_loaded") {
+          setStatus("not loaded: the next message loads it");
+        } else if (code === "model_sleeping") {
+          setStatus("asleep (idle): the next message wakes it");
         } else if (code === "model_loading" || r.status === 503) {
           setStatus("waiting for the model…");
         } else {

@@ -1,6 +1,7 @@
 """Start the real ``moe-offload serve`` process on a free loopback port for the server tests.
 
-``start_server(model, *extra_args)`` launches ``python -m runtime.cli serve -m MODEL --port 0``,
+``start_server(model, *extra_args)`` launches ``python -m runtime.cli serve -m MODEL --port 0``
+(``model`` None: no ``-m``, for router mode),
 reads the bound port from its "listening on" line, waits until ``/health`` answers 200, and
 stops the process (SIGTERM, then SIGKILL) when the fixture that started it is torn down.
 """
@@ -57,9 +58,11 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def launch(model: Path, log_path: Path, *extra: str) -> subprocess.Popen:
-    """Start ``moe-offload serve`` on port 0 (the OS picks a free one), output to ``log_path``."""
-    cmd = [sys.executable, "-m", "runtime.cli", "serve", "-m", str(model), "--port", "0", *extra]
+def launch(model: Path | None, log_path: Path, *extra: str) -> subprocess.Popen:
+    """Start ``moe-offload serve`` on port 0 (the OS picks a free one), output to ``log_path``;
+    ``model`` None: no ``-m`` (router mode: ``extra`` names the models)."""
+    model_args = ["-m", str(model)] if model is not None else []
+    cmd = [sys.executable, "-m", "runtime.cli", "serve", *model_args, "--port", "0", *extra]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "wb") as log:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
@@ -101,7 +104,7 @@ def start_server(
     """Module-scoped launcher: every server it starts is stopped after the module's tests."""
     started: list[ServerProcess] = []
 
-    def start(model: Path, *extra: str) -> ServerProcess:
+    def start(model: Path | None, *extra: str) -> ServerProcess:
         log_path = tmp_path_factory.mktemp("server") / "server.log"
         server = wait_until_ready(launch(model, log_path, *extra), log_path)
         started.append(server)

@@ -2,8 +2,9 @@
 ``chromium-driver``; ``.ci/run`` installs them) driven by Selenium against the real server.
 
 A streamed reply appears as it comes, a long one stops mid-stream (and the server stops
-generating), the expert heat map changes while the model answers, thinking is folded, and the
-markdown renderer lets no markup of the model's through. Skips, with the reason, where
+generating), the expert heat map changes while the model answers, thinking is folded, the
+markdown renderer lets no markup of the model's through, and with several models (router
+mode) the header's picker chooses the one that answers. Skips, with the reason, where
 Selenium, Chromium or its driver is missing. ``MOE_OFFLOAD_UI_SCREENSHOT=PATH`` saves a
 screenshot taken mid-answer (docs/ui/chat-page.png comes from scripts/chat_page_screenshot.py,
 with a larger model).
@@ -25,7 +26,9 @@ from selenium.webdriver.chrome.options import Options  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+from tests.runtime.server.models_api import small_spec, statuses  # noqa: E402
 
 # greedy decoding of this prompt on the tiny model runs thousands of tokens without an end
 # token (test_http_api.py): seconds of streaming, so the page can stop it mid-answer
@@ -403,3 +406,46 @@ def test_heat_map_places_each_expert(page):
     rows = [r.get_attribute("data-phase") for r in page.find_elements(By.CSS_SELECTOR,
                                                                        "#phases tr[data-phase]")]
     assert rows == ["prefill", "decode"] * 2             # two devices, no mixed accesses
+
+
+def _picked(driver) -> list[str]:
+    """The picker's options (read at once: the page renews them as statuses change)."""
+    return driver.execute_script(
+        "return [...document.getElementById('model').options].map((o) => o.text)")
+
+
+def test_the_model_picker_of_a_router(browser, start_server, synth_model_factory,
+                                      tmp_path_factory):
+    """Router mode: the header lists every model with its status; the picked one answers
+    (loaded for it, the answer says how long that took), the expert panel maps it without
+    loading a model just to look, and the choice survives a reload."""
+    root = tmp_path_factory.mktemp("picker")
+    for seed, name in enumerate(("alpha", "beta"), start=31):
+        (root / f"{name}.gguf").symlink_to(synth_model_factory(small_spec(seed)))
+    server = start_server(None, "--models-dir", str(root), "--devices.cpu", "300KiB",
+                          "-c", "512")
+    browser.get(server.base_url + "/")
+    browser.execute_script("localStorage.clear()")
+    browser.get_log("browser")
+    browser.get(server.base_url + "/")
+    _until(browser, lambda d: _picked(d) == ["alpha · unloaded", "beta · unloaded"])
+    picker = browser.find_element(By.ID, "model")
+    assert picker.is_enabled()
+    _until(browser, lambda d: "not loaded" in d.find_element(By.ID, "experts-status").text)
+    Select(picker).select_by_value("beta")
+    _settings(browser, max_tokens="8")
+    _send(browser, "hello")
+    stats = _until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
+    assert re.search(r" · model loaded in \d+\.\d s$", stats[0].text), stats[0].text
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        models = statuses(http)
+    assert (models["alpha"]["status"]["value"], models["beta"]["status"]["value"]) == \
+        ("unloaded", "loaded")
+    _until(browser, lambda d: "beta · loaded" in _picked(d))
+    _until(browser, lambda d: int(d.find_element(By.ID, "heatmap").get_attribute(
+        "data-routed") or 0) > 0)                    # beta's map, routed by the answer
+    browser.refresh()
+    _until(browser, lambda d: d.execute_script(
+        "return document.getElementById('model').value") == "beta")
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors

@@ -89,3 +89,37 @@ def test_sigterm_ends_streams_with_an_error_and_exits(start_server, tiny_model: 
     assert error["code"] == "server_shutdown"
     server.proc.wait(timeout=30)
     assert "Traceback" not in server.log()
+
+
+def test_router_mode_and_sleep_flags_are_checked_before_listening(tmp_path: Path,
+                                                                    tiny_model: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "alpha.gguf").symlink_to(tiny_model)
+    (models / "beta.gguf").symlink_to(tiny_model)
+    preset = tmp_path / "models.ini"
+    router = ("--models-dir", str(models))
+    cases = [
+        (("-m", str(tiny_model), *router), "not both"),
+        ((*router, "--models-max", "-1"), "--models-max"),
+        ((*router, "--write-profile", str(tmp_path / "p")), "--write-profile: not in router"),
+        ((*router, "--alias", "x"), "per model: alias"),
+        (("--models-dir", str(tmp_path / "none")), "does not exist or is not a directory"),
+        (("-m", str(tiny_model), "--sleep-idle-seconds", "-5"), "--sleep-idle-seconds"),
+        (("-m", str(tiny_model), "--sleep-idle-seconds", "1", "--write-profile",
+          str(tmp_path / "p")), "one or the other"),
+    ]
+    for text, said in {"[x]\nmodel = /no/such.gguf\n": "no such file",
+                       "[x]\nmodle = /a.gguf\n": "option 'modle' not recognized",
+                       "[alpha]\nport = 9\n": "not a per-model option",
+                       "[alpha]\nctx-size = many\n": "argument -c/--ctx-size",
+                       "[alpha]\nalias = beta\n": "already model 'alpha'",
+                       "[x]\nctx-size = 9\n": "no model"}.items():
+        cases.append((("--models-preset", str(preset), *router), said, text))
+    for case in cases:
+        args, said = case[0], case[1]
+        if len(case) == 3:
+            preset.write_text(case[2])
+        result = _serve(*args, "--port", "0")
+        _assert_one_line_error(result, said)
+        assert "listening" not in result.stderr
