@@ -170,6 +170,10 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
         args.embedding, args.pooling = True, "rank"
     settings.embeddings, settings.pooling = args.embedding, args.pooling
     settings.lora = lora_specs(args)
+    if settings.lora:
+        from runtime.engine.lora import check_adapter_files  # noqa: PLC0415
+
+        check_adapter_files(settings.lora)
     settings.lora_init_without_apply = args.lora_init_without_apply
     settings.context_shift = args.context_shift
     cache_ram = args.cache_ram != 0 and not args.embedding

@@ -49,6 +49,23 @@ def expert_targets(path: str) -> list[str]:
     return [n for n in names if EXPERT_TENSOR_RE.match(n)]
 
 
+def check_adapter_files(specs: tuple[tuple[str, float], ...]) -> None:
+    """Each ``(path, scale)``: a readable GGUF that adapts no routed expert, a finite scale;
+    else a one-line UserError (before any model is loaded)."""
+    for path, scale in specs:
+        check_scale(scale, f"--lora-scaled {path}")
+        if not os.path.isfile(path):
+            raise UserError(f"--lora {path}: no such file")
+        experts = expert_targets(path)
+        if experts:
+            more = f" and {len(experts) - 1} more" if len(experts) > 1 else ""
+            raise UserError(
+                f"--lora {path}: adapts routed-expert weights ({experts[0]}{more}); the "
+                "residency manager places those weights across GPU, RAM and disk, and LoRA on "
+                "them is not supported here (adapters of attention, shared-expert and output "
+                "weights are)")
+
+
 def check_scale(scale: Any, what: str) -> float:
     """A finite number, or a UserError naming ``what``."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
@@ -70,19 +87,9 @@ class LoraAdapters:
              without_apply: bool = False, last_error=lambda: "") -> LoraAdapters:
         """Load every ``(path, scale)`` onto the model (UserError naming a file llama.cpp
         refuses, or one that adapts routed experts). ``without_apply``: scales start at 0."""
+        check_adapter_files(specs)
         adapters = []
-        for path, scale in specs:
-            check_scale(scale, f"--lora-scaled {path}")
-            if not os.path.isfile(path):
-                raise UserError(f"--lora {path}: no such file")
-            experts = expert_targets(path)
-            if experts:
-                raise UserError(
-                    f"--lora {path}: adapts routed-expert weights ({experts[0]}"
-                    f"{f' and {len(experts) - 1} more' if len(experts) > 1 else ''}); the "
-                    "residency manager places those weights across GPU, RAM and disk, and "
-                    "LoRA on them is not supported here (adapters on attention, shared and "
-                    "output weights are)")
+        for path, _scale in specs:
             pointer = ll.llama_adapter_lora_init(model_ptr, path.encode())
             if not pointer:
                 why = last_error() or "llama.cpp refused it"

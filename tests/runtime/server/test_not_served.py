@@ -1,6 +1,6 @@
 """What the server does not serve answers so, on the real server: llama-server's routes for
-router mode and audio are 501 naming the feature; built-in tools are llama-server's 403 when
-they are off; media content parts and multimodal_data are 400 naming the projector."""
+router mode and audio are 501 naming the feature (built-in tools: llama-server's 403, in
+test_llama_server_parity.py); media content parts and multimodal_data are 400 naming the projector."""
 from __future__ import annotations
 
 import httpx
@@ -25,13 +25,6 @@ def test_every_unserved_route_is_501_naming_the_feature(http):
     assert "router mode" in http.post("/models/load", json={"model": "x"}).text
     assert http.get("/models").status_code == 200          # the served ones stay served
 
-
-def test_tools_are_llama_servers_403_when_off(http):
-    for method in ("GET", "POST"):
-        r = http.request(method, "/tools", json={"tool": "read_file", "params": {}})
-        assert r.status_code == 403
-        assert r.json() == {"error": {"message": "this feature is disabled",
-                                      "type": "feature_disabled"}}
 
 
 @pytest.mark.parametrize("part", [
