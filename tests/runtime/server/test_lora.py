@@ -1,7 +1,7 @@
 """LoRA adapters as llama-server serves them, on the real server with a synthetic adapter
 (attention and output weights of the synthetic model): ``GET|POST /lora-adapters``, a
 request's ``"lora"`` field; scale 0 gives the base model's greedy text and a nonzero scale
-changes it; bad ids and scales are 400s naming ``lora``; an adapter of routed experts, or
+changes it; bad ids and scales are 400s whose message starts ``lora``; an adapter of routed experts, or
 --lora with -np > 1, is refused before the server listens."""
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def test_bad_lora_is_a_400_naming_it(http, lora):
                        ("/v1/completions", {"prompt": PROMPT}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         r = http.post(path, json=body | {"lora": lora})
-        assert r.status_code == 400, (path, r.text)
-        assert r.json()["error"]["param"] == "lora"
+        assert r.status_code == 400, (path, r.text)      # llama-server's shape: no param
+        assert r.json()["error"]["message"].startswith("lora"), (path, r.text)
     if isinstance(lora, list):
         r = http.post("/lora-adapters", json=lora)
         assert r.status_code == 400 and "lora" in r.json()["error"]["message"]
@@ -128,7 +128,7 @@ def test_refused_before_listening(tmp_path, tiny_model, tiny_spec, adapter):
             (("--tools", "all"), "not served here")):
         result = _serve("-m", str(tiny_model), *args)
         assert result.returncode != 0, args
-        assert "Traceback" not in result.stderr and "listening" not in result.stderr
+        assert "Traceback" not in result.stderr and "listening on" not in result.stderr
         assert needle in result.stderr, (args, result.stderr)
 
 
