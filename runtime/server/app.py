@@ -43,6 +43,7 @@ from runtime.server.slot_routes import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
 from runtime.server.stream_sessions import router as stream_router
 from runtime.server.unsupported import router as unsupported_router
+from runtime.server.unsupported import tools_router
 from runtime.server.rerank import router as rerank_router
 from runtime.server.lora_routes import router as lora_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
@@ -382,6 +383,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(stream_router)
     app.include_router(cors_proxy_router)
     app.include_router(unsupported_router)     # 501s naming what is not served
+    app.include_router(tools_router)           # llama-server's 403 with tools off
     if settings.web_ui and edge:
         app.include_router(web_ui_router)
     gcp_predict.install(app)             # Vertex AI's /predict, with AIP_MODE=PREDICTION

@@ -46,5 +46,7 @@ async def _feature_disabled() -> JSONResponse:
 
 for (_method, _path), _what in UNSUPPORTED.items():
     router.add_api_route(_path, _answer(_what), methods=[_method], include_in_schema=False)
+tools_router = APIRouter()        # a model's app and the router's (llama-server's top level)
 for _method in ("GET", "POST"):
-    router.add_api_route("/tools", _feature_disabled, methods=[_method], include_in_schema=False)
+    tools_router.add_api_route("/tools", _feature_disabled, methods=[_method],
+                               include_in_schema=False)
