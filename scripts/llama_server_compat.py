@@ -7,8 +7,9 @@ are translated, the ones about llama-server internals (KV types, draft models, M
 dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
 once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
-``mean``, as the tests' embedding models do; with ``--reranking`` it is a synthetic reranker). Tests whose assertions depend on the text or the
-vocabulary of llama.cpp's own test models cannot pass against it; the others can.
+``mean``, as the tests' embedding models do; with ``--reranking`` it is a synthetic
+reranker). Tests whose assertions depend on the text or the vocabulary of llama.cpp's own test
+models cannot pass against it; the others can.
 
 Router mode: started without a model, llama-server serves the models of its download cache;
 here those the tests name (``CACHED``) are written as a preset of stand-ins (one file each,

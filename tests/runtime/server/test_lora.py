@@ -1,8 +1,8 @@
 """LoRA adapters as llama-server serves them, on the real server with a synthetic adapter
 (attention and output weights of the synthetic model): ``GET|POST /lora-adapters``, a
 request's ``"lora"`` field; scale 0 gives the base model's greedy text and a nonzero scale
-changes it; bad ids and scales are 400s whose message starts ``lora``; an adapter of routed experts, or
---lora with -np > 1, is refused before the server listens."""
+changes it; bad ids and scales are 400s whose message starts ``lora``; an adapter of routed
+experts, or --lora with -np > 1, is refused before the server listens."""
 from __future__ import annotations
 
 import subprocess

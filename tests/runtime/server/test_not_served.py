@@ -1,6 +1,7 @@
 """What the server does not serve answers so, on the real server: llama-server's routes for
 router mode and audio are 501 naming the feature (built-in tools: llama-server's 403, in
-test_llama_server_parity.py); media content parts and multimodal_data are 400 naming the projector."""
+test_llama_server_parity.py); media content parts and multimodal_data are 400 naming the
+projector."""
 from __future__ import annotations
 
 import httpx
