@@ -160,18 +160,21 @@ def _slab(spec: SynthSpec, plan: TensorPlan, s: int, slab_shape: tuple[int, ...]
 
 
 def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
-                          progress: Callable[[int], None] | None = None) -> Path:
+                          progress: Callable[[int], None] | None = None,
+                          metadata: dict[str, int | str] | None = None) -> Path:
     """Write ``spec`` as a GGUF file at ``path`` and return the path.
 
     Writes to a temporary file in the same directory and renames it into place
     (runtime.atomic_write), so an interrupted write never leaves a partial ``path`` and the
     next write removes a killed one's temp file. ``progress(n)`` is called with the number
     of data bytes written since the last call (summing to ``planned_data_bytes(spec)``).
+    ``metadata``: more keys (an int is written as uint32, a str as a string), e.g. a
+    reranker's pooling type (gguf_tools/synth_adapters.py).
     """
     out = Path(path)
     target = AtomicTarget(out)
     plans = tensor_plans(spec)
-    writer = _new_writer(spec, synth_vocab.build_vocab(spec.vocab_size))
+    writer = _new_writer(spec, synth_vocab.build_vocab(spec.vocab_size), metadata)
     try:
         writer.write_header_to_file(target.tmp)
         writer.write_kv_data_to_file()
@@ -203,10 +206,17 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
     return out
 
 
-def _new_writer(spec: SynthSpec, vocab: synth_vocab.SynthVocab) -> GGUFWriter:
-    """A writer holding ``spec``'s metadata (with ``vocab``) and tensor infos, nothing written."""
+def _new_writer(spec: SynthSpec, vocab: synth_vocab.SynthVocab,
+                metadata: dict[str, int | str] | None = None) -> GGUFWriter:
+    """A writer holding ``spec``'s metadata (with ``vocab``, then ``metadata``) and tensor
+    infos, nothing written."""
     writer = GGUFWriter(None, LAYOUTS[spec.arch].name)
     _add_metadata(writer, spec, vocab)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_uint32(key, value)
     for plan in tensor_plans(spec):
         writer.add_tensor_info(plan.name, tuple(reversed(plan.shape)), np.dtype(np.float32),
                                tensor_nbytes(plan), raw_dtype=plan.qtype)

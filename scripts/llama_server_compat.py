@@ -3,12 +3,13 @@
 
 llama.cpp's server tests (tools/server/tests) start ``$LLAMA_SERVER_BIN_PATH`` with
 llama-server's flags. This maps them onto ``moe-offload serve``: the flags with a meaning here
-are translated, the ones about llama-server internals (KV types, draft models, MCP,
-LoRA ...) are dropped with a note on stderr, and a model named by ``--hf-repo`` /
+are translated, the ones about llama-server internals (KV types, draft models, MCP ...) are
+dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
 once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
-``mean``, as the tests' embedding models do). Tests whose assertions depend on the text or the
-vocabulary of llama.cpp's own test models cannot pass against it; the others can.
+``mean``, as the tests' embedding models do; with ``--reranking`` it is a synthetic
+reranker). Tests whose assertions depend on the text or the vocabulary of llama.cpp's own test
+models cannot pass against it; the others can.
 
 Router mode: started without a model, llama-server serves the models of its download cache;
 here those the tests name (``CACHED``) are written as a preset of stand-ins (one file each,
@@ -34,6 +35,7 @@ VALUE_FLAGS = {
     "--reasoning": None, "--reasoning-format": None, "--tags": None,
     "--pooling": None, "--slot-save-path": None, "--cache-ram": None,
     "--sleep-idle-seconds": None, "--models-max": None, "--models-dir": None,
+    "--lora": None, "--lora-scaled": None,
 }
 SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-slots",
             "--verbose": "-v", "-v": "-v", "--jinja": "--jinja",
@@ -42,19 +44,19 @@ SWITCHES = {"--metrics": "--metrics", "--slots": "--slots", "--no-slots": "--no-
             "--no-cache-idle-slots": "--no-cache-idle-slots",
             "--cache-idle-slots": "--cache-idle-slots", "--embedding": "--embedding",
             "--embeddings": "--embedding", "--context-shift": "--context-shift",
-            "--no-models-autoload": "--no-models-autoload"}
+            "--no-models-autoload": "--no-models-autoload", "--reranking": "--reranking",
+            "--rerank": "--reranking", "--lora-init-without-apply": "--lora-init-without-apply"}
 # llama-server flags with no counterpart here: (takes a value, why it is dropped)
 DROPPED = {
     "--offline": (False, "nothing is downloaded here anyway"),
     "--no-jinja": (False, "templates are always jinja here"),
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
-    "--reranking": (False, "no reranking (those tests fail)"),
     "--no-mmproj": (False, "text only"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
     "--grp-attn-n": (True, "no self-extend"),
-    "--grp-attn-w": (True, "no self-extend"), "--lora": (True, "no LoRA"),
+    "--grp-attn-w": (True, "no self-extend"),
     "--spec-type": (True, "no speculative decoding"),
     "--spec-draft-n-max": (True, "no speculative decoding"),
     "--spec-draft-n-min": (True, "no speculative decoding"),
@@ -84,18 +86,21 @@ def _cache_dir() -> Path:
     return cache / "moe-offload" / "llama-server-compat"
 
 
-def synthetic_model(name: str, seed: int = 0) -> Path:
+def synthetic_model(name: str, seed: int = 0, *, reranker: bool = False) -> Path:
     """A small synthetic MoE model standing in for ``name`` (written once; ``seed`` > 0:
-    a file of its own, for a router's several models)."""
+    a file of its own, for a router's several models; ``reranker``: with pooling rank and a
+    rerank prompt, gguf_tools/synth_adapters.py)."""
     from gguf_tools.synth import SynthSpec, write_synthetic_model
+    from gguf_tools.synth_adapters import write_synthetic_reranker
 
-    path = _cache_dir() / ("stand-in.gguf" if seed == 0 else f"stand-in-{seed}.gguf")
+    stem = "stand-in" + ("-reranker" if reranker else "") + (f"-{seed}" if seed else "")
+    path = _cache_dir() / f"{stem}.gguf"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         spec = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
                          dtype="f32", seed=seed, skew=1.0, context_length=8192)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        write_synthetic_model(tmp, spec)
+        (write_synthetic_reranker if reranker else write_synthetic_model)(tmp, spec)
         os.replace(tmp, path)             # two servers starting at once: one file, whole
     return path
 
@@ -189,14 +194,15 @@ def translate(argv: list[str]) -> list[str]:
         out.append("--no-metrics")
     if "--ui-mcp-proxy" in out:         # llama-server's proxy reaches loopback, and its tests
         out += ["--ui-mcp-proxy-allow", "127.0.0.0/8,::1,localhost"]   # proxy to 127.0.0.1
-    if "--embedding" in out and "--pooling" not in out:
+    if "--embedding" in out and "--pooling" not in out and "--reranking" not in out:
         out += ["--pooling", "mean"]      # the stand-in model has none; the tests' models mean
     if model is None and wanted is None:           # llama-server's router mode
         if "--models-dir" not in out or preset is not None:
             out += ["--models-preset", str(router_preset(preset))]
         return ["serve", *out]
     if model is None or not Path(model).is_file():
-        model = str(synthetic_model(model or wanted or "model"))
+        model = str(synthetic_model(model or wanted or "model",
+                                    reranker="--reranking" in out))
     return ["serve", "-m", model, *out]
 
 

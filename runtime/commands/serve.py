@@ -33,8 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve one model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                     "/v1/completions, /v1/models, with structured output, tools and logprobs) "
                     "and llama-server's own routes (/completion, /tokenize, /detokenize, "
-                    "/apply-template, /props, /slots, /infill; /v1/embeddings and /embedding "
-                    "with --embedding), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
+                    "/apply-template, /props, /slots, /infill, /lora-adapters with --lora; "
+                    "/v1/embeddings and /embedding with --embedding; /rerank with "
+                    "--reranking), resumable streams (X-Conversation-Id, /v1/stream) and a chat "
                     "page at /, plus /v1/residency, /metrics, /health. Without -m, "
                     "--models-dir or --models-preset serve several models (router mode: "
                     "/models, /models/load, /models/unload; a request's \"model\" picks one).",

@@ -51,6 +51,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                             "completions")
     group.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
                        help="how --embedding pools the tokens' vectors (default: the model's)")
+    group.add_argument("--rerank", "--reranking", dest="reranking", action="store_true",
+                       help="serve POST /rerank (/reranking, /v1/rerank, /v1/reranking) with a "
+                            "reranker model: --embedding --pooling rank, as llama-server")
+    adapters = parser.add_argument_group(
+        "LoRA adapters (GET|POST /lora-adapters; a request's \"lora\" field)")
+    adapters.add_argument("--lora", action="append", default=[], metavar="FNAME",
+                          help="a LoRA adapter GGUF at scale 1 (a,b: several; repeatable); ids "
+                               "follow the order given (--lora, then --lora-scaled). Adapters "
+                               "of attention, shared and output weights only: one of the "
+                               "routed experts' is refused. Not with -np > 1 or --cache-ram")
+    adapters.add_argument("--lora-scaled", action="append", default=[],
+                          metavar="FNAME:SCALE",
+                          help="a LoRA adapter at SCALE (a:1,b:0.5: several; repeatable)")
+    adapters.add_argument("--lora-init-without-apply", action="store_true",
+                          help="load the adapters with scale 0 (set them later with POST "
+                               "/lora-adapters or per request)")
+    tools = parser.add_argument_group("llama-server's built-in tools and MCP servers")
+    for flag, what in (("--tools", "TOOL1,TOOL2"), ("--tools-runtime", "OPTION"),
+                       ("--mcp-servers-config", "PATH"), ("--mcp-servers-json", "JSON")):
+        tools.add_argument(flag, default=None, metavar=what,
+                           help="refused: tools that read, write and run things on this "
+                                "machine for a client are not served (/tools answers 403 "
+                                "feature_disabled, as llama-server's does without them)")
     group.add_argument("--slot-save-path", default=None, metavar="DIR",
                        help="serve POST /slots/ID?action=save|restore|erase (a slot's KV "
                             "cache to a file in DIR and back, versioned and checksummed, "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,10 +91,38 @@ def check_server_args(args: argparse.Namespace) -> None:
     if args.sleep_idle_seconds is not None and args.sleep_idle_seconds < -1:
         raise UserError(f"--sleep-idle-seconds: {args.sleep_idle_seconds:g} must be -1 (never) "
                         "or a number of seconds >= 0")
+    for flag in ("tools", "tools_runtime", "mcp_servers_config", "mcp_servers_json"):
+        if getattr(args, flag, None) is not None:
+            raise UserError(f"--{flag.replace('_', '-')}: llama-server's built-in tools and MCP "
+                            "servers (programs the server runs for a client) are not served "
+                            "here; /tools answers 403 feature_disabled, as llama-server's does "
+                            "without them")
+    if lora_specs(args) and (args.parallel > 1 or args.cache_ram != 0):
+        raise UserError("--lora: not with -np > 1 or --cache-ram (the slots decode in one "
+                        "batch and cached prompts keep their KV, while LoRA scales are the "
+                        "context's: one request's scales would change the others')")
     if args.write_profile is not None and sleeps(args):
         raise UserError("--write-profile records one engine's routing; with "
                         "--sleep-idle-seconds the engine is loaded again at each wake: give "
                         "one or the other")
+
+
+def lora_specs(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    """``(path, scale)`` of each adapter, in id order: --lora's (scale 1), then
+    --lora-scaled's (FNAME:SCALE); comma-separated lists as llama-server's."""
+    specs = [(p.strip(), 1.0) for value in getattr(args, "lora", None) or ()
+             for p in value.split(",") if p.strip()]
+    for value in getattr(args, "lora_scaled", None) or ():
+        for item in (i.strip() for i in value.split(",") if i.strip()):
+            path, sep, scale = item.rpartition(":")
+            try:
+                if not sep or not path or not math.isfinite(float(scale)):
+                    raise ValueError
+                specs.append((path, float(scale)))
+            except ValueError:
+                raise UserError(f"--lora-scaled {item}: want FNAME:SCALE (e.g. "
+                                "adapter.gguf:0.5)") from None
+    return tuple(specs)
 
 
 def sleeps(args: argparse.Namespace) -> bool:
@@ -135,7 +164,17 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
         model_id = aliases[0] if aliases else model_path.name.removesuffix(".gguf")
     settings.n_parallel = args.parallel
     settings.kv_unified = args.kv_unified and args.parallel > 1
+    if args.reranking:                 # llama-server's --reranking
+        if args.pooling not in (None, "rank"):
+            raise UserError(f"--reranking ranks with pooling rank, not --pooling {args.pooling}")
+        args.embedding, args.pooling = True, "rank"
     settings.embeddings, settings.pooling = args.embedding, args.pooling
+    settings.lora = lora_specs(args)
+    if settings.lora:
+        from runtime.engine.lora import check_adapter_files  # noqa: PLC0415
+
+        check_adapter_files(settings.lora)
+    settings.lora_init_without_apply = args.lora_init_without_apply
     settings.context_shift = args.context_shift
     cache_ram = args.cache_ram != 0 and not args.embedding
     if cache_ram:

@@ -1,7 +1,8 @@
 """Embeddings of a prompt from an engine whose context was made for them
 (``EngineSettings(embeddings=True, pooling=...)``), as llama-server's ``--embedding``: one
 decode of the whole input (through the same routing hook, so the residency manager sees it),
-then the pooled vector of the sequence, or one vector per token with pooling ``none``.
+then the pooled vector of the sequence, or one vector per token with pooling ``none``; with
+pooling ``rank`` (``--reranking``) the sequence's score instead (``rank_score``).
 
     vectors = embed(engine, engine.tokenize("hello"))     # [[n_embd floats]] when pooled
 """
@@ -16,24 +17,59 @@ from runtime.errors import UserError
 from runtime.residency.types import Phase
 
 POOLING_NONE = 0       # LLAMA_POOLING_TYPE_NONE
+POOLING_RANK = 4       # LLAMA_POOLING_TYPE_RANK: a reranker's score per sequence
 
 
 def pooled(engine: Any) -> bool:
     return int(engine._ll.llama_pooling_type(engine.ctx_ptr)) != POOLING_NONE  # noqa: SLF001
 
 
-def embed(engine: Any, tokens: list[int], normalize: int = 2) -> list[list[float]]:
-    """The input's embedding (pooled: one vector, normalized as llama.cpp's
-    ``common_embd_normalize``: -1 none, 0 int16 max-abs, 1 taxicab, 2 euclidean, p > 2
-    p-norm) or its tokens' (pooling none: raw, one per token)."""
+def ranks(engine: Any) -> bool:
+    return int(engine._ll.llama_pooling_type(engine.ctx_ptr)) == POOLING_RANK  # noqa: SLF001
+
+
+def _check_fits(engine: Any, tokens: list[int]) -> None:
     if not tokens:
         raise UserError("Input content cannot be empty")
     if len(tokens) > engine.n_batch:
         raise UserError(f"input ({len(tokens)} tokens) is too large to process. increase the "
                         f"physical batch size (-b, now {engine.n_batch})")
+
+
+def rank_score(engine: Any, tokens: list[int]) -> float:
+    """A reranker's score of one (query, document) prompt: the first of the ``n_cls_out``
+    values llama.cpp's rank pooling gives the sequence (llama-server's ``embd[0]``)."""
+    _check_fits(engine, tokens)
+    ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
+    with engine._busy:  # noqa: SLF001
+        engine._use_lora(None)  # noqa: SLF001 - the global LoRA scales
+        engine._forget_from(0)  # noqa: SLF001
+        try:
+            engine._decode(list(tokens), 0, Phase.PREFILL)  # noqa: SLF001
+            row = ll.llama_get_embeddings_seq(ctx, 0)
+            if not row:
+                raise RuntimeError("llama.cpp returned no rank score for this input")
+            score = float(row[0])
+        finally:
+            engine._forget_from(0)  # noqa: SLF001 - the next input starts afresh
+    if not np.isfinite(score):
+        raise NonFiniteLogits("the model's rank score is not finite (NaN or Inf): its weights "
+                              "are broken")
+    return score
+
+
+def embed(engine: Any, tokens: list[int], normalize: int = 2) -> list[list[float]]:
+    """The input's embedding (pooled: one vector, normalized as llama.cpp's
+    ``common_embd_normalize``: -1 none, 0 int16 max-abs, 1 taxicab, 2 euclidean, p > 2
+    p-norm) or its tokens' (pooling none: raw, one per token)."""
+    _check_fits(engine, tokens)
+    if ranks(engine):          # one score per sequence, not n_embd values: /rerank reads it
+        raise UserError("this server ranks (--reranking): its pooled output is a score, not "
+                        "an embedding; use /rerank")
     ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001 - embedding is the engine's other use
     n_embd = int(ll.llama_model_n_embd(engine.model_ptr))
     with engine._busy:  # noqa: SLF001
+        engine._use_lora(None)  # noqa: SLF001 - the global LoRA scales
         engine._forget_from(0)  # noqa: SLF001
         try:
             engine._decode(list(tokens), 0, Phase.PREFILL)  # noqa: SLF001

@@ -56,6 +56,7 @@ class Engine:
         self.settings = settings
         self._progress = progress
         self.model_ptr = self.ctx_ptr = 0
+        self.lora = None                    # runtime.engine.lora.LoraAdapters with --lora
         self.decode_calls = 0               # llama_decode calls so far (metrics)
         self._batch = None
         self._attached: list[object] = []
@@ -101,12 +102,30 @@ class Engine:
             self.model_ptr = load_with_progress(settings, self._overrides, progress=progress,
                                                 repack=repack, remote=self.remote,
                                                 lazy_experts=self.lazy_experts)
+            self.lora = self._load_lora()
             self._init_context()
             if self.remote is not None:     # what llama.cpp really put on each remote
                 self.remote.verify_buffers(llama_lib.set_logging(settings.verbose).buffers)
         except BaseException:
             self.close()
             raise
+
+    def _load_lora(self):
+        """The --lora adapters (runtime.engine.lora), or None without any."""
+        if not self.settings.lora:
+            return None
+        from runtime.engine.lora import LoraAdapters  # noqa: PLC0415
+
+        log = llama_lib.set_logging(self.settings.verbose)
+        return LoraAdapters.load(self._ll, self.model_ptr, self.settings.lora,
+                                 without_apply=self.settings.lora_init_without_apply,
+                                 last_error=log.last_error)
+
+    def _use_lora(self, request: dict[int, float] | None) -> None:
+        """Put a request's LoRA scales (None: the global ones) on the context; the KV cache
+        was computed with other weights when they change, so it is forgotten."""
+        if self.lora is not None and self.lora.apply(self.ctx_ptr, self.lora.scales_for(request)):
+            self._forget_from(0)
 
     def _check_memory(self, has_gpu: bool) -> None:
         """Refuse in one line a load that does not fit the memory cgroup / available memory
@@ -339,6 +358,7 @@ class Engine:
             self._turn += 1
             if self.imposed is not None:
                 params = self._imposed_params(len(tokens), params)
+            self._use_lora(params.lora)
             before = self._counters()
             t0 = time.perf_counter()
             steps = self._prefill(tokens, cancel, reuse_prefix)

@@ -46,6 +46,9 @@ class SamplingParams:
     post_sampling: bool = False
     n_keep: int = 0                    # context shift: tokens kept at the start (-1: the prompt)
     ignore_eos: bool = False           # end-of-generation tokens never sampled (--ignore-eos)
+    # this request's LoRA scales by adapter id (those not named: 0); None: the server's global
+    # scales (runtime.engine.lora)
+    lora: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -51,6 +51,9 @@ class EngineSettings:
     #                                    --n-cpu-moe): (regex, buffer type), ahead of ours
     use_mmap: bool = True              # False: read the weights into buffers (--no-mmap)
     use_mlock: bool = False            # lock the model's pages in RAM (--mlock)
+    # LoRA adapters (--lora, --lora-scaled): (path, scale) each, in id order; runtime.engine.lora
+    lora: tuple[tuple[str, float], ...] = ()
+    lora_init_without_apply: bool = False   # the adapters' scales start at 0
 
     def __post_init__(self) -> None:
         problems = []

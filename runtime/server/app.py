@@ -43,6 +43,9 @@ from runtime.server.slot_routes import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
 from runtime.server.stream_sessions import router as stream_router
 from runtime.server.unsupported import router as unsupported_router
+from runtime.server.unsupported import tools_router
+from runtime.server.rerank import router as rerank_router
+from runtime.server.lora_routes import router as lora_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import (APIError, error_body, route_response,
@@ -374,10 +377,13 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
     app.include_router(responses_router)       # /v1/responses: likewise
     app.include_router(llama_router)
     app.include_router(embeddings_router)
+    app.include_router(rerank_router)          # /rerank with --reranking
+    app.include_router(lora_router)            # /lora-adapters
     app.include_router(slot_router)
     app.include_router(stream_router)
     app.include_router(cors_proxy_router)
     app.include_router(unsupported_router)     # 501s naming what is not served
+    app.include_router(tools_router)           # llama-server's 403 with tools off
     if settings.web_ui and edge:
         app.include_router(web_ui_router)
     gcp_predict.install(app)             # Vertex AI's /predict, with AIP_MODE=PREDICTION

@@ -28,8 +28,8 @@ from runtime.server.limits import (Limits, check_detokenize, check_prompt_tokens
                                    check_tokenize)
 from runtime.server.llama_schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.schemas import ChatCompletionRequest
-from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_slot,
-                                     json_object, render_prompt, sampling_params,
+from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_lora,
+                                     checked_slot, json_object, render_prompt, sampling_params,
                                      template_variables)
 from runtime.server.stream_sessions import resumable
 from runtime.server.token_ids import checked_ids, engine_vocab
@@ -72,6 +72,7 @@ def generation_settings(request: Request, prep: Prepared | None, n_ctx: int) -> 
             "logit_bias": [{"token": t, "bias": None if b <= -100 else b}
                            for t, b in p.logit_bias.items()],
             "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            "lora": [{"id": i, "scale": v} for i, v in sorted((p.lora or {}).items())],
             "adaptive_target": 0.0, "adaptive_decay": 0.0}
 
 
@@ -103,6 +104,7 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
                              logprobs=req.n_probs or None,
                              post_sampling=req.post_sampling_probs, n_keep=req.n_keep or 0,
                              grammar=checked_grammar(engine, grammar, "grammar"))
+    params.lora = checked_lora(engine, req.lora)
     return Prepared(prompt, n_prompt, params, n=0 if max_tokens == 0 else 1,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
                     id_slot=checked_slot(engine, req.id_slot), truncated=truncated)

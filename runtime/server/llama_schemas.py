@@ -88,6 +88,7 @@ class NativeCompletionRequest(BaseModel):
     # llama-server: sample on the GPU backend; the chain here runs on the CPU either way and
     # picks the same tokens, so both values give the same answer
     backend_sampling: bool | None = None
+    lora: Any = None                                    # [{"id", "scale"}] (checked_lora)
 
     def prompts(self) -> list[Any] | None:
         """llama-server's several prompts in one request: a list holding token lists, objects

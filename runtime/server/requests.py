@@ -116,6 +116,25 @@ def sampling_params(req: _SamplingFields, max_tokens: int, *, grammar: str | Non
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
+def checked_lora(engine: Any, entries: Any) -> dict[int, float] | None:
+    """A request's ``"lora"`` field as ``{id: scale}`` (None when absent), or a 400."""
+    if entries is None:
+        return None
+    adapters = getattr(engine, "lora", None)
+    if not isinstance(entries, list):
+        raise APIError(400, "lora: must be an array of objects with 'id' and 'scale' fields",
+                       code="invalid_value", param="lora")
+    if adapters is None:
+        if not entries:
+            return None
+        raise APIError(400, "lora: this server has no LoRA adapters (start it with --lora "
+                            "FILE)", code="invalid_value", param="lora")
+    try:
+        return adapters.checked(entries, "lora")
+    except UserError as exc:
+        raise APIError(400, str(exc), code="invalid_value", param="lora") from exc
+
+
 def checked_grammar(engine: Any, grammar: str | None, param: str) -> str | None:
     if grammar is None:
         return None
@@ -200,6 +219,7 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs=logprobs, defaults=defaults,
                              grammar=checked_grammar(engine, grammar, "grammar"))
+    params.lora = checked_lora(engine, req.lora)
     split = (req.reasoning_format or reasoning_format) != "none"
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
@@ -225,6 +245,7 @@ def prepare_completion(engine: Any, req: CompletionRequest,
     grammar = structured.grammar_for_output(req.response_format, req.json_schema, req.grammar)
     params = sampling_params(req, max_tokens, logprobs=req.logprobs, defaults=defaults,
                              grammar=checked_grammar(engine, grammar, "grammar"))
+    params.lora = checked_lora(engine, req.lora)
     echo = "" if not req.echo else (prompt if isinstance(prompt, str)
                                     else engine.detokenize(prompt))
     return Prepared(prompt, n_prompt, params, req.n, echo_text=echo,

@@ -63,6 +63,8 @@ class _SamplingFields(BaseModel):
     cache_prompt: bool | None = None              # false: evaluate the whole prompt
     id_slot: int | None = Field(None, ge=-1)      # the -np slot to use (-1: any free one)
     n_predict: int | None = Field(None, ge=1)     # llama.cpp's name for max_tokens
+    lora: Any = None                              # [{"id", "scale"}]: this request's LoRA
+    #                                               scales (requests.checked_lora)
 
     @model_validator(mode="after")
     def _n_predict(self):

@@ -1,8 +1,14 @@
 """llama-server routes this server does not serve: each answers 501 ``not_supported_error``
-naming the feature and why, instead of a bare 404 (README, "Not served" says the same)."""
+naming the feature and why, instead of a bare 404 (README, "Not served" says the same).
+
+``/tools`` (llama-server's built-in tools and MCP servers, ``--tools``,
+``--mcp-servers-config``) answers exactly as llama-server does when they are off: 403
+``{"error": {"message": "this feature is disabled", "type": "feature_disabled"}}``. Running
+tools for a client is not served here at all (serve refuses those flags)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from runtime.server.errors import APIError
 
@@ -19,12 +25,6 @@ UNSUPPORTED = {
     **{("POST", p): "audio transcription needs a multimodal projector (llama-server's "
                     "--mmproj), which this text-only server does not load"
        for p in ("/v1/audio/transcriptions", "/audio/transcriptions")},
-    **{("POST", p): "reranking (a reranker model with rank pooling) is not supported here"
-       for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")},
-    ("GET", "/lora-adapters"): "LoRA adapters are not supported here",
-    ("POST", "/lora-adapters"): "LoRA adapters are not supported here",
-    ("GET", "/tools"): "llama-server's built-in tools (--tools) are not supported here",
-    ("POST", "/tools"): "llama-server's built-in tools (--tools) are not supported here",
     ("POST", "/props"): "changing the server's properties (llama-server's POST /props) is not "
                         "supported here",
 }
@@ -38,5 +38,15 @@ def _answer(what: str):
     return not_supported
 
 
+async def _feature_disabled() -> JSONResponse:
+    # llama-server's res_403 (server.cpp): no "code", no "param"
+    return JSONResponse({"error": {"message": "this feature is disabled",
+                                   "type": "feature_disabled"}}, status_code=403)
+
+
 for (_method, _path), _what in UNSUPPORTED.items():
     router.add_api_route(_path, _answer(_what), methods=[_method], include_in_schema=False)
+tools_router = APIRouter()        # a model's app and the router's (llama-server's top level)
+for _method in ("GET", "POST"):
+    tools_router.add_api_route("/tools", _feature_disabled, methods=[_method],
+                               include_in_schema=False)

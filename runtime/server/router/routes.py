@@ -30,6 +30,7 @@ from runtime.server.cors_proxy import router as cors_proxy_router
 from runtime.server.errors import APIError, install_error_handlers
 from runtime.server.requests import json_object
 from runtime.server.stream_sessions import lookup_answer
+from runtime.server.unsupported import tools_router
 from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from runtime.server.router.dispatch import Dispatch
 from runtime.server.router.models import ModelRouter
@@ -38,7 +39,7 @@ from runtime.server.web_ui import router as web_ui_router
 
 OWN_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/models/load",
                        "/models/unload", "/models/sse", "/cors-proxy", "/v1/streams/lookup",
-                       *UI_PATHS})
+                       "/tools", *UI_PATHS})
 OWN_UNLESS_MODEL = frozenset({"/props", "/metrics"})     # the router's own without ?model=
 
 routes = APIRouter()
@@ -211,6 +212,7 @@ def create_router_app(settings: ServerSettings, router: ModelRouter) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes)
     app.include_router(cors_proxy_router)
+    app.include_router(tools_router)          # built-in tools and MCP off: llama-server's 403
     if settings.web_ui:
         app.include_router(web_ui_router)
     app.add_middleware(Dispatch, router=router,       # inside the key and the limits

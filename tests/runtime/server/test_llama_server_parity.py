@@ -7,7 +7,8 @@ credentials); ``/cors-proxy``'s 400 for internal and unresolvable targets; ``/mo
 llama-server's ``models`` list and capabilities; the UI's ``bundle.js`` / ``bundle.css``
 served without the API key; ``/v1/responses`` with ``timings_per_token`` and
 ``return_progress``; an assistant prefill of several text parts run together; ``messages: []``
-on ``/v1/messages`` answered."""
+on ``/v1/messages`` answered; ``/rerank`` without ``--reranking``, ``/lora-adapters`` without
+``--lora`` and ``/tools`` (built-in tools and MCP off) answered as llama-server answers them."""
 from __future__ import annotations
 
 import json
@@ -256,3 +257,28 @@ def test_vertex_ai_predict_route(start_server, tiny_model: Path, monkeypatch):
         assert http.post("/predict", json={"instances": 3}).status_code == 400
         assert http.get("/vertex-health").json() == {"status": "ok"}
         assert httpx.post(f"{server.base_url}/predict", json={"instances": []}).status_code == 401
+
+
+def test_rerank_without_reranking_is_llama_servers_501(http):
+    for path in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"):
+        r = http.post(path, json={"query": "x", "documents": ["a", "b"]})
+        assert r.status_code == 501
+        assert r.json()["error"]["message"] == ("This server does not support reranking. "
+                                                "Start it with `--reranking`")
+        assert r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_lora_adapters_without_lora(http):
+    assert http.get("/lora-adapters").json() == []
+    assert http.post("/lora-adapters", json=[]).json() == {"success": True}
+    r = http.post("/lora-adapters", json={"id": 0, "scale": 1.0})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "Request body must be an array"
+
+
+def test_tools_off_is_llama_servers_403(http):
+    for method in ("GET", "POST"):
+        r = http.request(method, "/tools", json={"tool": "read_file", "params": {}})
+        assert r.status_code == 403
+        assert r.json() == {"error": {"message": "this feature is disabled",
+                                      "type": "feature_disabled"}}

@@ -1,6 +1,7 @@
 """What the server does not serve answers so, on the real server: llama-server's routes for
-router mode, audio, reranking, LoRA and built-in tools are 501
-naming the feature; media content parts and multimodal_data are 400 naming the projector."""
+router mode and audio are 501 naming the feature (built-in tools: llama-server's 403, in
+test_llama_server_parity.py); media content parts and multimodal_data are 400 naming the
+projector."""
 from __future__ import annotations
 
 import httpx
@@ -24,6 +25,7 @@ def test_every_unserved_route_is_501_naming_the_feature(http):
         assert error["type"] == "not_supported_error" and error["message"] == f"{what}."
     assert "router mode" in http.post("/models/load", json={"model": "x"}).text
     assert http.get("/models").status_code == 200          # the served ones stay served
+
 
 
 @pytest.mark.parametrize("part", [

@@ -114,6 +114,8 @@ def test_an_unknown_or_missing_model_is_refused_in_each_apis_shape(server, http)
     assert error_of(r, "/v1/chat/completions")["code"] == "model_missing"
     r = http.post("/models/load", json={"model": "no-such-model"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = http.post("/tools", json={"tool": "read_file", "params": {}})   # no model: the router's
+    assert r.status_code == 403 and r.json()["error"]["type"] == "feature_disabled"
     assert all(m["status"]["value"] == "unloaded" for m in statuses(http).values())
 
 
