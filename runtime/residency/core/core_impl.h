@@ -1,14 +1,21 @@
 /* core_impl: the residency core's private parts, shared by its files (not part of the cdef).
  *
- *   residency_core.c  state changes, access (the rules, in order), replay
- *   lifetime.c        create, free, pools; the policies resolved by kind (rc_policy_kind)
- *   leases.c          the holds (leases, prefetch pins), each told to the orders (order_hold)
+ *   step.c            rc_step (one consumer's layer-step) and rc_bench_live; calls api.c
  *   api.c             the public entry points (each takes the core's mutex), queries
+ *   residency_core.c  access (the rules, in order), replay
+ *   lifetime.c        create, free, pools; the policies resolved by kind (rc_policy_kind)
+ *   verify.c          rc_verify: every bookkeeping invariant
+ *   prefetch.c        the one prefetch loop (prefetch_flats) a planner's plan goes through
+ *   state.c           every change of a key's residency (make_resident, evict, forget, the
+ *                     static placement) and a call's results
+ *   leases.c          the holds (leases, prefetch pins), each told to the orders (order_hold)
  *   order.c           the eviction orders behind one interface (rc_order_ops) and the one
  *                     victim loop (take_victims)
- *   prefetch.c        the one prefetch loop (prefetch_flats) a planner's plan goes through
- *   verify.c          rc_verify: every bookkeeping invariant
  *   policies/         one policy a file: its pure function(s) and its one registration
+ *
+ * Calls go down this list, never up (nor between policies): the access, the entry points and
+ * prefetch change a key's state through state.c, which calls only the holds and the orders
+ * (tests/test_c_call_layers.py reads every call and checks it).
  *
  * Adding a policy is one file in policies/ that ends with its registration
  * (RC_EVICTION_POLICY / RC_ADMISSION_POLICY / RC_PREFETCH_POLICY below, named exactly as the
@@ -22,7 +29,7 @@
 #include "next_visit.h"
 #include "nv_victim.h"
 #include "affinity.h"
-#include "grow.h"
+#include "../../csupport/grow.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -251,7 +258,7 @@ int take_lease(rc_core *c, int64_t id, int32_t base, const int32_t *experts, int
 int pin_key(rc_core *c, int32_t f);                /* until its layer's access (0, -1 nomem) */
 void unpin_layer(rc_core *c, int32_t layer);       /* the layer's access: its pins end */
 
-/* ---- residency_core.c: state changes ---------------------------------------------------- */
+/* ---- state.c: state changes -------------------------------------------------------------- */
 /* f becomes resident, admitted in `phase`; a prefetched key is pinned until its layer's next
  * access (0, -1 nomem) */
 int make_resident(rc_core *c, int32_t f, int32_t phase, int prefetched);
@@ -266,21 +273,22 @@ int prefetch_flats(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, i
 
 /* ---- the unlocked bodies of the entry points (api.c locks) ---------------------------------- */
 int core_set_pools(rc_core *c, int32_t n_pool, const int32_t *pool_of_layer,
-                   const int64_t *capacity);
+                   const int64_t *capacity);               /* lifetime.c */
 int core_set_capacity(rc_core *c, int32_t pool, int64_t capacity);
-void core_release(rc_core *c, int64_t lease_id);
+void core_release(rc_core *c, int64_t lease_id);          /* leases.c */
 int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase,
                 const int64_t *next_use, int32_t up_layer, const int32_t *up_experts,
                 const int64_t *up_index, int32_t n_up, int64_t lease_id, int64_t release_id,
-                rc_result *out);
+                rc_result *out);                     /* residency_core.c */
 int core_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int32_t *layers,
                 const int8_t *phases, const int32_t *experts, const int64_t *next_use,
                 int32_t with_upcoming, int8_t *miss_kind, int64_t *pf_event);
-int core_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase, rc_result *out);
-int core_forget(rc_core *c, int32_t f);
+int core_prefetch(rc_core *c, const int32_t *flats, int32_t n, int32_t phase,
+                  rc_result *out);                  /* prefetch.c */
+int core_forget(rc_core *c, int32_t f);            /* state.c */
 int core_pin_static(rc_core *c, const int32_t *flats, int32_t n);
-int core_verify(const rc_core *c);
-void result_reset(rc_core *c);
+int core_verify(const rc_core *c);                 /* verify.c */
+void result_reset(rc_core *c);                     /* state.c: a call's results */
 void result_out(rc_core *c, rc_result *out);
 
 #endif

@@ -163,7 +163,7 @@ void rc_step_message(char *buf, int32_t cap, const char *who, int32_t layer, int
  * rc_step / rc_step_end. */
 int64_t rc_lease_id(rc_core *c);
 
-/* the live consumers' calling pattern, for benchmarks: n_steps layer-steps (layers[i],
+/* the live consumers' calling pattern, for benchmarks (step.c, beside rc_step): n_steps layer-steps (layers[i],
  * experts[i * k, (i + 1) * k)) through rc_step, then rc_step_end; returns the hits */
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase);
