@@ -11,6 +11,7 @@ import pytest
 from runtime.errors import UserError
 from runtime.residency.config import load_config
 from runtime.residency.config_cli import add_config_arguments, config_from_args
+from runtime.residency.policies.factory import policy_names
 from runtime.residency.types import Phase
 
 FULL = """
@@ -105,9 +106,10 @@ def test_flags_override_file(tmp_path):
     ('[devices]\ncpu = "lots"\n', "cfg.toml: devices.cpu: not a size: 'lots'"),
     ('[devices]\ncpu = "120%"\n', "cfg.toml: devices.cpu: percentage must be in"),
     ('[policy.decode]\neviction = "mru"\n',
-     "cfg.toml: policy.decode.eviction: unknown eviction policy 'mru' (valid: lru, lfu, "
-     "lfu-decay, phase-weighted, belady, next-visit)"),
-    ('[policy.prefill]\nadmission = "never"\n', "valid: always, reuse-threshold"),
+     "cfg.toml: policy.decode.eviction: unknown eviction policy 'mru' (valid: "
+     f"{', '.join(policy_names('eviction'))})"),
+    ('[policy.prefill]\nadmission = "never"\n',
+     f"valid: {', '.join(policy_names('admission'))})"),
     ('[policy]\nphase_specific = "yes"\n',
      "cfg.toml: policy.phase_specific: must be true or false"),
     ('[policy.decode]\nevict = "lru"\n', "cfg.toml: policy.decode.evict: unknown key"),
@@ -130,7 +132,8 @@ def cli(*argv: str) -> subprocess.CompletedProcess:
 def test_config_check_cli_errors_and_success(tmp_path, tiny_model):
     bad = [
         ('[devices]\ntpu = "1GiB"\n', "devices.tpu"),
-        ('[policy.decode]\neviction = "mru"\n', "valid: lru, lfu, lfu-decay, phase-weighted"),
+        ('[policy.decode]\neviction = "mru"\n',
+         f"valid: {', '.join(policy_names('eviction'))})"),
         ('[devices]\ncpu = "nonsense"\n', "devices.cpu"),
         ('[devices]\ncpu = "100000TiB"\n', "above the device's total memory"),
         ('[devices]\ncpu = "16B"\n', "smaller than the model's largest expert"),
