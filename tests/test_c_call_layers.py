@@ -26,9 +26,9 @@ LAYERS: list[tuple[tuple[str, tuple[str, ...]], ...]] = [
                       "residency/core/affinity.*", "residency/core/neighbours.*",
                       "residency/core/v2d.h")),),             # the learned policies' models
     (("core records", ("residency/core/residency_core.h", "residency/core/core_impl.h")),),
-    (("core orders", ("residency/core/order.c", "residency/core/order_heap.h")),
-     ("core policies", ("residency/core/policies/*.c",))),    # one policy a file, none calls
-    (("core holds", ("residency/core/leases.c",)),),          # another
+    (("core orders", ("residency/core/order.c", "residency/core/order_heap.h")),),
+    (("core policies", ("residency/core/policies/*.c",)),),   # one policy a file, none calls
+    (("core holds", ("residency/core/leases.c",)),),          # another; its state its own
     (("core state", ("residency/core/state.c",)),),           # every key's state changes
     (("core prefetch", ("residency/core/prefetch.c",)),),
     (("core access", ("residency/core/residency_core.c",)),
@@ -197,6 +197,21 @@ def test_no_call_circle_between_modules(parsed):
     except graphlib.CycleError as exc:
         pytest.fail("call circle: " + " -> ".join(Path(p).relative_to(REPO).as_posix()
                                                   for p in exc.args[1]))
+
+
+def test_only_the_policies_reach_their_models(parsed):
+    """A learned policy's model (next-visit's, affinity's) is its own state: only the policy
+    files call or include it; the mechanism (the core's other files) names none of them."""
+    models = {f.path for f in parsed if unit_of(f.path) == "core models"}
+    wrong = [f"{f.path.relative_to(REPO)}:{line}: {name}"
+             for f, line, name, g in call_graph(parsed)
+             if g.path in models and unit_of(f.path) not in ("core models", "core policies")]
+    for f in parsed:
+        if unit_of(f.path) in ("core models", "core policies"):
+            continue
+        wrong += [f"{f.path.relative_to(REPO)}: #include {inc}" for inc in f.includes
+                  if (f.path.parent / inc).resolve() in models]
+    assert not wrong, "the mechanism reaches a policy's model:\n" + "\n".join(wrong)
 
 
 def test_no_part_includes_another_parts_private_header(parsed):

@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 
-from runtime.residency.core import AFFINITY_SOURCES
 from runtime.residency.reference_neighbours import BLEND, Neighbours
+from runtime.residency.types import AFFINITY_SOURCES
 
 DECAY = 0.9
 PRIOR = 8.0        # AF_PRIOR: the calibration's prior, predicted hits at factor 1

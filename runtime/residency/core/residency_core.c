@@ -4,8 +4,9 @@
  *
  *  1. Checks first (layer, expert ids, offline inputs): a rejected call changes nothing.
  *  2. Membership is decided at entry: an element whose key is resident is a hit. Every element
- *     is touched in routing order (last access sequence number, use counts, decayed counts,
- *     next use); the call's keys are protected from eviction (touched at or after seq0).
+ *     is touched in routing order (last access sequence number, use counts, next use; then
+ *     the policies' own counts, their observe hooks); the call's keys are protected from
+ *     eviction (touched at or after seq0).
  *  3. The lease of the call is taken; the layer's prefetch pins end; prefetched keys hit now
  *     count as used.
  *  4. Misses, once per distinct key in routing order: an unresolved pool means a transient
@@ -132,10 +133,9 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
     c->seq = seq0 + n;
     c->call++;
     const int64_t call = c->call;
-    const double rate = c->pol.decay_rate;
     int32_t tr = 0;
     order_visit(c, layer, el, n, phase);
-    if (c->af != NULL && af_observe(c->af, layer, el, n, phase) < 0) return RC_ERR_NOMEM;
+    if (prefetch_observe(c, layer, el, n, phase) < 0) return RC_ERR_NOMEM;
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = base + el[i];
@@ -154,14 +154,10 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
         c->seen[f] = call;
         c->last_seq[f] = seq;
         c->uses[phase * nf + f]++;
-        if (c->decay_log != NULL) {
-            const double a = c->decay_log[f], x = rate * (double) seq;
-            const double hi = a > x ? a : x, lo = a > x ? x : a;
-            c->decay_log[f] = hi + log1p(exp(lo - hi));
-        }
         if (c->next_use != NULL) c->next_use[f] = next_use[i];
         seq++;
     }
+    order_observe(c, layer, el, n, seq0);          /* the policies' own counts (lfu-decay's) */
     for (int32_t i = 0; i < c->r_touched.n; i++)   /* back in, at their new keys */
         if (order_add(c, c->r_touched.v[i]) < 0) return RC_ERR_NOMEM;
     /* 3. lease, pins, history, prefetch use */

@@ -28,7 +28,8 @@ def test_factory_params():
     spec = factory.make_spec("eviction", "lfu-decay", {"half_life": 10})
     assert spec.params == (("half_life", 10.0),)
     cfg = ResidencyConfig(phase_specific=False, decode=PhasePolicies(eviction=spec))
-    assert CorePolicy.from_config(cfg).decay_rate == pytest.approx(np.log(2) / 10)
+    block = dict(CorePolicy.from_config(cfg).orders)["lfu-decay"]   # its C parameter block
+    assert block == pytest.approx((np.log(2) / 10,))
     with pytest.raises(UserError, match="no parameter 'alpha'"):
         factory.make_spec("eviction", "lru", {"alpha": 1})
     with pytest.raises(UserError, match="half_life must be > 0"):

@@ -29,7 +29,7 @@ REFERENCE = '''
 
 class NewestFirst(EvictionPolicy):
     @staticmethod
-    def priority(stats, params, f):
+    def priority(stats, params, state, f):
         return -float(stats.last[f])
 '''
 REGISTRY_AFTER = '        "lfu": Policy({}, eviction.Lfu),\n'
