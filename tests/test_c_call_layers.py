@@ -22,9 +22,7 @@ TREE = REPO / "runtime"
 # nothing else. A unit is a set of files (patterns relative to runtime/).
 LAYERS: list[tuple[tuple[str, tuple[str, ...]], ...]] = [
     (("support", ("csupport/*",)),),                          # grow.h
-    (("core models", ("residency/core/next_visit.*", "residency/core/nv_*",
-                      "residency/core/affinity.*", "residency/core/neighbours.*",
-                      "residency/core/v2d.h")),),             # the learned policies' models
+    (("core models", ("residency/core/models/*",)),),        # the learned policies' models
     (("core records", ("residency/core/residency_core.h", "residency/core/core_impl.h")),),
     (("core orders", ("residency/core/order.c", "residency/core/order_heap.h")),),
     (("core policies", ("residency/core/policies/*.c",)),),   # one policy a file, none calls

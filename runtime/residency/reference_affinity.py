@@ -1,5 +1,5 @@
 """``AffinityModel``: the Python reference of prefetch ``affinity``'s model
-(runtime/residency/core/affinity.c; the rules are in affinity.h). Tests only.
+(runtime/residency/core/models/affinity.c; the rules are in affinity.h). Tests only.
 
 Every arithmetic operation is in the order the C performs it (the same doubles).
 """

@@ -14,7 +14,7 @@ Python reference); what each one does:
                     three time scales, learned online at decode layer-steps from the
                     resident experts (the keys it ranks), wait = the visits after the next
                     before it is routed, p rolled forward as its features decay (1/p - 1
-                    if p stayed) (core/next_visit.h); ``learning_rate``
+                    if p stayed) (core/models/next_visit.h); ``learning_rate``
   admission (a demand miss is admitted, or used transiently)
     always                 admit whenever victims exist
     reuse-threshold        decode: admit once routed >= break_even times (prefill: always)
@@ -35,7 +35,7 @@ Python reference); what each one does:
                  link_gbps)); prefetches queue on the link, which carries what it can while
                  each layer-step's experts compute on the [cost] rates, and one is issued
                  only while it would cross before its layer's experts start; ranked against
-                 victims by its expected next use (core/affinity.h)
+                 victims by its expected next use (core/models/affinity.h)
 """
 from __future__ import annotations
 

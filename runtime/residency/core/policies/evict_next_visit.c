@@ -6,8 +6,8 @@
  * reads (a member's last seq, given at push; each key's holds, counted through .hold). */
 #include "../core_impl.h"
 #include "../order_heap.h"
-#include "../next_visit.h"
-#include "../nv_victim.h"
+#include "../models/next_visit.h"
+#include "../models/nv_victim.h"
 
 #include <stdlib.h>
 

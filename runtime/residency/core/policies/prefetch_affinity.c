@@ -4,7 +4,7 @@
  * through observe, seeded by a profile through warm_start) and the plan's scratch, made from
  * its parameter block. */
 #include "../core_impl.h"
-#include "../affinity.h"
+#include "../models/affinity.h"
 
 #include <stdlib.h>
 
