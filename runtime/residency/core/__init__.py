@@ -3,7 +3,7 @@ in the policy's total order, leases, prefetch, per-(pool, phase) counters).
 
 Two implementations of one interface, ``DeviceCore``:
   ``CCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
-  ``ReferenceCore`` (runtime/residency/reference.py) the slow Python reference of the same
+  ``ReferenceCore`` (runtime/residency/reference/core.py) the slow Python reference of the same
                     rules, used only by tests, which compare the two on the same streams.
 
 ``CorePolicy`` is what both take: the config's policies for the three phases, resolved.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.residency.reference_next_visit import NextVisitModel
+from runtime.residency.reference.next_visit import NextVisitModel
 
 
 class EvictionPolicy:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.residency.reference_affinity import AffinityModel
+from runtime.residency.reference.affinity import AffinityModel
 
 ABSENT = 8   # the core's key state of an absent key (runtime.residency.core.ABSENT)
 
@@ -93,7 +93,7 @@ class BeladyPrefetch(Planner):
 
 
 class Affinity(Planner):
-    """decode: affinity's plan (reference_affinity.py), each key ranked by its predicted
+    """decode: affinity's plan (reference/affinity.py), each key ranked by its predicted
     expected time; what it planned but did not bring in goes back to its link budget."""
 
     @staticmethod

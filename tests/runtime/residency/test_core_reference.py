@@ -299,7 +299,7 @@ def test_affinity_16_bit_table_halves_as_the_reference(zipf_stream, monkeypatch)
     """A profile of a long run (counts near 65535): the C core's 16-bit table halves a row and
     its count when the count would pass 65535, as the reference does. The stream is one where
     the halving decides: the reference without the cap prefetches otherwise."""
-    import runtime.residency.reference_affinity as ref_affinity
+    import runtime.residency.reference.affinity as ref_affinity
     pol = policy(("lru", {}), ("always", {}), AFFINITY_LEAD1)
     # every count at the cap; odd experts one pair above even ones: ahead until a row is
     # halved, tied (the lower id first) after
@@ -416,7 +416,7 @@ def test_affinity_neighbours_equal_reference(zipf_stream, monkeypatch):
     chunk of 150 tokens, then 250 decode tokens (both longer than its 128-token history, so
     tokens leave it), skewed routing (its most common experts are not matched). Both cores
     decide the same at every call; a reference whose vote is off decides otherwise."""
-    import runtime.residency.reference_neighbours as ref_nb
+    import runtime.residency.reference.neighbours as ref_nb
     n_layer, n_expert, k = 5, 24, 2
     pol = replace(policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), AFFINITY_LEAD1),
                   n_expert_used=k)
@@ -469,7 +469,7 @@ def test_affinity_plans_further_ahead_equals_reference(monkeypatch):
     types, each routed to its own pair of experts at every layer; a GPU fast enough that a
     layer-step of hits gives the link little time). Both cores decide the same at every call,
     and such plans are made."""
-    import runtime.residency.reference_affinity as ref_af
+    import runtime.residency.reference.affinity as ref_af
 
     n_layer, n_expert, k = 8, 32, 2
     rng = np.random.default_rng(5)

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from runtime.residency.reference_neighbours import BLEND, Neighbours
+from runtime.residency.reference.neighbours import BLEND, Neighbours
 from runtime.residency.types import AFFINITY_SOURCES
 
 DECAY = 0.9
