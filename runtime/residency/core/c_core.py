@@ -1,7 +1,7 @@
 """``CCore``: one device's decisions in the C core (residency_core.c), through cffi.
 
-Every method mirrors ``runtime.residency.reference.core.ReferenceCore`` exactly (tests compare the
-two); decisions come back as ``CoreAccess`` records of flat keys (``layer * n_expert +
+Every method mirrors ``runtime.residency.reference.core.ReferenceCore`` exactly (tests compare
+the two); decisions come back as ``CoreAccess`` records of flat keys (``layer * n_expert +
 expert``), a refused call as ``CoreError``.
 """
 from __future__ import annotations

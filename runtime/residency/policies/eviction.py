@@ -1,8 +1,8 @@
 """Eviction policies' Python references: each one pure ``priority`` (SGLang's get_priority) over
-a core's statistics (``stats``: the ReferenceCore's last access, use counts, decayed counts,
-next uses and next-visit model); the lowest (priority, last access, key) is evicted first. The
-C core's twins are one file each, runtime/residency/core/policies/evict_*.c (tests compare the
-two).
+a core's statistics (``stats``: the ReferenceCore's last access, use counts and next uses), its
+parameter block and its own state (lfu-decay's decayed counts, next-visit's model); the lowest
+(priority, last access, key) is evicted first. The C core's twins are one file each,
+runtime/residency/core/policies/evict_*.c (tests compare the two).
 """
 from __future__ import annotations
 
