@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("runtime.errors",),                         # (and the bare `runtime` package, empty)
     ("runtime.units", "runtime.version", "runtime.atomic_write",
-     "runtime.rpc.endpoint"),                    # parses `rpc:HOST:PORT` (device names)
+     "runtime.device_names"),                    # parses `rpc:HOST:PORT[/N]` device names
     ("gguf_tools",),                             # GGUF reading, writing, model facts
     ("runtime.cache", "runtime.traces"),
     ("runtime.clib",),                           # builds the one C library from the parts

@@ -194,7 +194,7 @@ def plan_remotes(facts, path: str, ctx: int, remotes: list[str], *, warn=None
 
     from runtime.engine.types import EngineSettings  # noqa: PLC0415
     from runtime.residency.config import ResidencyConfig, parse_budget  # noqa: PLC0415
-    from runtime.rpc.endpoint import parse_rpc_device  # noqa: PLC0415
+    from runtime.device_names import parse_rpc_device  # noqa: PLC0415
     from runtime.rpc.probe import RemoteUnreachable, probe  # noqa: PLC0415
     from runtime.rpc.setup import PROBE_TIMEOUT_S, plan_for  # noqa: PLC0415
 

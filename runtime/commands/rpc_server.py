@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from runtime.rpc.endpoint import parse_port  # noqa: PLC0415
+    from runtime.device_names import parse_port  # noqa: PLC0415
     from runtime.rpc.server import ServerSettings, run_server  # noqa: PLC0415
 
     return run_server(ServerSettings(host=args.host, port=parse_port(args.port, "--port"),

@@ -6,7 +6,7 @@
 #include "../native/device_cache.h"
 #include "../ramtier/tier_io.h"
 #include "../residency/core/residency_core.h"
-#include "../residency/core/grow.h"
+#include "../csupport/grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,9 +1,11 @@
 /* route_hook's private parts (route_hook.c: the framing and the callback; route_consumers.c:
- * the consumer list; route_impose.c: imposed routing): the hook's struct and the records its
- * files share. Not part of the API (route_hook.h). */
+ * the consumer list; route_impose.c: imposed routing; route_frame.h: the ubatch framing both
+ * the callback and imposed routing use): the hook's struct and the records its files share.
+ * Not part of the API (route_hook.h). */
 #ifndef ROUTE_HOOK_IMPL_H
 #define ROUTE_HOOK_IMPL_H
 
+#include "route_frame.h"
 #include "route_hook.h"
 
 #include <stddef.h>
@@ -19,26 +21,6 @@ typedef struct {
     int32_t rows;
     int32_t *experts; float *weights; int32_t cap;   /* (rows * k) */
 } pending;
-
-/* the ubatches of one decode call, as a node seen once per layer and ubatch frames them: the
- * layers starting over begin the next ubatch; rows trimmed to the outputs (the last layer)
- * are the ubatch's last tokens */
-typedef struct { int32_t prev, offset, rows; } ub_frame;   /* prev: the last node's key */
-
-static inline void frame_reset(ub_frame *f) { f->prev = -1; f->offset = f->rows = 0; }
-
-/* the node with graph-order key `key` has `rows` rows */
-static inline void frame_node(ub_frame *f, int32_t key, int32_t rows) {
-    const int next = key <= f->prev;               /* the next ubatch of the same call */
-    if (next) f->offset += f->rows;
-    if (next || f->prev < 0) f->rows = rows;
-    f->prev = key;
-}
-
-/* the position of a `rows`-row node's row 0, counted from the call's first token */
-static inline int64_t frame_first(const ub_frame *f, int32_t rows) {
-    return f->offset + (f->rows > rows ? f->rows - rows : 0);
-}
 
 /* A consumer of routing events (route_hook.h): stepped with every MoE layer-step before the
  * layer's expert matmuls run (0, or a status `error` turns into the batch's message), ended at

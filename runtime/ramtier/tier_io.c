@@ -4,7 +4,7 @@
 #include "tier_io.h"
 #include "file_pages.h"
 #include "reader.h"
-#include "../residency/core/grow.h"
+#include "../csupport/grow.h"
 #include "../residency/core/residency_core.h"
 
 #include <pthread.h>

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
+from runtime.device_names import parse_rpc_device
 from runtime.errors import UserError
 from runtime.residency.policies.factory import (ROLES, PolicySpec, make_spec, param_defaults,
                                                param_names, policy_names)
@@ -111,8 +112,6 @@ class ResidencyConfig:
 def parse_budget(device: str, value: object, where: str) -> DeviceBudget:
     """One ``[devices]`` entry; UserError naming ``where`` on a bad value."""
     if device.startswith("rpc:"):
-        from runtime.rpc.endpoint import parse_rpc_device  # noqa: PLC0415
-
         device = parse_rpc_device(device, where).name       # canonical: rpc:host:port[/N]
     elif not DEVICE_RE.match(device):
         raise UserError(f"{where}: unknown device {device!r} (valid: cuda:N, vulkan:N, cpu, "

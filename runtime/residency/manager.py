@@ -268,10 +268,8 @@ class ExpertResidencyManager:
                                     release_id)
             except CoreError as err:
                 raise refusal(err, layer, self._n_expert) from None
-            access, submit, drops = self._decided(dev, layer, phase, r, lease_id)
-        if submit or drops:
-            TransferNotices.send(self._transport, device, submit, drops)
-        return access
+            decided = self._decided(dev, layer, phase, r, lease_id)
+        return self._answer(device, *decided)
 
     def step(self, device: str, held: int, layer: int, experts, phase: Phase) -> LayerAccess:
         """One consumer's layer-step, the core's step (rc_step): lease ``layer``'s experts and
@@ -284,16 +282,22 @@ class ExpertResidencyManager:
                 lease_id, r = dev.core.step(held, layer, experts, int(phase))
             except CoreError as err:
                 raise refusal(err, layer, self._n_expert) from None
-            access, submit, drops = self._decided(dev, layer, phase, r, lease_id)
-        if submit or drops:
-            TransferNotices.send(self._transport, device, submit, drops)
-        return access
+            decided = self._decided(dev, layer, phase, r, lease_id)
+        return self._answer(device, *decided)
 
     def step_end(self, device: str, held: int) -> None:
         """End a consumer's last step's lease (rc_step_end: its batch ended)."""
         dev = self._device(device)
         with self._lock:
             dev.core.step_end(held)
+
+    def _answer(self, device: str, access: LayerAccess, submit: list[Ticket],
+                drops: list[ExpertKey]) -> LayerAccess:
+        """A decided call's answer, its transfer notices sent first (after the lock, as
+        TransferNotices.send wants)."""
+        if submit or drops:
+            TransferNotices.send(self._transport, device, submit, drops)
+        return access
 
     def _decided(self, dev: Device, layer: int, phase: Phase, r, lease_id: int
                  ) -> tuple[LayerAccess, list[Ticket], list[ExpertKey]]:

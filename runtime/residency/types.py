@@ -91,3 +91,11 @@ class PoolSpec:
 
     layers: tuple[int, ...]
     capacity_bytes: int            # bytes the pool may hold (slots x slot bytes)
+
+
+# prefetch affinity's sources: a token's first experts at a layer in routing order (the
+# router's strongest; affinity.c's AF_SOURCES), what its pair table learns and plans from
+AFFINITY_SOURCES = 4
+# the decode tokens prefetch affinity's neighbour vote keeps (neighbours.h's NB_HISTORY): what
+# a routing profile carries for it
+NEIGHBOUR_HISTORY = 128

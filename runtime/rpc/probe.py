@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from runtime.errors import UserError
-from runtime.rpc.endpoint import RpcDevice
+from runtime.device_names import RpcDevice
 
 PROTO_MAJOR = 7
 CMD_ALLOC_BUFFER, CMD_BUFFER_GET_BASE, CMD_FREE_BUFFER = 0, 3, 4

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from runtime.errors import UserError
-from runtime.rpc.endpoint import is_loopback, parse_port
+from runtime.device_names import is_loopback, parse_port
 from runtime.units import format_size
 
 NO_AUTH_WARNING = ("ggml-rpc has no authentication and no encryption: anyone who can reach "

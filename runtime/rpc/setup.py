@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from runtime.errors import UserError
 from runtime.rpc import backend
-from runtime.rpc.endpoint import parse_rpc_device
+from runtime.device_names import parse_rpc_device
 from runtime.rpc.plan import LayerBytes, Link, RemotePlan, plan_remotes
 from runtime.rpc.probe import RemoteInfo, probe
 

@@ -3,7 +3,7 @@ in the policy's total order, leases, prefetch, per-(pool, phase) counters).
 
 Two implementations of one interface, ``DeviceCore``:
   ``CCore``    (native.py) the C core (residency_core.c): what the runtime and replay run;
-  ``ReferenceCore`` (runtime/residency/reference.py) the slow Python reference of the same
+  ``ReferenceCore`` (runtime/residency/reference/core.py) the slow Python reference of the same
                     rules, used only by tests, which compare the two on the same streams.
 
 ``CorePolicy`` is what both take: the config's policies for the three phases, resolved.
@@ -17,15 +17,14 @@ from typing import NamedTuple
 import numpy as np
 
 from runtime.residency.policies.factory import offline_needs, policy_entry
-from runtime.residency.types import Phase
+from runtime.residency.types import AFFINITY_SOURCES, NEIGHBOUR_HISTORY, Phase  # noqa: F401
 
 
-def _c_params(role: str, spec, n: int, cost) -> tuple[float, ...]:
-    """What a policy's registry line puts in the core's p1 / p2 / p3 slots (0.0 in the slots
-    it leaves)."""
-    kw, slots = spec.kwargs(), policy_entry(role, spec.name).c_params
-    named = list(slots(kw, cost)) if callable(slots) else [kw[p] for p in slots]
-    return tuple(named + [0.0] * (n - len(named)))
+def _c_params(role: str, spec, cost) -> tuple[float, ...]:
+    """A policy's C parameter block (its registry line's c_params): what its file reads."""
+    kw, block = spec.kwargs(), policy_entry(role, spec.name).c_params
+    return tuple(float(x) for x in (block(kw, cost) if callable(block) else
+                                    [kw[p] for p in block]))
 
 # counter order of the core (telemetry.PhaseCounters' fields, hits left out: derived)
 COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_bytes",
@@ -33,12 +32,6 @@ COUNTERS = ("accesses", "misses", "demand_miss_bytes", "admissions", "admitted_b
             "prefetch_issued_bytes", "prefetch_used_bytes", "prefetch_wasted_bytes",
             "transition_hits")
 
-# prefetch affinity's sources: a token's first experts at a layer in routing order (the
-# router's strongest; affinity.c's AF_SOURCES), what its pair table learns and plans from
-AFFINITY_SOURCES = 4
-# the decode tokens prefetch affinity's neighbour vote keeps (neighbours.h's NB_HISTORY): what
-# a routing profile carries for it
-NEIGHBOUR_HISTORY = 128
 
 
 def history_ok(h: np.ndarray, n_moe: int, n_expert: int) -> bool:
@@ -98,23 +91,15 @@ class PoolStats:
 
 @dataclass(frozen=True)
 class CorePolicy:
-    """The three phases' policies in the core's terms (see residency_core.h, rc_policy)."""
+    """The three phases' policies in the core's terms (see residency_core.h, rc_policy): each
+    a name and its C parameter block (the registry's c_params: what its policy file reads,
+    in order; the mechanism never reads them)."""
 
-    orders: tuple[tuple[str, float, float], ...]   # distinct eviction specs: (name, p1, p2)
+    orders: tuple[tuple[str, tuple[float, ...]], ...]   # distinct eviction specs
     phase_order: tuple[int, int, int]              # phase -> index into orders
-    admission: tuple[tuple[str, float], ...]       # per phase: (name, parameter)
-    prefetch: tuple[tuple[str, float, float, float], ...]   # per phase: (name, p1, p2, p3);
-                                                   # MIXED none
+    admission: tuple[tuple[str, tuple[float, ...]], ...]   # per phase
+    prefetch: tuple[tuple[str, tuple[float, ...]], ...]    # per phase; MIXED none
     track_next_use: bool                           # an offline policy: accesses need next_use
-    # the models of the core's own, set by the policies using them (the registry's `shared`)
-    decay_rate: float = 0.0                        # lfu-decay: ln 2 / half_life; 0: none
-    nv_learning_rate: float = 0.0                  # next-visit's model; 0: none
-    affinity: tuple[float, float, float] = (0.0, 0.0, 0.0)   # prefetch affinity: top_n,
-                                                   # min_precision, link bytes per layer-step
-    # prefetch affinity's [cost] rates: link bytes/s, link latency s, GPU and CPU
-    # expert-compute bytes/s (what the link carries while a layer-step computes:
-    # core/affinity.h)
-    affinity_rates: tuple[float, float, float, float] = (1.0, 0.0, 1.0, 1.0)
     # experts per token (the bound model's): a prompt chunk's rows are token-major, this many
     # each, and prefetch affinity learns its pairs from them too; 0 unknown (decode only)
     n_expert_used: int = 0
@@ -130,32 +115,25 @@ class CorePolicy:
             if pp.eviction not in specs:
                 specs.append(pp.eviction)
         cost = config.cost
-        orders = [(spec.name, *_c_params("eviction", spec, 2, cost)) for spec in specs]
-        admission = tuple((pp.admission.name, *_c_params("admission", pp.admission, 1, cost))
+        orders = tuple((spec.name, _c_params("eviction", spec, cost)) for spec in specs)
+        admission = tuple((pp.admission.name, _c_params("admission", pp.admission, cost))
                           for pp in phases)
-        prefetch = [(pp.prefetch.name, *_c_params("prefetch", pp.prefetch, 3, cost))
+        prefetch = [(pp.prefetch.name, _c_params("prefetch", pp.prefetch, cost))
                     for pp in phases]
-        prefetch[Phase.MIXED] = ("none", 0.0, 0.0, 0.0)
-        # the models of the core's own (one per core): each policy's setting, one per phase
-        shared: dict[tuple[str, str, str], set] = {}
-        for role, spec in [("eviction", s) for s in specs] + [
-                ("prefetch", pp.prefetch) for pp in phases[:Phase.MIXED]]:
-            entry = policy_entry(role, spec.name)
-            if entry.shared is not None:
-                field, value = entry.shared(spec.kwargs(), cost)
-                shared.setdefault((field, role, spec.name), set()).add(value)
-        settings = {}
-        for (field, role, name), values in shared.items():
+        prefetch[Phase.MIXED] = ("none", ())
+        # a policy with one state of its own per core: the same parameters in every phase
+        blocks: dict[tuple[str, str], set] = {}
+        for role, (name, block) in [("eviction", o) for o in orders] + [
+                ("prefetch", pf) for pf in prefetch[:Phase.MIXED]]:
+            if policy_entry(role, name).one_model:
+                blocks.setdefault((role, name), set()).add(block)
+        for (role, name), values in blocks.items():
             if len(values) > 1:
                 raise UserError(f"{config.source}: {role} policy {name!r} must have the same "
                                 "parameters in every phase (it keeps one model)")
-            settings[field] = values.pop()
-        return cls(orders=tuple(orders), phase_order=tuple(specs.index(pp.eviction)
-                                                           for pp in phases),
+        return cls(orders=orders, phase_order=tuple(specs.index(pp.eviction) for pp in phases),
                    admission=admission, prefetch=tuple(prefetch),
-                   track_next_use=offline_needs(phases)[0], **settings,
-                   affinity_rates=(cost.link_gbps * 1e9, cost.link_latency_us * 1e-6,
-                                   cost.gpu_mem_gbps * 1e9, cost.cpu_mem_gbps * 1e9))
+                   track_next_use=offline_needs(phases)[0])
 
     def needs_upcoming(self, phase: int) -> bool:
         return policy_entry("prefetch", self.prefetch[phase][0]).offline

@@ -67,9 +67,7 @@ int rc_warm_start(rc_core *c, const double *frequency, const int32_t *pair,
                   const int32_t *count, const int16_t *history, int32_t n_history,
                   int32_t history_k) {
     pthread_mutex_lock(&c->mu);
-    if (c->af != NULL && pair != NULL && count != NULL) af_warm_start(c->af, pair, count);
-    if (c->af != NULL && c->af->nb != NULL && history != NULL && history_k > 0)
-        nb_warm_start(c->af->nb, history, n_history, history_k);
+    prefetch_warm_start(c, pair, count, history, n_history, history_k);
     order_warm_start(c, frequency);
     pthread_mutex_unlock(&c->mu);
     return RC_OK;

@@ -1,7 +1,7 @@
 """``CCore``: one device's decisions in the C core (residency_core.c), through cffi.
 
-Every method mirrors ``runtime.residency.reference.ReferenceCore`` exactly (tests compare the
-two); decisions come back as ``CoreAccess`` records of flat keys (``layer * n_expert +
+Every method mirrors ``runtime.residency.reference.core.ReferenceCore`` exactly (tests compare
+the two); decisions come back as ``CoreAccess`` records of flat keys (``layer * n_expert +
 expert``), a refused call as ``CoreError``.
 """
 from __future__ import annotations
@@ -50,6 +50,15 @@ def c_policy_kind(lib, ffi, role: str, name: str) -> int:
     return kind
 
 
+def _set_block(lib, row, role: str, name: str, block: tuple[float, ...]) -> None:
+    """A policy's C parameter block into its row of rc_policy (the rest stays 0)."""
+    if len(block) > lib.RC_MAX_PARAMS:
+        raise ValueError(f"{role} policy {name!r}: {len(block)} C parameters, at most "
+                         f"{lib.RC_MAX_PARAMS}")
+    for i, value in enumerate(block):
+        row[i] = value
+
+
 class CCore:
     """One device: see runtime/residency/core/residency_core.h."""
 
@@ -58,19 +67,17 @@ class CCore:
         self.lib, self.ffi = lib, ffi
         p = ffi.new("rc_policy *")
         p.n_orders = len(policy.orders)
-        for i, (name, p1, p2) in enumerate(policy.orders):
+        for i, (name, block) in enumerate(policy.orders):
             p.order_kind[i] = c_policy_kind(lib, ffi, "eviction", name)
-            p.order_p1[i], p.order_p2[i] = p1, p2
-        p.decay_rate = policy.decay_rate
-        p.nv_learning_rate = policy.nv_learning_rate
+            _set_block(lib, p.order_params[i], "eviction", name, block)
         for ph in range(3):
             p.phase_order[ph] = policy.phase_order[ph]
-            p.admission[ph] = c_policy_kind(lib, ffi, "admission", policy.admission[ph][0])
-            p.admission_p1[ph] = policy.admission[ph][1]
-            p.prefetch[ph] = c_policy_kind(lib, ffi, "prefetch", policy.prefetch[ph][0])
-            p.prefetch_p1[ph], p.prefetch_p2[ph], p.prefetch_p3[ph] = policy.prefetch[ph][1:]
-        for i, rate in enumerate(policy.affinity_rates):
-            p.affinity_rates[i] = rate
+            name, block = policy.admission[ph]
+            p.admission[ph] = c_policy_kind(lib, ffi, "admission", name)
+            _set_block(lib, p.admission_params[ph], "admission", name, block)
+            name, block = policy.prefetch[ph]
+            p.prefetch[ph] = c_policy_kind(lib, ffi, "prefetch", name)
+            _set_block(lib, p.prefetch_params[ph], "prefetch", name, block)
         p.n_expert_used = policy.n_expert_used
         p.track_next_use = int(policy.track_next_use)
         self._eb = ffi.new("int64_t[]", [int(b) for b in expert_bytes])

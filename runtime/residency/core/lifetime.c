@@ -2,7 +2,6 @@
  * the rest of the core: core_impl.h). */
 #include "core_impl.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,12 +71,11 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     c->pf_event_of = calloc((size_t) n, sizeof *c->pf_event_of);
     c->replay_batch = -1;
     c->pins_by_layer = calloc((size_t) n_layer, sizeof *c->pins_by_layer);
-    if (policy->decay_rate > 0) c->decay_log = malloc((size_t) n * sizeof *c->decay_log);
     if (policy->track_next_use) c->next_use = malloc((size_t) n * sizeof *c->next_use);
     if (history) c->last_experts = calloc((size_t) 3 * n_layer, sizeof *c->last_experts);
     if (!c->bytes_flat || !c->pool_of_layer || !c->pool_of_flat || !c->moe_layers || !c->state ||
         !c->last_seq || !c->uses || !c->pinned || !c->pf_unused || !c->lease_count || !c->seen ||
-        !c->pf_event_of || !c->pins_by_layer || (policy->decay_rate > 0 && !c->decay_log) ||
+        !c->pf_event_of || !c->pins_by_layer ||
         (policy->track_next_use && !c->next_use) || (history && !c->last_experts)) {
         rc_free(c);
         return NULL;
@@ -94,7 +92,6 @@ rc_core *rc_create(int32_t n_layer, int32_t n_expert, const int64_t *expert_byte
     }
     for (int32_t i = 0; i < n; i++) {
         c->last_seq[i] = -1;
-        if (c->decay_log) c->decay_log[i] = -INFINITY;
         if (c->next_use) c->next_use[i] = NEVER;
     }
     int64_t unresolved = -1;
@@ -135,7 +132,7 @@ void rc_free(rc_core *c) {
     free(c->pf_event_of);
     free(c->leases); free(c->pins_by_layer); free(c->last_experts);
     free(c->bytes_flat); free(c->pool_of_layer); free(c->pool_of_flat); free(c->moe_layers);
-    free(c->state); free(c->last_seq); free(c->uses); free(c->decay_log); free(c->next_use);
+    free(c->state); free(c->last_seq); free(c->uses); free(c->next_use);
     free(c->pinned); free(c->pf_unused); free(c->lease_count); free(c->seen);
     free(c);
 }

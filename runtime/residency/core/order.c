@@ -4,17 +4,13 @@
  *   rc_heap_order        an indexed binary min-heap of a pool's resident keys ordered by
  *                        (score, last seq, flat), the score the policy's pure function
  *                        (policies/evict_*.c: lru, lfu, lfu-decay, phase-weighted, belady)
- *   rc_next_visit_order  next-visit's own index (nv_victim.h): its scores move with the layer
- *                        cycle, so the heap is only the membership set and the index searches;
- *                        the index keeps its own copies of what it reads (a member's last
- *                        seq, given at push; each key's holds, counted through .hold)
+ *   a policy's own       (next-visit's index: policies/evict_next_visit.c) behind the same
+ *                        interface, its state the policy's (c->order_state[o])
  *
  * Invariant: a key is in every order of its pool iff it is resident (rc_verify checks 1, 2).
  */
 #include "core_impl.h"
 #include "order_heap.h"
-
-#include <math.h>
 
 int protected_key(const rc_core *c, int32_t f, int64_t seq0) {
     return c->last_seq[f] >= seq0 || c->lease_count[f] > 0 || c->pinned[f];
@@ -36,7 +32,7 @@ static int32_t heap_lowest(rc_core *c, pool *p, int32_t o, int64_t seq0) {
 }
 
 /* v ranks strictly below f, whose score is `own` (NAN: its own) */
-static int score_ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, double own) {
+int order_ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, double own) {
     if (own != own) return key_less(c, o, v, f);
     const double sv = rc_score(c, o, v);
     if (sv != own) return sv < own;
@@ -46,92 +42,42 @@ static int score_ranks_below(const rc_core *c, int32_t o, int32_t v, int32_t f, 
 
 const rc_order_ops rc_heap_order = {
     .push = heap_push, .remove = heap_remove, .lowest = heap_lowest,
-    .ranks_below = score_ranks_below,
-};
-
-/* ---- next-visit's order: the index owns the order, the set only membership -------------- */
-
-static int nv_push(rc_core *c, pool *p, int32_t o, int32_t f) {
-    heap *h = &p->h[o];
-    if (h->pos[f] >= 0) return 0;
-    nvv_push(c->nvv, f, c->last_seq[f]);          /* its own until f leaves (unchanged) */
-    return set_push(h, f);
-}
-
-static void nv_remove(rc_core *c, pool *p, int32_t o, int32_t f) {
-    heap *h = &p->h[o];
-    if (h->pos[f] < 0) return;
-    nvv_remove(c->nvv, f);
-    set_remove(h, f);
-}
-
-static int32_t nv_lowest(rc_core *c, pool *p, int32_t o, int64_t seq0) {
-    (void) o;
-    return nvv_lowest(c->nvv, (int32_t) (p - c->pools), seq0);
-}
-
-static int nv_create_order(rc_core *c) {
-    c->nv = nv_create(c->n_layer, c->n_expert, c->moe_layers, c->n_moe, c->pol.nv_learning_rate);
-    c->nvv = c->nv == NULL ? NULL
-             : nvv_create(c->nv, c->n_layer, c->n_expert, c->moe_layers, c->n_moe);
-    return c->nvv == NULL ? -1 : 0;
-}
-
-static void nv_destroy(rc_core *c) {
-    nv_free(c->nv);
-    nvv_free(c->nvv);
-    c->nv = NULL;
-    c->nvv = NULL;
-}
-
-static void nv_reset(rc_core *c) { nvv_reset(c->nvv, c->pool_of_layer); }
-
-static void nv_visit_layer(rc_core *c, int32_t layer, const int32_t *el, int32_t n,
-                           int32_t phase) {
-    nv_visit(c->nv, layer, el, n, phase, nvv_members(c->nvv, layer));
-    nvv_stale(c->nvv, layer);                 /* its keys' z moved */
-}
-
-static void nv_hold(rc_core *c, int32_t layer, const int32_t *experts, int32_t n,
-                    int32_t delta) {
-    nvv_hold(c->nvv, layer, experts, n, delta);
-}
-
-static void nv_warm(rc_core *c, const double *frequency) {
-    if (frequency != NULL) nv_warm_start(c->nv, frequency);
-    nvv_stale_all(c->nvv);
-}
-
-/* 11 the index's own invariants, 12 its copies of the core's state */
-static int nv_verify_order(const rc_core *c) {
-    const int code = nvv_verify(c->nvv, c->last_seq, c->lease_count, c->pinned);
-    return code == 0 ? 0 : code >= 9 ? 12 : 11;
-}
-
-const rc_order_ops rc_next_visit_order = {
-    .push = nv_push, .remove = nv_remove, .lowest = nv_lowest,
-    .ranks_below = score_ranks_below, .create = nv_create_order, .destroy = nv_destroy,
-    .reset = nv_reset, .visit = nv_visit_layer, .hold = nv_hold, .warm_start = nv_warm,
-    .verify = nv_verify_order,
+    .ranks_below = order_ranks_below,
 };
 
 /* ---- every order of a core ------------------------------------------------------------- */
 
-/* (each optional hook runs through EACH_ORDER_HOOK, core_impl.h) */
+/* the policies' own state (their create / destroy / observe / warm_start hooks), and the
+ * order implementations' optional hooks (through EACH_ORDER_HOOK, core_impl.h) */
 
 int order_create(rc_core *c) {
     for (int32_t o = 0; o < c->pol.n_orders; o++)
-        if (order_ops(c, o)->create != NULL && order_ops(c, o)->create(c) < 0) return -1;
+        if (c->evict[o].create != NULL && c->evict[o].create(c, o, &c->order_state[o]) < 0)
+            return -1;
     return 0;
 }
 
-void order_free(rc_core *c) { EACH_ORDER_HOOK(destroy, c); }
-void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset, c); }
-void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
-    EACH_ORDER_HOOK(visit, c, layer, el, n, phase);
+void order_free(rc_core *c) {
+    for (int32_t o = 0; o < c->pol.n_orders; o++) {
+        if (c->evict[o].destroy != NULL) c->evict[o].destroy(c->order_state[o]);
+        c->order_state[o] = NULL;
+    }
 }
+
+void order_reset(rc_core *c) { EACH_ORDER_HOOK(reset); }
+void order_visit(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
+    EACH_ORDER_HOOK(visit, layer, el, n, phase);
+}
+
+void order_observe(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int64_t seq0) {
+    for (int32_t o = 0; o < c->pol.n_orders; o++)
+        if (c->evict[o].observe != NULL) c->evict[o].observe(c, c->order_state[o], layer, el, n,
+                                                             seq0);
+}
+
 void order_warm_start(rc_core *c, const double *frequency) {
-    EACH_ORDER_HOOK(warm_start, c, frequency);
+    for (int32_t o = 0; o < c->pol.n_orders; o++)
+        if (c->evict[o].warm_start != NULL) c->evict[o].warm_start(c->order_state[o], frequency);
 }
 
 int order_verify(const rc_core *c) {
@@ -147,7 +93,7 @@ int order_verify(const rc_core *c) {
         }
     for (int32_t o = 0; o < c->pol.n_orders; o++)
         if (order_ops(c, o)->verify != NULL) {
-            const int code = order_ops(c, o)->verify(c);
+            const int code = order_ops(c, o)->verify(c, o);
             if (code) return code;
         }
     return 0;

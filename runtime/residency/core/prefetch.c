@@ -9,24 +9,45 @@
 #include <math.h>
 #include <string.h>
 
-/* each distinct planner's hook once, with the first phase that names it */
-static int first_phase_of(const rc_core *c, int32_t ph) {
+/* the first phase that names ph's planner (its state is made from that phase's parameters,
+ * and the later phases that name it share it: one per distinct planner) */
+static int32_t first_phase_of(const rc_core *c, int32_t ph) {
     for (int32_t q = 0; q < ph; q++)
-        if (c->pol.prefetch[q] == c->pol.prefetch[ph]) return 0;
-    return 1;
+        if (c->pol.prefetch[q] == c->pol.prefetch[ph]) return q;
+    return ph;
 }
 
 int prefetch_create(rc_core *c) {
-    for (int32_t ph = 0; ph < 3; ph++)
-        if (c->planner[ph].create != NULL && first_phase_of(c, ph) &&
-            c->planner[ph].create(c, ph) < 0)
-            return -1;
+    for (int32_t ph = 0; ph < 3; ph++) {
+        if (c->planner[ph].create == NULL) continue;
+        const int32_t first = first_phase_of(c, ph);
+        if (first != ph) c->planner_state[ph] = c->planner_state[first];
+        else if (c->planner[ph].create(c, ph, &c->planner_state[ph]) < 0) return -1;
+    }
     return 0;
 }
 
 void prefetch_free(rc_core *c) {
     for (int32_t ph = 0; ph < 3; ph++)
-        if (c->planner[ph].destroy != NULL && first_phase_of(c, ph)) c->planner[ph].destroy(c);
+        if (c->planner[ph].destroy != NULL && first_phase_of(c, ph) == ph)
+            c->planner[ph].destroy(c->planner_state[ph]);
+    for (int32_t ph = 0; ph < 3; ph++) c->planner_state[ph] = NULL;
+}
+
+int prefetch_observe(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t phase) {
+    for (int32_t ph = 0; ph < 3; ph++)
+        if (c->planner[ph].observe != NULL && first_phase_of(c, ph) == ph &&
+            c->planner[ph].observe(c->planner_state[ph], layer, el, n, phase) < 0)
+            return -1;
+    return 0;
+}
+
+void prefetch_warm_start(rc_core *c, const int32_t *pair, const int32_t *count,
+                         const int16_t *history, int32_t n_history, int32_t history_k) {
+    for (int32_t ph = 0; ph < 3; ph++)
+        if (c->planner[ph].warm_start != NULL && first_phase_of(c, ph) == ph)
+            c->planner[ph].warm_start(c->planner_state[ph], pair, count, history, n_history,
+                                      history_k);
 }
 
 /* bring `flats` in (priority order) where victims rank strictly below each one; mine[i]
@@ -93,7 +114,7 @@ int run_prefetch(rc_core *c, const rc_step_view *s, int64_t seq0) {
     if (rc != RC_OK || plan->n == 0) return rc;
     const int32_t before = c->r_pf_flats.n;
     rc = prefetch_flats(c, plan->v, plan->n, s->phase, seq0, mine);
-    if (planner->after != NULL) planner->after(c, plan, before);
+    if (planner->after != NULL) planner->after(c, c->planner_state[s->phase], plan, before);
     return rc;
 }
 

@@ -1,10 +1,12 @@
-/* residency_core: see residency_core.h. This file: state changes and the rules of one
- * access, in the order it applies them (the other parts: core_impl.h):
+/* residency_core: see residency_core.h. This file: the rules of one access, in the order it
+ * applies them, and replay's batch loop (a key's state changes in state.c; the other parts:
+ * core_impl.h):
  *
  *  1. Checks first (layer, expert ids, offline inputs): a rejected call changes nothing.
  *  2. Membership is decided at entry: an element whose key is resident is a hit. Every element
- *     is touched in routing order (last access sequence number, use counts, decayed counts,
- *     next use); the call's keys are protected from eviction (touched at or after seq0).
+ *     is touched in routing order (last access sequence number, use counts, next use; then
+ *     the policies' own counts, their observe hooks); the call's keys are protected from
+ *     eviction (touched at or after seq0).
  *  3. The lease of the call is taken; the layer's prefetch pins end; prefetched keys hit now
  *     count as used.
  *  4. Misses, once per distinct key in routing order: an unresolved pool means a transient
@@ -21,57 +23,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ---- state changes --------------------------------------------------------------------- */
-
-int make_resident(rc_core *c, int32_t f, int32_t phase, int prefetched) {
-    pool *p = pool_of(c, f);
-    c->state[f] = (uint8_t) phase;
-    p->resident_bytes += c->bytes_flat[f];
-    p->resident_count++;
-    if (prefetched) {
-        c->pf_unused[f] = 1;
-        c->n_pf_unused++;
-        if (pin_key(c, f) < 0) return -1;
-    }
-    return order_add(c, f);
-}
-
-/* resident -> absent, counted in `phase`'s counters (victims are out of the orders already) */
-void evict(rc_core *c, int32_t f, int32_t phase) {
-    pool *p = pool_of(c, f);
-    const int64_t b = c->bytes_flat[f];
-    int64_t *t = p->counters[phase];
-    p->resident_bytes -= b;
-    p->resident_count--;
-    order_discard(c, f);
-    c->state[f] = ABSENT;
-    t[C_EVICTIONS]++;
-    t[C_EVICTED_BYTES] += b;
-    if (c->pf_unused[f]) {
-        c->pf_unused[f] = 0;
-        c->n_pf_unused--;
-        t[C_PF_WASTED_BYTES] += b;
-    }
-}
-
-/* ---- results --------------------------------------------------------------------------- */
-
-void result_reset(rc_core *c) {
-    c->r_touched.n = c->r_missed.n = c->r_missed_row.n = c->r_miss_kind.n = 0;
-    c->r_admitted.n = c->r_evicted.n = c->r_transient.n = 0;
-    c->r_victims.n = c->r_aside.n = 0;
-    c->r_pf_flats.n = c->r_pf_nv.n = c->r_pf_victims.n = c->r_pf_used_row.n = 0;
-}
-
-void result_out(rc_core *c, rc_result *out) {
-    out->n_admitted = c->r_admitted.n; out->admitted = c->r_admitted.v;
-    out->n_evicted = c->r_evicted.n; out->evicted = c->r_evicted.v;
-    out->n_transient = c->r_transient.n; out->transient = c->r_transient.v;
-    out->n_prefetched = c->r_pf_flats.n; out->prefetched = c->r_pf_flats.v;
-    out->prefetch_n_victims = c->r_pf_nv.v;
-    out->prefetch_victims = c->r_pf_victims.v;
-}
 
 /* ---- access ---------------------------------------------------------------------------- */
 
@@ -182,10 +133,9 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
     c->seq = seq0 + n;
     c->call++;
     const int64_t call = c->call;
-    const double rate = c->pol.decay_rate;
     int32_t tr = 0;
     order_visit(c, layer, el, n, phase);
-    if (c->af != NULL && af_observe(c->af, layer, el, n, phase) < 0) return RC_ERR_NOMEM;
+    if (prefetch_observe(c, layer, el, n, phase) < 0) return RC_ERR_NOMEM;
     /* 2. touch every element in routing order */
     for (int32_t i = 0; i < n; i++) {
         const int32_t f = base + el[i];
@@ -204,14 +154,10 @@ int core_access(rc_core *c, int32_t layer, const int32_t *el, int32_t n, int32_t
         c->seen[f] = call;
         c->last_seq[f] = seq;
         c->uses[phase * nf + f]++;
-        if (c->decay_log != NULL) {
-            const double a = c->decay_log[f], x = rate * (double) seq;
-            const double hi = a > x ? a : x, lo = a > x ? x : a;
-            c->decay_log[f] = hi + log1p(exp(lo - hi));
-        }
         if (c->next_use != NULL) c->next_use[f] = next_use[i];
         seq++;
     }
+    order_observe(c, layer, el, n, seq0);          /* the policies' own counts (lfu-decay's) */
     for (int32_t i = 0; i < c->r_touched.n; i++)   /* back in, at their new keys */
         if (order_add(c, c->r_touched.v[i]) < 0) return RC_ERR_NOMEM;
     /* 3. lease, pins, history, prefetch use */
@@ -308,46 +254,6 @@ int core_replay(rc_core *c, int64_t n_batches, const int64_t *starts, const int3
     }
     c->replay_batch = -1;
     return RC_OK;
-}
-
-int core_forget(rc_core *c, int32_t f) {
-    if (f < 0 || f >= c->n_flat || c->state[f] > RESIDENT_MAX) return RC_ERR_STATE;
-    pool *p = pool_of(c, f);
-    p->resident_bytes -= c->bytes_flat[f];
-    p->resident_count--;
-    order_discard(c, f);
-    c->state[f] = ABSENT;
-    if (c->pf_unused[f]) {
-        c->pf_unused[f] = 0;
-        c->n_pf_unused--;
-    }
-    return RC_OK;
-}
-
-int core_pin_static(rc_core *c, const int32_t *flats, int32_t n) {
-    for (int32_t i = 0; i < n; i++) {
-        const int32_t f = flats[i];
-        if (f < 0 || f >= c->n_flat || c->pool_of_layer[f / c->n_expert] < 0 ||
-            c->state[f] != ABSENT)
-            return RC_ERR_STATE;
-    }
-    for (int32_t i = 0; i < n; i++)
-        if (make_resident(c, flats[i], 1, 0) < 0) return RC_ERR_NOMEM;
-    c->is_static = 1;
-    return RC_OK;
-}
-
-int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
-                      int32_t k, int32_t phase) {
-    rc_result r;
-    int64_t held = 0, hits = 0;
-    for (int64_t i = 0; i < n_steps; i++) {
-        const int rc = rc_step(c, &held, layers[i], experts + i * k, k, phase, &r);
-        if (rc != 0) return rc;
-        hits += r.hits;
-    }
-    rc_step_end(c, &held);
-    return hits;
 }
 
 void rc_next_use(const int64_t *keys, int64_t n, int64_t n_keys, int64_t never, int64_t *out) {

@@ -64,22 +64,21 @@ int32_t rc_policy_kind(int32_t role, const char *name);
 /* the name of kind `kind` in `role`, or NULL past the last (kinds count from 0) */
 const char *rc_policy_name(int32_t role, int32_t kind);
 
+/* the most parameters one policy takes (rc_policy's rows; the registry's c_params give them) */
+enum { RC_MAX_PARAMS = 8 };
+
 typedef struct {
     int32_t n_orders;             /* 1..3 */
     int32_t order_kind[3];        /* eviction kinds */
-    double order_p1[3];           /* phase-weighted: w_prefill */
-    double order_p2[3];           /* phase-weighted: w_decode */
-    double decay_rate;            /* lfu-decay: ln 2 / half_life (0: no decayed counts) */
-    double nv_learning_rate;      /* next-visit: the model's learning rate (next_visit.h) */
     int32_t phase_order[3];       /* phase -> order index */
     int32_t admission[3];         /* admission kinds */
-    double admission_p1[3];       /* break_even | window */
     int32_t prefetch[3];          /* prefetch kinds */
-    double prefetch_p1[3];        /* depth | top_n */
-    double prefetch_p2[3];        /* affinity: min_precision */
-    double prefetch_p3[3];        /* affinity: link bytes per layer-step (affinity.h) */
-    double affinity_rates[4];     /* affinity: the [cost] link bytes/s, link latency s, GPU and
-                                     CPU expert-compute bytes/s (affinity.h) */
+    /* each policy's own parameters, in the order its registry line gives them (c_params;
+     * the rest 0): what they mean is its file's business (its parameter block), never the
+     * mechanism's. Rows of RC_MAX_PARAMS (8). */
+    double order_params[3][8];    /* per order */
+    double admission_params[3][8];   /* per phase */
+    double prefetch_params[3][8];    /* per phase */
     int32_t n_expert_used;        /* experts per token: prompt chunks' rows are token-major,
                                      n_expert_used each (affinity learns from them); 0 unknown */
     int32_t track_next_use;       /* an offline policy: access() needs next_use */
@@ -163,8 +162,9 @@ void rc_step_message(char *buf, int32_t cap, const char *who, int32_t layer, int
  * rc_step / rc_step_end. */
 int64_t rc_lease_id(rc_core *c);
 
-/* the live consumers' calling pattern, for benchmarks: n_steps layer-steps (layers[i],
- * experts[i * k, (i + 1) * k)) through rc_step, then rc_step_end; returns the hits */
+/* the live consumers' calling pattern, for benchmarks (step.c, beside rc_step): n_steps
+ * layer-steps (layers[i], experts[i * k, (i + 1) * k)) through rc_step, then rc_step_end;
+ * returns the hits */
 int64_t rc_bench_live(rc_core *c, int64_t n_steps, const int32_t *layers, const int32_t *experts,
                       int32_t k, int32_t phase);
 

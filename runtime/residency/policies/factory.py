@@ -14,7 +14,7 @@ Python reference); what each one does:
                     three time scales, learned online at decode layer-steps from the
                     resident experts (the keys it ranks), wait = the visits after the next
                     before it is routed, p rolled forward as its features decay (1/p - 1
-                    if p stayed) (core/next_visit.h); ``learning_rate``
+                    if p stayed) (core/models/next_visit.h); ``learning_rate``
   admission (a demand miss is admitted, or used transiently)
     always                 admit whenever victims exist
     reuse-threshold        decode: admit once routed >= break_even times (prefill: always)
@@ -35,7 +35,7 @@ Python reference); what each one does:
                  link_gbps)); prefetches queue on the link, which carries what it can while
                  each layer-step's experts compute on the [cost] rates, and one is issued
                  only while it would cross before its layer's experts start; ranked against
-                 victims by its expected next use (core/affinity.h)
+                 victims by its expected next use (core/models/affinity.h)
 """
 from __future__ import annotations
 
@@ -52,46 +52,49 @@ ROLES = ("admission", "prefetch", "eviction")
 @dataclass(frozen=True)
 class Policy:
     """One registry line: a policy's parameters with their defaults, its Python reference
-    class (policies/eviction.py, admission.py, prefetch.py), and which parameters the core
-    reads in its p1 / p2 slots. Its C twin is the file in core/policies/ that registers the
-    same name (the core's kind is looked up by it: CCore).
+    class (policies/eviction.py, admission.py, prefetch.py), and its C parameter block: the
+    values the core's policy file reads, in order, from its row of rc_policy (its own
+    parameter block, named in that file). Its C twin is the file in core/policies/ that
+    registers the same name (the core's kind is looked up by it: CCore).
 
     ``offline``: it reads the future (eviction, admission: each access's next use; prefetch:
-    the upcoming layer-step), so only replay can run it. ``shared``: for a policy with a
-    model of the core's own (one per core, whatever phases use it), the CorePolicy field it
-    sets and that field's value from the policy's parameters and the [cost] section; every
-    phase that uses the policy must give the same value."""
+    the upcoming layer-step), so only replay can run it. ``one_model``: it keeps one state of
+    its own per core (a learned model, a decayed count) whatever phases use it, so every
+    phase that uses it must give the same parameters."""
 
     params: dict[str, float]
     reference: type
-    # the core's p1 / p2 (/ p3) slots: parameter names, or a function of the parameters and
-    # the [cost] section
+    # the C parameter block: parameter names, or a function of the parameters and the [cost]
+    # section (at most RC_MAX_PARAMS, 8, values)
     c_params: tuple[str, ...] | Callable[[dict[str, float], object], tuple[float, ...]] = ()
     offline: bool = False
-    shared: Callable[[dict[str, float], object], tuple[str, object]] | None = None
+    one_model: bool = False
 
 
-def _affinity_settings(kw: dict[str, float], cost) -> tuple[str, object]:
-    """prefetch affinity: top_n, min_precision and the link's bytes per layer-step"""
-    return "affinity", (kw["top_n"], kw["min_precision"],
-                        cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6)
+def _affinity_block(kw: dict[str, float], cost) -> tuple[float, ...]:
+    """prefetch affinity's block (prefetch_affinity.c's af_params): top_n, min_precision, the
+    link's bytes per layer-step, and the [cost] rates: link bytes/s, link latency s, GPU and
+    CPU expert-compute bytes/s"""
+    return (kw["top_n"], kw["min_precision"], cost.link_gbps * 1e9 * kw["layer_us"] * 1e-6,
+            cost.link_gbps * 1e9, cost.link_latency_us * 1e-6, cost.gpu_mem_gbps * 1e9,
+            cost.cpu_mem_gbps * 1e9)
 
 
 # role -> name -> Policy: the one registry. A new policy is one line here, one reference
 # class and one C file (core/policies/, registering the same name; core/core_impl.h); what
-# the runtime needs to know of it beyond that (offline, a model of the core's own) is a
-# field of its line, never a name tested elsewhere.
+# the runtime needs to know of it beyond that (offline, a state of its own) is a field of
+# its line, never a name tested elsewhere.
 _REGISTRY: dict[str, dict[str, Policy]] = {
     "eviction": {
         "lru": Policy({}, eviction.Lru),
         "lfu": Policy({}, eviction.Lfu),
-        "lfu-decay": Policy({"half_life": 4096.0}, eviction.LfuDecay, shared=lambda kw, _: (
-            "decay_rate", math.log(2.0) / kw["half_life"])),
+        "lfu-decay": Policy({"half_life": 4096.0}, eviction.LfuDecay,
+                            lambda kw, _: (math.log(2.0) / kw["half_life"],), one_model=True),
         "phase-weighted": Policy({"w_prefill": 1.0, "w_decode": 4.0},
                               eviction.PhaseWeighted, ("w_prefill", "w_decode")),
         "belady": Policy({}, eviction.Belady, offline=True),
-        "next-visit": Policy({"learning_rate": 0.016}, eviction.NextVisit, shared=lambda kw, _: (
-            "nv_learning_rate", kw["learning_rate"])),
+        "next-visit": Policy({"learning_rate": 0.016}, eviction.NextVisit, ("learning_rate",),
+                             one_model=True),
     },
     "admission": {
         "always": Policy({}, admission.Always),
@@ -107,8 +110,7 @@ _REGISTRY: dict[str, dict[str, Policy]] = {
         "popularity": Policy({"top_n": 4.0}, prefetch.Popularity, ("top_n",)),
         "belady": Policy({}, prefetch.BeladyPrefetch, offline=True),
         "affinity": Policy({"top_n": 2.0, "min_precision": 0.3, "layer_us": 250.0},
-                           prefetch.Affinity, lambda kw, cost: _affinity_settings(kw, cost)[1],
-                           shared=_affinity_settings),
+                           prefetch.Affinity, _affinity_block, one_model=True),
     },
 }
 

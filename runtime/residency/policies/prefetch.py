@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.residency.reference.affinity import AffinityModel
+
 ABSENT = 8   # the core's key state of an absent key (runtime.residency.core.ABSENT)
 
 
@@ -15,7 +17,8 @@ class PlanStep:
 
     layer: int
     phase: int
-    param: float             # the planner's one parameter (CorePolicy.prefetch)
+    params: tuple[float, ...]   # the planner's parameter block (CorePolicy.prefetch)
+    state: object            # its own state (its create's), shared by the phases naming it
     upcoming: tuple | None   # (layer, experts, index) of the next step (offline), or None
     n_hits: int
     n_misses: int
@@ -24,17 +27,20 @@ class PlanStep:
 
 class Planner:
     """One planner (the C twin's descriptor: rc_prefetch_policy). ``needs_history``: the core
-    keeps each (phase, layer)'s latest experts for it; ``create(core)``: its own model."""
+    keeps each (phase, layer)'s latest experts for it. Its own state (the C twin's hooks):
+    ``create(core, params)`` makes it (None: none), ``observe`` sees every layer-step before
+    any key is touched, ``warm_start`` a routing profile's pairs and history."""
 
     needs_history = False
+    observe = warm_start = None
 
     @staticmethod
     def plan(core, step: PlanStep):
         raise NotImplementedError
 
     @staticmethod
-    def create(core) -> None:
-        pass
+    def create(core, params: tuple[float, ...]):
+        return None
 
 
 class NoPrefetch(Planner):
@@ -53,7 +59,7 @@ class ChunkPlan(Planner):
         if step.phase != 0:
             return [], None
         ne, out = core.n_expert, []
-        for layer in step.next_layers[:int(step.param)]:
+        for layer in step.next_layers[:int(step.params[0])]:     # depth
             prev = core.history.get((0, layer))
             if prev is not None:
                 out.extend(layer * ne + e for e in sorted(set(prev)))
@@ -65,12 +71,13 @@ class Popularity(Planner):
 
     @staticmethod
     def plan(core, step):
-        if not step.next_layers or int(step.param) <= 0:
+        top_n = int(step.params[0])
+        if not step.next_layers or top_n <= 0:
             return [], None
         ne, layer, u = core.n_expert, step.next_layers[0], core.uses
         counts = [u[0][layer * ne + e] + u[1][layer * ne + e] + u[2][layer * ne + e]
                   for e in range(ne)]
-        ranked = sorted(range(ne), key=lambda e: (-counts[e], e))[:min(int(step.param), ne)]
+        ranked = sorted(range(ne), key=lambda e: (-counts[e], e))[:min(top_n, ne)]
         return [layer * ne + e for e in ranked if counts[e] > 0], None
 
 
@@ -86,28 +93,45 @@ class BeladyPrefetch(Planner):
 
 
 class Affinity(Planner):
-    """decode: affinity's plan (reference_affinity.py), each key ranked by its predicted
+    """decode: affinity's plan (reference/affinity.py), each key ranked by its predicted
     expected time; what it planned but did not bring in goes back to its link budget."""
 
     @staticmethod
-    def create(core) -> None:
-        core.af = core.affinity_model()
+    def create(core, params):
+        """its model, from its block: top_n, min_precision, link bytes per layer-step, the
+        [cost] rates (factory._affinity_block)"""
+        model = AffinityModel(core.n_layer, core.n_expert, core.moe_layers, *params[:3],
+                              float(max(core.nbytes)), params[3:7], core.policy.n_expert_used)
+        model.bytes_of = lambda f: core.nbytes[f]
+        return model
+
+    @staticmethod
+    def observe(model, layer, el, phase) -> None:
+        model.observe(layer, el, phase)
+
+    @staticmethod
+    def warm_start(model, pair, count, history) -> None:
+        if pair.size:
+            model.warm_start(pair, count)
+        if model.nb is not None and history is not None and history.size:
+            model.nb.warm_start(history.tolist())
 
     @staticmethod
     def plan(core, step):
         if step.phase != 1:
             return [], None
-        got = core.af.plan(step.layer, step.n_hits, step.n_misses,
-                           lambda f: core.state[f] == ABSENT)
+        model = step.state
+        got = model.plan(step.layer, step.n_hits, step.n_misses,
+                         lambda f: core.state[f] == ABSENT)
         n_moe = float(len(core.moe_layers))
-        mine = [-(float(core.af.plan_lead) + n_moe * (1.0 / q - 1.0)) for _, q in got]
+        mine = [-(float(model.plan_lead) + n_moe * (1.0 / q - 1.0)) for _, q in got]
         return [f for f, _ in got], mine
 
     @staticmethod
-    def after(core, plan: list[int], brought: list[int]) -> None:
+    def after(core, model, plan: list[int], brought: list[int]) -> None:
         spent = 0.0                               # every planned key is absent
         for f in plan:
-            spent = spent + core.af.transfer_cost(core.nbytes[f])
+            spent = spent + model.transfer_cost(core.nbytes[f])
         for f in brought:
-            spent = spent - core.af.transfer_cost(core.nbytes[f])
-        core.af.refund(spent)
+            spent = spent - model.transfer_cost(core.nbytes[f])
+        model.refund(spent)

@@ -7,6 +7,7 @@ import pytest
 
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
+from runtime.residency.policies.factory import policy_names
 
 COMMON = ["-c", "512", "-t", "1", "--temp", "0"]
 
@@ -89,8 +90,8 @@ def test_help_shows_residency_defaults_not_none(cli):
     assert "(default: None)" not in proc.stdout
     text = " ".join(proc.stdout.split())
     unwrapped = text.replace("- ", "-")           # argparse may wrap after a hyphen
-    assert "--policy.decode.eviction NAME lru, lfu, lfu-decay, phase-weighted, belady, " \
-           "next-visit (default: next-visit)" in unwrapped
+    names = ", ".join(policy_names("eviction"))         # the registry's, in its order
+    assert f"--policy.decode.eviction NAME {names} (default: next-visit)" in unwrapped
     assert "--cost.link_gbps X number (default: 25)" in text
 
 

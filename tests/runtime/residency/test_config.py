@@ -11,6 +11,7 @@ import pytest
 from runtime.errors import UserError
 from runtime.residency.config import load_config
 from runtime.residency.config_cli import add_config_arguments, config_from_args
+from runtime.residency.policies.factory import policy_names
 from runtime.residency.types import Phase
 
 FULL = """
@@ -105,9 +106,10 @@ def test_flags_override_file(tmp_path):
     ('[devices]\ncpu = "lots"\n', "cfg.toml: devices.cpu: not a size: 'lots'"),
     ('[devices]\ncpu = "120%"\n', "cfg.toml: devices.cpu: percentage must be in"),
     ('[policy.decode]\neviction = "mru"\n',
-     "cfg.toml: policy.decode.eviction: unknown eviction policy 'mru' (valid: lru, lfu, "
-     "lfu-decay, phase-weighted, belady, next-visit)"),
-    ('[policy.prefill]\nadmission = "never"\n', "valid: always, reuse-threshold"),
+     "cfg.toml: policy.decode.eviction: unknown eviction policy 'mru' (valid: "
+     f"{', '.join(policy_names('eviction'))})"),
+    ('[policy.prefill]\nadmission = "never"\n',
+     f"valid: {', '.join(policy_names('admission'))})"),
     ('[policy]\nphase_specific = "yes"\n',
      "cfg.toml: policy.phase_specific: must be true or false"),
     ('[policy.decode]\nevict = "lru"\n', "cfg.toml: policy.decode.evict: unknown key"),
@@ -130,7 +132,8 @@ def cli(*argv: str) -> subprocess.CompletedProcess:
 def test_config_check_cli_errors_and_success(tmp_path, tiny_model):
     bad = [
         ('[devices]\ntpu = "1GiB"\n', "devices.tpu"),
-        ('[policy.decode]\neviction = "mru"\n', "valid: lru, lfu, lfu-decay, phase-weighted"),
+        ('[policy.decode]\neviction = "mru"\n',
+         f"valid: {', '.join(policy_names('eviction'))})"),
         ('[devices]\ncpu = "nonsense"\n', "devices.cpu"),
         ('[devices]\ncpu = "100000TiB"\n', "above the device's total memory"),
         ('[devices]\ncpu = "16B"\n', "smaller than the model's largest expert"),
@@ -157,33 +160,44 @@ def test_config_check_cli_errors_and_success(tmp_path, tiny_model):
     assert proc.returncode != 0 and "devices.cuda:0" in proc.stderr and "6GiB" in proc.stderr
 
 
-@pytest.mark.parametrize("role,name,params,other", [
-    ("eviction", "lfu-decay", "half_life = 1024", "half_life = 2048"),
-    ("eviction", "next-visit", "learning_rate = 0.01", "learning_rate = 0.02"),
-    ("prefetch", "affinity", "top_n = 2", "top_n = 3"),
-])
+def _one_model_cases():
+    """(role, name, its first parameter at its default, at twice that) of every policy that
+    keeps one state of its own per core (its registry line's one_model)."""
+    from runtime.residency.policies.factory import ROLES, param_defaults, policy_entry
+
+    cases = []
+    for role in ROLES:
+        for name in policy_names(role):
+            if policy_entry(role, name).one_model:
+                key, value = next(iter(param_defaults(role, name).items()))
+                cases.append(pytest.param(role, name, f"{key} = {value}",
+                                          f"{key} = {2 * value}", id=name))
+    return cases
+
+
+@pytest.mark.parametrize("role,name,params,other", _one_model_cases())
 def test_a_policy_with_its_own_model_takes_one_setting(tmp_path, role, name, params, other):
     """lfu-decay's decay, next-visit's and affinity's models are one per core: the phases that
-    use the policy must agree on its parameters (registry line's `shared`)."""
+    use the policy must agree on its parameters (registry line's `one_model`)."""
     from runtime.residency.core import CorePolicy
 
-    def config(decode_params: str):
+    def config(decode_params: str, prefill_params: str = params):
         return load_config(write(tmp_path, f"""
 [policy]
 phase_specific = true
 [policy.prefill]
 {role} = "{name}"
-{role}_params = {{ {params} }}
+{role}_params = {{ {prefill_params} }}
 [policy.decode]
 {role} = "{name}"
 {role}_params = {{ {decode_params} }}
 """))
 
+    def block(pol):                                  # the policy's C parameter block
+        return dict(pol.orders + pol.prefetch)[name]
+
     agreed = CorePolicy.from_config(config(params))
-    field = {"lfu-decay": "decay_rate", "next-visit": "nv_learning_rate",
-             "affinity": "affinity"}[name]
-    assert getattr(agreed, field) != getattr(CorePolicy.from_config(load_config(
-        write(tmp_path, "[policy]\n"))), field)           # set by the policy, not the default
+    assert block(agreed) != block(CorePolicy.from_config(config(other, other)))  # from params
     with pytest.raises(UserError, match=f"{role} policy '{name}' must have the same "
                                         "parameters in every phase"):
         CorePolicy.from_config(config(other))

@@ -104,13 +104,15 @@ def test_a_policy_is_one_file(tmp_path):
     runtime/clib.py) into a core that knows the policy by name and decides by it."""
     import shutil
 
-    from runtime.clib import MANIFEST, Library, Part, find_parts, open_library
+    from runtime.clib import MANIFEST, Library, Part, open_library
 
-    here = next(p for p in find_parts() if (p.folder / "residency_core.h").is_file()).folder
-    core = tmp_path / "core"
-    shutil.copytree(here, core, ignore=shutil.ignore_patterns("__pycache__"))
-    (core / "policies" / "evict_mru.c").write_text(MRU)
-    lib, ffi = open_library(Library.of((Part.read(core / MANIFEST),)))
+    folders = ("csupport", "residency/core")   # the core and the support it includes, where
+    for folder in folders:                     # the tree has them
+        shutil.copytree(REPO / "runtime" / folder, tmp_path / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "residency/core/policies/evict_mru.c").write_text(MRU)
+    parts = tuple(Part.read(tmp_path / folder / MANIFEST) for folder in folders)
+    lib, ffi = open_library(Library.of(parts))
     p = ffi.new("rc_policy *", {"n_orders": 1})
     p.order_kind[0] = lib.rc_policy_kind(lib.RC_ROLE_EVICTION, b"mru")
     assert p.order_kind[0] >= 0

@@ -7,27 +7,44 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from runtime.errors import UserError
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
 from runtime.residency.core import CoreError, CorePolicy
 from runtime.residency.cores import make_core
-from runtime.residency.policies.factory import make_spec
-from tests.runtime.residency.conftest import TINY_COST
+from runtime.residency.policies.factory import make_spec, param_defaults
+from tests.runtime.residency.conftest import TINY_COST, live_policies
 
-EVICTIONS = [("lru", {}), ("lfu", {}), ("lfu-decay", {"half_life": 16.0}),
-             ("next-visit", {"learning_rate": 0.05}),
-             ("phase-weighted", {"w_prefill": 1.0, "w_decode": 3.0})]
-ADMISSIONS = [("always", {}), ("reuse-threshold", {"break_even": 2.0}),
-              ("transient-on-pressure", {"window": 20.0})]
-PREFETCHES = [("none", {}), ("chunk-plan", {"depth": 1.0}), ("popularity", {"top_n": 2.0}),
-              # TINY_COST: a transfer costs its bytes + 5; a layer-step of 2 experts gives the
-              # link 200-600 bytes of time. 150 bytes per typical layer-step: a lead of 2 MoE
-              # layers (ceil(2 * 155 / 150) = 3, at most n_moe - 1)
-              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.006}),
-              # 500 bytes per typical layer-step: the next layer (lead 1)
-              ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.02})]
+
+
+def defaults(role: str) -> list[tuple[str, dict]]:
+    """(name, default parameters) of each live policy of ``role`` (not offline), from the
+    registry: a new policy is compared against its reference with no test edit."""
+    return [(name, param_defaults(role, name)) for name in live_policies(role)]
+
+
+NO_PREFETCH = ("none", {})
+POPULARITY = ("popularity", {"top_n": 2.0})
+# TINY_COST: a transfer costs its bytes + 5; a layer-step of 2 experts gives the link 200-600
+# bytes of time. 150 bytes per typical layer-step: a lead of 2 MoE layers (ceil(2 * 155 / 150)
+# = 3, at most n_moe - 1); 500 bytes per typical layer-step: the next layer (lead 1)
+AFFINITY_LEAD2 = ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.006})
+AFFINITY_LEAD1 = ("affinity", {"top_n": 2.0, "min_precision": 0.2, "layer_us": 0.02})
+# beside each policy's defaults, parameters that reach what a 60-call stream does not reach
+# with them: a half-life and a window of a few accesses, a faster learning rate, other weights,
+# and affinity at leads 2 and 1 on TINY_COST's link
+VARIANTS = {
+    "eviction": [("lfu-decay", {"half_life": 16.0}), ("next-visit", {"learning_rate": 0.05}),
+                 ("phase-weighted", {"w_prefill": 1.0, "w_decode": 3.0})],
+    "admission": [("transient-on-pressure", {"window": 20.0})],
+    "prefetch": [POPULARITY, AFFINITY_LEAD2, AFFINITY_LEAD1],
+}
+EVICTIONS = defaults("eviction") + VARIANTS["eviction"]
+ADMISSIONS = defaults("admission") + VARIANTS["admission"]
+PREFETCHES = defaults("prefetch") + VARIANTS["prefetch"]
+MATRIX = {"eviction": EVICTIONS, "admission": ADMISSIONS, "prefetch": PREFETCHES}
 N_LAYER, N_EXPERT = 4, 6
 EXPERT_BYTES = [100, 0, 150, 100]          # a dense layer, two expert sizes
 MOE = [0, 2, 3]
@@ -80,7 +97,35 @@ ops = st.lists(st.tuples(
        pf=st.sampled_from(PREFETCHES), ev2=st.sampled_from([None, *EVICTIONS]),
        pools=st.booleans(), steps=ops)
 def test_core_equals_reference(ev, ad, pf, ev2, pools, steps):
-    cores = pair(policy(ev, ad, pf, ev2))
+    run_ops(pair(drawn_policy(ev, ad, pf, ev2)), pools, steps)
+
+
+@pytest.mark.parametrize("role,name", [pytest.param(role, name, id=f"{role}-{name}")
+                                       for role in ("eviction", "admission", "prefetch")
+                                       for name, _ in defaults(role)])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), pools=st.booleans(), steps=ops)
+def test_each_policy_equals_reference(role, name, data, pools, steps):
+    """Each live policy of the registry, at its defaults, in every call of the random
+    matrix above (the other roles drawn from it)."""
+    pick = {r: (name, param_defaults(role, name)) if r == role else
+            data.draw(st.sampled_from(MATRIX[r]), label=r) for r in MATRIX}
+    ev2 = data.draw(st.sampled_from([None, *EVICTIONS]), label="prefill eviction")
+    run_ops(pair(drawn_policy(pick["eviction"], pick["admission"], pick["prefetch"], ev2)),
+            pools, steps)
+
+
+def drawn_policy(ev, ad, pf, ev2) -> CorePolicy:
+    """policy(...) of a drawn combination; one the config refuses (a policy that keeps one
+    model given other parameters in prefill: UserError) is not an example."""
+    try:
+        return policy(ev, ad, pf, ev2)
+    except UserError:
+        assume(False)
+
+
+def run_ops(cores, pools: bool, steps) -> None:
+    """The random calls ``steps`` on both cores, which must agree after each."""
     if pools:                                  # layers 0 and 3 share a pool, layer 2 its own
         for c in cores:
             assert c.set_pools([0, -1, 1, 0], [400, 300]) == 0
@@ -193,8 +238,8 @@ def test_rejected_call_changes_nothing():
 
 
 @pytest.mark.parametrize("ev", [("lru", {}), ("next-visit", {"learning_rate": 0.05})])
-@pytest.mark.parametrize("pf", PREFETCHES[2:], ids=["popularity", "affinity-lead2",
-                                                     "affinity-lead1"])
+@pytest.mark.parametrize("pf", [POPULARITY, AFFINITY_LEAD2, AFFINITY_LEAD1],
+                         ids=["popularity", "affinity-lead2", "affinity-lead1"])
 def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
     """replay's per-row kinds (4: first use of a prefetched key), the prefetch each such row
     used, and the prefetch log (batch, key) are the same in both cores."""
@@ -224,7 +269,7 @@ def test_replay_prefetch_log_equals_reference(zipf_stream, ev, pf):
     assert (b0[e0[rows]] < batch_of[rows]).all()
 
 
-@pytest.mark.parametrize("pf", PREFETCHES[3:], ids=["lead2", "lead1"])
+@pytest.mark.parametrize("pf", [AFFINITY_LEAD2, AFFINITY_LEAD1], ids=["lead2", "lead1"])
 def test_warm_start_equals_reference(zipf_stream, pf):
     """A routing profile's frequencies and affinity table (used at lead 1: it holds
     consecutive layers) seed both cores alike."""
@@ -254,8 +299,8 @@ def test_affinity_16_bit_table_halves_as_the_reference(zipf_stream, monkeypatch)
     """A profile of a long run (counts near 65535): the C core's 16-bit table halves a row and
     its count when the count would pass 65535, as the reference does. The stream is one where
     the halving decides: the reference without the cap prefetches otherwise."""
-    import runtime.residency.reference_affinity as ref_affinity
-    pol = policy(("lru", {}), ("always", {}), PREFETCHES[4])
+    import runtime.residency.reference.affinity as ref_affinity
+    pol = policy(("lru", {}), ("always", {}), AFFINITY_LEAD1)
     # every count at the cap; odd experts one pair above even ones: ahead until a row is
     # halved, tied (the lower id first) after
     count = np.full((len(MOE) - 1, N_EXPERT), 65535, dtype=np.int32)
@@ -284,7 +329,7 @@ W_LAYER, W_EXPERT, W_MOE = 4, 40, [0, 1, 3]   # wider than next-visit's per-laye
 W_BYTES = [100, 100, 0, 100]
 
 
-@pytest.mark.parametrize("pf", [PREFETCHES[0], PREFETCHES[4]], ids=["none", "affinity"])
+@pytest.mark.parametrize("pf", [NO_PREFETCH, AFFINITY_LEAD1], ids=["none", "affinity"])
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_next_visit_wide_layers_equal_reference(zipf_stream, pf, warm):
     """Layers of 40 experts, about 15 resident each: the C search's per-layer lists of the
@@ -343,7 +388,7 @@ def test_next_visit_key_above_a_full_list_stays_out(zipf_stream):
     same_state(cores)
 
 
-@pytest.mark.parametrize("pf", PREFETCHES[3:], ids=["lead2", "lead1"])
+@pytest.mark.parametrize("pf", [AFFINITY_LEAD2, AFFINITY_LEAD1], ids=["lead2", "lead1"])
 def test_affinity_learns_prompt_chunks_equal_reference(zipf_stream, pf):
     """With the model's experts per token known, prefetch affinity also learns its pairs from
     the prompt's chunks (token-major rows, 2 per token: two chunks of 5 tokens, then a
@@ -371,9 +416,9 @@ def test_affinity_neighbours_equal_reference(zipf_stream, monkeypatch):
     chunk of 150 tokens, then 250 decode tokens (both longer than its 128-token history, so
     tokens leave it), skewed routing (its most common experts are not matched). Both cores
     decide the same at every call; a reference whose vote is off decides otherwise."""
-    import runtime.residency.reference_neighbours as ref_nb
+    import runtime.residency.reference.neighbours as ref_nb
     n_layer, n_expert, k = 5, 24, 2
-    pol = replace(policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), PREFETCHES[4]),
+    pol = replace(policy(("next-visit", {"learning_rate": 0.05}), ("always", {}), AFFINITY_LEAD1),
                   n_expert_used=k)
     s = zipf_stream(400, n_layer, n_expert, k, seed=7)
     steps = [(layer, s[:150, layer].reshape(-1), 0) for layer in range(n_layer)]
@@ -395,7 +440,7 @@ def test_warm_start_neighbour_history_equals_reference(zipf_stream):
     """A profile's neighbour history (its last decode tokens, -1 padded) seeds affinity's
     token neighbours alike in both cores, and changes what the first decode tokens prefetch."""
     n_layer, n_expert, k = 5, 24, 2
-    pol = replace(policy(("lru", {}), ("always", {}), PREFETCHES[4]), n_expert_used=k)
+    pol = replace(policy(("lru", {}), ("always", {}), AFFINITY_LEAD1), n_expert_used=k)
     s = zipf_stream(100, n_layer, n_expert, k, seed=9)
     history = s[:40].astype(np.int16)
     history[5, 1, 1] = -1                          # a layer-step with one expert
@@ -424,7 +469,7 @@ def test_affinity_plans_further_ahead_equals_reference(monkeypatch):
     types, each routed to its own pair of experts at every layer; a GPU fast enough that a
     layer-step of hits gives the link little time). Both cores decide the same at every call,
     and such plans are made."""
-    import runtime.residency.reference_affinity as ref_af
+    import runtime.residency.reference.affinity as ref_af
 
     n_layer, n_expert, k = 8, 32, 2
     rng = np.random.default_rng(5)
@@ -464,7 +509,7 @@ def test_warm_start_refuses_a_history_the_core_cannot_take():
     """The native core reads a warm start's history as given; one of the wrong shape, with
     ids out of range, repeated within a layer-step or after the pad, is refused before."""
     n_layer, n_expert = 5, 24
-    pol = replace(policy(("lru", {}), ("always", {}), PREFETCHES[4]), n_expert_used=2)
+    pol = replace(policy(("lru", {}), ("always", {}), AFFINITY_LEAD1), n_expert_used=2)
     core = make_core("native", n_layer, n_expert, [100] * n_layer, pol)
     freq = np.zeros((n_layer, n_expert))
     table = np.zeros((n_layer - 1, n_expert, n_expert), dtype=np.int32)

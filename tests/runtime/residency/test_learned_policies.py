@@ -155,7 +155,7 @@ def test_next_visit_learns_from_resident_experts_only():
     """A decode visit learns from the layer's resident experts (the keys eviction ranks)
     alone: with none resident the weights stay, with all resident they move. (The C core
     against this reference, residency varying: test_core_reference.py.)"""
-    from runtime.residency.reference_next_visit import W0, NextVisitModel
+    from runtime.residency.reference.next_visit import W0, NextVisitModel
 
     def learned(resident: bool) -> list[float]:
         m = NextVisitModel(2, 16, [0, 1], 0.5)
@@ -200,7 +200,7 @@ def test_next_visit_wait_rolls_the_hazard_forward():
     routed key waits longer than exp(-z), its p falling as its features decay, and one routed
     once longer than one routed at every visit. (The C core against this
     reference: test_core_reference.py.)"""
-    from runtime.residency.reference_next_visit import NextVisitModel
+    from runtime.residency.reference.next_visit import NextVisitModel
 
     m = NextVisitModel(1, 4, [0], 0.0)
     m.visit(0, [1], 1, [False] * 4)              # expert 1: once; 2: every visit

@@ -10,6 +10,7 @@ from runtime.errors import UserError
 from runtime.residency.config import PhasePolicies, PolicySpec, ResidencyConfig
 from runtime.residency.manager import ExpertResidencyManager
 from runtime.residency.types import ExpertKey, Phase
+from tests.runtime.residency.conftest import live_policies
 
 K = ExpertKey
 DEPTH_1 = (("depth", 1.0),)
@@ -158,7 +159,7 @@ def test_lru_matches_reference_loop(zipf_stream, core, capacity):
         assert any(d[3] for d in want)         # too small for layer 3: transient, no eviction
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-decay", "phase-weighted"])
+@pytest.mark.parametrize("policy", live_policies("eviction"))
 def test_same_sequence_same_decisions(zipf_stream, policy):
     s = zipf_stream(80, 3, 12, 2, seed=5)
 

@@ -25,12 +25,16 @@ def test_every_policy_file_registers_one_registry_policy():
 
 
 def test_the_table_is_sorted_and_deterministic():
+    """Each role's registry names, sorted: a C kind is the name's index there."""
     files = policy_files(HERE)
     text = table_source(files)
     assert text == table_source(tuple(reversed(files)))
-    assert "&rc_eviction_belady,  /* 0: belady */" in text
-    assert "&rc_eviction_lru,  /* 3: lru */" in text
-    assert "RC_N_POLICIES[3] = {6, 4, 5};" in text
+    for role in ROLES:
+        for kind, name in enumerate(sorted(policy_names(role))):
+            ident = name.replace("-", "_")
+            assert f"&rc_{role}_{ident},  /* {kind}: {name} */" in text
+    counts = ", ".join(str(len(policy_names(role))) for role in ROLES)
+    assert f"RC_N_POLICIES[3] = {{{counts}}};" in text
 
 
 @pytest.mark.parametrize("body, error", [

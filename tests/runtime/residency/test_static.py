@@ -13,6 +13,7 @@ from runtime.residency.config import parse_config, preset_config
 from runtime.residency.manager import ExpertResidencyManager
 from runtime.residency.static import StaticPlan, first_fitting_layers
 from runtime.residency.types import ExpertKey, Phase
+from tests.runtime.residency.conftest import live_policies
 
 EXPERTS = 4
 BYTES = [0, 100, 50, 200, 100]            # layer 0 dense; one expert's bytes per layer
@@ -171,7 +172,7 @@ class StaticMachine(RuleBasedStateMachine):
     experts stay resident, nothing else ever becomes resident, the counters add up."""
 
     @initialize(budget=st.integers(200, 2000),
-                policy=st.sampled_from(["lru", "lfu", "phase-weighted"]))
+                policy=st.sampled_from(live_policies("eviction")))
     def setup(self, budget, policy):
         self.m = gpu_manager(f"{budget}B", policy=policy)
         self.plan = self.m.plan_static("cuda:0")

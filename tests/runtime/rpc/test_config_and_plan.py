@@ -10,7 +10,7 @@ import pytest
 
 from runtime.errors import UserError
 from runtime.residency.config import parse_config
-from runtime.rpc.endpoint import parse_rpc_device
+from runtime.device_names import parse_rpc_device
 from runtime.rpc.plan import LayerBytes, Link, plan_remotes
 from runtime.rpc.probe import RemoteUnreachable, probe
 from tests.conftest import free_port

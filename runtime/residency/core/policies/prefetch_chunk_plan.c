@@ -1,4 +1,4 @@
-/* chunk-plan: at prefill, the next `depth` MoE layers' (the phase's p1) experts of the
+/* chunk-plan: at prefill, the next `depth` MoE layers' (its one parameter) experts of the
  * previous chunk, sorted and distinct (prefetch.ChunkPlan). The core keeps each phase's
  * latest experts per layer for it (needs_history: c->last_experts). */
 #include "../core_impl.h"
@@ -9,7 +9,7 @@ static int plan(rc_core *c, const rc_step_view *s, ivec *out, const double **min
     (void) mine;
     if (s->phase != 0) return RC_OK;
     const int32_t ne = c->n_expert;
-    const int32_t depth = (int32_t) c->pol.prefetch_p1[s->phase];
+    const int32_t depth = (int32_t) c->pol.prefetch_params[s->phase][0];   /* its one parameter */
     for (int32_t k = s->first_next; k < c->n_moe && k < s->first_next + depth; k++) {
         const int32_t l = c->moe_layers[k];
         const ivec *prev = &c->last_experts[0 * c->n_layer + l];

@@ -1,4 +1,4 @@
-/* popularity: the next MoE layer's top_n (the phase's p1) most routed experts, most used
+/* popularity: the next MoE layer's top_n (its one parameter) most routed experts, most used
  * first, then lower id; only keys used at all (prefetch.Popularity). */
 #include "../core_impl.h"
 
@@ -6,7 +6,7 @@
 
 static int plan(rc_core *c, const rc_step_view *s, ivec *out, const double **mine) {
     (void) mine;
-    const int32_t top_n = (int32_t) c->pol.prefetch_p1[s->phase];
+    const int32_t top_n = (int32_t) c->pol.prefetch_params[s->phase][0];   /* its one parameter */
     if (s->first_next >= c->n_moe || top_n <= 0) return RC_OK;
     const int32_t ne = c->n_expert;
     const int32_t l = c->moe_layers[s->first_next];

@@ -1,5 +1,5 @@
 """``AffinityModel``: the Python reference of prefetch ``affinity``'s model
-(runtime/residency/core/affinity.c; the rules are in affinity.h). Tests only.
+(runtime/residency/core/models/affinity.c; the rules are in affinity.h). Tests only.
 
 Every arithmetic operation is in the order the C performs it (the same doubles).
 """
@@ -9,8 +9,8 @@ import math
 
 import numpy as np
 
-from runtime.residency.core import AFFINITY_SOURCES
-from runtime.residency.reference_neighbours import BLEND, Neighbours
+from runtime.residency.reference.neighbours import BLEND, Neighbours
+from runtime.residency.types import AFFINITY_SOURCES
 
 DECAY = 0.9
 PRIOR = 8.0        # AF_PRIOR: the calibration's prior, predicted hits at factor 1

@@ -1,5 +1,5 @@
 """``NextVisitModel``: the Python reference of eviction ``next-visit``'s model
-(runtime/residency/core/next_visit.c; the rules are in next_visit.h). Tests only.
+(runtime/residency/core/models/next_visit.c; the rules are in next_visit.h). Tests only.
 
 Every arithmetic operation is written in the order the C performs it, so both give the same
 doubles (IEEE 754, no fused multiply-add: the core is built with -O2 and no -march).

@@ -1,6 +1,6 @@
 /* affinity: see affinity.h. */
 #include "affinity.h"
-#include "grow.h"
+#include "../../../csupport/grow.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -37,7 +37,7 @@
  * checks 11 and 12); every decision is the reference's (runtime/residency/reference.py sorts
  * every key; tests compare).
  * The core keeps the order's membership (its heap, with no order) and tells this search every
- * change through the functions below (order.c's next-visit section).
+ * change through the functions below (its order, in policies/evict_next_visit.c).
  */
 #ifndef NV_VICTIM_H
 #define NV_VICTIM_H

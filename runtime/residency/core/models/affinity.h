@@ -72,7 +72,7 @@
  * stream) that reset let through bursts of wasted prefetches (18,000 issued over 1000 tokens
  * with the neighbour vote, 4,200 now), and on the real traces it scored 1.794x forced Belady
  * against 1.792x now.
- * Operations are in the order of the Python reference (runtime/residency/reference_affinity.py).
+ * Operations are in the order of the Python reference (runtime/residency/reference/affinity.py).
  */
 #ifndef AFFINITY_H
 #define AFFINITY_H

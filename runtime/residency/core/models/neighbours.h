@@ -28,7 +28,7 @@
  * history token by token. Needs k (n_expert_used): with k = 0 there is no history. The
  * constants were chosen on the two real traces; the variants tried scored within 0.01x but
  * for a shorter history (32 or 64 tokens: 0.03x and 0.01x worse; docs/design/policy-study.md).
- * Operations are in the order of the Python reference (runtime/residency/reference_neighbours.py).
+ * Operations are in the order of the Python reference (runtime/residency/reference/neighbours.py).
  */
 #ifndef NEIGHBOURS_H
 #define NEIGHBOURS_H

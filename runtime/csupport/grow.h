@@ -1,5 +1,5 @@
-/* grow: the one array-growth helper of the native library's C files (residency_core.c,
- * route_hook.c, the RAM tier's tier_io.c and file_pages.c). Internal: not part of the cdef. */
+/* grow: the one array-growth helper of the C library's parts (the residency core, the routing
+ * hook, the RAM tier's tier_io.c). Internal: not part of the cdef. */
 #ifndef GROW_H
 #define GROW_H
 #include <stddef.h>

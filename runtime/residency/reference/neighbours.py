@@ -1,5 +1,5 @@
 """``Neighbours``: the Python reference of prefetch ``affinity``'s token-neighbour vote
-(runtime/residency/core/neighbours.c; the rules are in neighbours.h). Tests only.
+(runtime/residency/core/models/neighbours.c; the rules are in neighbours.h). Tests only.
 
 Where the C keeps bitsets and a top list updated as sims grow, this keeps every token's
 routing and ranks by sorting; every floating-point operation is the C's, in its order (the

@@ -1,5 +1,6 @@
 /* nv_lists: eviction next-visit's per-layer lists (nv_victim.h): each layer's membership in
- * the order (a bitmap) and a prefix of its keys in (z, last seq, flat), kept between calls. */
+ * the order (a bitmap) and a prefix of its keys in (z, last seq, flat), kept between calls.
+ * nv_victim.c calls this file, never the other way (what both need is nv_victim_impl.h). */
 #include "nv_victim_impl.h"
 
 #include <math.h>
@@ -18,7 +19,7 @@ void nvv_push(nv_victim *s, int32_t f, int64_t last_seq) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] |= (uint64_t) 1 << (e % 64);
     s->last_seq[f] = last_seq;
-    nvv_stale(s, l);
+    mark_layer(s, l);
     if (!list_valid(s, l)) {                      /* refilled on its next use anyway */
         s->list_vis[l] = -1;                      /* (not re-sorted: f's z is not bounded) */
         return;
@@ -49,7 +50,7 @@ void nvv_push(nv_victim *s, int32_t f, int64_t last_seq) {
 void nvv_remove(nv_victim *s, int32_t f) {
     const int32_t l = f / s->n_expert, e = f - l * s->n_expert;
     s->members[l * s->n_words + e / 64] &= ~((uint64_t) 1 << (e % 64));
-    nvv_stale(s, l);
+    mark_layer(s, l);
     if (!s->in_list[f]) return;
     s->in_list[f] = 0;
     int32_t *list = &s->list[l * NV_LIST];

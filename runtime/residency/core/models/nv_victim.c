@@ -76,22 +76,13 @@ void nvv_free(nv_victim *s) {
     free(s);
 }
 
-static void mark(nv_victim *s, int32_t k) {
-    if (s->dirty[k]) return;
-    s->dirty[k] = 1;
-    s->dirty_list[s->n_dirty++] = k;
-}
-
-void nvv_stale(nv_victim *s, int32_t layer) {
-    const int32_t k = s->nv->moe_index[layer];
-    if (k >= 0) mark(s, k);
-}
+void nvv_stale(nv_victim *s, int32_t layer) { mark_layer(s, layer); }
 
 void nvv_hold(nv_victim *s, int32_t layer, const int32_t *restrict experts, int32_t n,
               int32_t delta) {
     int32_t *restrict holds = &s->holds[layer * s->n_expert];
     for (int32_t i = 0; i < n; i++) holds[experts[i]] += delta;
-    nvv_stale(s, layer);
+    mark_layer(s, layer);
 }
 
 void nvv_stale_all(nv_victim *s) {

@@ -1,5 +1,6 @@
 /* nv_victim's private parts, shared by nv_victim.c (the candidates and the victim) and
- * nv_lists.c (each layer's list of its lowest keys, the membership bitmap). */
+ * nv_lists.c (each layer's list of its lowest keys, the membership bitmap), which calls
+ * nothing of nv_victim.c: what both need is here. */
 #ifndef NV_VICTIM_IMPL_H
 #define NV_VICTIM_IMPL_H
 #include "nv_victim.h"
@@ -20,6 +21,19 @@ static inline int is_member(const nv_victim *s, int32_t f) {
 
 static inline int list_valid(const nv_victim *s, int32_t l) {
     return s->list_vis[l] == s->nv->vis[l] && s->list_ver[l] == s->nv->version;
+}
+
+/* MoE index k's candidate is dirty (found again on the next search) */
+static inline void mark(nv_victim *s, int32_t k) {
+    if (s->dirty[k]) return;
+    s->dirty[k] = 1;
+    s->dirty_list[s->n_dirty++] = k;
+}
+
+/* the layer's candidate is dirty (nvv_stale; a key joined or left, a hold changed) */
+static inline void mark_layer(nv_victim *s, int32_t layer) {
+    const int32_t k = s->nv->moe_index[layer];
+    if (k >= 0) mark(s, k);
 }
 
 /* for each key g of the layer in the order (its bitmap), in flat order */

@@ -22,7 +22,6 @@ The rules (also the header comment of residency_core.c):
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -32,8 +31,6 @@ from runtime.residency.core import (ABSENT, COUNTERS, ERR_CHARGED, ERR_EXPERT, E
                                     CorePolicy, PoolStats)
 from runtime.residency.policies.factory import policy_entry
 from runtime.residency.policies.prefetch import PlanStep
-from runtime.residency.reference_affinity import AffinityModel
-from runtime.residency.reference_next_visit import NextVisitModel
 
 C = {name: i for i, name in enumerate(COUNTERS)}   # counter name -> index, the core's order
 
@@ -60,16 +57,24 @@ class ReferenceCore:
         self.state = [ABSENT] * n
         self.last = [-1] * n
         self.uses = [[0] * n for _ in range(3)]
-        self.decay = [-math.inf] * n
         self.next_use = [NEVER] * n
         # each order's and phase's reference class, resolved once (as rc_create copies the
         # C descriptors into the core)
         self.evictions = [policy_entry("eviction", o[0]).reference for o in policy.orders]
         self.admissions = [policy_entry("admission", a[0]).reference for a in policy.admission]
         self.planners = [policy_entry("prefetch", p[0]).reference for p in policy.prefetch]
-        self.nv = self.af = None            # the learned policies' models (their create)
-        for model in set(self.evictions) | set(self.planners):
-            model.create(self)
+        # each policy's own state (its create, from its parameter block), as rc_create makes
+        # it: one per order; one per distinct planner (the first phase naming it), shared
+        self.order_state = [cls.create(self, params)
+                            for cls, (_, params) in zip(self.evictions, policy.orders)]
+        first: dict[str, object] = {}
+        for cls, (name, params) in zip(self.planners, policy.prefetch):
+            if name not in first:
+                first[name] = cls.create(self, params)
+        self.planner_state = [first[name] for name, _ in policy.prefetch]
+        self.planner_models = [(self.planners[ph], first[name]) for ph, (name, _) in
+                               enumerate(policy.prefetch)
+                               if name not in [n for n, _ in policy.prefetch[:ph]]]
         self.keeps_history = any(p.needs_history for p in self.planners)
         self.pinned: set[int] = set()
         self.pins_by_layer: dict[int, list[int]] = {}
@@ -82,19 +87,6 @@ class ReferenceCore:
         self.pf_event_of: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------
-    def next_visit_model(self) -> NextVisitModel:
-        """eviction next-visit's model (its reference class's create)"""
-        return NextVisitModel(self.n_layer, self.n_expert, self.moe_layers,
-                              self.policy.nv_learning_rate)
-
-    def affinity_model(self) -> AffinityModel:
-        """prefetch affinity's model (its reference class's create)"""
-        p = self.policy
-        model = AffinityModel(self.n_layer, self.n_expert, self.moe_layers, *p.affinity,
-                              float(max(self.nbytes)), p.affinity_rates, p.n_expert_used)
-        model.bytes_of = lambda f: self.nbytes[f]
-        return model
-
     def set_pools(self, pool_of_layer, capacities) -> int:
         if not capacities:
             return ERR_POOL
@@ -135,8 +127,9 @@ class ReferenceCore:
 
     def order_key(self, order: int, f: int) -> tuple:
         """(priority, last seq, flat) of ``f`` in eviction order ``order``: lowest goes first."""
-        _, p1, p2 = self.policy.orders[order]
-        return self.evictions[order].priority(self, (p1, p2), f), self.last[f], f
+        _, params = self.policy.orders[order]
+        return (self.evictions[order].priority(self, params, self.order_state[order], f),
+                self.last[f], f)
 
     def _protected(self, f: int, seq0: int) -> bool:
         leased = any(base + e == f for base, el in self.leases.values() for e in el)
@@ -199,12 +192,13 @@ class ReferenceCore:
         self.seq += len(el)
         missed: list[int] = []
         tr = 0
-        if self.nv is not None:
-            st = self.state
-            self.nv.visit(layer, el, phase,
-                          [st[base + e] <= RESIDENT_MAX for e in range(self.n_expert)])
-        if self.af is not None:
-            self.af.observe(layer, el, phase)
+        for cls, state in zip(self.evictions, self.order_state):
+            if cls.visit is not None:                # (next-visit's model learns)
+                cls.visit(state, layer, el, phase, [self.state[base + e] <= RESIDENT_MAX
+                                                    for e in range(self.n_expert)])
+        for cls, state in self.planner_models:
+            if cls.observe is not None:
+                cls.observe(state, layer, el, phase)
         for i, e in enumerate(el):
             f = base + e
             if self.state[f] > RESIDENT_MAX:
@@ -214,12 +208,11 @@ class ReferenceCore:
                 tr += 1
             self.last[f] = seq0 + i
             self.uses[phase][f] += 1
-            if self.policy.decay_rate > 0:
-                a, x = self.decay[f], self.policy.decay_rate * (seq0 + i)
-                hi, lo = (a, x) if a > x else (x, a)
-                self.decay[f] = hi + math.log1p(math.exp(lo - hi))
             if self.policy.track_next_use:
                 self.next_use[f] = nul[i]
+        for cls, state in zip(self.evictions, self.order_state):
+            if cls.observe is not None:              # the policies' own counts (lfu-decay's)
+                cls.observe(state, layer, el, self.n_expert, seq0)
         if lease_id > 0:
             self.leases[lease_id] = (base, list(el))
         for f in self.pins_by_layer.pop(layer, []):
@@ -280,8 +273,8 @@ class ReferenceCore:
                           tuple(res["transient"]), tuple(res["prefetched"]))
 
     def _admit(self, phase: int, f: int, victims: list[int]) -> bool:
-        param = self.policy.admission[phase][1]
-        return self.admissions[phase].admit(self, phase, f, victims, param)
+        block = self.policy.admission[phase][1]
+        return self.admissions[phase].admit(self, phase, f, victims, block[0] if block else 0.0)
 
     def _access_static(self, layer: int, el: list[int], phase: int, lease_id: int):
         base = layer * self.n_expert
@@ -300,22 +293,21 @@ class ReferenceCore:
 
     def _run_prefetch(self, layer: int, phase: int, upcoming, seq0: int, res: dict,
                       n_hits: int, n_misses: int) -> None:
-        param = self.policy.prefetch[phase][1]
         ne = self.n_expert
         if upcoming is not None and self.policy.track_next_use:
             ul, ue, ui = upcoming
             for e, idx in zip(reversed(list(ue)), reversed(list(ui))):
                 self.next_use[int(ul) * ne + int(e)] = int(idx)
         planner = self.planners[phase]
-        step = PlanStep(layer, phase, param, upcoming, n_hits, n_misses,
-                        tuple(x for x in self.moe_layers if x > layer))
+        step = PlanStep(layer, phase, self.policy.prefetch[phase][1], self.planner_state[phase],
+                        upcoming, n_hits, n_misses, tuple(x for x in self.moe_layers if x > layer))
         plan, mine = planner.plan(self, step)
         if not plan:
             return
         before = len(res["prefetched"])
         self._prefetch_flats(plan, phase, seq0, res, mine)
         if hasattr(planner, "after"):
-            planner.after(self, plan, [f for f, _ in res["prefetched"][before:]])
+            planner.after(self, step.state, plan, [f for f, _ in res["prefetched"][before:]])
 
     def _prefetch_flats(self, flats, phase: int, seq0: int, res: dict, mine=None) -> None:
         order = self.policy.phase_order[phase]
@@ -421,14 +413,14 @@ class ReferenceCore:
 
     def warm_start(self, frequency, pair, count, history=None) -> None:
         freq = np.asarray(frequency, dtype=np.float64).reshape(-1).tolist()
-        if self.nv is not None:
-            self.nv.h = [list(freq) for _ in self.nv.h]
+        for cls, state in zip(self.evictions, self.order_state):
+            if cls.warm_start is not None:
+                cls.warm_start(state, freq)
         pair, count = np.asarray(pair), np.asarray(count)
-        if self.af is not None and pair.size:
-            self.af.warm_start(pair, count)
-        if self.af is not None and self.af.nb is not None and history is not None \
-                and np.asarray(history).size:
-            self.af.nb.warm_start(np.asarray(history).tolist())
+        history = None if history is None else np.asarray(history)
+        for cls, state in self.planner_models:
+            if cls.warm_start is not None:
+                cls.warm_start(state, pair, count, history)
 
     # -- the mechanism ---------------------------------------------------------------------
     def forget(self, f: int) -> int:

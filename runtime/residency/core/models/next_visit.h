@@ -38,7 +38,7 @@
  * took most of its gain in a scratch simulation: 1.9251x against 1.9221x.) The learning
  * still fits p at the next visit only.
  * Every operation is written in the order the Python reference
- * (runtime/residency/reference_next_visit.py) performs it, so both give the same doubles.
+ * (runtime/residency/reference/next_visit.py) performs it, so both give the same doubles.
  */
 #ifndef NEXT_VISIT_H
 #define NEXT_VISIT_H
