@@ -31,9 +31,10 @@ from runtime.engine.loading import (load_with_progress, make_context_params, thr
                                     thread_tuner)
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
-from runtime.engine.imposed_routing import imposed_for
-from runtime.engine.c_hook import CHook
-from runtime.engine.routing_hook import RouteAssembler, RouteObserver
+from runtime.engine.hook.imposed_routing import imposed_for
+from runtime.engine.hook.c_hook import CHook
+from runtime.engine.hook.events import RouteObserver
+from runtime.engine.hook.reference import RouteAssembler
 from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.model_file import ModelFileWatch
 from runtime.engine.sampling import SamplingParams

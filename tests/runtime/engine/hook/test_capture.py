@@ -8,8 +8,8 @@ import pytest
 
 from runtime.engine import engine as engine_module
 from runtime.engine.engine import Engine
-from runtime.engine.c_hook import CHook
-from runtime.engine.routing_hook import RoutingHook
+from runtime.engine.hook.c_hook import CHook
+from runtime.engine.hook.reference import RoutingHook
 from runtime.engine.sampling import SamplingParams
 from runtime.residency.types import Phase
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from runtime.native import llama_lib
-from runtime.engine.c_hook import CHook
-from runtime.engine.routing_hook import RouteAssembler
+from runtime.engine.hook.c_hook import CHook
+from runtime.engine.hook.reference import RouteAssembler
 from runtime.residency.types import Phase
 
 

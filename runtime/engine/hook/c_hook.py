@@ -1,7 +1,7 @@
 """The routing hook in C (route_hook.c): ``cb_eval`` with no Python call per layer-step.
 
 The C hook is the only live framing of routing events: it reads each MoE layer's router
-output, frames it into an event (RouteAssembler's rules: runtime/engine/routing_hook.py is the
+output, frames it into an event (RouteAssembler's rules: runtime/engine/hook/reference.py is the
 slow reference the tests compare against) and steps its one list of consumers before the
 layer's expert matmuls run:
 
@@ -26,8 +26,9 @@ from collections.abc import Callable
 import numpy as np
 
 from runtime.clib import load_library
-from runtime.engine.residency_observer import ResidencyObserver
-from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, raise_failure
+from runtime.engine.hook.events import RouteCaptureError, RouteEvent, raise_failure
+from runtime.engine.hook.reference import RouteAssembler
+from runtime.engine.hook.residency_observer import ResidencyObserver
 from runtime.residency.types import Phase
 
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
@@ -114,7 +115,7 @@ class CHook:
         self.watchers = watchers
 
     def impose(self, routing, n_expert: int) -> None:
-        """Route as ``routing`` (runtime.engine.imposed_routing.ImposedRouting) says."""
+        """Route as ``routing`` (runtime.engine.hook.imposed_routing.ImposedRouting) says."""
         tensor_set = ctypes.cast(self._ll.ggml().base.ggml_backend_tensor_set,
                                  ctypes.c_void_p).value
         experts = np.ascontiguousarray(routing.experts, dtype=np.int32)
