@@ -8,6 +8,7 @@ router output before its expert matmuls run and steps the residency consumers wi
   route_impose.c        imposed routing: the router's logits set from a trace
   route_hook_impl.h     the private struct of the files above
   c_hook.py             CHook, the C hook's Python side (the only live framing)
+  config.py             HookConfig: the C hook's own description (layers, k, strict)
   events.py             RouteEvent, RouteObserver, RouteCaptureError: what both hooks hand out
   reference.py          the slow reference: RouteAssembler (the framing rules on arrays) and
                         RoutingHook (a Python cb_eval); tests compare the C hook against it

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.engine.hook.config import HookConfig
 from runtime.engine.hook.events import RouteCaptureError, RouteEvent, RouteObserver, raise_failure
 from runtime.residency.types import Phase
 
@@ -165,14 +166,18 @@ class RouteAssembler:
 
 
 class RoutingHook:
-    """The Python ``cb_eval`` (the reference of c_hook.CHook, with its wiring):
-    router outputs framed into RouteEvents for observers by RouteAssembler. Every graph node
-    costs a Python call: for tests. Keep the hook alive as long as the context."""
+    """The Python ``cb_eval`` (the reference of c_hook.CHook, with its wiring and its
+    constructor): router outputs framed into RouteEvents for observers by a RouteAssembler
+    built from the same ``config``. Every graph node costs a Python call: for tests. Keep the
+    hook alive as long as the context."""
 
-    def __init__(self, assembler: RouteAssembler):
+    def __init__(self, config: HookConfig):
         from runtime.native import llama_lib  # noqa: PLC0415 - loads llama.cpp
 
         self._lib = llama_lib
+        self.config = config
+        assembler = RouteAssembler(config.moe_layers, config.n_expert_used, config.n_layer)
+        assembler.strict = config.strict
         self.assembler = assembler
         self.error: BaseException | None = None
         self.watchers: dict[bytes, Callable[[str, np.ndarray], None]] = {}
@@ -194,6 +199,19 @@ class RoutingHook:
         self._n_own = 0              # observers of the hook's wiring, before the engine's
 
     # -- wiring (CHook's, as observers) ----------------------------------------------
+    @property
+    def turn(self) -> int:
+        """The turn the next batches' events carry (the engine sets it per generation)."""
+        return self.assembler.turn
+
+    @turn.setter
+    def turn(self, turn: int) -> None:
+        self.assembler.turn = turn
+
+    def add_observer(self, observer: RouteObserver) -> None:
+        """Receive every route event (after the hook's own observers)."""
+        self.assembler.observers.append(observer)
+
     def _own(self, observer) -> None:
         self.assembler.observers.insert(self._n_own, observer)
         self._n_own += 1

@@ -94,8 +94,7 @@ class CollectAtBatchEnd(Collect):
 
 def _events(make_settings, model, prompt, observer, monkeypatch=None, **kw):
     if monkeypatch is not None:                 # the slow reference: Python's cb_eval
-        monkeypatch.setattr(engine_module, "CHook",
-                            lambda assembler, _n_layer: RoutingHook(assembler))
+        monkeypatch.setattr(engine_module, "CHook", RoutingHook)   # built from the same config
     engine = Engine(make_settings(model, n_batch=64, n_ubatch=4, **kw), progress=False)
     if monkeypatch is not None:
         monkeypatch.undo()
