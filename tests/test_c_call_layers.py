@@ -35,11 +35,11 @@ LAYERS: list[tuple[tuple[str, tuple[str, ...]], ...]] = [
     (("core api", ("residency/core/api.c",)),),               # the entry points (the mutex)
     (("core step", ("residency/core/step.c",)),),             # rc_step, rc_bench_live
     (("device cache", ("native/*",)), ("RAM tier", ("ramtier/*",))),
-    (("hook framing", ("engine/route_frame.h",)),),
-    (("hook records", ("engine/route_hook.h", "engine/route_hook_impl.h")),),
-    (("hook consumers", ("engine/route_consumers.c",)),
-     ("hook imposed routing", ("engine/route_impose.c",))),
-    (("hook", ("engine/route_hook.c",)),),                    # the callback
+    (("hook framing", ("engine/hook/route_frame.h",)),),
+    (("hook records", ("engine/hook/route_hook.h", "engine/hook/route_hook_impl.h")),),
+    (("hook consumers", ("engine/hook/route_consumers.c",)),
+     ("hook imposed routing", ("engine/hook/route_impose.c",))),
+    (("hook", ("engine/hook/route_hook.c",)),),               # the callback
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit, _ in units}
 KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "do", "else", "case",

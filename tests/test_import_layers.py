@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime.residency",),                      # the manager, its core and policies
     ("runtime.native", "runtime.ramtier", "runtime.replay"),
     ("runtime.rpc",),
+    ("runtime.engine.hook",),                    # the routing hook: C, its Python side and
+                                                 # its slow reference (no engine import)
     ("runtime.engine",),                         # llama.cpp under residency
     ("runtime.bench", "runtime.server"),
     ("runtime.commands",),                       # the CLI's commands, the planner

@@ -149,7 +149,7 @@ class ConfigRunner:
         """The imposed trace played from its first position: its prompt, then every decode
         row. (prompt, generation) samples, or the whole play's when ``cold`` (page cache
         dropped first)."""
-        from runtime.engine.imposed_routing import imposed_request
+        from runtime.engine.hook.imposed_routing import imposed_request
         from runtime.engine.sampling import SamplingParams
 
         if cold:

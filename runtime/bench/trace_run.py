@@ -62,7 +62,7 @@ def run_row(model: str, trace: str, row: TraceRow, *, threads: int | None, n_ctx
             report=progress) -> dict:
     """Load, play the trace once, and measure (see the module docstring)."""
     from runtime.bench.memwatch import process_read_bytes  # noqa: PLC0415
-    from runtime.engine.imposed_routing import imposed_request  # noqa: PLC0415
+    from runtime.engine.hook.imposed_routing import imposed_request  # noqa: PLC0415
     from runtime.engine.engine import Engine, EngineSettings  # noqa: PLC0415
     from runtime.engine.sampling import SamplingParams  # noqa: PLC0415
     from runtime.residency.types import Phase  # noqa: PLC0415

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     facts = read_model_facts(model)
     imposed = None
     if args.route_trace is not None:      # a bad trace: one line before any row runs
-        from runtime.engine.imposed_routing import imposed_for  # noqa: PLC0415
+        from runtime.engine.hook.imposed_routing import imposed_for  # noqa: PLC0415
 
         imposed = imposed_for(args.route_trace, facts).note()
     total = facts.total_expert_bytes

@@ -198,7 +198,7 @@ class _StoreGiven(argparse.Action):
 
 
 def add_route_trace_arg(parser: argparse.ArgumentParser) -> None:
-    """``--route-trace TRACE`` (runtime.engine.imposed_routing)."""
+    """``--route-trace TRACE`` (runtime.engine.hook.imposed_routing)."""
     parser.add_argument(
         "--route-trace", metavar="TRACE", default=None,
         help="route as TRACE did (a routing trace, CSV or .rtb, of the model's shape): prompt "

@@ -89,7 +89,7 @@ def _write(text: str) -> None:
 def run_complete(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; the timings line to stderr."""
     from runtime.commands.engine_args import sampling_from_args, settings_from_args  # noqa: PLC0415
-    from runtime.engine.imposed_routing import imposed_request  # noqa: PLC0415
+    from runtime.engine.hook.imposed_routing import imposed_request  # noqa: PLC0415
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.engine.stats_file import check_stats_json_path, write_stats_json  # noqa: PLC0415
 

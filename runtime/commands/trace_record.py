@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runtime.atomic_write import scratch_path
-from runtime.engine.routing_hook import RouteEvent
+from runtime.engine.hook.events import RouteEvent
 from runtime.engine.stats_file import add_stats_json_arg, check_stats_json_path, write_stats_json
 from runtime.engine.types import Fault
 from runtime.errors import UserError
@@ -184,7 +184,7 @@ def _turns(args: argparse.Namespace) -> list[str | None]:
 
 def run_record(args: argparse.Namespace) -> int:
     from runtime.commands.engine_args import sampling_from_args, settings_from_args  # noqa: PLC0415
-    from runtime.engine.imposed_routing import imposed_request  # noqa: PLC0415
+    from runtime.engine.hook.imposed_routing import imposed_request  # noqa: PLC0415
     from runtime.engine.engine import Engine  # noqa: PLC0415
     from runtime.traces.model_header import header_from_model  # noqa: PLC0415
     from runtime.traces.writer import TraceWriter  # noqa: PLC0415
@@ -238,7 +238,7 @@ def _imposed(settings):
         return None
     from gguf_tools.facts import read_model_facts  # noqa: PLC0415
     from runtime.engine.engine import check_model_path  # noqa: PLC0415
-    from runtime.engine.imposed_routing import imposed_for  # noqa: PLC0415
+    from runtime.engine.hook.imposed_routing import imposed_for  # noqa: PLC0415
 
     check_model_path(settings.model_path)
     return imposed_for(settings.route_trace, read_model_facts(settings.model_path))

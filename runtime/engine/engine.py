@@ -31,9 +31,10 @@ from runtime.engine.loading import (load_with_progress, make_context_params, thr
                                     thread_tuner)
 from runtime.engine.placement import Placement
 from runtime.engine.prompt_cache import common_prefix
-from runtime.engine.imposed_routing import imposed_for
-from runtime.engine.c_hook import CHook
-from runtime.engine.routing_hook import RouteAssembler, RouteObserver
+from runtime.engine.hook.imposed_routing import imposed_for
+from runtime.engine.hook.c_hook import CHook
+from runtime.engine.hook.config import HookConfig
+from runtime.engine.hook.events import RouteObserver
 from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.model_file import ModelFileWatch
 from runtime.engine.sampling import SamplingParams
@@ -152,10 +153,9 @@ class Engine:
             if self.remote is not None:    # whole layers remote: reading their routing would
                 remote = self.remote.remote_whole_layers()   # cost a round trip each
                 moe_layers = tuple(layer for layer in moe_layers if layer not in remote)
-            assembler = RouteAssembler(moe_layers, self.facts.n_expert_used,
-                                       self.facts.n_layer)
-            assembler.strict = settings.capture_all_tokens
-            self.hook = CHook(assembler, self.facts.n_layer)
+            self.hook = CHook(HookConfig(self.facts.n_layer, tuple(moe_layers),
+                                         self.facts.n_expert_used,
+                                         strict=settings.capture_all_tokens))
             if self.imposed is not None:
                 self.hook.impose(self.imposed, self.facts.n_expert)
         params = make_context_params(settings, self.hook)
@@ -209,7 +209,7 @@ class Engine:
         """Receive every route event (requires the hook: residency on, or recording)."""
         if self.hook is None:
             raise RuntimeError("routing hook is off (manage_residency=False): no route events")
-        self.hook.assembler.observers.append(observer)
+        self.hook.add_observer(observer)
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are parsed as such.
@@ -354,7 +354,7 @@ class Engine:
         gen = None
         try:
             if self.hook is not None:
-                self.hook.assembler.turn = self._turn
+                self.hook.turn = self._turn
             self._turn += 1
             if self.imposed is not None:
                 params = self._imposed_params(len(tokens), params)

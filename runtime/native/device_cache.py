@@ -85,7 +85,7 @@ class DeviceCache:
     """One device's cache: the manager's (inline) Transport for its device, and a
     RouteObserver. The mechanism is C (runtime/native/device_cache.c, one ``dc_cache``): the
     routing hook's native mode calls it per layer-step without Python (``native_handle``);
-    in the reference hook (routing_hook.py) ``on_route`` calls the same C code.
+    in the reference hook (hook/reference.py) ``on_route`` calls the same C code.
 
     The manager decides at once (an admitted expert is resident from its admission on); the C
     side moves the bytes: victims' table entries are cleared and their slots freed (or their

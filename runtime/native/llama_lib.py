@@ -182,6 +182,42 @@ def _guard_amx(ll) -> None:
     logging.getLogger("moe_offload").info("%s", AMX_NOTE)
 
 
+_P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
+# name -> (restype, argtypes) of the ggml functions the engine calls (ggml-backend.h, ggml.h)
+_GGML_BASE = {
+    "ggml_backend_tensor_get": (None, [_P, _P, _SIZE, _SIZE]),
+    "ggml_nbytes": (_SIZE, [_P]),
+    "ggml_get_name": (_P, [_P]),
+    "ggml_backend_cpu_buffer_type": (_P, []),
+    "ggml_backend_dev_buffer_type": (_P, [_P]),
+    "ggml_backend_dev_name": (ctypes.c_char_p, [_P]),
+    "ggml_backend_dev_type": (ctypes.c_int, [_P]),
+    "ggml_backend_dev_memory": (None, [_P, ctypes.POINTER(_SIZE), ctypes.POINTER(_SIZE)]),
+    "ggml_backend_buft_name": (ctypes.c_char_p, [_P]),
+    "ggml_backend_buffer_get_type": (_P, [_P]),
+    "ggml_backend_reg_dev_count": (_SIZE, [_P]),
+    "ggml_backend_reg_dev_get": (_P, [_P, _SIZE]),
+    "ggml_backend_dev_description": (ctypes.c_char_p, [_P]),
+}
+_GGML_REG = {
+    "ggml_backend_dev_count": (_SIZE, []),
+    "ggml_backend_dev_get": (_P, [_SIZE]),
+    # the device registry calls of remote devices (runtime/rpc/backend.py)
+    "ggml_backend_register": (None, [_P]),
+    "ggml_backend_dev_by_name": (_P, [ctypes.c_char_p]),
+    "ggml_backend_dev_by_type": (_P, [ctypes.c_int]),
+}
+
+
+def declare(lib: ctypes.CDLL, signatures: dict[str, tuple[object, list]]) -> None:
+    """Give each of ``lib``'s functions named in ``signatures`` its ctypes signature,
+    ``name -> (restype, argtypes)``: the one way a library is declared here (ggml's below,
+    ggml-rpc's in runtime/rpc/backend.py)."""
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+
+
 class _Ggml:
     """ggml functions the engine calls, from the libraries libllama already loaded."""
 
@@ -190,46 +226,8 @@ class _Ggml:
         base = ctypes.CDLL("libggml-base.so.0")
         reg = ctypes.CDLL("libggml.so.0")
         self.base, self.reg = base, reg
-        base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                                 ctypes.c_size_t, ctypes.c_size_t]
-        base.ggml_backend_tensor_get.restype = None
-        base.ggml_nbytes.argtypes = [ctypes.c_void_p]
-        base.ggml_nbytes.restype = ctypes.c_size_t
-        base.ggml_get_name.argtypes = [ctypes.c_void_p]
-        base.ggml_get_name.restype = ctypes.c_void_p
-        base.ggml_backend_cpu_buffer_type.argtypes = []
-        base.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
-        base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
-        base.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_name.restype = ctypes.c_char_p
-        base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_type.restype = ctypes.c_int
-        base.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p,
-                                                 ctypes.POINTER(ctypes.c_size_t),
-                                                 ctypes.POINTER(ctypes.c_size_t)]
-        base.ggml_backend_dev_memory.restype = None
-        base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_buft_name.restype = ctypes.c_char_p
-        base.ggml_backend_buffer_get_type.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
-        reg.ggml_backend_dev_count.argtypes = []
-        reg.ggml_backend_dev_count.restype = ctypes.c_size_t
-        reg.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        reg.ggml_backend_dev_get.restype = ctypes.c_void_p
-        # the device registry calls of remote devices (runtime/rpc/backend.py)
-        reg.ggml_backend_register.argtypes = [ctypes.c_void_p]
-        reg.ggml_backend_register.restype = None
-        reg.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
-        reg.ggml_backend_dev_by_name.restype = ctypes.c_void_p
-        reg.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-        reg.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-        base.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-        base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        base.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
-        base.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
-        base.ggml_backend_dev_description.restype = ctypes.c_char_p
+        declare(base, _GGML_BASE)
+        declare(reg, _GGML_REG)
 
 
 _ggml: _Ggml | None = None

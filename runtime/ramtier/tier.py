@@ -2,7 +2,7 @@
 routing observer that pages each layer's experts in before its expert matmul runs.
 
 Per layer and ubatch the work is C (tier_io.c, stepped by the routing hook's native mode, or
-by ``on_route`` in the reference hook, routing_hook.py; no Python call per layer-step live):
+by ``on_route`` in the reference hook, hook/reference.py; no Python call per layer-step live):
   1. the previous layer's lease ends and its transient experts' pages are dropped (its matmul
      has run: the graph is sequential);
   2. the cpu device's residency core decides hits, admissions (resident at once) and

@@ -1,7 +1,7 @@
 /* tier_io: the RAM tier's per-layer work in C (runtime/ramtier/tier.py owns it from Python).
  *
  * Per MoE layer-step (rt_step, called by the routing hook's native mode in route_hook.c, or by
- * RamTier.on_route in the reference hook, routing_hook.py): the residency core of device "cpu"
+ * RamTier.on_route in the reference hook, hook/reference.py): the residency core of device "cpu"
  * decides (rc_access, inline: admissions are resident at once); the layer's experts whose pages
  * are not in the page cache (admissions, transient uses, hits the kernel reclaimed: a one-page
  * mincore probe per layer-step, then mincore over the hits' ranges) are queued on the reader

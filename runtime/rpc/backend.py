@@ -26,6 +26,16 @@ class RemoteHandle:
     ggml_name: str       # "RPC0", "RPC1", ...
 
 
+# name -> (restype, argtypes) of ggml-rpc's functions (ggml-rpc.h, with patch 0004's)
+_RPC = {
+    "ggml_backend_rpc_add_server": (ctypes.c_void_p, [ctypes.c_char_p]),
+    "ggml_backend_rpc_failure_count": (ctypes.c_uint64, []),
+    "ggml_backend_rpc_endpoint_failed": (ctypes.c_bool, [ctypes.c_char_p]),
+    "ggml_backend_rpc_start_server": (None, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                             ctypes.c_size_t, ctypes.c_void_p]),
+}
+
+
 class _RpcLib:
     def __init__(self) -> None:
         from runtime.native import llama_lib  # noqa: PLC0415
@@ -44,16 +54,7 @@ class _RpcLib:
                             "(a lost connection would abort the process): rebuild with "
                             "`moe-offload native build --rpc`")
         self.lib = lib
-        lib.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
-        lib.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
-        lib.ggml_backend_rpc_failure_count.argtypes = []
-        lib.ggml_backend_rpc_failure_count.restype = ctypes.c_uint64
-        lib.ggml_backend_rpc_endpoint_failed.argtypes = [ctypes.c_char_p]
-        lib.ggml_backend_rpc_endpoint_failed.restype = ctypes.c_bool
-        lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p,
-                                                      ctypes.c_size_t, ctypes.c_size_t,
-                                                      ctypes.c_void_p]
-        lib.ggml_backend_rpc_start_server.restype = None
+        llama_lib.declare(lib, _RPC)
         handles = llama_lib.ggml()             # the registry libllama uses, declared once there
         self.reg, self.base = handles.reg, handles.base
         self._registered: dict[str, list[int]] = {}    # endpoint -> device handles

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.engine.engine import Engine
-from runtime.engine.routing_hook import RouteCaptureError
+from runtime.engine.hook.events import RouteCaptureError
 from runtime.engine.sampling import SamplingParams
 from runtime.residency.types import Phase
 

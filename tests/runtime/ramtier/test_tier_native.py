@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gguf_tools.synth import SynthSpec
-from runtime.engine.routing_hook import RouteCaptureError
+from runtime.engine.hook.events import RouteCaptureError
 from runtime.ramtier import RamTier
 from runtime.ramtier.layout import ExpertLayout
 from runtime.ramtier.mapping import FileMapping

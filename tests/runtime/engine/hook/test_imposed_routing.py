@@ -15,7 +15,7 @@ from gguf_tools.synth import SynthSpec
 from runtime.traces.files import read_trace, write_trace
 from tests.conftest import write_dense_gguf
 
-REAL = Path(__file__).parents[1] / "traces" / "data"
+REAL = Path(__file__).parents[2] / "traces" / "data"
 ARGS = ["-c", "512", "-t", "1", "--temp", "0"]
 ROUTED = ("phase", "step", "layer", "slot", "expert")
 

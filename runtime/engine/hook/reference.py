@@ -31,41 +31,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from runtime.engine.hook.config import HookConfig
+from runtime.engine.hook.events import RouteCaptureError, RouteEvent, RouteObserver, raise_failure
 from runtime.residency.types import Phase
-
-
-@dataclass(frozen=True, slots=True)
-class RouteEvent:
-    """The routing of one layer for one ubatch: every row is one token."""
-
-    layer: int
-    phase: Phase
-    first_step: int          # context position of the first token (row 0)
-    turn: int
-    experts: np.ndarray      # (n_tokens, n_expert_used) int32, slot order (weight descending)
-    weights: np.ndarray      # (n_tokens, n_expert_used) float32, the weights applied
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.experts.shape[0])
-
-
-class RouteObserver(Protocol):
-    def on_route(self, event: RouteEvent) -> None:
-        """Called synchronously between a layer's router and its expert matmuls."""
-
-    def on_batch_end(self, phase: Phase, n_tokens: int) -> None:
-        """Called after each ``llama_decode`` (also a failed one, before its error is raised,
-        so leases get released); n_tokens: the batch's tokens."""
-
-
-class RouteCaptureError(RuntimeError):
-    """Routing capture or an observer failed during a decode; its results are discarded."""
-
 
 # Node kinds the hook cares about.
 _TOPK, _WEIGHTS, _FLUSH, _WATCH = 0, 1, 2, 3
@@ -194,23 +165,19 @@ class RouteAssembler:
             observer.on_route(event)
 
 
-def raise_failure(error: BaseException) -> None:
-    """Raise what an observer (or the capture) raised inside the graph: KeyboardInterrupt,
-    SystemExit and RouteCaptureError as they are, anything else as RouteCaptureError."""
-    if isinstance(error, (KeyboardInterrupt, SystemExit, RouteCaptureError)):
-        raise error
-    raise RouteCaptureError(f"routing observer failed: {error!r}") from error
-
-
 class RoutingHook:
-    """The Python ``cb_eval`` (the reference of c_hook.CHook, with its wiring):
-    router outputs framed into RouteEvents for observers by RouteAssembler. Every graph node
-    costs a Python call: for tests. Keep the hook alive as long as the context."""
+    """The Python ``cb_eval`` (the reference of c_hook.CHook, with its wiring and its
+    constructor): router outputs framed into RouteEvents for observers by a RouteAssembler
+    built from the same ``config``. Every graph node costs a Python call: for tests. Keep the
+    hook alive as long as the context."""
 
-    def __init__(self, assembler: RouteAssembler):
+    def __init__(self, config: HookConfig):
         from runtime.native import llama_lib  # noqa: PLC0415 - loads llama.cpp
 
         self._lib = llama_lib
+        self.config = config
+        assembler = RouteAssembler(config.moe_layers, config.n_expert_used, config.n_layer)
+        assembler.strict = config.strict
         self.assembler = assembler
         self.error: BaseException | None = None
         self.watchers: dict[bytes, Callable[[str, np.ndarray], None]] = {}
@@ -232,13 +199,26 @@ class RoutingHook:
         self._n_own = 0              # observers of the hook's wiring, before the engine's
 
     # -- wiring (CHook's, as observers) ----------------------------------------------
+    @property
+    def turn(self) -> int:
+        """The turn the next batches' events carry (the engine sets it per generation)."""
+        return self.assembler.turn
+
+    @turn.setter
+    def turn(self, turn: int) -> None:
+        self.assembler.turn = turn
+
+    def add_observer(self, observer: RouteObserver) -> None:
+        """Receive every route event (after the hook's own observers)."""
+        self.assembler.observers.append(observer)
+
     def _own(self, observer) -> None:
         self.assembler.observers.insert(self._n_own, observer)
         self._n_own += 1
 
     def feed(self, manager, devices) -> None:
         """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
-        from runtime.engine.residency_observer import ResidencyObserver  # noqa: PLC0415
+        from runtime.engine.hook.residency_observer import ResidencyObserver  # noqa: PLC0415
 
         self._own(ResidencyObserver(manager, devices))
 

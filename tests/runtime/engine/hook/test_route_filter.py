@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from runtime.native import llama_lib
-from runtime.engine.c_hook import CHook
-from runtime.engine.routing_hook import RouteAssembler
+from runtime.engine.hook.c_hook import CHook
+from runtime.engine.hook.config import HookConfig
 from runtime.residency.types import Phase
 
 
 @pytest.fixture
 def hook(monkeypatch):
     seen: list[tuple[str, bool]] = []
-    h = CHook(RouteAssembler((0, 1), 2, 2), 2)
+    h = CHook(HookConfig(n_layer=2, moe_layers=(0, 1), n_expert_used=2))
     monkeypatch.setattr(llama_lib, "read_tensor", lambda _ptr: np.zeros(1))
     for name in ("ffn_moe_probs-1", "ffn_moe_probs-0"):
         h.watch(name, lambda n, _data: seen.append(n))
@@ -59,3 +59,8 @@ def test_watched_names_are_checked(hook):
         h.watch("attn_norm-0", lambda *_: None)
     with pytest.raises(ValueError):
         h.watch("ffn_moe_" + "x" * 60, lambda *_: None)
+
+
+def test_the_hooks_description_names_only_the_models_layers():
+    with pytest.raises(ValueError, match="MoE layers \\[2\\] outside the model's 2 layers"):
+        HookConfig(n_layer=2, moe_layers=(0, 2), n_expert_used=2)

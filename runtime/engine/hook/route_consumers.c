@@ -1,9 +1,9 @@
 /* route_hook's consumers (route_hook.h: RH_CONSUMER_*): one list, each entry a kind's
  * (step, batch_end, error) over its object. */
 #include "route_hook_impl.h"
-#include "../native/device_cache.h"
-#include "../ramtier/tier_io.h"
-#include "../residency/core/residency_core.h"
+#include "../../native/device_cache.h"
+#include "../../ramtier/tier_io.h"
+#include "../../residency/core/residency_core.h"
 
 #include <stdio.h>
 

@@ -8,8 +8,8 @@ import pytest
 
 from runtime.engine import engine as engine_module
 from runtime.engine.engine import Engine
-from runtime.engine.c_hook import CHook
-from runtime.engine.routing_hook import RoutingHook
+from runtime.engine.hook.c_hook import CHook
+from runtime.engine.hook.reference import RoutingHook
 from runtime.engine.sampling import SamplingParams
 from runtime.residency.types import Phase
 
@@ -94,8 +94,7 @@ class CollectAtBatchEnd(Collect):
 
 def _events(make_settings, model, prompt, observer, monkeypatch=None, **kw):
     if monkeypatch is not None:                 # the slow reference: Python's cb_eval
-        monkeypatch.setattr(engine_module, "CHook",
-                            lambda assembler, _n_layer: RoutingHook(assembler))
+        monkeypatch.setattr(engine_module, "CHook", RoutingHook)   # built from the same config
     engine = Engine(make_settings(model, n_batch=64, n_ubatch=4, **kw), progress=False)
     if monkeypatch is not None:
         monkeypatch.undo()

@@ -1,6 +1,6 @@
 """The Python feed from routing to the residency manager: the bookkeeping of a manager that
 runs the Python reference core (the C hook steps a C core itself: rc_step), and of the
-reference hook (routing_hook.RoutingHook).
+reference hook (reference.RoutingHook).
 
 A thin adapter over the core's step: each route event is one ``manager.step`` per device
 (lease this layer's experts, end the previous layer's lease) and a batch's end one
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from runtime.residency.types import Phase
 
-if TYPE_CHECKING:                  # the reference hook (routing_hook.py) builds observers
-    from runtime.engine.routing_hook import RouteEvent
+if TYPE_CHECKING:
+    from runtime.engine.hook.events import RouteEvent
 
 
 class ResidencyObserver:

@@ -20,11 +20,14 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.engine.sampling import SamplingParams
 from runtime.errors import UserError
+
+if TYPE_CHECKING:              # the hook sits below the engine: the type is the engine's
+    from runtime.engine.sampling import SamplingParams
 
 # what a non-selected expert's logit becomes (route_impose.c writes it): far below any
 # log-weight, so no softmax, sigmoid or top-k lets it through

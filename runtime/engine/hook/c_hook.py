@@ -1,9 +1,9 @@
 """The routing hook in C (route_hook.c): ``cb_eval`` with no Python call per layer-step.
 
 The C hook is the only live framing of routing events: it reads each MoE layer's router
-output, frames it into an event (RouteAssembler's rules: runtime/engine/routing_hook.py is the
-slow reference the tests compare against) and steps its one list of consumers before the
-layer's expert matmuls run:
+output, frames it into an event (RouteAssembler's rules: reference.py is the slow reference
+the tests compare against) and steps its one list of consumers before the layer's expert
+matmuls run:
 
   bookkeeping cores  ``feed(manager, devices)``: the manager's C core of each device
                      (``rc_step``); a manager running the Python reference core gets one
@@ -17,6 +17,9 @@ Observers that declare ``synchronous = False`` (the trace recorder) get the batc
 its end instead (``end_batch``), with no Python call on a layer-step. ``watch`` hands watched
 nodes' data to Python. Imposed routing alone (``impose``, nothing to feed or observe) runs the
 hook in route-only mode.
+
+The hook is configured from its own description (config.HookConfig: the layers to read, k,
+strict), which the engine builds; RouteAssembler, the reference, is built from the same one.
 """
 from __future__ import annotations
 
@@ -26,28 +29,32 @@ from collections.abc import Callable
 import numpy as np
 
 from runtime.clib import load_library
-from runtime.engine.residency_observer import ResidencyObserver
-from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError, RouteEvent, raise_failure
+from runtime.engine.hook.config import HookConfig
+from runtime.engine.hook.events import RouteCaptureError, RouteEvent, RouteObserver, raise_failure
+from runtime.engine.hook.residency_observer import ResidencyObserver
 from runtime.residency.types import Phase
 
 _PHASES = (Phase.PREFILL, Phase.DECODE, Phase.MIXED)
 
 
 class CHook:
-    """See the module docstring. ``assembler`` carries the configuration (MoE layers,
-    ``n_expert_used``, ``turn``, ``strict``) and the observers; its framing is the reference's
-    and is not run here. Keep the hook alive as long as the context."""
+    """See the module docstring. ``config`` says which layers to read and how (its
+    ``strict``); ``turn`` is the turn the next batches' events carry (the engine sets it per
+    generation); ``add_observer`` adds the engine's observers. Keep the hook alive as long as
+    the context."""
 
-    def __init__(self, assembler: RouteAssembler, n_layer: int):
+    def __init__(self, config: HookConfig):
         from runtime.native import llama_lib  # noqa: PLC0415
         lib, ffi = load_library()
         self.lib, self.ffi, self._ll = lib, ffi, llama_lib
-        self.assembler = assembler
-        moe = set(assembler.moe_layers)
+        self.config = config
+        self.turn = 0
+        self.observers: list[RouteObserver] = []      # the engine's, in the order added
+        n_layer, moe = config.n_layer, set(config.moe_layers)
         is_moe = ffi.new("uint8_t[]", [1 if i in moe else 0 for i in range(n_layer)])
         get = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_get, ctypes.c_void_p).value
         t = llama_lib.GgmlTensor
-        handle = lib.rh_create(n_layer, is_moe, assembler.n_expert_used,
+        handle = lib.rh_create(n_layer, is_moe, config.n_expert_used,
                                ffi.cast("rh_tensor_get", get), t.type.offset, t.ne.offset,
                                t.nb.offset, t.name.offset)
         if handle == ffi.NULL:
@@ -74,6 +81,10 @@ class CHook:
         self._n_tokens = 0
 
     # -- wiring ---------------------------------------------------------------------------
+    def add_observer(self, observer: RouteObserver) -> None:
+        """Receive every route event (``synchronous = False``: a batch's, at its end)."""
+        self.observers.append(observer)
+
     def feed(self, manager, devices) -> None:
         """Keep ``devices`` of ``manager`` informed of every route (bookkeeping devices)."""
         cores = [manager.core_handle(d) for d in devices]
@@ -114,7 +125,7 @@ class CHook:
         self.watchers = watchers
 
     def impose(self, routing, n_expert: int) -> None:
-        """Route as ``routing`` (runtime.engine.imposed_routing.ImposedRouting) says."""
+        """Route as ``routing`` (runtime.engine.hook.imposed_routing.ImposedRouting) says."""
         tensor_set = ctypes.cast(self._ll.ggml().base.ggml_backend_tensor_set,
                                  ctypes.c_void_p).value
         experts = np.ascontiguousarray(routing.experts, dtype=np.int32)
@@ -128,15 +139,14 @@ class CHook:
 
     def _observers(self) -> list:
         """Every Python observer: the reference cores' bookkeeping first, then the engine's."""
-        return [self._feed, *self.assembler.observers] if self._feed is not None \
-            else list(self.assembler.observers)
+        return [self._feed, *self.observers] if self._feed is not None else list(self.observers)
 
     # -- the adapter and the watched nodes (called from C, on the decoding thread) --------
     def _on_event(self, layer, phase, first_step, turn, n_rows, experts, weights, _user) -> int:
         try:
             if self.error is not None:
                 return 1
-            k = self.assembler.n_expert_used
+            k = self.config.n_expert_used
             n = 4 * n_rows * k                                   # bytes
             event = RouteEvent(layer, _PHASES[phase], first_step, turn,
                                np.frombuffer(self.ffi.buffer(experts, n), np.int32)
@@ -183,7 +193,7 @@ class CHook:
         self.lib.rh_set_mode(self.handle, self.lib.RH_NATIVE)
         self._in_batch = True
         self.lib.rh_begin_batch(self.handle, int(phase), first_step, n_tokens, n_outputs,
-                                self.assembler.turn, int(self.assembler.strict))
+                                self.turn, int(self.config.strict))
 
     @property
     def in_batch(self) -> bool:
@@ -244,7 +254,7 @@ class CHook:
     def _events(self) -> list[RouteEvent]:
         """The batch's events, copied out of the C hook at once."""
         lib, ffi, h = self.lib, self.ffi, self.handle
-        k = self.assembler.n_expert_used
+        k = self.config.n_expert_used
         meta = np.empty((lib.rh_n_events(h), 6), dtype=np.int64)
         n = lib.rh_events_elems(h)
         experts = np.empty(max(n, k), dtype=np.int32)

@@ -1,7 +1,7 @@
 /* route_hook: llama.cpp's eval callback (cb_eval) in C, built into moe-offload's one C library
  * with the residency core (runtime/clib.py; this part: clib.toml) so that it calls the core,
  * the device cache and the RAM tier directly. The only live
- * framing of routing events (runtime/engine/routing_hook.py is its slow reference).
+ * framing of routing events (reference.py is its slow reference).
  *
  * Per MoE layer-step the hook reads the router output (ffn_moe_topk, the applied weight
  * stage), frames it into an event (layer, phase, first_step, turn, rows, experts, weights:

@@ -10,7 +10,8 @@ import pytest
 
 from runtime.engine import residency_setup
 from runtime.engine.placement import plan_placement
-from runtime.engine.routing_hook import RouteAssembler, RouteCaptureError
+from runtime.engine.hook.events import RouteCaptureError
+from runtime.engine.hook.reference import RouteAssembler
 from runtime.engine.types import EngineSettings
 from runtime.residency.config import parse_config
 from runtime.residency.manager import ExpertResidencyManager

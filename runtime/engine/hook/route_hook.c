@@ -1,12 +1,12 @@
 /* route_hook: see route_hook.h. The only live framing of routing events; its slow reference
- * is runtime/engine/routing_hook.py (RoutingHook._on_eval and RouteAssembler), which it follows
+ * is reference.py (RoutingHook._on_eval and RouteAssembler), which it follows
  * rule for rule; tests run both on the same model
  * and compare the events and the managers' counters. */
 #include "route_hook_impl.h"
-#include "../native/device_cache.h"
-#include "../ramtier/tier_io.h"
-#include "../residency/core/residency_core.h"
-#include "../csupport/grow.h"
+#include "../../native/device_cache.h"
+#include "../../ramtier/tier_io.h"
+#include "../../residency/core/residency_core.h"
+#include "../../csupport/grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -2,7 +2,7 @@
  * router's logits are set so that llama.cpp's own top-k selects a trace's experts, with its
  * weights. */
 #include "route_hook_impl.h"
-#include "../csupport/grow.h"
+#include "../../csupport/grow.h"
 
 #include <stdio.h>
 #include <stdlib.h>
