@@ -32,6 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from runtime.ramtier.pager import drop_file_cache  # noqa: E402
 from runtime.units import parse_size  # noqa: E402
 
 MIB = 1 << 20
@@ -128,6 +129,7 @@ def main() -> int:
     paths = {s.name: Path(dict(s.options)["model"]).expanduser() for s in specs}
     residency, keep = {}, []
     for name, path in paths.items():
+        drop_file_cache(str(path))   # what an earlier run or a copy left cached is not ours
         residency[name], handles = expert_residency(path)
         keep.append(handles)
     log = Path(tempfile.mkdtemp(prefix="bench-router-")) / "server.log"
@@ -157,7 +159,13 @@ def main() -> int:
             for name in paths:
                 while statuses(http)[name]["status"]["value"] != "sleeping":
                     time.sleep(0.2)
-                now = sampler.sample()
+                # "sleeping" is said as the drop begins: wait until the count stops falling
+                now, last = sampler.sample(), None
+                for _ in range(50):
+                    if last is not None and now[f"experts:{name}"] >= last:
+                        break
+                    time.sleep(0.2)
+                    last, now = now[f"experts:{name}"], sampler.sample()
                 result["models"][name]["asleep_expert_bytes"] = now[f"experts:{name}"]
             for name in paths:
                 before = sampler.sample()
