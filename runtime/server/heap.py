@@ -1,0 +1,39 @@
+"""glibc malloc settings for a server that runs for days: its resident memory follows what it
+holds, instead of the most it ever held at once in each of its threads' heaps.
+
+With glibc's defaults each thread that allocates gets a heap of its own (up to 8 per core:
+the decode thread, the side pool, anyio's workers, llama.cpp's), and a block of 128 KiB or
+more is mmapped only until the first such block is freed: the threshold then rises to that
+block's size (up to 32 MiB), so later big transient blocks (a vocabulary-sized candidate
+array per sampled token, a slot's state, a large request body) are carved from those heaps
+and their pages stay when freed. Under scripts/soak.py's mix the server's RSS rose 5-9% past
+its warm-up that way while the bytes in use stayed flat (mallinfo2); with two heaps and a
+fixed threshold it tracks them (docs/benchmarks/2026-12-07-soak-memory.md).
+
+``tune_for_serving()`` sets both through ``mallopt`` before the server starts its threads; on a
+C library without ``mallopt`` (musl, macOS) it does nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger("moe_offload.server")
+
+M_MMAP_THRESHOLD = -3        # mallopt parameters (glibc malloc.h)
+M_ARENA_MAX = -8
+MMAP_THRESHOLD = 128 << 10   # bytes: a block this big or bigger is mmapped, freed to the system
+ARENAS = 2                   # heaps shared by every thread (glibc's default: 8 per core)
+
+
+def tune_for_serving() -> bool:
+    """Fix the mmap threshold and cap the heaps (glibc); True when both were set."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):          # not glibc: its allocator, its own behaviour
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_ARENA_MAX, ARENAS))
+    if not done:
+        log.debug("mallopt refused the server's heap settings; glibc's defaults stay")
+    return done
