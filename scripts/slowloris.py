@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
+import socket
 import subprocess
 import sys
 import threading
@@ -88,6 +90,23 @@ def attack(port: int, connections: int, seconds: float, trickle_s: float,
     return counts
 
 
+def ask_health(port: int, timeout_s: float = 30.0) -> tuple[int, float, float]:
+    """GET /health on a new connection: (status, s to connect, s from connected to the whole
+    answer). A connect past 1 s is the kernel's accept queue full (the SYN dropped and sent
+    again 1 s later); the answer's time is the wait in that queue and on the event loop."""
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        connected = time.monotonic()
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+        done = time.monotonic()
+    if not answer.startswith(b"HTTP/1.1 "):
+        raise ConnectionError(f"not an HTTP answer: {answer[:80]!r}")
+    return int(answer[9:12]), connected - start, done - connected
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
@@ -109,7 +128,8 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
     procs = [subprocess.Popen([sys.executable, __file__, "--attacker", str(port), str(n),
                                str(seconds), str(trickle_s), str(int(at_once))],
                               stdout=subprocess.PIPE, text=True) for n in share]
-    health: list[float] = []
+    health: list[float] = []          # s, whole /health exchanges
+    health_connect: list[float] = []  # s, their connects
     chats: list[float] = []
     failures: list[str] = []
     peak = {"fds": 0, "rss": 0}
@@ -128,13 +148,13 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
     try:
         time.sleep(min(5.0, seconds / 4))                  # the attack ramps up
         while time.monotonic() < t0 + seconds - 1:
-            start = time.monotonic()
             try:
-                status = httpx.get(f"{base}/health", timeout=30).status_code
-                health.append(time.monotonic() - start)
+                status, connect_s, answer_s = ask_health(port)
+                health.append(connect_s + answer_s)
+                health_connect.append(connect_s)
                 if status != 200:
                     failures.append(f"/health {status}")
-            except httpx.HTTPError as exc:
+            except OSError as exc:
                 failures.append(f"/health {exc!r}")
             if time.monotonic() >= next_chat:
                 next_chat = time.monotonic() + 5
@@ -148,6 +168,7 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
                 except httpx.HTTPError as exc:
                     failures.append(f"chat {exc!r}")
             time.sleep(0.5)
+        load = os.getloadavg()[0]
         counts = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
     finally:
         stop.set()
@@ -163,12 +184,16 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
     totals = {k: sum(c[k] for c in counts) for k in counts[0]}
     report = {
         "connections": connections, "attackers": attackers, "seconds": seconds,
+        "load_average_1min": round(load, 2),     # the machine's, over the attack's last minute
         "reconnect": "at once" if at_once else f"every {trickle_s:g} s",
         "server_open_files": open_files,
         "attack": totals | {"open_file_limit": counts[0]["open_file_limit"]},
         "health_s": {"n": len(health), "p50": _percentile(health, 0.5),
                      "p99": _percentile(health, 0.99), "max": max(health, default=None),
                      "over_1s": sum(h > 1.0 for h in health)},
+        "health_connect_s": {"p50": _percentile(health_connect, 0.5),
+                             "p99": _percentile(health_connect, 0.99),
+                             "max": max(health_connect, default=None)},
         "chat_s": {"n": len(chats), "max": max(chats, default=None)},
         "failures": failures[:20], "failure_count": len(failures),
         "server": {"peak_open_fds": peak["fds"], "peak_rss_mib": round(peak["rss"] / 2**20, 1),
@@ -218,12 +243,16 @@ def main() -> int:
     else:
         h, a, s = report["health_s"], report["attack"], report["server"]
         print(f"slowloris: {args.connections} connections from {args.attackers} processes for "
-              f"{args.seconds:g} s: {'PASS' if report['ok'] else 'FAIL'}")
+              f"{args.seconds:g} s (load average {report['load_average_1min']}): "
+              f"{'PASS' if report['ok'] else 'FAIL'}")
         print(f"  attack: {a['opened']} opened, {a['closed_by_server']} closed by the server, "
               f"{a['connect_failed']} connects failed, {a['open_now']} open at the end")
         if h["n"]:
             print(f"  /health: {h['n']} asked, p50 {h['p50']:.3f} s, p99 {h['p99']:.3f} s, "
                   f"max {h['max']:.3f} s, {h['over_1s']} over 1 s")
+            c = report["health_connect_s"]
+            print(f"    of which connecting: p50 {c['p50']:.3f} s, p99 {c['p99']:.3f} s, "
+                  f"max {c['max']:.3f} s")
         print(f"  chats: {report['chat_s']['n']} completed, slowest "
               f"{report['chat_s']['max'] or 0:.3f} s; failures: {report['failure_count']}")
         print(f"  server: peak {s['peak_open_fds']} open descriptors (limit "
