@@ -107,6 +107,15 @@ def ask_health(port: int, timeout_s: float = 30.0) -> tuple[int, float, float]:
     return int(answer[9:12]), connected - start, done - connected
 
 
+def _cpu_s(process: psutil.Process) -> float:
+    """CPU seconds ``process`` has used (user and system), 0 once it has gone."""
+    try:
+        times = process.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return round(times.user + times.system, 1)
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
@@ -169,6 +178,8 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
                     failures.append(f"chat {exc!r}")
             time.sleep(0.5)
         load = os.getloadavg()[0]
+        cpu = {"server": _cpu_s(server), "attackers": sum(_cpu_s(psutil.Process(p.pid))
+                                                         for p in procs)}
         counts = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
     finally:
         stop.set()
@@ -185,6 +196,7 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
     report = {
         "connections": connections, "attackers": attackers, "seconds": seconds,
         "load_average_1min": round(load, 2),     # the machine's, over the attack's last minute
+        "cpu_s": cpu,         # CPU seconds used by then: the server (on the same cores), attackers
         "reconnect": "at once" if at_once else f"every {trickle_s:g} s",
         "server_open_files": open_files,
         "attack": totals | {"open_file_limit": counts[0]["open_file_limit"]},
@@ -245,6 +257,8 @@ def main() -> int:
         print(f"slowloris: {args.connections} connections from {args.attackers} processes for "
               f"{args.seconds:g} s (load average {report['load_average_1min']}): "
               f"{'PASS' if report['ok'] else 'FAIL'}")
+        print(f"  CPU used: server {report['cpu_s']['server']} s, attackers "
+              f"{report['cpu_s']['attackers']} s (on the same cores)")
         print(f"  attack: {a['opened']} opened, {a['closed_by_server']} closed by the server, "
               f"{a['connect_failed']} connects failed, {a['open_now']} open at the end")
         if h["n"]:

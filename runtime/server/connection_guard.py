@@ -184,12 +184,10 @@ def guarded_protocol(book: ConnectionBook) -> type:
                 book.busy(self)
 
         def close_idle(self) -> None:
-            """Close a connection that is not inside a request."""
+            """Close a connection that is not inside a request (h11 is told in
+            ``connection_lost``, as uvicorn does there: telling it here too cost a second
+            send and a caught ``LocalProtocolError`` per closed connection)."""
             if not self.transport.is_closing():
-                try:
-                    self.conn.send(h11.ConnectionClosed())
-                except h11.LocalProtocolError:
-                    pass
                 self.transport.close()
 
     return GuardedH11Protocol

@@ -14,7 +14,7 @@ from tests.runtime.server.conftest import REPO_ROOT
 
 _PROBE = """
 import ctypes, sys
-from runtime.server.heap import tune_for_serving
+from runtime.server.heap import MMAP_THRESHOLD, tune_for_serving
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
@@ -26,9 +26,9 @@ libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "tuned":
     assert tune_for_serving()
-libc.free(libc.malloc(1 << 20))          # a first big block, freed (the default's cue)
+libc.free(libc.malloc(MMAP_THRESHOLD))  # a first big block, freed (the default's cue)
 before = libc.mallinfo2().hblks          # mmapped blocks (Python's own among them)
-block = libc.malloc(1 << 20)             # the next one: mmapped or carved from a heap?
+block = libc.malloc(MMAP_THRESHOLD)     # the next one: mmapped or carved from a heap?
 print(libc.mallinfo2().hblks - before)
 libc.free(block)
 """
