@@ -3,7 +3,7 @@
 checks that ``/health`` and a chat completion still answer.
 
     python scripts/slowloris.py [-m MODEL] [--connections 20000] [--attackers 2] [--seconds 60]
-                                [--trickle 15] [--reconnect-at-once] [--json]
+                                [--trickle 15] [--reconnect-at-once] [--split-cpus] [--json]
                                 [-- SERVE_FLAGS...]
 
 The server is started as ``soak.py`` starts it (``-np 1``; extra ``serve`` flags after
@@ -15,9 +15,12 @@ tool's behaviour: a dropped socket is reopened at the next round; ``--reconnect-
 makes it a connection flood instead, each dropped socket reopened at once). Meanwhile this process asks ``/health`` every 0.5 s and for a chat
 completion every 5 s, each on a new connection, as a load balancer and a client would.
 
-Report: the latency of ``/health`` (p50, p99, max) and of the chats, their failures, the
-attackers' connections (opened, closed by the server, failed to connect, open at the end),
-the server's peak open descriptors and RSS, and its log: bytes written and the limit notices.
+Report: the latency of ``/health`` (p50, p99, max; and of its connect alone: past 1 s, the
+kernel dropped the SYN) and of the chats, their failures, the attackers' connections (opened,
+closed by the server, failed to connect, open at the end), the CPU seconds the server and the
+attackers used and the load average (on a shared machine the attackers take the server's CPU
+time; ``--split-cpus`` gives them CPUs of their own, as if they ran elsewhere), the server's
+peak open descriptors and RSS, and its log: bytes written and the limit notices.
 Exit status 0 when every ``/health`` answered 200 within 1 s and every chat completed.
 Default model: the built-in demo model (moe-offload demo's).
 """
@@ -121,8 +124,22 @@ def _percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
+def split_cpus(server: psutil.Process, attackers: list[subprocess.Popen]) -> dict:
+    """The server (and this prober) on the first CPU, the attackers on the others, as if they
+    were other machines: on a shared box they otherwise take the server's CPU time."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("slowloris: --split-cpus needs 2 CPUs or more")
+    server.cpu_affinity(cpus[:1])
+    os.sched_setaffinity(0, cpus[:1])
+    for p in attackers:
+        psutil.Process(p.pid).cpu_affinity(cpus[1:])
+    return {"server": cpus[:1], "attackers": cpus[1:]}
+
+
 def measure(model: str, connections: int, attackers: int, seconds: float, trickle_s: float,
-            at_once: bool, serve_flags: list[str], server_open_files: int | None = None) -> dict:
+            at_once: bool, serve_flags: list[str], server_open_files: int | None = None,
+            split: bool = False) -> dict:
     sys.path.insert(0, str(REPO / "scripts"))
     from soak import start_server  # noqa: PLC0415 - the soak's launcher, shared
 
@@ -137,6 +154,7 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
     procs = [subprocess.Popen([sys.executable, __file__, "--attacker", str(port), str(n),
                                str(seconds), str(trickle_s), str(int(at_once))],
                               stdout=subprocess.PIPE, text=True) for n in share]
+    cpus = split_cpus(server, procs) if split else None
     health: list[float] = []          # s, whole /health exchanges
     health_connect: list[float] = []  # s, their connects
     chats: list[float] = []
@@ -196,7 +214,8 @@ def measure(model: str, connections: int, attackers: int, seconds: float, trickl
     report = {
         "connections": connections, "attackers": attackers, "seconds": seconds,
         "load_average_1min": round(load, 2),     # the machine's, over the attack's last minute
-        "cpu_s": cpu,         # CPU seconds used by then: the server (on the same cores), attackers
+        "cpu_s": cpu,         # CPU seconds used by then: the server, the attackers
+        "cpus": cpus,         # --split-cpus: which CPUs each had (else all shared)
         "reconnect": "at once" if at_once else f"every {trickle_s:g} s",
         "server_open_files": open_files,
         "attack": totals | {"open_file_limit": counts[0]["open_file_limit"]},
@@ -237,6 +256,9 @@ def main() -> int:
                              "connection, dropped ones reopened (the classic tool's 15)")
     parser.add_argument("--reconnect-at-once", action="store_true",
                         help="reopen a dropped connection at once (a connection flood)")
+    parser.add_argument("--split-cpus", action="store_true",
+                        help="the server and the prober on the first CPU, the attackers on the "
+                             "others (as if they ran elsewhere); default: all share every CPU")
     parser.add_argument("--server-open-files", type=int, default=None, metavar="N",
                         help="lower the server's open-file soft limit to N once it runs (what "
                              "its --max-connections was fitted to stays as it was)")
@@ -249,7 +271,8 @@ def main() -> int:
         from runtime.commands.demo import default_spec  # noqa: PLC0415
         model = str(cached_model(default_spec()))
     report = measure(model, args.connections, args.attackers, args.seconds, args.trickle,
-                     args.reconnect_at_once, serve_flags, args.server_open_files)
+                     args.reconnect_at_once, serve_flags, args.server_open_files,
+                     args.split_cpus)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -258,7 +281,8 @@ def main() -> int:
               f"{args.seconds:g} s (load average {report['load_average_1min']}): "
               f"{'PASS' if report['ok'] else 'FAIL'}")
         print(f"  CPU used: server {report['cpu_s']['server']} s, attackers "
-              f"{report['cpu_s']['attackers']} s (on the same cores)")
+              f"{report['cpu_s']['attackers']} s ("
+              + (f"CPUs {report['cpus']}" if report["cpus"] else "on the same cores") + ")")
         print(f"  attack: {a['opened']} opened, {a['closed_by_server']} closed by the server, "
               f"{a['connect_failed']} connects failed, {a['open_now']} open at the end")
         if h["n"]:

@@ -10,13 +10,16 @@ and their pages stay when freed. Under scripts/soak.py's mix the server's RSS ro
 its warm-up that way while the bytes in use stayed flat (mallinfo2); with two heaps and a
 fixed threshold it tracks them (docs/benchmarks/2026-12-07-soak-memory.md).
 
-``tune_for_serving()`` sets both through ``mallopt`` before the server starts its threads; on a
-C library without ``mallopt`` (musl, macOS) it does nothing.
+``tune_for_serving()`` sets both through ``mallopt`` before the server starts its threads; one
+the operator set already (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or its name in
+``GLIBC_TUNABLES``) is left as set; on a C library without ``mallopt`` (musl, macOS) it does
+nothing.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 log = logging.getLogger("moe_offload.server")
 
@@ -26,14 +29,25 @@ MMAP_THRESHOLD = 128 << 10   # bytes: a block this big or bigger is mmapped, fre
 ARENAS = 2                   # heaps shared by every thread (glibc's default: 8 per core)
 
 
+# each setting: (mallopt parameter, value, its environment variable, its glibc tunable)
+_SETTINGS = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", "mmap_threshold"),
+             (M_ARENA_MAX, ARENAS, "MALLOC_ARENA_MAX", "arena_max"))
+
+
 def tune_for_serving() -> bool:
-    """Fix the mmap threshold and cap the heaps (glibc); True when both were set."""
+    """Fix the mmap threshold and cap the heaps (glibc), each unless the environment set it;
+    True when every setting is the server's or the operator's."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):          # not glibc: its allocator, its own behaviour
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_ARENA_MAX, ARENAS))
-    if not done:
-        log.debug("mallopt refused the server's heap settings; glibc's defaults stay")
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    done = True
+    for param, value, variable, tunable in _SETTINGS:
+        if variable in os.environ or f"glibc.malloc.{tunable}=" in tunables:
+            continue                           # the operator's choice
+        if not mallopt(param, value):
+            log.debug("mallopt(%d, %d) refused; glibc's default stays", param, value)
+            done = False
     return done

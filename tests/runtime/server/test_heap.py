@@ -5,6 +5,7 @@ pages stay (the server's RSS crept up under scripts/soak.py while the bytes in u
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 
@@ -43,10 +44,14 @@ def _glibc() -> bool:
 
 @pytest.mark.skipif(not _glibc(), reason="glibc's allocator (mallopt, mallinfo2)")
 def test_a_big_block_is_given_back_after_others_were_freed():
-    def mmapped(mode: str) -> int:
+    def mmapped(mode: str, **env: str) -> int:
         out = subprocess.run([sys.executable, "-c", _PROBE, mode], cwd=REPO_ROOT, check=True,
-                             capture_output=True, text=True).stdout
+                             capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items()
+                                  if not k.startswith("MALLOC_")} | env).stdout
         return int(out)
 
     assert mmapped("default") == 0       # glibc's dynamic threshold: from a heap
     assert mmapped("tuned") == 1         # the server's: mmapped, unmapped at free
+    # an operator's own threshold (32 MiB here) is left as set
+    assert mmapped("tuned", MALLOC_MMAP_THRESHOLD_=str(32 << 20)) == 0
