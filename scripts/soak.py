@@ -18,8 +18,8 @@ must be equal, path by path).
     python scripts/soak.py [-m MODEL] [--minutes 30] [--clients 8] [--json]
 
 Exit status 0 when there was no 5xx, no malformed answer, the counts agree and the RSS at the
-end is within ±5% of its level after the warm-up (a fifth of the run, at most 2 minutes);
-1 otherwise.
+end is within ±5% of its level after the warm-up (a fifth of the run, at most 2 minutes; each
+level the median of a minute's samples); 1 otherwise.
 Default model: the built-in demo model (moe-offload demo's).
 """
 from __future__ import annotations
@@ -415,9 +415,11 @@ def main() -> int:
                   f"({lat['n']})")
         rss = report["rss_mib"]
         slope = rss["slope_mib_per_min"]
-        print(f"  server RSS: {rss['after_warmup']} MiB after the {rss['warmup_s']:g} s warm-up, "
-              f"{rss['end']} MiB at the end ({rss['growth']:+.1%}, within ±5%: {rss['ok']}), "
-              f"slope {slope if slope is not None else '-'} MiB/min, peak {rss['peak']} MiB")
+        print(f"  server RSS (medians of {rss['window_s']:g} s): {rss['after_warmup']} MiB after "
+              f"the {rss['warmup_s']:g} s warm-up, {rss['end']} MiB at the end "
+              f"({rss['growth']:+.1%}, within ±5%: {rss['ok']}), slope "
+              f"{slope if slope is not None else '-'} MiB/min, peak {rss['peak']} MiB; by minute: "
+              + " ".join(f"{m:g}" for m in rss["by_minute"]))
         m = report["metrics"]
         print(f"  /metrics request totals equal the client's: {not m['mismatched']}"
               + (f" (differ: {m['mismatched']})" if m["mismatched"] else ""))

@@ -5,9 +5,10 @@ A server's RSS climbs at first and then levels off: the allocator's heaps grow t
 that the traffic ever held at once (a burst of big-enum schemas while slots are saved, say)
 and keep those pages for the next time. That plateau is reached once the rare coincidences
 of the mix have happened, after a minute or two; a leak keeps climbing after it. So the
-check compares the end with the level after ``warmup_s`` (``TOLERANCE``: ±5%) and reports
-the slope of the samples in between (a least-squares line, MiB per minute), which tells a
-late step from a steady climb.
+check compares the level at the end with the level after ``warmup_s`` (``TOLERANCE``: ±5%),
+each the median of a window of samples (``WINDOW_S``: one sample moves by the requests in
+flight, ±3%), and reports the slope of the samples in between (a least-squares line, MiB per
+minute), which tells a late step from a steady climb, and the median of each minute.
 
     watch = RssWatch(pid).start()
     ...
@@ -22,6 +23,7 @@ import psutil
 
 TOLERANCE = 0.05         # |end / after warm-up - 1| at most this
 EVERY_S = 5.0            # s between samples
+WINDOW_S = 60.0          # s of samples whose median is a level (less in a run under 5 windows)
 
 
 def warmup_s(minutes: float) -> float:
@@ -71,22 +73,35 @@ class RssWatch:
             self._stop.wait(self._every_s)
 
     def stop(self, warmup_s: float) -> dict:
-        """Stop (after one last sample, the end) and report, in MiB: the RSS at the first
-        sample past ``warmup_s``, at the end, the peak, the growth between the first two
-        (a fraction), the slope after the warm-up, and ``ok``: the growth within
-        ``TOLERANCE``."""
+        """Stop (after one last sample: the end, the server idle) and report, in MiB: the
+        level after ``warmup_s`` and at the end (medians of a window each), the last sample,
+        the peak, the growth between the levels (a fraction), the slope after the warm-up,
+        the median of each minute, and ``ok``: the growth within ``TOLERANCE``."""
         self._stop.set()
         self._thread.join()
         self._sample()
         after = [(t, r) for t, r in self.samples if t >= warmup_s]
         if len(after) < 2:
             raise ValueError(f"no RSS samples past the {warmup_s:g} s warm-up: a longer soak")
-        start, end = after[0][1], after[-1][1]
+        window = min(WINDOW_S, (after[-1][0] - after[0][0]) / 5)
+        start = _median([r for t, r in after if t <= after[0][0] + window])
+        end = _median([r for t, r in after if t >= after[-1][0] - window])
         growth = end / start - 1
         rate = slope(after)
-        return {"warmup_s": round(warmup_s, 1), "after_warmup": round(start / 2**20, 1),
-                "end": round(end / 2**20, 1),
+        minutes: dict[int, list[int]] = {}
+        for t, r in self.samples:
+            minutes.setdefault(int(t // 60), []).append(r)
+        return {"warmup_s": round(warmup_s, 1), "window_s": round(window, 1),
+                "after_warmup": round(start / 2**20, 1), "end": round(end / 2**20, 1),
+                "last": round(after[-1][1] / 2**20, 1),
                 "peak": round(max(r for _, r in self.samples) / 2**20, 1),
                 "growth": round(growth, 4),
                 "slope_mib_per_min": None if rate is None else round(rate, 3),
+                "by_minute": [round(_median(v) / 2**20, 1) for _, v in sorted(minutes.items())],
                 "samples": len(self.samples), "ok": abs(growth) <= TOLERANCE}
+
+
+def _median(values: list[int]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
