@@ -8,7 +8,11 @@ block's size (up to 32 MiB), so later big transient blocks (a vocabulary-sized c
 array per sampled token, a slot's state, a large request body) are carved from those heaps
 and their pages stay when freed. Under scripts/soak.py's mix the server's RSS rose 5-9% past
 its warm-up that way while the bytes in use stayed flat (mallinfo2); with two heaps and a
-fixed threshold it tracks them (docs/benchmarks/2026-12-07-soak-memory.md).
+fixed threshold it stayed within +1.4% in 15 minutes and +5% in 30, a slow climb of about
+0.3 MiB a minute left (docs/benchmarks/2026-12-07-soak-memory.md). The price: a block of
+128 KiB or more costs an mmap and its page faults each time it is made (about 1 ms for a
+152k-token vocabulary's candidate array in a grammar or logprobs request: some 1% of a
+real-scale decode step).
 
 ``tune_for_serving()`` sets both through ``mallopt`` before the server starts its threads; one
 the operator set already (``MALLOC_ARENA_MAX``, ``MALLOC_MMAP_THRESHOLD_``, or its name in
