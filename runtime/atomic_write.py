@@ -38,29 +38,46 @@ from runtime.errors import UserError
 _LIVE: set[Path] = set()           # temp files of this process not yet published or discarded
 
 
-def temp_pattern(target: Path) -> re.Pattern[str]:
-    """Names of the temp files of ``target`` (this module's and the older ones), group ``pid``."""
-    name = re.escape(target.name)
+# What follows the target's name in its temp files' names (fixed patterns, compiled once: a
+# pattern per target name would fill ``re``'s cache with clients' slot file names)
+_OURS = re.compile(r"\.tmp-(?P<pid>\d+)-[0-9a-f]+(?:\..*)?")      # after "." * n + NAME
+_OLD = re.compile(r"\.tmp(?P<pid>\d+)(?:\..*)?")                   # after NAME
+_PARTIAL = re.compile(r"\.(?P<pid>\d+)\.partial")                  # after "." + NAME
+
+
+def temp_of(target_name: str, entry: str) -> tuple[int, bool] | None:
+    """(pid, ours) if ``entry`` names a temp file of the target named ``target_name``: the
+    process that wrote it, and whether it is this module's form (``.NAME.tmp-PID-RANDOM``)
+    rather than an older one; else None."""
     # leading dots: a scratch file of one write (``extra``) written atomically itself
-    return re.compile(rf"^(?:\.+{name}\.tmp-(?P<pid>\d+)-[0-9a-f]+(?:\..*)?"
-                      rf"|{name}\.tmp(?P<old>\d+)(?:\..*)?"
-                      rf"|\.{name}\.(?P<partial>\d+)\.partial)$")
+    for dots in range(1, len(entry) - len(target_name)):
+        if entry[dots - 1] != ".":
+            break
+        if entry.startswith(target_name, dots):
+            m = _OURS.fullmatch(entry, dots + len(target_name))
+            if m is not None:
+                return int(m.group("pid")), True
+    for pattern, at in ((_OLD, 0), (_PARTIAL, 1)):
+        if entry.startswith(target_name, at) and (at == 0 or entry[0] == "."):
+            m = pattern.fullmatch(entry, at + len(target_name))
+            if m is not None:
+                return int(m.group("pid")), False
+    return None
 
 
 def remove_stale_temps(target: str | os.PathLike) -> list[Path]:
     """Remove the temp files of ``target`` whose writing process is gone; returns them."""
     target = Path(target)
-    pattern = temp_pattern(target)
     removed = []
     try:
         names = os.listdir(target.parent)
     except OSError:
         return removed
     for name in names:
-        m = pattern.match(name)
-        if m is None:
+        found = temp_of(target.name, name)
+        if found is None:
             continue
-        pid = int(m.group("pid") or m.group("old") or m.group("partial"))
+        pid = found[0]
         if _alive(pid):
             continue
         path = target.parent / name

@@ -11,12 +11,15 @@ it; or erase it) then use them. Every answer is checked: a 2xx must be well form
 a call), an invalid request or a broken slot file must get a 4xx in the route's shape and the
 slot must serve the next request, a burst's answers are 200 or 429, and nothing may be a
 5xx. At the end: requests by outcome, p50/p99 latency of whole answers, the
-server's RSS after warm-up and at the end, the validation failures, and /metrics' request
-totals against the client's own counts (they must be equal, path by path).
+server's RSS after warm-up and at the end and its slope in between (scripts/soak_memory.py),
+the validation failures, and /metrics' request totals against the client's own counts (they
+must be equal, path by path).
 
     python scripts/soak.py [-m MODEL] [--minutes 30] [--clients 8] [--json]
 
-Exit status 0 when there was no 5xx, no malformed answer and the counts agree; 1 otherwise.
+Exit status 0 when there was no 5xx, no malformed answer, the counts agree and the RSS at the
+end is within ±5% of its level after the warm-up (a fifth of the run, at most 2 minutes; each
+level the median of a minute's samples); 1 otherwise.
 Default model: the built-in demo model (moe-offload demo's).
 """
 from __future__ import annotations
@@ -37,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]   # runtime, and the attacks beside this file
@@ -45,6 +47,7 @@ from runtime.server.metrics import COUNTED_PATHS  # noqa: E402
 from soak_attacks import (BURST, INVALID, SCHEMA_BURST, SERVE_FLAGS, SLOT_BREAKS,  # noqa: E402
                           SLOT_BURST, Malformed, broken_slot_file, burst, check_error,
                           half_open, send_invalid, strict_json)
+from soak_memory import RssWatch, warmup_s  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The king saw a river", "hello world", "In the morning",
            "A story about the sea", "The old house by the road", "Water and fire"]
@@ -312,12 +315,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int = 0,
-         extra: list[str] = ()) -> dict:
-    """Run the soak; the report as a dict (``ok``: the pass verdict)."""
+         extra: list[str] = (), check_rss: bool = True) -> dict:
+    """Run the soak; the report as a dict (``ok``: the pass verdict, which includes the RSS
+    check unless ``check_rss`` is false: a run of a minute or so ends inside the warm-up's
+    climb)."""
     slots = Path(tempfile.mkdtemp(prefix="moe-offload-soak-slots-"))
     proc, base = start_server(model, parallel, [*SERVE_FLAGS, *extra, "--slot-save-path",
                                                 str(slots)])
-    server = psutil.Process(proc.pid)
+    rss = RssWatch(proc.pid).start()
     tally = Tally()
     t0 = time.monotonic()
     stop_at = t0 + minutes * 60
@@ -327,8 +332,6 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
     try:
         for t in threads:
             t.start()
-        time.sleep(min(60.0, minutes * 60 / 10))             # warm-up: a tenth, at most 1 min
-        rss_start = server.memory_info().rss
         for t in threads:
             t.join()
         with httpx.Client(base_url=base, timeout=30) as http:
@@ -343,7 +346,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
             time.sleep(0.5)                                  # their counts land after the end
             by_path, scalars = metrics_totals(http.get("/metrics").text)
             health = http.get("/health").status_code
-        rss_end = server.memory_info().rss
+        memory = rss.stop(warmup_s(minutes))       # the end: the server idle, every client gone
     finally:
         proc.terminate()
         try:
@@ -362,9 +365,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
         "requests": sum(tally.sent.values()),
         "latency_s": {"p50": percentile(tally.latencies, 0.5),
                       "p99": percentile(tally.latencies, 0.99), "n": len(tally.latencies)},
-        "rss_mib": {"after_warmup": round(rss_start / 2**20, 1),
-                    "end": round(rss_end / 2**20, 1),
-                    "growth": round(rss_end / rss_start - 1, 4)},
+        "rss_mib": memory,
         "validation_failures": tally.failures,
         "metrics": {"by_path": dict(by_path), "client_sent": dict(tally.sent),
                     "mismatched": mismatched,
@@ -379,7 +380,7 @@ def soak(model: str, minutes: float, clients: int, parallel: int = 4, seed: int 
     report["ok"] = (fivexx == 0 and tally.outcomes["malformed"] == 0 and not mismatched
                     and tally.outcomes["transport_error"] == 0 and health == 200
                     and not report["traceback_in_log"]
-                    and report["limit_notices"] <= 2 * (minutes + 1)
+                    and report["limit_notices"] <= 2 * (minutes + 1) and (memory["ok"] or not check_rss)
                     and not any(k.startswith(("invalid_got_", "status_", "slot_attack_got_"))
                                 for k in tally.outcomes))
     return report
@@ -413,8 +414,12 @@ def main() -> int:
             print(f"  latency of whole answers: p50 {lat['p50']:.3f} s, p99 {lat['p99']:.3f} s "
                   f"({lat['n']})")
         rss = report["rss_mib"]
-        print(f"  server RSS: {rss['after_warmup']} MiB after warm-up, {rss['end']} MiB at the "
-              f"end ({rss['growth']:+.1%})")
+        slope = rss["slope_mib_per_min"]
+        print(f"  server RSS (medians of {rss['window_s']:g} s): {rss['after_warmup']} MiB after "
+              f"the {rss['warmup_s']:g} s warm-up, {rss['end']} MiB at the end "
+              f"({rss['growth']:+.1%}, within ±5%: {rss['ok']}), slope "
+              f"{slope if slope is not None else '-'} MiB/min, peak {rss['peak']} MiB; by minute: "
+              + " ".join(f"{m:g}" for m in rss["by_minute"]))
         m = report["metrics"]
         print(f"  /metrics request totals equal the client's: {not m['mismatched']}"
               + (f" (differ: {m['mismatched']})" if m["mismatched"] else ""))

@@ -21,8 +21,8 @@ import time
 from runtime.errors import UserError
 
 log = logging.getLogger("moe_offload.server")
-BACKLOG = 128           # connections the kernel completes before the server accepts them (also
-                        # how many the event loop accepts at once: descriptors over the cap)
+BACKLOG = 128           # connections the event loop accepts at once (descriptors over the cap);
+                        # the kernel queues more for it (connection_guard.ACCEPT_QUEUE)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
     from runtime.commands.serve_model import edge_from_args, model_server  # noqa: PLC0415
     from runtime.engine.file_lease import handle_breaks  # noqa: PLC0415
     from runtime.server.app import create_app  # noqa: PLC0415
+    from runtime.server.heap import tune_for_serving  # noqa: PLC0415
 
+    tune_for_serving()  # RSS that follows what is held (before the loader and pools start)
     handle_breaks()     # the model file is leased through each batch (engine/model_file.py)
     _setup_logging(args.verbose)         # before the model's checks: they log (debug) too
     edge = edge_from_args(args)

@@ -18,6 +18,10 @@ is a 503, ``/health`` included. Here:
   connection being ready for one (opened, or its last answer sent); sending it a line at a
   time does not extend that. A head is at most ``HEAD_BYTES`` (h11's limit; uvicorn answers
   400 past it).
+- The kernel's queue of completed connections is ``ACCEPT_QUEUE`` long, longer than the
+  loop's accept burst (serve.py ``BACKLOG``): with a queue of 128, a flood of connects kept it
+  full and the kernel dropped the SYN of a new client (a ``/health`` probe), which its TCP sent
+  again only a second later; queued, it waits for the loop's next bursts instead (milliseconds).
 - The log says when a limit is first hit, then at most once a minute with the count since
   (``Notice``), never once per connection; the event loop's "out of system resource" on
   accept and uvicorn's "Invalid HTTP request received." go through the same notice.
@@ -42,6 +46,8 @@ log = logging.getLogger("moe_offload.server")
 
 FD_RESERVE = 256             # descriptors kept for everything but held connections (the model,
                              # slot files, the log, a burst of accepts: serve.py BACKLOG)
+ACCEPT_QUEUE = 4096          # connections the kernel completes and queues for accept (capped by
+                             # net.core.somaxconn); the loop still takes BACKLOG at a time
 MIN_CONNECTIONS = 16
 HEAD_BYTES = 16 << 10        # bytes of one request head (h11's default, set explicitly)
 NOTICE_EVERY_S = 60.0        # a repeated notice: at most one line a minute
@@ -178,12 +184,10 @@ def guarded_protocol(book: ConnectionBook) -> type:
                 book.busy(self)
 
         def close_idle(self) -> None:
-            """Close a connection that is not inside a request."""
+            """Close a connection that is not inside a request (h11 is told in
+            ``connection_lost``, as uvicorn does there: telling it here too cost a second
+            send and a caught ``LocalProtocolError`` per closed connection)."""
             if not self.transport.is_closing():
-                try:
-                    self.conn.send(h11.ConnectionClosed())
-                except h11.LocalProtocolError:
-                    pass
                 self.transport.close()
 
     return GuardedH11Protocol
@@ -246,6 +250,8 @@ def guarded_server(app: Any, limits: ConnectionLimits, *, on_exit: Callable[[], 
         async def startup(self, sockets: list | None = None) -> None:
             quiet_repeats(asyncio.get_running_loop(), notice)
             await super().startup(sockets)
+            for sock in sockets or ():      # asyncio listened with the burst's length
+                sock.listen(ACCEPT_QUEUE)
 
         def handle_exit(self, sig: int, frame: Any) -> None:   # SIGINT / SIGTERM
             on_exit()       # (serve: answers in flight end now, not after the drain timeout)

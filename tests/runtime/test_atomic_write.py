@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gguf_tools.synth import SynthSpec, write_synthetic_model
-from runtime.atomic_write import (AtomicTarget, atomic_write, remove_stale_temps, temp_pattern,
+from runtime.atomic_write import (AtomicTarget, atomic_write, remove_stale_temps, temp_of,
                                   write_text)
 from runtime.errors import UserError
 from runtime.residency.profile import RoutingProfile, read_profile, write_profile
@@ -39,9 +39,8 @@ KILLS = 10
 
 def temps(target: Path, pid: int | None = None) -> list[str]:
     """The temp files of ``target`` in its directory (of process ``pid`` only, if given)."""
-    pattern = temp_pattern(target)
-    found = [(n, m) for n in os.listdir(target.parent) if (m := pattern.match(n))]
-    return sorted(n for n, m in found if pid is None or m.group("pid") == str(pid))
+    found = [(n, t) for n in os.listdir(target.parent) if (t := temp_of(target.name, n))]
+    return sorted(n for n, (writer, ours) in found if pid is None or ours and writer == pid)
 
 
 def _fork(write: Callable[[], None]) -> int:

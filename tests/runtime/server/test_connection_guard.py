@@ -7,12 +7,15 @@ against a cap of 20; scripts/slowloris.py measures 20,000."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
 
-from runtime.server.connection_guard import FD_RESERVE, ConnectionLimits, Notice
+from runtime.server.connection_guard import ACCEPT_QUEUE, FD_RESERVE, ConnectionLimits, Notice
 
 HALF_OPEN = 300
 HEAD_START = b"GET /health HTTP/1.1\r\nHost: attacker\r\n"     # never ended by a blank line
@@ -113,6 +116,42 @@ def test_a_slow_request_head_is_closed_at_its_deadline(start_server, tiny_model)
         while chunk := ok.recv(4096):
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+QUEUED = 600          # connections a stopped server's kernel must queue (asyncio's burst: 128)
+
+
+def _somaxconn() -> int:
+    path = Path("/proc/sys/net/core/somaxconn")
+    return int(path.read_text()) if path.exists() else 0
+
+
+@pytest.mark.skipif(_somaxconn() < QUEUED, reason="net.core.somaxconn caps the accept queue")
+def test_the_kernel_queues_connections_while_the_loop_is_busy(start_server, tiny_model):
+    """The kernel completes and queues ``ACCEPT_QUEUE`` connections for the event loop, not
+    just its accept burst: a connection that arrives while the loop is busy (here: the
+    process stopped) is answered when the loop gets to it. With a queue of 128, past it the
+    kernel dropped the SYN and the client's TCP sent it again a second later, the tail of
+    /health under 20,000 half-open connections (scripts/slowloris.py)."""
+    assert ACCEPT_QUEUE >= QUEUED
+    server = start_server(tiny_model)
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    held = []
+    try:
+        for _ in range(QUEUED):     # each connect completes in the kernel alone, or times out
+            held.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        probe = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    probe.settimeout(60)
+    answer = b""
+    while chunk := probe.recv(4096):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    for sock in [probe, *held]:
+        sock.close()
+    server.assert_alive()
 
 
 def test_the_cap_fits_the_open_file_limit():
