@@ -1,8 +1,8 @@
-"""Install moe-offload with the one llama.cpp it runs on: ours, patched (native/patches).
+"""Install moe-offload with the one llama.cpp it runs on: ours, patched (llamacpp/patches).
 
 ``pip install -e .`` (metadata in pyproject.toml) does two things beyond a plain install:
   * llama-cpp-python 0.3.36's Python bindings (the ``llama_cpp`` package, pure Python) come
-    from the repository's source archive (native/offline/), unpacked into build/bindings/;
+    from the repository's source archive (offline/), unpacked into build/bindings/;
     llama-cpp-python's own compile of the stock llama.cpp never runs;
   * the patched llama.cpp is built once (runtime/native/build.py, minutes; cached in
     ~/.cache/moe-offload/native/ by a hash of its sources and options, so a second install,
@@ -23,7 +23,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-ARCHIVE = HERE / "native" / "offline" / "llama-cpp-python-0.3.36-pruned.tar.xz"
+ARCHIVE = HERE / "offline" / "llama-cpp-python-0.3.36-pruned.tar.xz"
 BINDINGS = HERE / "build" / "bindings"
 PREFIX = "llama_cpp_python-0.3.36/llama_cpp/"
 # put before the bindings' __init__: they load libllama at import, from LLAMA_CPP_LIB_PATH or a

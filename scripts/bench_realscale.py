@@ -114,7 +114,7 @@ def write_model(case: Case, directory: Path) -> Path:
 
 
 def planned_budget(model: Path, limit: int | None, ctx: int) -> int:
-    from runtime.commands.planner import plan_model  # noqa: PLC0415
+    from runtime.planner import plan_model  # noqa: PLC0415
 
     plan = plan_model(str(model), ctx, {"cpu": limit} if limit else None)
     return next(d.budget_bytes for d in plan.devices if d.device == "cpu")

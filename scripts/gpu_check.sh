@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU proof of the device cache (issue 6), for an NVIDIA H200-class machine with
-# NO network: everything comes from the repository (native/offline/: the pruned llama.cpp
+# NO network: everything comes from the repository (offline/: the pruned llama.cpp
 # source archive and the Python wheels).
 #
 #   scripts/gpu_check.sh             # CUDA build for sm_90, the qwen3-30b-a3b preset, benchmark
@@ -38,8 +38,8 @@ case "${1:-}" in
   "") ;;
   *) echo "usage: scripts/gpu_check.sh [--dry-run | --vulkan-dry-run]" >&2; exit 2 ;;
 esac
-ARCHIVE=$REPO/native/offline/llama-cpp-python-0.3.36-pruned.tar.xz
-WHEELS=$REPO/native/offline/wheels
+ARCHIVE=$REPO/offline/llama-cpp-python-0.3.36-pruned.tar.xz
+WHEELS=$REPO/offline/wheels
 WORK=${GPU_CHECK_WORK:-/tmp/moe-gpu-check}
 REPS=${GPU_CHECK_REPS:-2}
 PCT=${GPU_CHECK_BUDGET_PCT:-25}
@@ -54,7 +54,7 @@ step() { echo "== gpu_check [$((SECONDS - START)) s]: $*" >&2; }
 # (0) tools
 need() { command -v "$1" >/dev/null || { echo "gpu_check: $1 not found ($2)" >&2; exit 1; }; }
 need cmake "CMake >= 3.21"; need c++ "a C++17 compiler"
-command -v patch >/dev/null || need git "GNU patch or git (to apply native/patches)"
+command -v patch >/dev/null || need git "GNU patch or git (to apply llamacpp/patches)"
 if [[ $DRY == 0 ]]; then
   [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH=$PATH:/usr/local/cuda/bin
   need nvcc "the CUDA toolkit"
@@ -119,7 +119,7 @@ if [[ $DRY == 1 ]]; then
   MODEL=$WORK/dry-run-model.gguf
   # the real depth and top-k (48 layers, top-8), tiny widths: what scales with depth is covered.
   # Vulkan: 4 layers; lavapipe (Mesa 22.3) crashes intermittently in its shader threads at 48
-  # layers with the cache and the routing hook on (cause not found; see native/README.md)
+  # layers with the cache and the routing hook on (cause not found; see llamacpp/README.md)
   # (the CPU dry run: the trace's shape, 48 layers x 128 experts, top-6, so it plays the trace)
   if [[ $VK == 1 ]]; then
     SHAPE=(--arch qwen3moe --layers 4 --experts 16 --top-k 8 --embd 64 --ff 32 --dtype q4_0)
@@ -213,7 +213,7 @@ else TITLE=""; fi
   echo
   "$PY" -m runtime.bench.cache_check "$MODEL" --config "$WORK/lru.toml" \
       --config "$WORK/phase-specific.toml" "${CHECK[@]}"
-  if [[ $VK != 1 ]]; then   # lavapipe crashes intermittently at 48 layers (native/README.md)
+  if [[ $VK != 1 ]]; then   # lavapipe crashes intermittently at 48 layers (llamacpp/README.md)
     echo
     echo "## the cache machinery's cost per token and per MoE layer (48 layers, top-8, tiny widths)"
     echo

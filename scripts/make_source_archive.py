@@ -2,7 +2,7 @@
 """Write the pruned llama.cpp source archive that travels with the repository, for builds on
 machines without network (scripts/gpu_check.sh).
 
-    python scripts/make_source_archive.py [--sdist PATH] [--out native/offline/llama-cpp-python-0.3.36-pruned.tar.xz]
+    python scripts/make_source_archive.py [--sdist PATH] [--out offline/llama-cpp-python-0.3.36-pruned.tar.xz]
 
 From the llama-cpp-python 0.3.36 sdist (pip download, cached; or --sdist): the parts of
 vendor/llama.cpp a library build needs (runtime/native/source.py NEEDED), without the ggml
@@ -29,7 +29,7 @@ PRUNED_BACKENDS = tuple(f"ggml/src/ggml-{b}/" for b in (
     "cann", "et", "hip", "metal", "musa", "sycl", "webgpu", "zdnn", "opencl", "hexagon",
     "zendnn", "openvino", "virtgpu"))
 ROOT = "llama_cpp_python-0.3.36/"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "native" / "offline" / \
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "offline" / \
     "llama-cpp-python-0.3.36-pruned.tar.xz"
 
 

@@ -2,7 +2,7 @@
 """Run llama.cpp's own server tests (tools/server/tests) against ``moe-offload serve``.
 
 The tests come from the llama-cpp-python 0.3.36 source archive (the sdist), so they match the
-llama.cpp our runtime links; the repository's pruned archive (native/offline/) leaves them out,
+llama.cpp our runtime links; the repository's pruned archive (offline/) leaves them out,
 so the sdist is fetched once by pip (~75 MB, runtime.native.source.download_sdist) into
 ~/.cache/moe-offload/native/sdist/ when it is not there. The tests themselves download nothing:
 the models they name are replaced by a synthetic MoE model (scripts/llama_server_compat.py maps

@@ -27,8 +27,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime.engine.hook",),                    # the routing hook: C, its Python side and
                                                  # its slow reference (no engine import)
     ("runtime.engine",),                         # llama.cpp under residency
+    ("runtime.planner",),                        # budgets from free memory: reads the
+                                                 # engine's settings and probes rpc devices
     ("runtime.bench", "runtime.server"),
-    ("runtime.commands",),                       # the CLI's commands, the planner
+    ("runtime.commands",),                       # the CLI's commands and their shared flags
     ("runtime.cli",),
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units} | {"runtime": 0}

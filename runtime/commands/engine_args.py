@@ -220,7 +220,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     gpu_layers = args.gpu_layers
     if manage and getattr(args, "auto", False):
         from runtime.residency.config_cli import config_from_text  # noqa: PLC0415
-        from runtime.commands.planner import plan_model  # noqa: PLC0415
+        from runtime.planner import plan_model  # noqa: PLC0415
 
         if getattr(args, "config", None):
             raise UserError("--auto plans the residency config itself: give --auto or "

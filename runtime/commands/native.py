@@ -12,7 +12,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("native", help="build / inspect the patched llama.cpp "
                                    "every command runs on")
     sub = parser.add_subparsers(dest="native_command", metavar="ACTION")
-    b = sub.add_parser("build", help="apply native/patches and build the libraries (cached); "
+    b = sub.add_parser("build", help="apply llamacpp/patches and build the libraries (cached); "
                        "the build becomes the one every command loads")
     b.add_argument("--backend", default=None,
                    help="cpu | cuda | vulkan (default: what CMAKE_ARGS names, as at install: "
@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     b.add_argument("--source", default=None, metavar="PATH",
                    help="llama-cpp-python 0.3.36 sdist (.tar.gz), its unpacked tree, a llama.cpp "
                         "tree or a pruned archive; default: the repository's "
-                        "native/offline/ archive")
+                        "offline/ archive")
     b.add_argument("--cuda-arch", default=None, metavar="ARCH",
                    help="CMAKE_CUDA_ARCHITECTURES for --backend cuda (default: native)")
     b.add_argument("--no-cuda-fa", action="store_true",

@@ -5,7 +5,7 @@
 Reads the free memory of every device (GPUs through ggml's device API, RAM through psutil),
 subtracts what the dense weights and the KV cache need, and prints a residency config with a
 budget per device and the policies, each number explained in a comment
-(runtime/commands/planner.py). ``--free`` states a device's free memory instead of
+(runtime/planner.py). ``--free`` states a device's free memory instead of
 measuring it (planning for another machine). ``--rpc`` adds remote devices (moe-offload
 rpc-server) that answer a short probe. The TOML passes ``config check`` and runs with
 ``--config``.
@@ -55,7 +55,7 @@ def _stated(values: list[str]) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from runtime.commands.planner import plan_model  # noqa: PLC0415
+    from runtime.planner import plan_model  # noqa: PLC0415
 
     result = plan_model(args.model, args.ctx_size, _stated(args.free), args.rpc,
                         warn=lambda line: print(line, file=sys.stderr))

@@ -35,7 +35,7 @@ def edge_from_args(args: argparse.Namespace) -> Edge:
     """The key, CORS origins, request and connection limits and proxy allow-list; UserError
     on bad ones."""
     from runtime.server.connection_guard import ConnectionLimits  # noqa: PLC0415
-    from runtime.server.cors_proxy import proxy_allow_list  # noqa: PLC0415
+    from runtime.server.llama_server.cors_proxy import proxy_allow_list  # noqa: PLC0415
     from runtime.server.limits import Limits  # noqa: PLC0415
 
     origins = tuple(o.strip() for o in args.cors_origin.split(",") if o.strip())

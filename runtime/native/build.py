@@ -6,9 +6,9 @@
 Steps: resolve the source (runtime/native/source.py), key the build by sha256(source
 fingerprint, patch series, the device cache store's sources, backend, CMake arguments), and if
 that key is not built yet: extract the source to a fixed work directory (fixed, so ccache hits
-across keys), apply ``native/patches/*.patch`` in order, configure and build the shared
+across keys), apply ``llamacpp/patches/*.patch`` in order, configure and build the shared
 libraries with CMake (apps, tools, tests, examples off), compile the device cache store
-(``native/device_cache/device_cache_store.cpp``, the device cache's slots and tables in
+(``llamacpp/device_cache/device_cache_store.cpp``, the device cache's slots and tables in
 llama.cpp) against them, and copy the libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``;
 ``build.json`` is written last, so a directory without it is not a build.
 """
@@ -33,7 +33,7 @@ from runtime.native.source import cache_root, resolve_source
 
 BUILD_FORMAT = 1
 BACKENDS = ("cpu", "cuda", "vulkan")
-NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "llamacpp"
 # the device cache store: the device cache's slots and tables in llama.cpp (dc_store_*)
 STORE_DIR = NATIVE_DIR / "device_cache"
 STORE_SOURCES = ("device_cache_store.h", "device_cache_store.cpp")
@@ -61,7 +61,7 @@ class BuildRequest:
     """What to build. ``native_cpu``: -march=native for the CPU backend (this machine only)."""
 
     backend: str = "cpu"
-    source: str | None = None        # None: the repository's archive (native/offline/)
+    source: str | None = None        # None: the repository's archive (offline/)
     cuda_arch: str | None = None     # CMAKE_CUDA_ARCHITECTURES, e.g. "90"; None: "native"
     cuda_fa: bool = True             # the FlashAttention CUDA kernels (about half the compile time)
     native_cpu: bool = True

@@ -2,7 +2,7 @@
  *
  * The residency core (rc_core, the manager's) decides; this moves bytes: per layer-step
  * (dc_route) it publishes finished copies into the slot tables of the device cache store
- * (native/device_cache/device_cache_store.h: dc_store_table_set), asks the core (rc_step: one
+ * (llamacpp/device_cache/device_cache_store.h: dc_store_table_set), asks the core (rc_step: one
  * lease per layer-step, the previous one released), clears the victims' table entries and
  * frees their slots, copies each admitted or prefetched expert from the read-only file
  * mapping into a free slot of its pool on worker threads (dc_store_slot_set), and last writes

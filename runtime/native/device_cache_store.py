@@ -1,4 +1,4 @@
-"""cffi (ABI mode) access to the device cache store (native/device_cache/device_cache_store.h:
+"""cffi (ABI mode) access to the device cache store (llamacpp/device_cache/device_cache_store.h:
 the device cache's slots and tables in llama.cpp, ``dc_store_*``) of a native build.
 
     lib = load_store(lib_dir)                   # the build's libmoe_device_cache.so

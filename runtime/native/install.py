@@ -83,7 +83,7 @@ def missing_message(backend: str | None = None) -> str:
     backend = backend or installed_backend()
     flag = "" if backend == "cpu" else f" --backend {backend}"
     return (f"moe-offload needs its patched llama.cpp ({backend}) built from this checkout's "
-            f"native/patches, and none is: run `moe-offload native build{flag}` (a few "
+            f"llamacpp/patches, and none is: run `moe-offload native build{flag}` (a few "
             "minutes, once; `pip install -e .` does it too)")
 
 

@@ -165,7 +165,7 @@ def _guard_amx(ll) -> None:
     """llama-cpp-python 0.3.36's ggml loads the AMX tile config from a stack temporary whose
     stores GCC drops: on an AMX CPU the first tile instruction raises SIGILL (or worse), in
     every q8_0/q4 matmul llama.cpp gives to its AMX buffer type. Our patched build carries the
-    fix (native/patches/0003); for any other libllama on such a CPU, model loads default to no
+    fix (llamacpp/patches/0003); for any other libllama on such a CPU, model loads default to no
     extra buffer types, so llama.cpp never picks AMX (this covers ``llama_cpp.Llama`` too)."""
     global amx_fallback
     if not cpu_has_amx() or hasattr(ll._lib, "llama_moe_cache_register"):
@@ -300,7 +300,7 @@ class Threadpools:
 
 def set_weight_ready(pointer: int) -> bool:
     """Install ``pointer`` (a C ``ggml_cpu_weight_ready_t``: the RAM tier's rt_weight_ready)
-    as ggml-cpu's weight-ready hook (native/patches/0007: MUL_MAT_ID computes the experts
+    as ggml-cpu's weight-ready hook (llamacpp/patches/0007: MUL_MAT_ID computes the experts
     whose bytes are in first and waits for the others); False when this libggml-cpu has no
     such hook."""
     ggml()
@@ -423,7 +423,7 @@ def load_model(path: str, *, n_gpu_layers: int, overrides: BuftOverrides | None 
     every GPU-type device); ``tensor_split``: a ctypes ``float[llama_max_devices()]`` of
     layer proportions per device (None: by free memory). Both as runtime/rpc/setup.py makes them.
     ``lazy_experts``: LLAMA_LAZY_MODE_ON, which our patched build extends to the routed
-    experts' weights (native/patches/0006): they are neither prefetched nor repacked.
+    experts' weights (llamacpp/patches/0006): they are neither prefetched nor repacked.
     ``use_mlock``: lock the model's host pages in RAM (llama.cpp's --mlock)."""
     ll = bindings()
     params = ll.llama_model_default_params()

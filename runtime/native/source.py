@@ -22,7 +22,7 @@ from runtime.errors import UserError
 
 SDIST_NAME = "llama_cpp_python-0.3.36.tar.gz"
 # the source every build starts from unless told otherwise (in the repository: offline)
-ARCHIVE = Path(__file__).resolve().parents[2] / "native" / "offline" / \
+ARCHIVE = Path(__file__).resolve().parents[2] / "offline" / \
     "llama-cpp-python-0.3.36-pruned.tar.xz"
 SDIST_REQUIREMENT = "llama-cpp-python==0.3.36"
 VENDOR_PREFIX = "vendor/llama.cpp/"

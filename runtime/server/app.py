@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: ``create_app`` builds the FastAPI application.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (completions.py),
-``POST /v1/messages`` (anthropic_api.py), ``POST /v1/responses`` (responses_api.py),
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (openai/completions.py),
+``POST /v1/messages`` (anthropic/routes.py), ``POST /v1/responses`` (responses/routes.py),
 ``GET /v1/models``, ``GET /v1/residency`` (the manager's snapshot as JSON), ``GET /metrics``
 (Prometheus text), ``GET /health`` (503 while loading, 200 ``{"status": "ok"}`` when ready),
 the chat page at ``/`` (web_ui.py). With an API key set, every route but ``/health``,
@@ -30,27 +30,27 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.engine.sampling import SamplingParams
-from runtime.server import gcp_predict
-from runtime.server.anthropic_api import router as anthropic_router
+from runtime.server.llama_server import gcp_predict
+from runtime.server.anthropic.routes import router as anthropic_router
 from runtime.server.body_guard import BodyGuard
-from runtime.server.completions import router as completions_router
+from runtime.server.openai.completions import router as completions_router
 from runtime.server.cors import CorsMiddleware
-from runtime.server.cors_proxy import router as cors_proxy_router
+from runtime.server.llama_server.cors_proxy import router as cors_proxy_router
 from runtime.server.embeddings import router as embeddings_router
-from runtime.server.llama_routes import router as llama_router
-from runtime.server.responses_api import router as responses_router
-from runtime.server.slot_routes import router as slot_router
+from runtime.server.llama_server.routes import router as llama_router
+from runtime.server.responses.routes import router as responses_router
+from runtime.server.llama_server.slots import router as slot_router
 from runtime.server.stream_sessions import StreamSessions
 from runtime.server.stream_sessions import router as stream_router
-from runtime.server.unsupported import router as unsupported_router
-from runtime.server.unsupported import tools_router
-from runtime.server.rerank import router as rerank_router
-from runtime.server.lora_routes import router as lora_router
+from runtime.server.llama_server.unsupported import router as unsupported_router
+from runtime.server.llama_server.unsupported import tools_router
+from runtime.server.llama_server.rerank import router as rerank_router
+from runtime.server.llama_server.lora import router as lora_router
 from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import (APIError, error_body, route_response,
                                    install_error_handlers)
-from runtime.server.llamacpp_metrics import LlamaCppCounters
+from runtime.server.llama_server.metrics import LlamaCppCounters
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.request_log import JsonBody, RequestLog
 from runtime.server.lifecycle import Lifecycle, LifecycleGate, Snapshot
@@ -323,7 +323,7 @@ def create_app(settings: ServerSettings, load_engine: Callable[[], Any], *,
         return stats is not None and (stats.running > 0 or stats.waiting > 0)
 
     def take_snapshot() -> Snapshot:
-        from runtime.server.llama_routes import props_payload  # noqa: PLC0415
+        from runtime.server.llama_server.routes import props_payload  # noqa: PLC0415
 
         request = Request({"type": "http", "app": app, "headers": [], "query_string": b""})
         return Snapshot(props_payload(request), metrics_text(app.state)

@@ -1,7 +1,7 @@
 """Walking a streamed chat answer's chunk frames (chat_stream.py's) for another API's events:
 ``ChatDeltas.feed(frame)`` keeps the usage frame's counts, timings and the finish reason, and
 hands each prompt progress report, reasoning, text and tool-call delta, in order, to the
-subclass (anthropic_stream.py, responses_stream.py), which turns it into its API's events.
+subclass (anthropic/stream.py, responses/stream.py), which turns it into its API's events.
 Pure: frames in, events out."""
 from __future__ import annotations
 

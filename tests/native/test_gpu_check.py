@@ -17,12 +17,12 @@ from tests.native.conftest import skip_without_vulkan_toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-OFFLINE = REPO / "native" / "offline"
+OFFLINE = REPO / "offline"
 
 
 def test_offline_payload_is_small_and_complete():
     total = sum(f.stat().st_size for f in OFFLINE.rglob("*") if f.is_file())
-    print(f"native/offline: {total / 2**20:.1f} MiB")
+    print(f"offline: {total / 2**20:.1f} MiB")
     assert total < 40 * 2**20
     with tarfile.open(OFFLINE / "llama-cpp-python-0.3.36-pruned.tar.xz") as tar:
         names = set(tar.getnames())

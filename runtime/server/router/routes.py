@@ -26,11 +26,11 @@ from sse_starlette.sse import EventSourceResponse
 
 from runtime.errors import UserError
 from runtime.server.app import FINGERPRINT, ServerSettings, add_http_edge
-from runtime.server.cors_proxy import router as cors_proxy_router
+from runtime.server.llama_server.cors_proxy import router as cors_proxy_router
 from runtime.server.errors import APIError, install_error_handlers
 from runtime.server.requests import json_object
 from runtime.server.stream_sessions import lookup_answer
-from runtime.server.unsupported import tools_router
+from runtime.server.llama_server.unsupported import tools_router
 from runtime.server.metrics import CONTENT_TYPE, ServerMetrics
 from runtime.server.router.dispatch import Dispatch
 from runtime.server.router.models import ModelRouter

@@ -3,7 +3,7 @@ cache, as mincore sees it, and no anonymous copy) stay within the budget plus do
 at every moment from process start to exit, load included, for a model larger than the cgroup
 memory limit it runs under. Sampled from outside every <= 50 ms (runtime/bench/memwatch.py).
 
-The bound needs the lazy load of our patched llama.cpp (native/patches/0006: the routed experts
+The bound needs the lazy load of our patched llama.cpp (llamacpp/patches/0006: the routed experts
 load lazily, so llama.cpp's mmap neither prefetches the whole file nor repacks them), which the
 engine asks for only with a RAM tier; plain llama.cpp placement (``--no-residency``: llama.cpp's
 default load, which populates the mapping) through the same library is shown breaking the

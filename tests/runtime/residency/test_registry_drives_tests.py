@@ -47,7 +47,7 @@ POLICY_TESTS = [
 
 
 def _copy_with_policy(root: Path) -> None:
-    for part in ("runtime", "gguf_tools", "tests", "native"):   # (native/: the patches the
+    for part in ("runtime", "gguf_tools", "tests", "llamacpp"):   # (the patches the
         shutil.copytree(REPO / part, root / part,                # llama.cpp build is found by)
                         ignore=shutil.ignore_patterns("__pycache__", "offline"))
     shutil.copy(REPO / "pyproject.toml", root)

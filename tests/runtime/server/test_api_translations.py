@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import GenerationChunk
-from runtime.server.anthropic_api import message_of
-from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
+from runtime.server.anthropic.routes import message_of
+from runtime.server.anthropic.stream import AnthropicEvents, stop_reason
 from runtime.server.chat_stream import ChatFramer
 from runtime.server.requests import Prepared
-from runtime.server.responses_api import output_of
-from runtime.server.responses_stream import ResponsesEvents
+from runtime.server.responses.routes import output_of
+from runtime.server.responses.stream import ResponsesEvents
 from runtime.server.structured import ToolFormat
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
@@ -134,7 +134,7 @@ def test_responses_stream_of_an_empty_cut_answer_still_has_a_message():
 
 
 def test_anthropic_request_as_chat_messages():
-    from runtime.server.anthropic_api import MessagesRequest, to_chat_request
+    from runtime.server.anthropic.routes import MessagesRequest, to_chat_request
 
     body = MessagesRequest.model_validate({"max_tokens": 8, "system": [
         {"type": "text", "text": "Be terse."}], "messages": [
@@ -162,7 +162,7 @@ def test_anthropic_request_as_chat_messages():
 
 
 def test_responses_input_items_as_chat_messages():
-    from runtime.server.responses_api import ResponsesRequest, to_chat_request
+    from runtime.server.responses.routes import ResponsesRequest, to_chat_request
 
     body = ResponsesRequest.model_validate({"instructions": "Be terse.", "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "Fix it"}]},

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from runtime.server.unsupported import UNSUPPORTED
+from runtime.server.llama_server.unsupported import UNSUPPORTED
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ translation over the chat-completion path, as llama-server serves it: the body b
 ``ChatCompletionRequest`` (system first, ``tool_use`` blocks as assistant ``tool_calls``,
 ``tool_result`` blocks as ``tool`` messages, ``thinking`` blocks as the turn's
 ``reasoning_content``), is generated like any chat request, and the answer (or its stream
-of chunks, anthropic_stream.py) is written back in Anthropic's shape.
+of chunks, stream.py) is written back in Anthropic's shape.
 Errors leave as ``{"type": "error", "error": {"type", "message"}}`` (errors.py).
 
 What Anthropic's API has and this server does not: images and documents (no multimodal
@@ -23,8 +23,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.server.anthropic_stream import AnthropicEvents, stop_reason
-from runtime.server.completions import (chat_answer, chat_base, count_chat_tokens,
+from runtime.server.anthropic.stream import AnthropicEvents, stop_reason
+from runtime.server.openai.completions import (chat_answer, chat_base, count_chat_tokens,
                                         submit_chat)
 from runtime.server.errors import APIError, anthropic_error_body, register_route_shape
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest

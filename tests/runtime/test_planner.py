@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from runtime.commands.planner import RAM_RESERVE, DeviceMemory, plan
+from runtime.planner import RAM_RESERVE, DeviceMemory, plan
 from tests.runtime.engine.conftest import run_cli
 
 GIB = 1 << 30

@@ -3,7 +3,7 @@ translation over the chat-completion path, as llama-server serves it: ``instruct
 ``input`` (a string, or items: messages, ``function_call`` and ``function_call_output``)
 become a ``ChatCompletionRequest``, generated like any chat request; the answer comes back as
 a ``response`` with output items (reasoning, message, function calls), or as Responses events
-(responses_stream.py).
+(stream.py).
 
 Nothing is stored: ``previous_response_id``, ``conversation``, ``item_reference`` items and
 ``background`` are refused (400), ``store`` and the other labels change nothing. Earlier
@@ -18,10 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.server.completions import (chat_answer, chat_base, count_chat_tokens,
+from runtime.server.openai.completions import (chat_answer, chat_base, count_chat_tokens,
                                         submit_chat)
 from runtime.server.errors import APIError
-from runtime.server.responses_stream import (ResponsesEvents, function_call_item,
+from runtime.server.responses.stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest, arguments_problem
@@ -64,7 +64,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
-    # llama-server's telemetry (responses_stream.py): timings on each event (the whole
+    # llama-server's telemetry (stream.py): timings on each event (the whole
     # answer's on a non-streamed one), the prompt's progress as response.in_progress events
     timings_per_token: bool = False
     return_progress: bool = False

@@ -26,7 +26,7 @@ from runtime.server.errors import APIError, llama_error, register_route_shape
 from runtime.server.jobs import collect, engine_failure, side_work, submit
 from runtime.server.limits import (Limits, check_detokenize, check_prompt_tokens, check_request,
                                    check_tokenize)
-from runtime.server.llama_schemas import NativeCompletionRequest, TokenizeRequest
+from runtime.server.llama_server.schemas import NativeCompletionRequest, TokenizeRequest
 from runtime.server.schemas import ChatCompletionRequest
 from runtime.server.requests import (Prepared, check_context, checked_grammar, checked_lora,
                                      checked_slot, json_object, render_prompt, sampling_params,

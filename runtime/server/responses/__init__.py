@@ -1,0 +1,2 @@
+"""The OpenAI Responses API (routes.py), a translation over the chat-completion path, and its
+streamed events (stream.py)."""
