@@ -109,7 +109,7 @@ def _has_ram_tier(settings: EngineSettings, config) -> bool:
 
 def lazy_experts(settings: EngineSettings, config, placement, lib_dir: str | None) -> bool:
     """Load the routed experts lazily (llama.cpp's LLAMA_LAZY_MODE_ON, which our build's
-    native/patches/0006 extends to them): no prefetch of the whole file at load, no repacked
+    llamacpp/patches/0006 extends to them): no prefetch of the whole file at load, no repacked
     copy, experts left in the mapping for the RAM tier to page. Only with a RAM tier, our
     patched library, and no expert placed on a GPU by a static rule (a lazy tensor stays on
     the host)."""

@@ -398,7 +398,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     return failed ? -1 : 0;
 }
 
-/* ---- the matmul's hook (ggml_cpu_set_weight_ready: native/patches/0007) ----------------- */
+/* ---- the matmul's hook (ggml_cpu_set_weight_ready: llamacpp/patches/0007) ----------------- */
 
 /* the tiers whose matmuls wait per expert matrix (one per model in this process) */
 #define MAX_TIERS 16

@@ -6,7 +6,7 @@
  * are not in the page cache (admissions, transient uses, hits the kernel reclaimed: a one-page
  * mincore probe per layer-step, then mincore over the hits' ranges) are queued on the reader
  * (reader.h: explicit preads, several in flight, demand before prefetch). With the matmul hook
- * on (rt_set_async: ggml's MUL_MAT_ID asks rt_weight_ready per expert matrix, native/patches/
+ * on (rt_set_async: ggml's MUL_MAT_ID asks rt_weight_ready per expert matrix, llamacpp/patches/
  * 0007) rt_step returns at once: the matmul computes the layer's resident experts while the
  * others come in, and waits for each of those just before it reads it. Without it rt_step
  * returns when every byte is in. Evicted experts' pages leave every mapping and the page cache
@@ -84,7 +84,7 @@ int rt_batch_end(rt_tier *t);
  * hook must call rt_weight_ready: the caller installs it); 0: rt_step waits. 0, or -1 (too
  * many tiers in this process: it stays synchronous) */
 int rt_set_async(rt_tier *t, int32_t on);
-/* ggml_cpu_weight_ready_t (native/patches/0007): `data` inside an expert range of a tier with
+/* ggml_cpu_weight_ready_t (llamacpp/patches/0007): `data` inside an expert range of a tier with
  * rt_set_async(1)? !wait: whether its bytes are in (its first use is counted ready or late);
  * wait: return once they are. Any other address is ready. */
 bool rt_weight_ready(const void *data, size_t size, bool wait, void *user_data);
