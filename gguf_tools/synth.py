@@ -15,6 +15,7 @@ Usage::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -175,7 +176,7 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
     target = AtomicTarget(out)
     plans = tensor_plans(spec)
     writer = _new_writer(spec, synth_vocab.build_vocab(spec.vocab_size), metadata)
-    try:
+    with published_gguf(target, writer):
         writer.write_header_to_file(target.tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -193,17 +194,25 @@ def write_synthetic_model(path: str | os.PathLike[str], spec: SynthSpec, *,
             writer.write_padding(fout, written)
             if progress:   # count the alignment padding too: the total is planned_data_bytes
                 progress(-(-written // writer.data_alignment) * writer.data_alignment - written)
+    return out
+
+
+@contextlib.contextmanager
+def published_gguf(target: AtomicTarget, writer: GGUFWriter) -> Iterator[None]:
+    """Around writing ``writer``'s file at ``target.tmp``: close the writer and publish the
+    file; on a failure close it and remove the temp file (an ``OSError`` as one line)."""
+    try:
+        yield
         writer.close()
     except OSError as err:
         writer.close()
         target.discard()
-        raise write_error(out, err) from None
+        raise write_error(target.path, err) from None
     except BaseException:
         writer.close()
         target.discard()
         raise
     target.publish()
-    return out
 
 
 def _new_writer(spec: SynthSpec, vocab: synth_vocab.SynthVocab,

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 
-from gguf_tools.synth import write_synthetic_model
+from gguf_tools.synth import published_gguf, write_synthetic_model
 from gguf_tools.synth_layouts import LAYOUTS, tensor_plans
 from gguf_tools.synth_spec import SynthSpec
-from runtime.atomic_write import AtomicTarget, write_error
+from runtime.atomic_write import AtomicTarget
 
 RANK_POOLING = 4          # LLAMA_POOLING_TYPE_RANK
 RERANK_TEMPLATE = ("<|im_start|>system\nJudge whether the Document meets the requirements based "
@@ -61,7 +61,7 @@ def write_synthetic_lora(path: str | os.PathLike[str], spec: SynthSpec, *,
     out = Path(path)
     target = AtomicTarget(out)
     writer = GGUFWriter(target.tmp, LAYOUTS[spec.arch].name)
-    try:
+    with published_gguf(target, writer):
         writer.add_string("general.type", "adapter")
         writer.add_string("adapter.type", "lora")
         writer.add_float32("adapter.lora.alpha", float(rank))   # delta scale: scale * alpha/rank
@@ -77,14 +77,4 @@ def write_synthetic_lora(path: str | os.PathLike[str], spec: SynthSpec, *,
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-    except OSError as err:
-        writer.close()
-        target.discard()
-        raise write_error(out, err) from None
-    except BaseException:
-        writer.close()
-        target.discard()
-        raise
-    target.publish()
     return out
