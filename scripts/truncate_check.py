@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,8 +22,11 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
+
+LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 def main() -> int:
@@ -30,7 +34,6 @@ def main() -> int:
     parser.add_argument("model", help="a GGUF file (copied; the copy is cut)")
     parser.add_argument("--budget", default="4GiB", help="--devices.cpu of the server")
     parser.add_argument("--cut-to", default=8 << 30, type=int, help="bytes the copy keeps")
-    parser.add_argument("--port", default=18089, type=int)
     args = parser.parse_args()
     copy = args.model + ".cut-copy"
     free = shutil.disk_usage(os.path.dirname(os.path.abspath(copy))).free
@@ -43,18 +46,23 @@ def main() -> int:
     print(f"the server's log: {log.name}")
     print(f"copied {os.path.getsize(copy) / 2**30:.2f} GiB in {time.time() - start:.0f} s")
     server = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "-m", copy,
-                               "--devices.cpu", args.budget, "-c", "1024",
-                               "--port", str(args.port)],
+                               "--devices.cpu", args.budget, "-c", "1024", "--port", "0"],
                               stdout=subprocess.DEVNULL, stderr=log)
-    base, client = f"http://127.0.0.1:{args.port}", httpx.Client(timeout=600)
-    ok = True
+    client, ok = httpx.Client(timeout=600), True
     try:
-        for _ in range(600):
+        base = None
+        while server.poll() is None:      # the URL first, then /health 200 once loaded
+            if base is None and (found := LISTENING.search(Path(log.name).read_text(
+                    errors="replace"))):
+                base = found.group(1)
             try:
-                if client.get(base + "/health").status_code == 200:
+                if base and client.get(base + "/health").status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(1)
+                pass
+            time.sleep(0.5)
+        if server.poll() is not None:
+            raise SystemExit(f"truncate_check: the server exited; its log: {log.name}")
         print(f"serving after {time.time() - start:.0f} s")
 
         def chat(n: int) -> tuple[int, str]:
