@@ -313,6 +313,16 @@ class RamTier:
         """Prometheus text: resident bytes by view (manager / mincore), budget, counters."""
         return prometheus_text(self.truth(), self.stats())
 
+    def release(self) -> int:
+        """Drop every expert's pages from the mapping and the page cache (the model goes to
+        sleep; call it before ``close``: the pager drops through llama.cpp's mapping).
+        Returns the bytes ``mincore`` saw resident before."""
+        resident = int(self.truth().mincore_resident_bytes)
+        page = vm.PAGE_SIZE
+        self.pager.drop([(o // page * page, -(-(o + n) // page) * page - o // page * page)
+                         for o, n in self.layout.merged_spans()])
+        return resident
+
     def drop_unheld(self) -> None:
         """Drop the pages of every expert not held (at attach: llama.cpp populated them all)."""
         for key in self.layout.keys:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -163,14 +162,11 @@ def free_ram_tier(engine: Any) -> int:
     until the kernel reclaims them."""
     resident = 0
     for tier in getattr(engine, "tiers", ()):
-        layout, pager = getattr(tier, "layout", None), getattr(tier, "pager", None)
-        if layout is None or pager is None:         # a device cache: its slots go with it
+        release = getattr(tier, "release", None)
+        if release is None:                         # a device cache: its slots go with it
             continue
         try:
-            resident += int(tier.truth().mincore_resident_bytes)
-            page = os.sysconf("SC_PAGE_SIZE")
-            pager.drop([(o // page * page, -(-(o + n) // page) * page - o // page * page)
-                        for o, n in layout.merged_spans()])
+            resident += release()
         except OSError as exc:       # the engine still closes; the kernel reclaims the rest
             log.warning("sleeping: could not drop the RAM tier's pages (%s)", exc.strerror)
     return resident
