@@ -51,6 +51,8 @@ class ModelInstance:
     def status(self) -> str:
         if self.launch is None:
             return UNLOADED
+        if self.stopping:       # loaded until its app is gone (stop_serving closes the host
+            return LOADED       # first, which reads "failed": not yet "unloaded")
         host = self.app.state.host
         if host.state is LoadState.READY:
             return LOADED
