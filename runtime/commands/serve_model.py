@@ -177,6 +177,8 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
     settings.lora_init_without_apply = args.lora_init_without_apply
     settings.context_shift = args.context_shift
     settings.mmproj = args.mmproj
+    if args.mmproj and not os.path.isfile(args.mmproj):   # before listening, in one line
+        raise UserError(f"--mmproj {args.mmproj}: no such file")
     if args.mmproj and args.context_shift:    # a shift would cut an image: as llama-server
         log.warning("--context-shift is off with --mmproj (a shift could cut an image)")
         settings.context_shift = False

@@ -95,7 +95,7 @@ def mtmd_bindings(lib_dir: str) -> Any:
     if not os.path.isfile(os.path.join(lib_dir, "libmtmd.so")):
         raise UserError(f"--mmproj: the llama.cpp build in {lib_dir} has no libmtmd.so (built "
                         "before images were supported): run `moe-offload native build`")
-    os.environ.setdefault(MTMD_LIB_ENV, lib_dir)
+    os.environ[MTMD_LIB_ENV] = lib_dir     # read once, at the bindings' first import
     import llama_cpp.mtmd_cpp as mtmd  # noqa: PLC0415
 
     return mtmd
@@ -130,7 +130,7 @@ class Projector:
         params.use_gpu, params.n_threads, params.print_timings = use_gpu, n_threads, False
         ctx = mtmd.mtmd_init_from_file(os.fsencode(path), model_ptr, params)
         if not ctx:
-            why = log.last_error() or ("not an mmproj GGUF, an unsupported projector, or an "
+            why = " ".join(log.last_error().split()) or ("not an mmproj GGUF, an unsupported projector, or an "
                                        "embedding width other than the model's")
             raise UserError(f"--mmproj {path}: llama.cpp cannot load it as a projector for "
                             f"this model ({why})")

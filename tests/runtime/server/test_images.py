@@ -48,8 +48,10 @@ def mmproj(tmp_path_factory, tiny_spec):
 
 
 @pytest.fixture(scope="module", params=[(), ("-np", "2")], ids=["one-slot", "two-slots"])
-def server(request, start_server, tiny_model, mmproj):
-    return start_server(tiny_model, "--mmproj", str(mmproj), *request.param)
+def server(request, start_server, tiny_model, mmproj, tmp_path_factory):
+    slots = tmp_path_factory.mktemp("slots")
+    return start_server(tiny_model, "--mmproj", str(mmproj), "--slot-save-path", str(slots),
+                        *request.param)
 
 
 def chat(server, data: str, **extra) -> dict:
@@ -92,9 +94,17 @@ def test_a_different_image_shares_no_cached_prefix(server):
     assert again["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
 
 
+def test_a_slot_holding_an_image_is_not_saved_to_a_file(server):
+    chat(server, A, id_slot=0)
+    r = httpx.post(f"{server.base_url}/slots/0?action=save", json={"filename": "a.bin"})
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"], r.text
+    chat(server, B, id_slot=0)                           # the slot serves on
+
+
 def test_anthropic_image_blocks_answer_as_the_chat_route(server):
     client = anthropic.Anthropic(base_url=server.base_url, api_key="none")
-    message = client.messages.create(model="any", max_tokens=8, extra_body={"temperature": 0}, messages=[
+    message = client.messages.create(model="any", max_tokens=8, extra_body={"temperature": 0},
+                                     messages=[
         {"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": A}},
@@ -157,3 +167,21 @@ def test_a_broken_image_is_a_400_in_each_routes_shape(server, what, data):
 def test_image_urls_and_stray_markers_are_400(server, body, words):
     r = httpx.post(f"{server.api_url}/chat/completions", json=body | {"max_tokens": 2})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_serve_refuses_a_projector_it_cannot_use_in_one_line(tmp_path, tiny_model):
+    """Before or at the load, never a traceback: a missing file, a projector of another
+    width than the model's, --mmproj for every model of router mode."""
+    from tests.runtime.server.test_serve_command import _assert_one_line_error, _serve
+
+    _assert_one_line_error(_serve("-m", str(tiny_model), "--mmproj", str(tmp_path / "no.gguf"),
+                                  "--port", "0"), "no.gguf: no such file")
+    wide = write_synthetic_mmproj(tmp_path / "wide.gguf", text_embd=96)   # the model has 64
+    result = _serve("-m", str(tiny_model), "--mmproj", str(wide), "--port", "0")
+    _assert_one_line_error(result, f"--mmproj {wide}: llama.cpp cannot load it")
+    assert "n_embd = 64" in result.stderr and "\nhint" not in result.stderr   # llama.cpp's why
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "alpha.gguf").symlink_to(tiny_model)
+    _assert_one_line_error(_serve("--models-dir", str(models), "--mmproj", str(wide),
+                                  "--port", "0"), "per model: mmproj = FILE")
