@@ -109,7 +109,12 @@ def test_anthropic_image_blocks_answer_as_the_chat_route(server):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": A}},
             {"type": "text", "text": QUESTION}]}])
-    assert message.content[0].text == chat(server, A)["choices"][0]["message"]["content"]
+    answer = chat(server, A)
+    assert message.content[0].text == answer["choices"][0]["message"]["content"]
+    counted = client.messages.count_tokens(model="any", messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": A}},
+        {"type": "text", "text": QUESTION}]}])
+    assert counted.input_tokens == answer["usage"]["prompt_tokens"]   # the image's 4 included
 
 
 def test_completion_takes_multimodal_data(server):
