@@ -7,9 +7,9 @@ Steps: resolve the source (runtime/native/source.py), key the build by sha256(so
 fingerprint, patch series, the device cache store's sources, backend, CMake arguments), and if
 that key is not built yet: extract the source to a fixed work directory (fixed, so ccache hits
 across keys), apply ``llamacpp/patches/*.patch`` in order, configure and build the shared
-libraries with CMake (apps, tools, tests, examples off), compile the device cache store
-(``llamacpp/device_cache/``, the device cache's slots and tables in llama.cpp: STORE_SOURCES)
-against them, and copy the libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``;
+libraries with CMake (apps, tools, tests, examples off; libmtmd on), compile the device cache
+store (``llamacpp/device_cache/``, the device cache's slots and tables in llama.cpp:
+STORE_SOURCES) against them, and copy the libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``;
 ``build.json`` is written last, so a directory without it is not a build.
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ from runtime.errors import UserError
 from runtime.native import vulkan_sdk
 from runtime.native.source import cache_root, resolve_source
 
-BUILD_FORMAT = 1
+# 2: libmtmd built beside libllama (a build without it is not current)
+BUILD_FORMAT = 2
 BACKENDS = ("cpu", "cuda", "vulkan")
 NATIVE_DIR = Path(__file__).resolve().parents[2] / "llamacpp"
 # the device cache store: the device cache's slots and tables in llama.cpp (dc_store_*): its
@@ -49,6 +50,9 @@ _COMMON_ARGS = (
     "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_COMMON=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # libmtmd alone (tools/mtmd: images and audio through an mmproj), none of the other tools;
+    # no video (it spawns ffmpeg)
+    "-DLLAMA_BUILD_MTMD=ON", "-DMTMD_VIDEO=OFF",
     # ggml-cpu's own threads, not OpenMP's: the engine attaches a thread pool that lives as long
     # as the context (llama_lib.Threadpools; without one ggml starts and joins its threads at
     # every graph, and the routing hook splits a decode into ~150), and patch 0008's barrier
