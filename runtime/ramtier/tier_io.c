@@ -42,6 +42,8 @@ struct rt_tier {
     uint8_t *advised;              /* (n_flat,) prefetched: reads queued, not yet used */
     int32_t *cur_list, n_cur;      /* the running layer-step's keys */
     int32_t *transient, n_transient;
+    int32_t *pf_list, n_pf;        /* the layer-step's prefetches, read once there is room */
+    int64_t one_use_room;          /* rt_set_one_use_room: bytes, or -1 (no bound) */
     int64_t lease;                 /* the core's lease of the last layer-step (rc_step) */
     int64_t *want_off, *want_len; int32_t n_want;   /* this layer-step's reads */
     int64_t cap_want;
@@ -248,15 +250,44 @@ void rt_drain_drops(rt_tier *t) {
     pthread_mutex_unlock(&t->drop_mu);
 }
 
-/* a prefetch the core issued: queue its reads behind the demand reads and go on; its first
- * use waits for what is still coming. Held at once: its edge pages are protected while they
- * come in. */
+/* a prefetch the core issued: its reads go behind the demand reads once the step has room
+ * (rt_step queues them) and the step goes on; its first use waits for what is still coming.
+ * Held at once: its edge pages are protected while they come in. */
 static void prefetch(rt_tier *t, int32_t f) {
-    queue_key(t, f, RD_PREFETCH);
+    t->pf_list[t->n_pf++] = f;
     for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++)
         t->stats.prefetched_bytes += t->range_len[r];
     t->advised[f] = 1;
     t->held[f] = 1;
+}
+
+/* Before a layer-step reads anything: the pages the core does not count (the queued drops:
+ * keys evicted, by this step too, and the previous layer-step's transient uses; plus this
+ * step's transient uses, `one_use` bytes, about to be read) must fit the one-use room, or
+ * the page cache would pass the budget (the core fills its capacity, the room is the rest).
+ * Wait for the drop thread until they do; it always can: a drained queue holds nothing, and
+ * one step's transient uses are one layer's experts at most, which the room holds. Costs
+ * nothing while the queue is short (decode: a few experts a step); a prompt's layer-step
+ * that evicts or passes over a whole layer waits for about the previous one's drops. */
+static int64_t now_ns(void);
+
+static void wait_for_room(rt_tier *t, int64_t one_use) {
+    if (!t->drop_started) {                 /* drops run at once: nothing queued */
+        if (one_use > t->stats.one_use_peak) t->stats.one_use_peak = one_use;
+        return;
+    }
+    int64_t t0 = 0;
+    pthread_mutex_lock(&t->drop_mu);
+    /* drop_bytes counts a key until its drop has run (the one running included) */
+    while (t->one_use_room >= 0 && t->drop_bytes + one_use > t->one_use_room &&
+           (t->drop_n > 0 || t->dropping >= 0)) {
+        if (t0 == 0) t0 = now_ns();
+        pthread_cond_wait(&t->drop_idle, &t->drop_mu);
+    }
+    const int64_t used = t->drop_bytes + one_use;
+    pthread_mutex_unlock(&t->drop_mu);
+    if (used > t->stats.one_use_peak) t->stats.one_use_peak = used;
+    if (t0) t->stats.drop_wait_ns += now_ns() - t0;
 }
 
 static void evict(rt_tier *t, int32_t f) {
@@ -324,15 +355,19 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         }
     }
     for (int32_t i = 0; i < r.n_evicted; i++) evict(t, r.evicted[i]);
+    t->n_pf = 0;
     for (int32_t i = 0, v = 0; i < r.n_prefetched; i++) {
         for (int32_t j = 0; j < r.prefetch_n_victims[i]; j++) evict(t, r.prefetch_victims[v++]);
         prefetch(t, r.prefetched[i]);
     }
     for (int32_t i = 0; i < r.n_admitted; i++) t->mark[r.admitted[i]] = 1;
+    int64_t one_use = 0;
     for (int32_t i = 0; i < r.n_transient; i++) {
         t->mark[r.transient[i]] = 2;
         t->transient[t->n_transient++] = r.transient[i];
+        one_use += key_bytes(t, r.transient[i]);
     }
+    wait_for_room(t, one_use);    /* before any read: the budget holds throughout */
     /* what to read, in the order the matmul takes the experts (first use): admissions and
      * transient uses whole; a busy key (a background read of Python's) and a prefetched one
      * (its reads may still be queued) whole: what is in already is read from the page cache
@@ -375,6 +410,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     }
     rd_queue_many(t->reader, ids, t->n_want, RD_DEMAND);
     t->stats.reads += t->n_want;
+    for (int32_t i = 0; i < t->n_pf; i++) queue_key(t, t->pf_list[i], RD_PREFETCH);
     int failed = 0;
     if (!t->async)                /* no matmul hook: every byte in before the matmul runs */
         for (int32_t i = 0; i < t->n_want; i++) {
@@ -478,6 +514,7 @@ void rt_get_stats(const rt_tier *t, rt_stats *out) {
 void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); rd_set_fd(t->reader, fd); }
 void rt_set_read_chunk(rt_tier *t, int64_t bytes) { rd_set_chunk(t->reader, bytes); }
 void rt_set_mlock(rt_tier *t, int32_t on) { t->mlock = on; }
+void rt_set_one_use_room(rt_tier *t, int64_t bytes) { t->one_use_room = bytes < 0 ? -1 : bytes; }
 void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
     t->on_reclaim = cb;
     t->on_reclaim_user = user_data;
@@ -514,9 +551,11 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     t->advised = calloc((size_t) t->n_flat, 1);
     t->cur_list = malloc((size_t) t->n_flat * sizeof *t->cur_list);
     t->transient = malloc((size_t) t->n_flat * sizeof *t->transient);
+    t->pf_list = malloc((size_t) t->n_flat * sizeof *t->pf_list);
+    t->one_use_room = -1;
     t->by_off = malloc((size_t) (t->n_ranges ? t->n_ranges : 1) * sizeof *t->by_off);
     if (!t->file || !t->reader || !t->cur || !t->mark || !t->advised || !t->cur_list ||
-        !t->transient || !t->by_off) {
+        !t->transient || !t->pf_list || !t->by_off) {
         rt_free(t);
         return NULL;
     }
@@ -561,6 +600,7 @@ void rt_free(rt_tier *t) {
     rd_free(t->reader);
     fp_free(t->file);
     free(t->cur); free(t->mark); free(t->advised); free(t->cur_list); free(t->transient);
+    free(t->pf_list);
     free(t->by_off);
     free(t->want_off); free(t->want_len); free(t->ev_kind); free(t->ev_flat);
     free(t);
