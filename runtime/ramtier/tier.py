@@ -303,7 +303,8 @@ class RamTier:
                              c.wait_s, c.prefetched_bytes + self._prefetched,
                              c.dropped + self._dropped,
                              self.pager.locked_bytes, self._errors,
-                             self.refiller.refilled_bytes if self.refiller else 0)
+                             self.refiller.refilled_bytes if self.refiller else 0,
+                             c.one_use_peak_bytes, c.drop_wait_s)
 
     def truth(self) -> ResidencyTruth:
         """Manager view vs ``mincore`` (one mincore pass over the mapping: ~1 ms per GiB)."""

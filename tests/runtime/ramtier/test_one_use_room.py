@@ -11,7 +11,7 @@ import pytest
 
 from gguf_tools.synth import SynthSpec
 from runtime.engine.engine import Engine, EngineSettings, SamplingParams
-from runtime.ramtier import RamTier, split_budget
+from runtime.ramtier import RamTier, TierStats, split_budget
 from runtime.ramtier.vm import PAGE_SIZE
 from runtime.residency.config import parse_config
 from runtime.residency.types import Phase
@@ -53,8 +53,10 @@ class _PageCacheProbe:
         self._look()
 
 
-def _run(model: str, config: dict, n: int = 4) -> tuple[RamTier, _PageCacheProbe, object]:
-    """(the tier, its probe, its C counters) after a prompt and ``n`` greedy tokens."""
+def _run(model: str, config: dict, n: int = 4) -> tuple[RamTier, _PageCacheProbe, TierStats,
+                                                        str]:
+    """(the tier, its probe, its stats, its /metrics text) after a prompt and ``n`` greedy
+    tokens."""
     settings = EngineSettings(model_path=model, n_ctx=256, n_threads=1, seed=0,
                               manage_residency=True,
                               config=parse_config(config, source="test"))
@@ -69,8 +71,8 @@ def _run(model: str, config: dict, n: int = 4) -> tuple[RamTier, _PageCacheProbe
         out = [c.token for c in engine.generate(PROMPT, SamplingParams(max_tokens=n,
                                                                        temperature=0))]
         assert len([t for t in out if t is not None]) == n
-        counters = tier.io.counters()
-    return tier, probe, counters
+        stats, metrics = tier.stats(), tier.to_prometheus()
+    return tier, probe, stats, metrics
 
 
 def _slack(budget: int) -> int:
@@ -86,14 +88,15 @@ def test_one_use_reads_stay_within_the_budget(model):
     config = {"devices": {"cpu": "60MiB"},
               "policy": {phase: {"admission": "transient-on-pressure"}
                          for phase in ("prefill", "decode")}}
-    tier, probe, counters = _run(model, config)
+    tier, probe, stats, metrics = _run(model, config)
     assert probe.widest == 16                          # a layer-step used every expert
     assert tier.budget_bytes == 60 * MIB
     assert tier.manager.capacity("cpu") == 60 * MIB - LAYER     # kept + room = budget
     assert probe.peak > 40 * MIB                       # the budget was really used
     assert probe.peak <= tier.budget_bytes + _slack(tier.budget_bytes), \
         f"{probe.peak / MIB:.1f} MiB of experts in RAM, budget {tier.budget_bytes / MIB} MiB"
-    assert 0 < counters.one_use_peak_bytes <= LAYER    # the tier's own account of the room
+    assert 0 < stats.one_use_peak_bytes <= LAYER       # the tier's own account of the room
+    assert f"moe_ramtier_one_use_peak_bytes {stats.one_use_peak_bytes}\n" in metrics
 
 
 def test_a_budget_below_one_layer_is_raised_to_what_one_layer_step_needs(model, caplog):
@@ -101,7 +104,7 @@ def test_a_budget_below_one_layer_is_raised_to_what_one_layer_step_needs(model, 
     # raised, with a message, to a decode's working set kept + the room; the page cache
     # stays within that (before: the 20 MiB budget and 4.5 MiB of one-use reads above it)
     caplog.set_level(logging.WARNING, logger="moe_offload.ramtier")
-    tier, probe, counters = _run(model, {"devices": {"cpu": "20MiB"}})
+    tier, probe, _, _ = _run(model, {"devices": {"cpu": "20MiB"}})
     assert probe.widest == 16
     assert tier.budget_bytes == 4 * EXPERT + LAYER and \
         tier.manager.capacity("cpu") == 4 * EXPERT
@@ -113,10 +116,10 @@ def test_a_budget_below_one_layer_is_raised_to_what_one_layer_step_needs(model, 
 
 def test_a_budget_for_every_expert_is_kept_whole(model):
     # nothing is read for one use when every expert fits: the decisions are as before
-    tier, probe, counters = _run(model, {"devices": {"cpu": f"{TOTAL // MIB}MiB"}})
+    tier, probe, stats, _ = _run(model, {"devices": {"cpu": f"{TOTAL // MIB}MiB"}})
     assert tier.manager.capacity("cpu") == TOTAL == tier.budget_bytes
     assert probe.peak <= TOTAL
-    assert counters.one_use_peak_bytes == 0     # no eviction, no one-use read
+    assert stats.one_use_peak_bytes == 0     # no eviction, no one-use read
 
 
 @pytest.mark.parametrize(("budget", "want"), [
