@@ -18,7 +18,7 @@ class TierStats:
     read_errors: int
     refilled_bytes: int = 0      # read back in the background after a cold cache
     one_use_peak_bytes: int = 0  # most one-use reads + queued drops at a layer-step's reads
-    drop_wait_seconds: float = 0.0   # layer-steps' waits for drops (to keep within the room)
+    drop_wait_seconds: float = 0.0   # layer-steps on queued drops (to keep within the room)
 
 
 @dataclass(frozen=True, slots=True)

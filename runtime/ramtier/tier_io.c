@@ -30,7 +30,8 @@ struct rt_tier {
     pthread_cond_t drop_cv, drop_idle;
     int32_t *drop_ring, drop_head, drop_n;   /* flat keys, FIFO (n_flat slots) */
     uint8_t *drop_pending;                   /* (n_flat) queued and not cancelled */
-    int32_t dropping;                        /* the key being dropped now, or -1 */
+    int32_t dropping;                        /* the key the drop thread drops now, or -1 */
+    int32_t helping;                         /* the key a waiting step drops now, or -1 */
     int64_t drop_bytes;                      /* bytes of the keys queued (an upper bound) */
     int64_t page;
     const int64_t *range_start, *range_off, *range_len, *edge_start;
@@ -202,8 +203,29 @@ static void cancel_drop(rt_tier *t, int32_t f) {
         t->drop_pending[f] = 0;             /* its ring entry is skipped */
         t->drop_bytes -= key_bytes(t, f);
     }
-    while (t->dropping == f) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
+    while (t->dropping == f || t->helping == f) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
     pthread_mutex_unlock(&t->drop_mu);
+}
+
+/* run the next queued drop on this thread, `*running` naming its key meanwhile (drop_mu held
+ * on entry and on return); 0 when none is queued */
+static int drop_next_locked(rt_tier *t, int32_t *running) {
+    while (t->drop_n > 0) {
+        const int32_t f = t->drop_ring[t->drop_head];
+        t->drop_head = (t->drop_head + 1) % t->n_flat;
+        t->drop_n--;
+        if (!t->drop_pending[f]) continue;  /* cancelled */
+        t->drop_pending[f] = 0;
+        *running = f;
+        pthread_mutex_unlock(&t->drop_mu);
+        rt_drop(t, f);
+        pthread_mutex_lock(&t->drop_mu);
+        t->drop_bytes -= key_bytes(t, f);
+        *running = -1;
+        pthread_cond_broadcast(&t->drop_idle);
+        return 1;
+    }
+    return 0;
 }
 
 static void *drop_main(void *arg) {
@@ -213,18 +235,7 @@ static void *drop_main(void *arg) {
     for (;;) {
         while (!t->drop_stop && t->drop_n == 0) pthread_cond_wait(&t->drop_cv, &t->drop_mu);
         if (t->drop_n == 0) break;          /* stopping, nothing left */
-        const int32_t f = t->drop_ring[t->drop_head];
-        t->drop_head = (t->drop_head + 1) % t->n_flat;
-        t->drop_n--;
-        if (!t->drop_pending[f]) continue;  /* cancelled */
-        t->drop_pending[f] = 0;
-        t->dropping = f;
-        pthread_mutex_unlock(&t->drop_mu);
-        rt_drop(t, f);
-        pthread_mutex_lock(&t->drop_mu);
-        t->drop_bytes -= key_bytes(t, f);
-        t->dropping = -1;
-        pthread_cond_broadcast(&t->drop_idle);
+        drop_next_locked(t, &t->dropping);
     }
     pthread_mutex_unlock(&t->drop_mu);
     return NULL;
@@ -233,7 +244,8 @@ static void *drop_main(void *arg) {
 int64_t rt_pending_drop_bytes(rt_tier *t) {
     if (!t->drop_started) return 0;
     pthread_mutex_lock(&t->drop_mu);
-    const int64_t n = t->drop_bytes + (t->dropping >= 0 ? key_bytes(t, t->dropping) : 0);
+    const int64_t n = t->drop_bytes + (t->dropping >= 0 ? key_bytes(t, t->dropping) : 0) +
+                      (t->helping >= 0 ? key_bytes(t, t->helping) : 0);
     pthread_mutex_unlock(&t->drop_mu);
     return n;
 }
@@ -241,7 +253,7 @@ int64_t rt_pending_drop_bytes(rt_tier *t) {
 void rt_drain_drops(rt_tier *t) {
     if (!t->drop_started) return;
     pthread_mutex_lock(&t->drop_mu);
-    while (t->drop_n > 0 || t->dropping >= 0) {
+    while (t->drop_n > 0 || t->dropping >= 0 || t->helping >= 0) {
         pthread_mutex_unlock(&t->drop_mu);
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
@@ -265,10 +277,11 @@ static void prefetch(rt_tier *t, int32_t f) {
  * keys evicted, by this step too, and the previous layer-step's transient uses; plus this
  * step's transient uses, `one_use` bytes, about to be read) must fit the one-use room, or
  * the page cache would pass the budget (the core fills its capacity, the room is the rest).
- * Wait for the drop thread until they do; it always can: a drained queue holds nothing, and
- * one step's transient uses are one layer's experts at most, which the room holds. Costs
+ * Until they do, the step runs queued drops itself (the drop thread may not get a core on a
+ * busy machine), then waits for the one the drop thread runs; a drained queue holds nothing,
+ * and one step's transient uses are one layer's experts at most, which the room holds. Costs
  * nothing while the queue is short (decode: a few experts a step); a prompt's layer-step
- * that evicts or passes over a whole layer waits for about the previous one's drops. */
+ * that evicts or passes over a whole layer may drop about the previous one's keys. */
 static int64_t now_ns(void);
 
 static void wait_for_room(rt_tier *t, int64_t one_use) {
@@ -282,7 +295,7 @@ static void wait_for_room(rt_tier *t, int64_t one_use) {
     while (t->one_use_room >= 0 && t->drop_bytes + one_use > t->one_use_room &&
            (t->drop_n > 0 || t->dropping >= 0)) {
         if (t0 == 0) t0 = now_ns();
-        pthread_cond_wait(&t->drop_idle, &t->drop_mu);
+        if (!drop_next_locked(t, &t->helping)) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
     }
     const int64_t used = t->drop_bytes + one_use;
     pthread_mutex_unlock(&t->drop_mu);
@@ -567,6 +580,7 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     pthread_rwlock_unlock(&g_tiers_lock);
     t->page = fp_page_size(t->file);
     t->dropping = -1;
+    t->helping = -1;
     t->drop_ring = malloc((size_t) t->n_flat * sizeof *t->drop_ring);
     t->drop_pending = calloc((size_t) t->n_flat, 1);
     if (t->drop_ring && t->drop_pending) {

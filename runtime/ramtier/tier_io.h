@@ -57,7 +57,8 @@ typedef struct {
     int64_t ready_bytes;       /* bytes of ranges already read when first needed */
     int64_t late_bytes;        /* bytes of ranges still coming when first needed */
     int64_t waits;             /* waits that found a range incomplete */
-    int64_t drop_wait_ns;      /* time steps waited for queued drops (the one-use room) */
+    int64_t drop_wait_ns;      /* time steps spent on queued drops (running them or waiting
+                                  for the drop thread) to keep within the one-use room */
     int64_t one_use_peak;      /* most bytes of one-use reads + queued drops at a read */
 } rt_stats;
 

@@ -37,7 +37,7 @@ class StepCounters:
     ready_bytes: int = 0     # bytes of ranges already read when first needed
     late_bytes: int = 0      # bytes of ranges still coming when first needed
     step_s: float = 0.0      # time in the layer-steps themselves
-    drop_wait_s: float = 0.0     # part of it spent waiting for drops (the one-use room)
+    drop_wait_s: float = 0.0     # part of it spent on queued drops (the one-use room)
     one_use_peak_bytes: int = 0  # most one-use + queued-drop bytes at a read (<= the room)
 
 
