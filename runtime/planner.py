@@ -143,11 +143,11 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
 # Vulkan build when one is built, else this install's). Printed as JSON.
 _GPU_PROBE = """
 import json
-from runtime.native import llama_lib, preferred_lib_dir
+from runtime.native import ggml_lib, llama_lib, preferred_lib_dir
 llama_lib.select_library_dir(preferred_lib_dir({"cuda:0"}) or preferred_lib_dir({"vulkan:0"})
                              or preferred_lib_dir())
-print(json.dumps([(d.name, d.free_bytes, d.total_bytes) for d in llama_lib.devices()
-                  if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]))
+print(json.dumps([(d.name, d.free_bytes, d.total_bytes) for d in ggml_lib.devices()
+                  if d.kind != ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU]))
 """
 GPU_PROBE_TIMEOUT_S = 120
 

@@ -1,21 +1,15 @@
-// device cache store: the device cache's slots and tables in llama.cpp (see device_cache_store.h).
-#include "device_cache_store.h"
+// device cache store: the device cache's slots and tables in llama.cpp (see device_cache_store.h):
+// creating and freeing a store, and what it holds (its layers, pools and bytes).
+#include "device_cache_store_impl.h"
 
-#include "ggml.h"
-#include "ggml-backend.h"
 #include "llama.h"
 #include "llama-moe-cache.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
 #include <climits>
 #include <map>
-#include <mutex>
-#include <string>
-#include <tuple>
-#include <vector>
 
 namespace {
 
@@ -23,56 +17,7 @@ const char * const k_proj_names[DC_STORE_PROJ_COUNT] = {
     "ffn_up_exps", "ffn_gate_exps", "ffn_down_exps", "ffn_gate_up_exps",
 };
 
-struct layer_state {
-    ggml_tensor * exps[DC_STORE_PROJ_COUNT] = {};  // the model's tensors {ne0, ne1, n_expert}
-    int32_t pool = -1;
-    size_t expert_bytes = 0;                        // all projections of one expert
-    int64_t n_expert = 0;
-    ggml_tensor * remap = nullptr;                  // I32 {3 * n_used * max_tokens}: the id planes
-    std::vector<int32_t> table;                     // expert -> slot, -1 = not resident
-    bool host_plain = false;                        // experts in a plain host buffer: the cold
-                                                    // path may skip rows (-1, ggml-cpu's generic
-                                                    // MUL_MAT_ID) for batches not offloaded
-    bool registered = false;
-};
-
-struct pool_state {
-    // the layout shared by the pool's layers: (type, ne0, ne1) per projection
-    std::vector<std::tuple<int, int64_t, int64_t>> signature;
-    std::vector<int32_t> layers;
-    size_t slot_bytes = 0;
-    int32_t n_slots = 0;
-    ggml_tensor * slots[DC_STORE_PROJ_COUNT] = {};
-    std::vector<std::pair<int32_t, int32_t>> owner;  // slot -> (layer, expert), (-1, -1) = free
-};
-
 } // namespace
-
-struct dc_store {
-    std::vector<layer_state> layers;
-    std::vector<pool_state> pools;
-    ggml_context * ctx = nullptr;
-    ggml_backend_buffer_t buffer = nullptr;
-    std::mutex table_mutex;
-    int32_t n_sink = 0;   // sink slots per pool (the model's n_expert_used)
-    int32_t max_tokens = 0;
-    int32_t min_batch = 32;  // GGML_OP_OFFLOAD_MIN_BATCH: larger batches may run on a GPU
-    bool slots_plain = false;  // slots in a plain host buffer: ggml-cpu computes the hot path
-    // dc_store_route's scratch (under table_mutex)
-    std::vector<int32_t> planes, misses, seen, mark;
-    int32_t seen_gen = 0, mark_gen = 0;
-    // dc_store_eval: per layer, the router output of the evaluation running (nullptr once routed)
-    std::vector<const ggml_tensor *> eval_topk;
-};
-
-static bool source_is_host(const ggml_tensor * t) {
-    if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
-        return false;
-    }
-    // repacked CPU layouts (CPU_REPACK, AMX, KLEIDIAI) are not the file's bytes
-    const char * name = ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer));
-    return strstr(name, "REPACK") == nullptr && strstr(name, "AMX") == nullptr && strstr(name, "KLEIDI") == nullptr;
-}
 
 // may the cold path repeat an expert id within a token? Only ggml-cpu's generic MUL_MAT_ID
 // handles repeats: the tensor must sit in a plain host buffer (not repacked, not a device; the
@@ -128,7 +73,7 @@ int dc_store_create(const llama_model * model, const char * device, size_t capac
     std::map<std::vector<std::tuple<int, int64_t, int64_t>>, int32_t> pool_of;
     size_t total_expert_bytes = 0;
     for (int32_t il = 0; il < n_layer; ++il) {
-        layer_state & l = c->layers[il];
+        dc_layer & l = c->layers[il];
         std::vector<std::tuple<int, int64_t, int64_t>> sig;
         for (int p = 0; p < DC_STORE_PROJ_COUNT; ++p) {
             char name[128];
@@ -212,7 +157,7 @@ int dc_store_create(const llama_model * model, const char * device, size_t capac
         if (p.n_slots == 0) {
             continue;
         }
-        const layer_state & l0 = c->layers[p.layers[0]];
+        const dc_layer & l0 = c->layers[p.layers[0]];
         for (int q = 0; q < DC_STORE_PROJ_COUNT; ++q) {
             const ggml_tensor * e = l0.exps[q];
             if (e != nullptr) {
@@ -242,7 +187,7 @@ int dc_store_create(const llama_model * model, const char * device, size_t capac
             continue;
         }
         for (int32_t il : p.layers) {
-            layer_state & l = c->layers[il];
+            dc_layer & l = c->layers[il];
             llama_moe_cache_layer reg = {
                 p.slots[DC_STORE_PROJ_UP], p.slots[DC_STORE_PROJ_GATE], p.slots[DC_STORE_PROJ_GATE_UP],
                 p.slots[DC_STORE_PROJ_DOWN], l.remap, p.n_slots, n_sink, max_tokens,
@@ -277,7 +222,7 @@ int dc_store_layer_info(dc_store_t c, int32_t layer, int32_t * pool_out, size_t 
     if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size()) {
         return DC_STORE_ERR_ARG;
     }
-    const layer_state & l = c->layers[layer];
+    const dc_layer & l = c->layers[layer];
     if (pool_out) *pool_out = (l.pool >= 0 && c->pools[l.pool].n_slots > 0) ? l.pool : -1;
     if (expert_bytes_out) *expert_bytes_out = l.expert_bytes;
     return DC_STORE_OK;
@@ -310,279 +255,3 @@ int dc_store_allocated_bytes(dc_store_t c, size_t * bytes_out) {
     return DC_STORE_OK;
 }
 
-// the slot tensor of (layer, proj) and the byte offset of `slot` in it, or nullptr
-static ggml_tensor * slot_tensor(dc_store * c, int32_t layer, int32_t slot, int32_t proj, size_t * offset) {
-    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || proj < 0 || proj >= DC_STORE_PROJ_COUNT) {
-        return nullptr;
-    }
-    const layer_state & l = c->layers[layer];
-    if (l.pool < 0) {
-        return nullptr;
-    }
-    pool_state & p = c->pools[l.pool];
-    if (slot < 0 || slot >= p.n_slots || p.slots[proj] == nullptr) {
-        return nullptr;
-    }
-    *offset = (size_t) slot * p.slots[proj]->nb[2];
-    return p.slots[proj];
-}
-
-int dc_store_slot_set(dc_store_t c, int32_t layer, int32_t slot, int32_t proj, const void * src, size_t nbytes) {
-    size_t offset = 0;
-    ggml_tensor * t = slot_tensor(c, layer, slot, proj, &offset);
-    if (t == nullptr || src == nullptr || nbytes != t->nb[2]) {
-        return DC_STORE_ERR_ARG;
-    }
-    ggml_backend_tensor_set(t, src, offset, nbytes);
-    return DC_STORE_OK;
-}
-
-int dc_store_slot_get(dc_store_t c, int32_t layer, int32_t slot, int32_t proj, void * dst, size_t nbytes) {
-    size_t offset = 0;
-    ggml_tensor * t = slot_tensor(c, layer, slot, proj, &offset);
-    if (t == nullptr || dst == nullptr || nbytes != t->nb[2]) {
-        return DC_STORE_ERR_ARG;
-    }
-    ggml_backend_tensor_get(t, dst, offset, nbytes);
-    return DC_STORE_OK;
-}
-
-int dc_store_slot_load(dc_store_t c, int32_t layer, int32_t expert, int32_t slot) {
-    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size()) {
-        return DC_STORE_ERR_ARG;
-    }
-    const layer_state & l = c->layers[layer];
-    if (expert < 0 || expert >= l.n_expert) {
-        return DC_STORE_ERR_ARG;
-    }
-    for (int q = 0; q < DC_STORE_PROJ_COUNT; ++q) {
-        const ggml_tensor * e = l.exps[q];
-        if (e != nullptr && !source_is_host(e)) {
-            return DC_STORE_ERR_SOURCE;
-        }
-    }
-    for (int q = 0; q < DC_STORE_PROJ_COUNT; ++q) {
-        const ggml_tensor * e = l.exps[q];
-        if (e == nullptr) {
-            continue;
-        }
-        const char * src = (const char *) e->data + (size_t) expert * e->nb[2];
-        const int rc = dc_store_slot_set(c, layer, slot, q, src, e->nb[2]);
-        if (rc != DC_STORE_OK) {
-            return rc;
-        }
-    }
-    return DC_STORE_OK;
-}
-
-int dc_store_table_set(dc_store_t c, int32_t layer, int32_t expert, int32_t slot) {
-    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size()) {
-        return DC_STORE_ERR_ARG;
-    }
-    layer_state & l = c->layers[layer];
-    if (l.pool < 0 || expert < 0 || expert >= l.n_expert) {
-        return DC_STORE_ERR_ARG;
-    }
-    pool_state & p = c->pools[l.pool];
-    if (slot < -1 || slot >= p.n_slots) {
-        return DC_STORE_ERR_ARG;
-    }
-    if (p.n_slots == 0) {
-        return DC_STORE_OK;  // no slots: nothing is ever resident
-    }
-    std::lock_guard<std::mutex> lock(c->table_mutex);
-    // invariant: a slot holds at most one (layer, expert) of its pool
-    if (slot >= 0 && p.owner[slot].first >= 0 && p.owner[slot] != std::make_pair(layer, expert)) {
-        return DC_STORE_ERR_ARG;
-    }
-    const int32_t old = l.table[expert];
-    if (old >= 0) {
-        p.owner[old] = {-1, -1};
-    }
-    l.table[expert] = slot;
-    if (slot >= 0) {
-        p.owner[slot] = {layer, expert};
-    }
-    return DC_STORE_OK;
-}
-
-int dc_store_table_get(dc_store_t c, int32_t layer, int32_t expert, int32_t * slot_out) {
-    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || slot_out == nullptr) {
-        return DC_STORE_ERR_ARG;
-    }
-    const layer_state & l = c->layers[layer];
-    if (expert < 0 || expert >= l.n_expert) {
-        return DC_STORE_ERR_ARG;
-    }
-    std::lock_guard<std::mutex> lock(c->table_mutex);
-    *slot_out = l.table[expert];
-    return DC_STORE_OK;
-}
-
-int dc_store_route(dc_store_t c, int32_t layer, const int32_t * ids, int32_t n_tokens) {
-    if (c == nullptr || layer < 0 || layer >= (int32_t) c->layers.size() || n_tokens < 0 ||
-        (ids == nullptr && n_tokens > 0)) {
-        return DC_STORE_ERR_ARG;
-    }
-    const layer_state & l = c->layers[layer];
-    if (!l.registered || n_tokens == 0 || n_tokens > c->max_tokens) {
-        return DC_STORE_OK;   // the graph computes this layer without the cache
-    }
-    const int32_t k = c->n_sink;
-    const int64_t n = (int64_t) n_tokens * k;
-    for (int64_t i = 0; i < n; ++i) {
-        if (ids[i] < 0 || ids[i] >= l.n_expert) {
-            return DC_STORE_ERR_ARG;
-        }
-    }
-    const int32_t n_slots = c->pools[l.pool].n_slots;
-    std::lock_guard<std::mutex> lock(c->table_mutex);
-    c->planes.resize((size_t) (3 * n));
-    int32_t * hot = c->planes.data();
-    int32_t * pick = hot + n;
-    int32_t * cold = pick + n;
-    if ((int64_t) c->seen.size() < l.n_expert) {
-        c->seen.assign(l.n_expert, 0);
-        c->mark.assign(l.n_expert, 0);
-        c->seen_gen = c->mark_gen = 0;
-    }
-    if (c->seen_gen == INT32_MAX || c->mark_gen > INT32_MAX - n_tokens) {
-        std::fill(c->seen.begin(), c->seen.end(), 0);
-        std::fill(c->mark.begin(), c->mark.end(), 0);
-        c->seen_gen = c->mark_gen = 0;
-    }
-    // ggml-cpu's generic MUL_MAT_ID computes the batch (not offloaded): no row for id -1
-    const bool cpu_batch = n_tokens < c->min_batch;
-    const bool skip_cold = l.host_plain && cpu_batch;
-    const bool skip_hot = c->slots_plain && cpu_batch;
-    if (!skip_cold) {
-        // the batch's non-resident experts, in order of first use: fillers at no extra bytes
-        const int32_t gen = ++c->seen_gen;
-        c->misses.clear();
-        for (int64_t i = 0; i < n; ++i) {
-            const int32_t e = ids[i];
-            if (l.table[e] < 0 && c->seen[e] != gen) {
-                c->seen[e] = gen;
-                c->misses.push_back(e);
-            }
-        }
-    }
-    for (int32_t t = 0; t < n_tokens; ++t) {
-        const int32_t * sel = ids + (int64_t) t * k;
-        int32_t * h = hot + (int64_t) t * k;
-        int32_t * pk = pick + (int64_t) t * k;
-        int32_t * cd = cold + (int64_t) t * k;
-        int32_t m = 0;
-        for (int32_t i = 0; i < k; ++i) {
-            const int32_t slot = l.table[sel[i]];
-            if (slot >= 0) {
-                h[i] = slot;
-                pk[i] = k + i;
-                cd[i] = -1;                        // a filler below, unless rows can be skipped
-            } else {
-                h[i] = skip_hot ? -1 : n_slots + i;
-                pk[i] = i;
-                cd[i] = sel[i];
-                m++;
-            }
-        }
-        if (m == k || skip_cold) {
-            continue;
-        }
-        // distinct ids at the resident experts' positions: other tokens' misses, then other
-        // non-resident experts, then any expert the token does not route to
-        const int32_t tg = ++c->mark_gen;
-        for (int32_t i = 0; i < k; ++i) {
-            c->mark[sel[i]] = tg;
-        }
-        int32_t u = 0;
-        int32_t e_scan = 0;
-        int32_t pass = 0;
-        for (int32_t i = 0; i < k; ++i) {
-            if (cd[i] >= 0) {
-                continue;
-            }
-            int32_t f = -1;
-            while (f < 0 && u < (int32_t) c->misses.size()) {
-                const int32_t e = c->misses[u++];
-                if (c->mark[e] != tg) {
-                    f = e;
-                }
-            }
-            while (f < 0 && pass < 2) {
-                if (e_scan >= l.n_expert) {
-                    e_scan = 0;
-                    pass++;
-                    continue;
-                }
-                const int32_t e = e_scan++;
-                if (c->mark[e] != tg && (pass == 1 || l.table[e] < 0)) {
-                    f = e;
-                }
-            }
-            if (f < 0) {
-                f = sel[i];   // fewer experts than 2 k: the resident expert itself (distinct)
-            }
-            c->mark[f] = tg;
-            cd[i] = f;
-        }
-    }
-    ggml_backend_tensor_set(l.remap, c->planes.data(), 0, (size_t) (3 * n) * sizeof(int32_t));
-    return DC_STORE_OK;
-}
-
-// "<prefix><il>" with nothing after the layer number: the layer, else -1
-static int layer_of(const char * name, const char * prefix) {
-    const size_t n = strlen(prefix);
-    if (strncmp(name, prefix, n) != 0) {
-        return -1;
-    }
-    int layer = -1;
-    int used = 0;
-    if (sscanf(name + n, "%d%n", &layer, &used) != 1 || name[n + used] != '\0') {
-        return -1;
-    }
-    return layer;
-}
-
-bool dc_store_eval(struct ggml_tensor * t, bool ask, void * user_data) {
-    auto * c = (dc_store *) user_data;
-    if (c == nullptr || strncmp(t->name, "ffn_moe_", 8) != 0) {
-        return false;
-    }
-    const int32_t n_layer = (int32_t) c->layers.size();
-    // the router output: remembered (it stays live: the expert matmuls read it), not a stop
-    const int topk = layer_of(t->name, "ffn_moe_topk-");
-    if (topk >= 0) {
-        if (ask && topk < n_layer) {
-            c->eval_topk.resize(c->layers.size(), nullptr);
-            c->eval_topk[topk] = t;
-        }
-        return false;
-    }
-    // the view of a layer's id planes: after the final router weights (a dependency), so a
-    // backend's fused top-k + weights kernel stays whole; the planes are written here
-    const int layer = layer_of(t->name, "ffn_moe_planes-");
-    if (layer < 0 || layer >= n_layer || !c->layers[layer].registered ||
-        (int32_t) c->eval_topk.size() <= layer || c->eval_topk[layer] == nullptr) {
-        return false;
-    }
-    if (ask) {
-        return true;
-    }
-    const ggml_tensor * ids_t = c->eval_topk[layer];
-    c->eval_topk[layer] = nullptr;          // routed
-    if (ids_t->type != GGML_TYPE_I32 || ids_t->ne[0] != c->n_sink || ids_t->ne[2] != 1 || ids_t->ne[3] != 1) {
-        return false;   // stops the graph: not the router output this cache knows
-    }
-    const int64_t n_tokens = ids_t->ne[1];
-    std::vector<int32_t> span(ggml_nbytes(ids_t) / sizeof(int32_t) + 1);
-    ggml_backend_tensor_get(ids_t, span.data(), 0, ggml_nbytes(ids_t));
-    std::vector<int32_t> ids((size_t) (n_tokens * c->n_sink));
-    for (int64_t r = 0; r < n_tokens; ++r) {
-        for (int32_t i = 0; i < c->n_sink; ++i) {
-            ids[(size_t) (r * c->n_sink + i)] = span[(size_t) ((r * ids_t->nb[1] + i * ids_t->nb[0]) / sizeof(int32_t))];
-        }
-    }
-    return dc_store_route(c, layer, ids.data(), (int32_t) n_tokens) == DC_STORE_OK;
-}

@@ -53,6 +53,25 @@ def expert_spans(model_path: str | os.PathLike) -> list[tuple[int, int]]:
     return ExpertLayout.from_index(ExpertIndex.open(model_path)).merged_spans()
 
 
+def cached_pages(path: str | os.PathLike) -> np.ndarray:
+    """Which pages of the file are in the page cache now (mincore over a mapping never read:
+    looking brings nothing in), one bool per page."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return np.zeros(0, dtype=bool)
+        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            return vm.mincore(addr, size).copy()
+        finally:
+            _libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
 def _status_bytes(pid: int, *names: str) -> dict[str, int]:
     out = dict.fromkeys(names, 0)
     try:

@@ -88,9 +88,9 @@ class ConfigRunner:
 
     def backend(self) -> str:
         """"CPU", or "<GPU>+CPU" when layers are offloaded to a GPU."""
-        from runtime.native import llama_lib
-        gpus = [d.name for d in llama_lib.devices()
-                if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+        from runtime.native import ggml_lib
+        gpus = [d.name for d in ggml_lib.devices()
+                if d.kind != ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
         on_gpu = self.cfg.kind == "static" or self.gpu_layers != 0
         return f"{gpus[0]}+CPU" if gpus and on_gpu else "CPU"
 

@@ -156,5 +156,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has_gpu() -> bool:
-    from runtime.native import llama_lib
-    return any(d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU for d in llama_lib.devices())
+    from runtime.native import ggml_lib
+    return any(d.kind != ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU for d in ggml_lib.devices())

@@ -90,13 +90,13 @@ class _ListDevices(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from runtime.native import llama_lib  # noqa: PLC0415
+        from runtime.native import ggml_lib  # noqa: PLC0415
         from runtime.residency.capacity import probe_device_memory  # noqa: PLC0415
 
         print("Available devices:")
-        for dev in llama_lib.devices():
+        for dev in ggml_lib.devices():
             free, total = dev.free_bytes, dev.total_bytes
-            if dev.kind == llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+            if dev.kind == ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU:
                 # ggml's CPU device reports its total as free: the RAM available now is
                 # what a --devices.cpu N% budget takes its share of
                 free, total = probe_device_memory("cpu")
@@ -259,9 +259,9 @@ def check_cuda_devices(config) -> None:
         return
     listed = 0
     if "llama_cpp.llama_cpp" in sys.modules:
-        from runtime.native import llama_lib  # noqa: PLC0415
+        from runtime.native import ggml_lib  # noqa: PLC0415
 
-        listed = sum(1 for d in llama_lib.devices() if d.name.upper().startswith("CUDA"))
+        listed = sum(1 for d in ggml_lib.devices() if d.name.upper().startswith("CUDA"))
     present = max(listed, len(glob.glob("/proc/driver/nvidia/gpus/*")),
                   len(glob.glob("/dev/nvidia[0-9]*")))
     missing = [d for d in wanted if int(d.split(":")[1]) >= present]

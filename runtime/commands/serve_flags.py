@@ -67,6 +67,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     adapters.add_argument("--lora-init-without-apply", action="store_true",
                           help="load the adapters with scale 0 (set them later with POST "
                                "/lora-adapters or per request)")
+    media = parser.add_argument_group(
+        "images (image_url parts, Anthropic image blocks, /completion multimodal_data)")
+    media.add_argument("-mm", "--mmproj", default=None, metavar="FILE",
+                       help="the model's multimodal projector GGUF (its mmproj file): requests "
+                            "may carry images (base64 data, inline); without it an image is a "
+                            "400 naming this flag. Turns --context-shift off, as llama-server")
     tools = parser.add_argument_group("llama-server's built-in tools and MCP servers")
     for flag, what in (("--tools", "TOOL1,TOOL2"), ("--tools-runtime", "OPTION"),
                        ("--mcp-servers-config", "PATH"), ("--mcp-servers-json", "JSON")):

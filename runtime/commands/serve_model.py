@@ -176,6 +176,12 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
         check_adapter_files(settings.lora)
     settings.lora_init_without_apply = args.lora_init_without_apply
     settings.context_shift = args.context_shift
+    settings.mmproj = args.mmproj
+    if args.mmproj and not os.path.isfile(args.mmproj):   # before listening, in one line
+        raise UserError(f"--mmproj {args.mmproj}: no such file")
+    if args.mmproj and args.context_shift:    # a shift would cut an image: as llama-server
+        log.warning("--context-shift is off with --mmproj (a shift could cut an image)")
+        settings.context_shift = False
     cache_ram = args.cache_ram != 0 and not args.embedding
     if cache_ram:
         log.debug("prompt cache on, limit %s", "none" if args.cache_ram < 0
@@ -213,7 +219,7 @@ def model_server(args: argparse.Namespace, edge: Edge, *, model_id: str | None =
         reasoning=args.reasoning, reasoning_format=args.reasoning_format,
         metrics_endpoint=args.metrics, embedding=args.embedding, slot_save_path=slot_dir,
         web_ui=args.web_ui, cors_proxy=args.cors_proxy, cors_proxy_allow=edge.proxy_allow,
-        limits=edge.limits, threads_http=args.threads_http,
+        limits=edge.limits, threads_http=args.threads_http, mmproj=args.mmproj,
         sleep_idle_seconds=args.sleep_idle_seconds if sleeps(args) else None,
         tags=tuple(t.strip() for t in (args.tags or "").split(",") if t.strip()))
     return ModelServer(server_settings, settings, load, capture)

@@ -208,11 +208,11 @@ def router_app(args: argparse.Namespace, edge: Edge):
     from runtime.server.router.routes import create_router_app  # noqa: PLC0415
 
     for dest, flag in (("write_profile", "--write-profile"), ("auto", "--auto"),
-                       ("alias", "--alias"), ("tags", "--tags")):
+                       ("alias", "--alias"), ("tags", "--tags"), ("mmproj", "--mmproj")):
         if getattr(args, dest, None):
             raise UserError(f"{flag}: not in router mode" + (
-                " (per model: alias = A,B or tags = A,B in its --models-preset section)"
-                if dest in ("alias", "tags") else ""))
+                f" (per model: {dest} = {'FILE' if dest == 'mmproj' else 'A,B'} in its "
+                "--models-preset section)" if dest in ("alias", "tags", "mmproj") else ""))
     if args.models_max < 0:
         raise UserError(f"--models-max: {args.models_max} must be >= 0 (0: no limit)")
     specs = catalogue(args.models_dir, args.models_preset)

@@ -1,5 +1,5 @@
 /* grow: the one array-growth helper of the C library's parts (the residency core, the routing
- * hook, the RAM tier's tier_io.c). Internal: not part of the cdef. */
+ * hook, the RAM tier's layer_step.c). Internal: not part of the cdef. */
 #ifndef GROW_H
 #define GROW_H
 #include <stddef.h>

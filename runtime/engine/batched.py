@@ -41,6 +41,7 @@ from runtime.engine.batch import MultiBatch
 from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.decode import Generation, decode, max_new_tokens
 from runtime.engine.prefill_pace import PrefillPacer
+from runtime.engine.projector import MediaPrompt
 from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.sampling import GrammarDeadEnd, Sampler, SamplingParams
 from runtime.engine.slot_choice import best_slot, shared_prefix
@@ -75,6 +76,7 @@ class _Slot:
     reuse_prefix: bool = True              # start from the slot's cached KV prefix
     shifted: bool = False                  # a context shift moved the KV: not a prefix now
     want_seq: int = -1                     # the slot asked for (id_slot); -1: any
+    media: MediaPrompt | None = None       # the prompt's images (runtime.engine.projector)
 
     @property
     def prefilling(self) -> bool:
@@ -132,16 +134,21 @@ class BatchScheduler:
         out: queue.SimpleQueue = queue.SimpleQueue()
         slots = []
         for index, (tokens, params) in enumerate(requests):
+            media = tokens if isinstance(tokens, MediaPrompt) else None
+            if media is not None:          # its images: negative ids (projector.py)
+                tokens = media.tokens
             if not tokens:
                 raise UserError("prompt: no tokens")
-            check_token_ids(tokens, self.engine.n_vocab, "prompt")
+            check_token_ids(media.text_ids() if media is not None else tokens,
+                            self.engine.n_vocab, "prompt")
             if len(tokens) >= self.n_ctx_slot:
                 raise ContextLengthError(len(tokens), self.n_ctx_slot)
             # the sampler (a grammar's parse: milliseconds) is built here, not on the
             # scheduler thread, where it would hold every slot's next step
             slots.append(_Slot(-1, list(tokens), params, out, index, cancel,
                                Sampler(params, self.engine.n_vocab, self.engine.vocab_ptr),
-                               progress=progress, reuse_prefix=reuse_prefix, want_seq=id_slot))
+                               progress=progress, reuse_prefix=reuse_prefix, want_seq=id_slot,
+                               media=media))
         for slot in slots:
             self._waiting.put(slot)
         self._wake.set()
@@ -237,6 +244,8 @@ class BatchScheduler:
         if self.prompt_cache is not None and slot.reuse_prefix:
             keep = self._swap_in(slot.seq, slot.tokens, keep)
         keep = keep if slot.reuse_prefix else 0
+        if slot.media is not None:     # an image is in the KV whole or not at all
+            keep = slot.media.snap(keep)
         if not self._ll.llama_memory_seq_rm(memory, slot.seq, keep, -1):
             keep = 0                   # a memory that cannot drop a tail: start afresh
             self._ll.llama_memory_seq_rm(memory, slot.seq, -1, -1)
@@ -304,13 +313,18 @@ class BatchScheduler:
         rows: list[tuple[_Slot, int]] = []        # (slot, output index) for slots to sample
         prefilled: list[_Slot] = []
         kinds = set()
+        for slot in slots:            # images: each in its own llama_decode(s), before the batch
+            while slot.prefilling and slot.media is not None and slot.fed in slot.media.images:
+                self._feed_image(slot)
         generating = sum(1 for s in slots if s.next_token is not None)
         budget = self._pacer.budget(generating > 0, batch.room - generating) if paced else \
             batch.room
         prompt_rows = 0
         for slot in slots:
             if slot.prefilling:
-                take = min(len(slot.tokens) - slot.fed, batch.room, budget - prompt_rows)
+                end = slot.media.next_image(slot.fed) if slot.media is not None else \
+                    len(slot.tokens)           # text up to the next image
+                take = min(end - slot.fed, batch.room, budget - prompt_rows)
                 prompt_rows += max(take, 0)
                 if take <= 0:
                     continue
@@ -349,6 +363,17 @@ class BatchScheduler:
             self._report(slot)
         for slot, index in rows:
             self._sample(slot, index)
+
+    def _feed_image(self, slot: _Slot) -> None:
+        """Evaluate the image at ``slot.fed`` into the slot's sequence (a prompt never ends
+        with one: the slot is still prefilling after it)."""
+        from runtime.engine.projector import decode_image  # noqa: PLC0415
+
+        span = slot.media.images[slot.fed]
+        decode_image(self.engine, span, slot.pos, slot.seq)
+        slot.fed += span.n_pos
+        slot.pos += span.n_pos
+        self._report(slot)
 
     def _decode(self, phase: Phase) -> None:
         engine, batch = self.engine, self._batch

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 
 from runtime.native import interrupt
 from runtime.engine.logprobs import sample_token
@@ -31,7 +32,6 @@ def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs
     the hook's batch is ended or aborted either way. ``threads_phase``: the phase whose
     thread count the call runs on (engine.threads: runtime/engine/threads.py), when not
     ``phase`` (a mixed step, a short prompt step: the generation's)."""
-    watch = engine.model_file              # a cut file read through the mapping is a SIGBUS
     tuner = getattr(engine, "threads", None)
     kind = threads_phase or (Phase.DECODE if phase == Phase.MIXED else phase)
     if tuner is not None:
@@ -42,8 +42,9 @@ def decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs
                                            min(n, most[1]))
             engine.threads_now = n
     started, waited = time.perf_counter(), _read_wait_s(engine)
-    with watch.batch() if watch is not None else contextlib.nullcontext():
-        _decode(engine, batch, phase, first_pos, n_tokens, n_outputs, where)
+    with framed_call(engine, phase, first_pos, n_tokens, n_outputs, where) as frame:
+        rc = engine._ll.llama_decode(engine.ctx_ptr, batch.batch)  # noqa: SLF001
+        frame.check(rc)
     if tuner is not None:                  # the time the threads change: not the reads' waits
         busy = time.perf_counter() - started - (_read_wait_s(engine) - waited)
         tuner.record(kind, engine.threads_now, busy, n_tokens)
@@ -54,32 +55,67 @@ def _read_wait_s(engine) -> float:
     return sum(t.read_wait_s() for t in engine.tiers if hasattr(t, "read_wait_s"))
 
 
-def _decode(engine, batch, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,
-            where: str) -> None:
-    hook, remote, ll = engine.hook, engine.remote, engine._ll  # noqa: SLF001
-    if remote is not None:
-        remote.check()                     # a lost remote: RemoteDeviceLost, nothing decoded
-    if hook is not None:
-        hook.begin_batch(phase, first_pos, n_tokens, n_outputs)
-    try:
-        # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
-        with interrupt.deferred():
-            engine.decode_calls += 1
-            rc = ll.llama_decode(engine.ctx_ptr, batch.batch)
-            if remote is not None:
-                remote.check()             # its outputs are zeros: never sample from them
-            if rc == 1 and engine.settings.kv_unified:      # no KV cell left in the pool
-                raise KVCacheFullError(f"Context size has been exceeded: the slots' shared KV "
-                                       f"pool of {ll.llama_n_ctx(engine.ctx_ptr)} tokens is "
-                                       "full")
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed (status {rc}) {where}")
+class _Frame:
+    """What runs inside ``framed_call``: ``check`` the call's status; ``next_piece`` when
+    one call decodes several batches (mtmd's image helper: ends the hook's batch, begins the
+    next; returns 0, or 1 with the error kept for ``check``)."""
+
+    def __init__(self, engine, phase: Phase, n_outputs: int, where: str):
+        self.engine, self.phase, self.n_outputs, self.where = engine, phase, n_outputs, where
+        self.piece = 0
+        self.error: BaseException | None = None
+
+    def next_piece(self, first_pos: int, n_tokens: int) -> int:
+        hook = self.engine.hook
+        try:
             if hook is not None:
                 hook.end_batch()
-    except BaseException:
-        if hook is not None and hook.in_batch:
-            hook.abort_batch()             # leases end, the batch's events are dropped
-        raise
+                hook.begin_batch(self.phase, first_pos, n_tokens, self.n_outputs)
+            self.piece += 1
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - raised by check(), not in C's callback
+            self.error = exc
+            return 1
+
+    def check(self, rc: int) -> None:
+        """Raise what the call's status (and a lost remote) means; nothing when it is 0."""
+        engine = self.engine
+        if self.error is not None:
+            raise self.error
+        if engine.remote is not None:
+            engine.remote.check()          # its outputs are zeros: never sample from them
+        if rc == 1 and engine.settings.kv_unified:      # no KV cell left in the pool
+            raise KVCacheFullError(f"Context size has been exceeded: the slots' shared KV "
+                                   f"pool of {engine._ll.llama_n_ctx(engine.ctx_ptr)} tokens "  # noqa: SLF001
+                                   "is full")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed (status {rc}) {self.where}")
+
+
+@contextlib.contextmanager
+def framed_call(engine, phase: Phase, first_pos: int, n_tokens: int, n_outputs: int,
+                where: str) -> Iterator[_Frame]:
+    """Around a call into llama.cpp that runs ``llama_decode`` on ``engine``'s context: the
+    model file's watch, a lost remote checked first, the routing hook's batch begun (and
+    ended, or aborted on an error), Ctrl-C held. The body calls ``frame.check(status)``."""
+    hook, remote = engine.hook, engine.remote
+    watch = engine.model_file              # a cut file read through the mapping is a SIGBUS
+    with watch.batch() if watch is not None else contextlib.nullcontext():
+        if remote is not None:
+            remote.check()                 # a lost remote: RemoteDeviceLost, nothing decoded
+        if hook is not None:
+            hook.begin_batch(phase, first_pos, n_tokens, n_outputs)
+        try:
+            # Ctrl-C during the call aborts the graph (status 2) and is raised on leaving
+            with interrupt.deferred():
+                engine.decode_calls += 1
+                yield _Frame(engine, phase, n_outputs, where)
+                if hook is not None:
+                    hook.end_batch()
+        except BaseException:
+            if hook is not None and hook.in_batch:
+                hook.abort_batch()         # leases end, the batch's events are dropped
+            raise
 
 
 def max_new_tokens(params: SamplingParams, n_prompt: int, n_ctx: int,

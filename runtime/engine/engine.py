@@ -30,6 +30,7 @@ from runtime.engine.context_shift import shift, shift_plan
 from runtime.engine.loading import (load_with_progress, make_context_params, thread_counts,
                                     thread_tuner)
 from runtime.engine.placement import Placement
+from runtime.engine.projector import MediaPrompt
 from runtime.engine.prompt_cache import common_prefix
 from runtime.engine.hook.imposed_routing import imposed_for
 from runtime.engine.hook.c_hook import CHook
@@ -58,6 +59,7 @@ class Engine:
         self._progress = progress
         self.model_ptr = self.ctx_ptr = 0
         self.lora = None                    # runtime.engine.lora.LoraAdapters with --lora
+        self.projector = None               # runtime.engine.projector.Projector with --mmproj
         self.decode_calls = 0               # llama_decode calls so far (metrics)
         self._batch = None
         self._attached: list[object] = []
@@ -105,6 +107,7 @@ class Engine:
                                                 lazy_experts=self.lazy_experts)
             self.lora = self._load_lora()
             self._init_context()
+            self.projector = self._load_projector()
             if self.remote is not None:     # what llama.cpp really put on each remote
                 self.remote.verify_buffers(llama_lib.set_logging(settings.verbose).buffers)
         except BaseException:
@@ -121,6 +124,17 @@ class Engine:
         return LoraAdapters.load(self._ll, self.model_ptr, self.settings.lora,
                                  without_apply=self.settings.lora_init_without_apply,
                                  last_error=log.last_error)
+
+    def _load_projector(self):
+        """The --mmproj projector (runtime.engine.projector), or None without one."""
+        if not self.settings.mmproj:
+            return None
+        from runtime.engine.projector import Projector  # noqa: PLC0415
+
+        return Projector.load(self.model_ptr, self.settings.mmproj,
+                              n_threads=thread_counts(self.settings)[1],
+                              use_gpu=self.settings.n_gpu_layers != 0,
+                              verbose=self.settings.verbose)
 
     def _use_lora(self, request: dict[int, float] | None) -> None:
         """Put a request's LoRA scales (None: the global ones) on the context; the KV cache
@@ -292,13 +306,20 @@ class Engine:
                                           eos_token=text(eos) if eos >= 0 else "")
         return self._template
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, *,
+    def generate(self, prompt: str | list[int] | MediaPrompt, params: SamplingParams, *,
                  cancel: threading.Event | None = None, progress: bool = False,
                  reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
         """Stream the completion of ``prompt``. Raises ContextLengthError at once when the
         prompt does not fit; the iterator raises EngineBusyError if another one is running.
         ``progress``: chunks with ``progress`` before the prompt's first batch and after each;
-        ``reuse_prefix=False`` evaluates the whole prompt (llama-server's cache_prompt=false)."""
+        ``reuse_prefix=False`` evaluates the whole prompt (llama-server's cache_prompt=false);
+        a MediaPrompt (``self.projector.prompt``) carries images."""
+        media = prompt if isinstance(prompt, MediaPrompt) else None
+        if media is not None:
+            check_token_ids(media.text_ids(), self.n_vocab, "prompt")
+            if len(media) >= self.n_ctx:
+                raise ContextLengthError(len(media), self.n_ctx)
+            return self._run(list(media.tokens), params, cancel, progress, reuse_prefix, media)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not tokens:
             bos = self._ll.llama_vocab_bos(self._vocab)
@@ -322,6 +343,8 @@ class Engine:
             if close is not None:
                 close()
         self._attached.clear()
+        if self.projector is not None:
+            self.projector.close()
         if self._batch is not None:
             self._batch.close()
             self._batch = None
@@ -348,7 +371,8 @@ class Engine:
     # -- generation -------------------------------------------------------------------------
 
     def _run(self, tokens: list[int], params: SamplingParams, cancel: threading.Event | None,
-             progress: bool = False, reuse_prefix: bool = True) -> Iterator[GenerationChunk]:
+             progress: bool = False, reuse_prefix: bool = True,
+             media: MediaPrompt | None = None) -> Iterator[GenerationChunk]:
         if not self._busy.acquire(blocking=False):
             raise EngineBusyError("the engine is already generating")
         gen = None
@@ -361,7 +385,7 @@ class Engine:
             self._use_lora(params.lora)
             before = self._counters()
             t0 = time.perf_counter()
-            steps = self._prefill(tokens, cancel, reuse_prefix)
+            steps = self._prefill(tokens, cancel, reuse_prefix, media)
             while True:                        # the prefill's progress, then its result
                 try:
                     report = next(steps)
@@ -417,17 +441,20 @@ class Engine:
         return dataclasses.replace(params, logit_bias=bias)
 
     def _prefill(self, tokens: list[int], cancel: threading.Event | None,
-                 reuse_prefix: bool = True) -> Iterator[PromptProgress]:
+                 reuse_prefix: bool = True,
+                 media: MediaPrompt | None = None) -> Iterator[PromptProgress]:
         """Bring the KV cache to ``tokens`` (reusing the longest common prefix), yielding the
         progress before the first batch and after each; returns (StopIteration's value) the
-        number of tokens evaluated, or None when cancelled."""
+        number of tokens evaluated, or None when cancelled. ``media``: the images among the
+        tokens, each evaluated whole in its place (runtime.engine.projector)."""
         keep = common_prefix(self._kv, tokens)
         keep = min(keep, len(tokens) - 1) if reuse_prefix else 0   # the last one: always
+        if media is not None:
+            keep = media.snap(keep)
         self._forget_from(keep)
-        starts = range(keep, len(tokens), self.n_batch)
         bar = None
-        if self._progress and len(starts) > 1:    # a bar once a long prompt passes 2 s
-            from tqdm import tqdm  # noqa: PLC0415
+        if self._progress and len(tokens) - keep > self.n_batch:   # a bar once a long prompt
+            from tqdm import tqdm  # noqa: PLC0415                  # passes 2 s
 
             bar = tqdm(total=len(tokens) - keep, desc="prompt", unit="tok", delay=2.0,
                        leave=False, file=sys.stderr, disable=None)
@@ -436,18 +463,37 @@ class Engine:
             len(tokens), keep, done, time.perf_counter() - t0 if done > keep else 0.0)
         try:
             yield report(keep)
-            for start in starts:
+            start = keep
+            while start < len(tokens):
                 if cancel is not None and cancel.is_set():
                     return None
-                batch = tokens[start:start + self.n_batch]
-                self._decode(batch, start, Phase.PREFILL)
+                if media is not None and start in media.images:
+                    end = self._decode_image(media.images[start], tokens)
+                else:
+                    end = min(start + self.n_batch,
+                              media.next_image(start) if media is not None else len(tokens))
+                    self._decode(tokens[start:end], start, Phase.PREFILL)
                 if bar is not None:
-                    bar.update(len(batch))
-                yield report(start + len(batch))
+                    bar.update(end - start)
+                start = end
+                yield report(start)
         finally:
             if bar is not None:
                 bar.close()
         return len(tokens) - keep
+
+    def _decode_image(self, span, tokens: list[int]) -> int:
+        """Evaluate the image ``span`` into sequence 0 at its place; the index after it."""
+        from runtime.engine.projector import decode_image  # noqa: PLC0415
+
+        try:
+            decode_image(self, span, span.start, 0)
+        except BaseException:
+            self._forget_from(span.start, failed=True)
+            raise
+        end = span.start + span.n_pos
+        self._kv.extend(tokens[span.start:end])
+        return end
 
     def _decode(self, tokens: list[int], first_pos: int, phase: Phase) -> None:
         all_outputs = self.settings.capture_all_tokens and phase == Phase.PREFILL

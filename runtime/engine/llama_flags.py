@@ -41,8 +41,9 @@ _UNTAKEN: dict[tuple[str, ...], str] = {
      "--gpu-layers-draft", "-cd", "--ctx-size-draft", "--spec-replace"): _DRAFT,
     ("--lora", "--lora-scaled", "--lora-init-without-apply", "--control-vector"):
         "LoRA adapters and control vectors are not supported here",
-    ("--mmproj", "-mm", "--mmproj-url", "--image", "--audio", "-mmu"):
-        "multimodal projectors are not supported here",
+    ("--mmproj-url", "-mmu"): "download the mmproj GGUF and give --mmproj FILE",
+    ("--image", "--audio"): "images go in requests to `moe-offload serve --mmproj FILE` "
+                            "(image_url parts); audio is not supported here",
     ("-cnv", "--conversation", "-i", "--interactive", "-if", "--interactive-first"):
         "`moe-offload chat -m MODEL` is the interactive conversation",
     ("-st", "--single-turn"): "`moe-offload complete -m MODEL -p PROMPT` answers once",

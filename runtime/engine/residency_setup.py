@@ -6,7 +6,7 @@ import os
 import re
 import sys
 
-from runtime.native import llama_lib
+from runtime.native import ggml_lib, llama_lib
 from runtime.native.build import STORE_LIB
 from runtime.engine.placement import Placement, plan_placement
 from runtime.engine.types import EngineSettings
@@ -27,8 +27,8 @@ def residency_config(settings: EngineSettings):
     return load_config(settings.config_path)
 
 
-def gpu_devices() -> list[llama_lib.BackendDevice]:
-    return [d for d in llama_lib.devices() if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
+def gpu_devices() -> list[ggml_lib.BackendDevice]:
+    return [d for d in ggml_lib.devices() if d.kind != ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU]
 
 
 def _gpu_memory(index: int) -> tuple[int, int] | None:
@@ -181,14 +181,14 @@ def buffer_type(target: str) -> int:
     """A placement target ("cpu" | "gpu" | a buffer type name, as llama.cpp's ``-ot`` takes
     it: "CPU", "CUDA0", ...) as a ggml buffer type; UserError naming the known ones."""
     if target == "cpu":
-        return llama_lib.cpu_buffer_type()
+        return ggml_lib.cpu_buffer_type()
     if target == "gpu":
-        return llama_lib.device_buffer_type(gpu_devices()[0])
-    known = {"CPU": llama_lib.cpu_buffer_type()}
-    for dev in llama_lib.devices():
-        if dev.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU:
-            buft = llama_lib.device_buffer_type(dev)
-            known[llama_lib.buffer_type_name(buft)] = buft
+        return ggml_lib.device_buffer_type(gpu_devices()[0])
+    known = {"CPU": ggml_lib.cpu_buffer_type()}
+    for dev in ggml_lib.devices():
+        if dev.kind != ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+            buft = ggml_lib.device_buffer_type(dev)
+            known[ggml_lib.buffer_type_name(buft)] = buft
     for name, buft in known.items():
         if name.lower() == target.lower():
             return buft
@@ -212,7 +212,7 @@ def attach_tiers(engine) -> list[object]:
             # the CPU computes the experts (no GPU takes a prompt's matmuls from the mapping):
             # its matmuls wait per expert matrix, so the reads overlap the resident experts'
             if not gpu_devices() and engine.remote is None and \
-                    llama_lib.set_weight_ready(tier.io.weight_ready_pointer()):
+                    ggml_lib.set_weight_ready(tier.io.weight_ready_pointer()):
                 tier.io.set_async(True)
     cache_devices = _cache_devices(engine.config)
     if cache_devices:

@@ -55,6 +55,9 @@ def save(engine: Any, seq: int, path: str) -> SlotFile:
     ll, ctx = engine._ll, engine.ctx_ptr  # noqa: SLF001
 
     def action(seq: int, tokens: list[int]) -> tuple[SlotFile, list[int]]:
+        if any(t < 0 for t in tokens):     # runtime/engine/projector.py: ids of this process
+            raise UserError("the slot holds an image, whose KV cannot be saved to a file "
+                            "(an image's id lives only in this server process)")
         t0 = time.perf_counter()
         size = int(ll.llama_state_seq_get_size(ctx, seq))
         buf, state = slot_file.image(tokens, size)

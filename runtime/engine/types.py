@@ -54,6 +54,8 @@ class EngineSettings:
     # LoRA adapters (--lora, --lora-scaled): (path, scale) each, in id order; runtime.engine.lora
     lora: tuple[tuple[str, float], ...] = ()
     lora_init_without_apply: bool = False   # the adapters' scales start at 0
+    mmproj: str | None = None          # a multimodal projector GGUF (--mmproj): images in
+    #                                    prompts (runtime.engine.projector)
 
     def __post_init__(self) -> None:
         problems = []

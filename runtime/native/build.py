@@ -7,9 +7,9 @@ Steps: resolve the source (runtime/native/source.py), key the build by sha256(so
 fingerprint, patch series, the device cache store's sources, backend, CMake arguments), and if
 that key is not built yet: extract the source to a fixed work directory (fixed, so ccache hits
 across keys), apply ``llamacpp/patches/*.patch`` in order, configure and build the shared
-libraries with CMake (apps, tools, tests, examples off), compile the device cache store
-(``llamacpp/device_cache/device_cache_store.cpp``, the device cache's slots and tables in
-llama.cpp) against them, and copy the libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``;
+libraries with CMake (apps, tools, tests, examples off; libmtmd on), compile the device cache
+store (``llamacpp/device_cache/``, the device cache's slots and tables in llama.cpp:
+STORE_SOURCES) against them, and copy the libraries (RUNPATH ``$ORIGIN``) to ``<cache>/<key>/lib``;
 ``build.json`` is written last, so a directory without it is not a build.
 """
 from __future__ import annotations
@@ -31,12 +31,17 @@ from runtime.errors import UserError
 from runtime.native import vulkan_sdk
 from runtime.native.source import cache_root, resolve_source
 
-BUILD_FORMAT = 1
+# 2: libmtmd built beside libllama (a build without it is not current)
+BUILD_FORMAT = 2
 BACKENDS = ("cpu", "cuda", "vulkan")
 NATIVE_DIR = Path(__file__).resolve().parents[2] / "llamacpp"
-# the device cache store: the device cache's slots and tables in llama.cpp (dc_store_*)
+# the device cache store: the device cache's slots and tables in llama.cpp (dc_store_*): its
+# public header (the cdef of device_cache_store.py), its private one and its sources, every
+# byte of them in the build key (patches_hash)
 STORE_DIR = NATIVE_DIR / "device_cache"
-STORE_SOURCES = ("device_cache_store.h", "device_cache_store.cpp")
+STORE_HEADER = "device_cache_store.h"
+STORE_SOURCES = (STORE_HEADER, "device_cache_store_impl.h", "device_cache_store.cpp",
+                 "device_cache_slots.cpp", "device_cache_route.cpp")
 STORE_LIB = "libmoe_device_cache.so"
 
 _COMMON_ARGS = (
@@ -45,6 +50,9 @@ _COMMON_ARGS = (
     "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_COMMON=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # libmtmd alone (tools/mtmd: images and audio through an mmproj), none of the other tools;
+    # no video (it spawns ffmpeg)
+    "-DLLAMA_BUILD_MTMD=ON", "-DMTMD_VIDEO=OFF",
     # ggml-cpu's own threads, not OpenMP's: the engine attaches a thread pool that lives as long
     # as the context (llama_lib.Threadpools; without one ggml starts and joins its threads at
     # every graph, and the routing hook splits a decode into ~150), and patch 0008's barrier
@@ -235,7 +243,8 @@ def _compile_store(src: Path, bin_dir: Path, log_file: Path) -> None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise UserError("no C++ compiler (c++ / g++) on PATH; set CXX")
-    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", str(STORE_DIR / STORE_SOURCES[1]),
+    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared",
+           *(str(STORE_DIR / s) for s in STORE_SOURCES if s.endswith(".cpp")),
            f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}", f"-L{bin_dir}",
            "-lllama", "-lggml", "-lggml-base", "-Wl,-rpath,$ORIGIN", "-o", str(bin_dir / STORE_LIB)]
     _run(cmd, log_file)

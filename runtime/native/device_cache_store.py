@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from runtime.native.build import STORE_DIR, STORE_LIB, STORE_SOURCES
+from runtime.native.build import STORE_DIR, STORE_HEADER, STORE_LIB
 
 STATUS_NAMES = {0: "ok", 1: "bad argument", 2: "no such ggml device", 3: "allocation failed",
                 4: "no MoE layer the cache can serve", 5: "expert tensors not in host memory",
@@ -40,7 +40,7 @@ def ffi() -> FFI:
     """The FFI with the declarations of device_cache_store.h (preprocessor lines dropped)."""
     global _ffi
     if _ffi is None:
-        text = (STORE_DIR / STORE_SOURCES[0]).read_text()
+        text = (STORE_DIR / STORE_HEADER).read_text()
         text = re.sub(r"//[^\n]*", "", text)
         keep = [ln for ln in text.splitlines()
                 if not ln.lstrip().startswith("#") and 'extern "C"' not in ln and ln.strip() != "}"]

@@ -2,20 +2,18 @@
 
 What the high-level ``llama_cpp.Llama`` cannot do and the engine needs: pick the ``libllama``
 directory before the bindings load (``LLAMA_CPP_LIB_PATH``), build ``tensor_buft_overrides``
-(a NULL-terminated ``{const char *pattern; ggml_backend_buffer_type_t buft}`` array), set
-``cb_eval``, read ggml tensors inside that callback, and silence or show llama.cpp's log.
-
-ggml is opened BY SONAME (``libggml-base.so.0``, ``libggml.so.0``): libllama already loaded
-those through its RUNPATH, and glibc hands back the same copy for the same soname. Opening
-``.../lib/libggml-base.so`` by path would map a second copy (the wheel ships ``.so`` and
-``.so.0`` as separate files) with its own CPU buffer-type pointer and statics.
+(a NULL-terminated ``{const char *pattern; ggml_backend_buffer_type_t buft}`` array), attach
+ggml-cpu threadpools to a context, and silence or show llama.cpp's log. ggml's own calls
+(devices, buffer types, the weight-ready hook) are ggml_lib.py's; reading a ggml tensor inside
+``cb_eval`` is ggml_tensor.py's.
 
 Usage::
 
     select_library_dir(path)          # a patched build's directory, before anything else
     llama = bindings()                # imports llama_cpp (once)
     set_logging(verbose=False)
-    model = load_model(path, n_gpu_layers=0, overrides=[(EXPERT_PATTERN, cpu_buffer_type())])
+    overrides = BuftOverrides([(EXPERT_PATTERN, ggml_lib.cpu_buffer_type())])
+    model = load_model(path, n_gpu_layers=0, overrides=overrides)
 """
 from __future__ import annotations
 
@@ -25,10 +23,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-
-import numpy as np
 
 from runtime.native.interrupt import requested
 
@@ -37,62 +32,11 @@ LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 # Routed-expert weight tensors (llama.cpp's own --cpu-moe pattern, plus merged gate_up).
 EXPERT_PATTERN = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
-_GGML_MAX_DIMS = 4
-_GGML_MAX_SRC = 10
-_GGML_MAX_OP_PARAMS = 64
-_GGML_MAX_NAME = 64
-
-# ggml_type -> numpy dtype, for the tensor types router outputs use.
-_NUMPY_TYPES = {i: np.dtype(t) for i, t in ((0, np.float32), (1, np.float16), (24, np.int8),
-                                            (25, np.int16), (26, np.int32), (27, np.int64),
-                                            (28, np.float64))}
-
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
-GGML_BACKEND_DEVICE_TYPE_GPU = 1
-GGML_BACKEND_DEVICE_TYPE_ACCEL = 2
-GGML_BACKEND_DEVICE_TYPE_IGPU = 3
-
-
-class GgmlTensor(ctypes.Structure):
-    """``struct ggml_tensor`` of ggml 0.25.3 (ggml.h). Checked against ``ggml_get_name``."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * _GGML_MAX_DIMS),    # elements per dim, ne[0] contiguous
-        ("nb", ctypes.c_size_t * _GGML_MAX_DIMS),   # stride per dim, bytes
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * (_GGML_MAX_OP_PARAMS // 4)),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * _GGML_MAX_SRC),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * _GGML_MAX_NAME),
-        ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-NAME_OFFSET = GgmlTensor.name.offset  # bytes from a tensor pointer to its name
-
 
 class BuftOverride(ctypes.Structure):
     """``struct llama_model_tensor_buft_override`` (llama.h)."""
 
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-@dataclass(frozen=True)
-class BackendDevice:
-    """One ggml backend device as the registry reports it."""
-
-    index: int
-    name: str            # e.g. "CPU", "CUDA0"
-    kind: int            # GGML_BACKEND_DEVICE_TYPE_*
-    free_bytes: int
-    total_bytes: int
-    handle: int          # ggml_backend_dev_t
 
 
 # -- library selection ---------------------------------------------------------------------
@@ -182,65 +126,6 @@ def _guard_amx(ll) -> None:
     logging.getLogger("moe_offload").info("%s", AMX_NOTE)
 
 
-_P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
-# name -> (restype, argtypes) of the ggml functions the engine calls (ggml-backend.h, ggml.h)
-_GGML_BASE = {
-    "ggml_backend_tensor_get": (None, [_P, _P, _SIZE, _SIZE]),
-    "ggml_nbytes": (_SIZE, [_P]),
-    "ggml_get_name": (_P, [_P]),
-    "ggml_backend_cpu_buffer_type": (_P, []),
-    "ggml_backend_dev_buffer_type": (_P, [_P]),
-    "ggml_backend_dev_name": (ctypes.c_char_p, [_P]),
-    "ggml_backend_dev_type": (ctypes.c_int, [_P]),
-    "ggml_backend_dev_memory": (None, [_P, ctypes.POINTER(_SIZE), ctypes.POINTER(_SIZE)]),
-    "ggml_backend_buft_name": (ctypes.c_char_p, [_P]),
-    "ggml_backend_buffer_get_type": (_P, [_P]),
-    "ggml_backend_reg_dev_count": (_SIZE, [_P]),
-    "ggml_backend_reg_dev_get": (_P, [_P, _SIZE]),
-    "ggml_backend_dev_description": (ctypes.c_char_p, [_P]),
-}
-_GGML_REG = {
-    "ggml_backend_dev_count": (_SIZE, []),
-    "ggml_backend_dev_get": (_P, [_SIZE]),
-    # the device registry calls of remote devices (runtime/rpc/backend.py)
-    "ggml_backend_register": (None, [_P]),
-    "ggml_backend_dev_by_name": (_P, [ctypes.c_char_p]),
-    "ggml_backend_dev_by_type": (_P, [ctypes.c_int]),
-}
-
-
-def declare(lib: ctypes.CDLL, signatures: dict[str, tuple[object, list]]) -> None:
-    """Give each of ``lib``'s functions named in ``signatures`` its ctypes signature,
-    ``name -> (restype, argtypes)``: the one way a library is declared here (ggml's below,
-    ggml-rpc's in runtime/rpc/backend.py)."""
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(lib, name)
-        function.restype, function.argtypes = restype, argtypes
-
-
-class _Ggml:
-    """ggml functions the engine calls, from the libraries libllama already loaded."""
-
-    def __init__(self) -> None:
-        bindings()  # loads libllama, which pulls libggml*.so.0 by soname
-        base = ctypes.CDLL("libggml-base.so.0")
-        reg = ctypes.CDLL("libggml.so.0")
-        self.base, self.reg = base, reg
-        declare(base, _GGML_BASE)
-        declare(reg, _GGML_REG)
-
-
-_ggml: _Ggml | None = None
-
-
-def ggml() -> _Ggml:
-    """The ggml handles (opened by soname after libllama is loaded)."""
-    global _ggml
-    if _ggml is None:
-        _ggml = _Ggml()
-    return _ggml
-
-
 class ThreadpoolParams(ctypes.Structure):
     """``struct ggml_threadpool_params`` (ggml.h)."""
 
@@ -296,60 +181,6 @@ class Threadpools:
         for _, pool in self.pools:
             self._cpu.ggml_threadpool_free(pool)
         self.pools = []
-
-
-def set_weight_ready(pointer: int) -> bool:
-    """Install ``pointer`` (a C ``ggml_cpu_weight_ready_t``: the RAM tier's rt_weight_ready)
-    as ggml-cpu's weight-ready hook (llamacpp/patches/0007: MUL_MAT_ID computes the experts
-    whose bytes are in first and waits for the others); False when this libggml-cpu has no
-    such hook."""
-    ggml()
-    try:
-        cpu = ctypes.CDLL("libggml-cpu.so.0")
-        setter = cpu.ggml_cpu_set_weight_ready
-    except (OSError, AttributeError):
-        return False
-    setter.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    setter.restype = None
-    setter(pointer, None)
-    return True
-
-
-# -- devices and buffer types --------------------------------------------------------------
-
-def devices() -> list[BackendDevice]:
-    """Every device the ggml registry knows (CPU always; GPUs when the build has them)."""
-    g = ggml()
-    out = []
-    for i in range(g.reg.ggml_backend_dev_count()):
-        dev = g.reg.ggml_backend_dev_get(i)
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        g.base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        out.append(BackendDevice(index=i, name=g.base.ggml_backend_dev_name(dev).decode(),
-                                 kind=int(g.base.ggml_backend_dev_type(dev)),
-                                 free_bytes=int(free.value), total_bytes=int(total.value),
-                                 handle=int(dev)))
-    return out
-
-
-def cpu_buffer_type() -> int:
-    """The plain CPU buffer type (the one llama.cpp treats as "override to CPU")."""
-    return int(ggml().base.ggml_backend_cpu_buffer_type())
-
-
-def device_buffer_type(device: BackendDevice) -> int:
-    """A device's default buffer type."""
-    return int(ggml().base.ggml_backend_dev_buffer_type(device.handle))
-
-
-def buffer_type_name(buft: int) -> str:
-    return ggml().base.ggml_backend_buft_name(buft).decode()
-
-
-def tensor_buffer_type_name(ptr: int) -> str:
-    """The buffer type a (model) tensor was allocated in: "CPU_Mapped", "CUDA0", ..."""
-    buffer = GgmlTensor.from_address(ptr).buffer
-    return buffer_type_name(ggml().base.ggml_backend_buffer_get_type(buffer))
 
 
 class BuftOverrides:
@@ -468,46 +299,3 @@ def new_context(model: int, params) -> int:
         why = _log.last_error() if _log is not None else ""
         raise RuntimeError(why or "llama.cpp could not create a context")
     return int(ctx)
-
-
-# -- reading tensors inside cb_eval --------------------------------------------------------
-
-def tensor_name(ptr: int) -> bytes:
-    """The node's name (``ggml_tensor.name``), read straight from the struct."""
-    return ctypes.string_at(ptr + NAME_OFFSET)
-
-
-def check_tensor_layout(ptr: int) -> None:
-    """Assert our struct mirror puts ``name`` where ggml does (checked once per context)."""
-    got = ggml().base.ggml_get_name(ptr)
-    if got != ptr + NAME_OFFSET:
-        raise RuntimeError(f"ggml_tensor layout mismatch: name at +{got - ptr}, "
-                           f"expected +{NAME_OFFSET}")
-    t = GgmlTensor.from_address(ptr)
-    dtype = _NUMPY_TYPES.get(t.type)
-    if dtype is not None and 0 not in tuple(t.ne):
-        span = dtype.itemsize + sum((n - 1) * b for n, b in zip(t.ne, t.nb))
-        if span != ggml().base.ggml_nbytes(ptr):
-            raise RuntimeError(f"ggml_tensor layout mismatch: byte span {span} != "
-                               f"ggml_nbytes {ggml().base.ggml_nbytes(ptr)}")
-
-
-def read_tensor(ptr: int) -> np.ndarray:
-    """Copy a (possibly strided, possibly device-resident) tensor into a numpy array of
-    shape (ne3, ne2, ne1, ne0). Uses ``ggml_backend_tensor_get`` over the tensor's byte span
-    (``ggml_nbytes`` for the non-block types read here), then applies the strides ``nb`` on
-    the host copy."""
-    t = GgmlTensor.from_address(ptr)
-    dtype = _NUMPY_TYPES.get(t.type)
-    if dtype is None:
-        raise TypeError(f"tensor {t.name.decode()!r}: unsupported ggml type {t.type}")
-    ne, nb = tuple(t.ne), tuple(t.nb)          # ggml order: ne[0] is contiguous
-    itemsize = dtype.itemsize
-    if 0 in ne:
-        return np.empty((ne[3], ne[2], ne[1], ne[0]), dtype=dtype)
-    nbytes = itemsize + sum((n - 1) * b for n, b in zip(ne, nb))   # == ggml_nbytes here
-    flat = np.empty(-(-nbytes // itemsize), dtype=dtype)          # host copy, whole items
-    ggml().base.ggml_backend_tensor_get(ptr, flat.ctypes.data, 0, nbytes)
-    view = np.ndarray((ne[3], ne[2], ne[1], ne[0]), dtype=dtype, buffer=flat,
-                      strides=(nb[3], nb[2], nb[1], nb[0]))
-    return view.copy()

@@ -27,11 +27,15 @@ ARCHIVE = Path(__file__).resolve().parents[2] / "offline" / \
 SDIST_REQUIREMENT = "llama-cpp-python==0.3.36"
 VENDOR_PREFIX = "vendor/llama.cpp/"
 
-# what the libraries (libllama, libggml*) need from a llama.cpp tree; ggml/src holds every
-# backend, whose unused ones are dropped from the pruned archive (scripts/make_source_archive.py)
-NEEDED = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "vendor/", "LICENSE")
-# left out even when present: large and never compiled for the libraries
-SKIPPED = ("vendor/cpp-httplib/", "ggml/src/ggml-webgpu/", "ggml/src/ggml-sycl/", "ggml/src/ggml-cann/",
+# what the libraries (libllama, libggml*, libmtmd) need from a llama.cpp tree; ggml/src holds
+# every backend, whose unused ones are dropped from the pruned archive
+# (scripts/make_source_archive.py); tools/mtmd is libmtmd (images through an mmproj)
+NEEDED = ("CMakeLists.txt", "cmake/", "ggml/", "include/", "src/", "vendor/", "LICENSE",
+          "tools/mtmd/")
+# left out even when present: large and never compiled for the libraries (mtmd's sample
+# media, tests, CLIs and conversion scripts included)
+SKIPPED = ("vendor/cpp-httplib/", "tools/mtmd/test-", "tools/mtmd/tests/",
+           "tools/mtmd/legacy-models/", "tools/mtmd/mtmd-cli.cpp", "ggml/src/ggml-webgpu/", "ggml/src/ggml-sycl/", "ggml/src/ggml-cann/",
            "ggml/src/ggml-musa/", "ggml/src/ggml-opencl/", "ggml/src/ggml-zdnn/",
            "ggml/src/ggml-hexagon/", "ggml/src/ggml-zendnn/", "ggml/src/ggml-openvino/")
 

@@ -1,7 +1,7 @@
 """The RPC backend of our patched build, through ctypes: remote devices for llama.cpp, their
 failure state, and the server loop.
 
-Opened BY SONAME after libllama is loaded (see runtime/native/llama_lib.py): the same copy of
+Opened BY SONAME after libllama is loaded (see runtime/native/ggml_lib.py): the same copy of
 ggml's registry libllama uses. Only a build made with ``native build --rpc`` has it.
 """
 from __future__ import annotations
@@ -38,9 +38,9 @@ _RPC = {
 
 class _RpcLib:
     def __init__(self) -> None:
-        from runtime.native import llama_lib  # noqa: PLC0415
+        from runtime.native import ggml_lib  # noqa: PLC0415
 
-        llama_lib.ggml()                      # libllama (and its ggml) first
+        ggml_lib.ggml()                      # libllama (and its ggml) first
         try:
             lib = ctypes.CDLL("libggml-rpc.so.0")
         except OSError:
@@ -54,8 +54,8 @@ class _RpcLib:
                             "(a lost connection would abort the process): rebuild with "
                             "`moe-offload native build --rpc`")
         self.lib = lib
-        llama_lib.declare(lib, _RPC)
-        handles = llama_lib.ggml()             # the registry libllama uses, declared once there
+        ggml_lib.declare(lib, _RPC)
+        handles = ggml_lib.ggml()             # the registry libllama uses, declared once there
         self.reg, self.base = handles.reg, handles.base
         self._registered: dict[str, list[int]] = {}    # endpoint -> device handles
 

@@ -234,11 +234,11 @@ def plan_for(config, facts, settings, resolved) -> RemotePlan:
 def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.stderr)
                   ) -> RemoteSetup:
     """Probe, plan and register the config's remotes; see the module docstring."""
-    from runtime.native import llama_lib  # noqa: PLC0415
+    from runtime.native import ggml_lib, llama_lib  # noqa: PLC0415
 
     backend.set_link_timeout(getattr(config, "rpc_timeout_s", None))
-    local_gpus = [d.name for d in llama_lib.devices()          # RPCn: registered remotes
-                  if d.kind != llama_lib.GGML_BACKEND_DEVICE_TYPE_CPU
+    local_gpus = [d.name for d in ggml_lib.devices()           # RPCn: registered remotes
+                  if d.kind != ggml_lib.GGML_BACKEND_DEVICE_TYPE_CPU
                   and not d.name.startswith("RPC")]
     if local_gpus and getattr(config, "rpc_mode", "auto") != "llama":
         log(f"moe-offload: note: with rpc devices the plan offloads to the remotes only; "
@@ -248,7 +248,7 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
     handles = tuple(backend.add_remote(dev.name, dev.endpoint, dev.index)
                     for _b, dev, _i, _c in resolved)
     by_device = {h.device: h for h in handles}
-    base = llama_lib.ggml().base
+    base = ggml_lib.ggml().base
     rules: list[tuple[str, int]] = []
     n_gpu_layers = None
     used: list[int] = []
@@ -269,7 +269,7 @@ def setup_remotes(config, facts, settings, *, log=lambda s: print(s, file=sys.st
         if split:
             split[-1] += 1.0                 # the output "layer" goes with the last range ...
             n_gpu_layers = plan.remote_layers + 1
-            rules.append((r"^output", llama_lib.cpu_buffer_type()))   # ... but stays local
+            rules.append((r"^output", ggml_lib.cpu_buffer_type()))    # ... but stays local
         else:
             n_gpu_layers = 0
     else:                                    # experts: *_exps of the chosen layers remote

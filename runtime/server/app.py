@@ -97,6 +97,7 @@ class ServerSettings:
     # threads for tokenizing, templates and schema preparation (--threads-http; side_work.py)
     threads_http: int = 2
     sleep_idle_seconds: float | None = None   # --sleep-idle-seconds: None = never sleeps
+    mmproj: str | None = None          # --mmproj: images in requests ("multimodal")
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -161,12 +162,14 @@ info_router = APIRouter()
 @info_router.get("/models")
 async def list_models(request: Request) -> dict:
     """The one model this process serves, in OpenAI's list (``data``) and in llama-server's
-    ``models`` list with its capabilities (``completion``, or ``embedding`` with --embedding)."""
+    ``models`` list with its capabilities (``completion``, or ``embedding`` with --embedding;
+    ``multimodal`` too with --mmproj, as llama-server)."""
     host: ModelHost = request.app.state.host
     settings = request.app.state.settings
     aliases = settings.aliases or (host.model_id,)
     # llama-server's capabilities: what the model answers here
-    capabilities = ["embedding"] if settings.embedding else ["completion"]
+    capabilities = ["embedding"] if settings.embedding else \
+        ["completion", "multimodal"] if settings.mmproj else ["completion"]
     return {"models": [{
                 "name": host.model_id, "model": host.model_id, "modified_at": "", "size": "",
                 "digest": "", "type": "model", "description": "", "tags": list(settings.tags),

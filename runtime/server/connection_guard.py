@@ -26,6 +26,11 @@ is a 503, ``/health`` included. Here:
   (``Notice``), never once per connection; the event loop's "out of system resource" on
   accept and uvicorn's "Invalid HTTP request received." go through the same notice.
 
+- The event loop is uvloop's where it is installed (a dependency on Linux and macOS; uvicorn's
+  ``loop="auto"``): it accepts and closes connections at about half asyncio's CPU, which is
+  what keeps ``/health`` under a second while 20,000 half-open connections churn
+  (docs/benchmarks/2026-12-07-slowloris.md).
+
 ``guarded_server(app, limits, ...)`` is the uvicorn server that keeps them (its protocol:
 ``guarded_protocol(book)``, uvicorn's h11 protocol with the book kept).
 """

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 from fastapi import Request
 
+from runtime.engine.projector import MediaPrompt
 from runtime.engine.types import (CANCELLED, ContextLengthError, KVCacheFullError,
                                   ModelFileChanged, NonFiniteLogits)
 from runtime.errors import UserError
@@ -41,7 +42,7 @@ def generation(engine: Any, prep: Prepared, metrics: Any,
         generated = 0
         batcher = getattr(engine, "batcher", None)
         if batcher is not None:          # -np > 1: the choices decode side by side
-            tokens = prep.prompt if isinstance(prep.prompt, list) else \
+            tokens = prep.prompt if isinstance(prep.prompt, (list, MediaPrompt)) else \
                 engine.tokenize(prep.prompt, add_special=True)
             items = batcher.generate_many(
                 [(tokens, prep.choice_params(i)) for i in range(prep.n)], cancel,

@@ -9,13 +9,16 @@ from typing import Any
 
 from fastapi import Request
 
+from runtime.engine.projector import MediaPrompt
 from runtime.engine.sampling import SamplingParams, check_grammar
 from runtime.errors import UserError
 from runtime.server import structured
 from runtime.server.errors import APIError
+from runtime.server.images import image_bytes, media_prompt, require_projector
 from runtime.server.limits import Limits, check_prompt_tokens, check_request
 from runtime.server.reasoning import thinking_forced_open
-from runtime.server.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from runtime.server.schemas import (ChatCompletionRequest, CompletionRequest, ImagePart,
+                                    _SamplingFields)
 from runtime.server.token_ids import checked_id, checked_ids, engine_vocab
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -25,7 +28,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 class Prepared:
     """A request ready for the engine: ``n`` choices of ``prompt`` with ``params``."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | MediaPrompt      # MediaPrompt: with images (server/images.py)
     prompt_tokens: int
     params: SamplingParams
     n: int = 1
@@ -209,10 +212,16 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
                             "with response_format, json_schema or grammar",
                        code="invalid_value", param="tool_choice")
     grammar = structured.call_grammar(functions, fmt) if functions is not None else output_grammar
+    images = chat_images(engine, req)
     prompt = render_prompt(engine, messages, tools=tools if template_tools else None,
                            add_generation_prompt=req.add_generation_prompt,
                            variables=template_variables(reasoning, req.template_kwargs()))
-    n_prompt = len(engine.tokenize(prompt, add_special=True))
+    text = prompt
+    if images:
+        prompt = media_prompt(engine, text, images, "messages")
+        n_prompt = len(prompt)
+    else:
+        n_prompt = len(engine.tokenize(prompt, add_special=True))
     max_tokens = check_context(engine, n_prompt, req.requested_max_tokens(), None, "messages",
                                limits)
     _check_bias(engine, req)
@@ -224,7 +233,19 @@ def prepare_chat(engine: Any, req: ChatCompletionRequest,
     return Prepared(prompt, n_prompt, params, req.n, tool_format=fmt,
                     progress=req.return_progress, cache_prompt=req.cache_prompt is not False,
                     id_slot=checked_slot(engine, req.id_slot),
-                    thinking=thinking_forced_open(prompt) if split else None)
+                    thinking=thinking_forced_open(text) if split else None)
+
+
+def chat_images(engine: Any, req: ChatCompletionRequest) -> list[bytes]:
+    """The bytes of the request's image parts, in prompt order; a 400 when there are some and
+    the server has no projector, or one is not inline base64."""
+    found = [(f"messages.{i}.content.{j}", part) for i, m in enumerate(req.messages)
+             if isinstance(m.content, list)
+             for j, part in enumerate(m.content) if isinstance(part, ImagePart)]
+    if found:
+        require_projector(engine, found[0][0])
+    return [image_bytes(part.url, f"{where}.image_url.url", url=True)
+            for where, part in found]
 
 
 def prepare_completion(engine: Any, req: CompletionRequest,

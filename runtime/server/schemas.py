@@ -135,12 +135,23 @@ class ToolCallItem(BaseModel):
 
 MEDIA_PARTS = frozenset({"image_url", "input_image", "input_audio", "audio_url", "video_url",
                          "file", "image", "audio"})   # content parts that carry media
+MEDIA_MARKER = "<__media__>"      # where an image stands in the prompt (runtime/server/images.py)
+
+
+class ImagePart(BaseModel):
+    """An ``image_url`` content part: its URL (a data: URL; runtime/server/images.py checks
+    it once the server's projector is known)."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: Any
+    detail: Any = None            # OpenAI's resolution hint: the projector decides here
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[str] | None = None     # a list of text parts arrives as their texts
+    # a list of parts arrives as their texts and images (ImagePart)
+    content: str | list[str | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None     # assistant turns that called tools
     tool_call_id: str | None = None                  # tool turns: which call this answers
@@ -153,13 +164,18 @@ class ChatMessage(BaseModel):
     def _text_parts(cls, value: Any) -> Any:
         if not isinstance(value, list):
             return value
-        texts = []
+        texts: list[Any] = []
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "image_url":
+                image = part.get("image_url")
+                texts.append(ImagePart(url=image) if not isinstance(image, dict) else
+                             ImagePart(url=image.get("url"), detail=image.get("detail")))
+                continue
             if kind in MEDIA_PARTS:
-                raise ValueError(f"part {i}: {kind!r} parts are multimodal input, which needs a "
-                                 "multimodal projector (llama-server's --mmproj); this server "
-                                 "is text only")
+                raise ValueError(f"part {i}: {kind!r} parts are not taken here (images are "
+                                 "'image_url' parts, with a multimodal projector: llama-"
+                                 "server's --mmproj)")
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"part {i}: only text parts are supported (got {kind!r})")
             texts.append(part["text"])
@@ -179,7 +195,8 @@ class ChatMessage(BaseModel):
         them for a template (common_chat_msgs_to_json_oaicompat), or run together when the
         message is the prefill of the answer (llama-server appends each part's text)."""
         if isinstance(self.content, list):
-            return ("" if prefill else "\n").join(self.content)
+            return ("" if prefill else "\n").join(
+                MEDIA_MARKER if isinstance(p, ImagePart) else p for p in self.content)
         return self.content or ""
 
 

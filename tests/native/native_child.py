@@ -63,9 +63,9 @@ def _load(ll, path, ngl: int = 0, experts_on_cpu: bool = False, extra_bufts: boo
     if not extra_bufts:
         mp.use_extra_bufts = False
     if experts_on_cpu:
-        from runtime.native import llama_lib
+        from runtime.native import ggml_lib, llama_lib
         overrides = llama_lib.BuftOverrides([(llama_lib.EXPERT_PATTERN,
-                                              llama_lib.cpu_buffer_type())])
+                                              ggml_lib.cpu_buffer_type())])
         _KEEP.append(overrides)
         mp.tensor_buft_overrides = overrides.pointer
     model = ll.llama_model_load_from_file(path.encode(), mp)
@@ -244,7 +244,7 @@ def mode_engine(args):
 def mode_placement(args):
     """Where each MoE layer's expert tensors were loaded: {"buffers": [buft name per layer]}
     for the Engine with ``placement`` ("cpu-moe:N" static, or "planned" with a cache device)."""
-    from runtime.native import llama_lib
+    from runtime.native import ggml_tensor
     from runtime.engine.engine import Engine, EngineSettings
     from runtime.engine.placement import cpu_moe_placement
     from runtime.residency.config import parse_config
@@ -262,7 +262,7 @@ def mode_placement(args):
     lib = ctypes.CDLL(os.path.join(os.environ["LLAMA_CPP_LIB_PATH"], "libllama.so"))
     lib.llama_moe_cache_model_tensor.restype = ctypes.c_void_p
     lib.llama_moe_cache_model_tensor.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    names = [llama_lib.tensor_buffer_type_name(lib.llama_moe_cache_model_tensor(
+    names = [ggml_tensor.tensor_buffer_type_name(lib.llama_moe_cache_model_tensor(
                  engine.model_ptr, f"blk.{layer}.ffn_up_exps.weight".encode()))
              for layer in engine.facts.moe_layers]
     engine.close()
@@ -272,7 +272,7 @@ def mode_placement(args):
 def mode_ids(args):
     from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
-    from runtime.native import llama_lib
+    from runtime.native import ggml_tensor
     from runtime.native.device_cache_store import DeviceCacheStore, load_store
 
     model = _load(ll, args["model"])
@@ -283,13 +283,13 @@ def mode_ids(args):
 
     @ll.ggml_backend_sched_eval_callback
     def on_eval(tensor, ask, user_data):
-        name = llama_lib.tensor_name(tensor).decode()
+        name = ggml_tensor.tensor_name(tensor).decode()
         wanted = name.startswith(("ffn_moe_hot_ids-", "ffn_moe_cold_ids-", "ffn_moe_pick-",
                                   "ffn_moe_topk-")) and " " not in name
         if ask:
             return wanted
         if wanted:
-            arr = llama_lib.read_tensor(tensor)              # (1, 1, n_tokens, n_expert_used)
+            arr = ggml_tensor.read_tensor(tensor)              # (1, 1, n_tokens, n_expert_used)
             arr = arr.reshape(arr.shape[-2], arr.shape[-1])
             seen.setdefault(name, []).append(arr.tolist())
             if name.startswith("ffn_moe_topk-"):             # as the routing hook does
@@ -317,7 +317,7 @@ def mode_nodes(args):
     import re
     from runtime.native.llama_lib import bindings
     ll = bindings()          # through ours: loads LLAMA_CPP_LIB_PATH's build
-    from runtime.native import llama_lib
+    from runtime.native import ggml_tensor
     from runtime.native.device_cache_store import DeviceCacheStore, load_store
 
     model = _load(ll, args["model"])
@@ -325,14 +325,14 @@ def mode_nodes(args):
 
     @ll.ggml_backend_sched_eval_callback
     def on_eval(tensor, ask, user_data):
-        name = llama_lib.tensor_name(tensor).decode()
+        name = ggml_tensor.tensor_name(tensor).decode()
         topk = state["cache"] is not None and re.fullmatch(r"ffn_moe_topk-\d+", name)
         if ask:
             state["nodes"] += 1
             state["hot"] += bool(re.fullmatch(r"ffn_moe_\w+_hot-\d+", name))
             return bool(topk)
         if topk:                                         # as the routing hook does
-            arr = llama_lib.read_tensor(tensor)
+            arr = ggml_tensor.read_tensor(tensor)
             state["cache"].route(int(name.rsplit("-", 1)[1]), arr.reshape(arr.shape[-2], -1))
         return True
 

@@ -50,7 +50,7 @@ def test_patches_apply_in_order_to_the_vendored_source(tmp_path: Path):
 def test_build_is_cached_and_complete(native_build):
     lib = Path(native_build.lib_dir)
     for name in ("libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so",
-                 "libmoe_device_cache.so", "libggml-rpc.so"):
+                 "libmoe_device_cache.so", "libggml-rpc.so", "libmtmd.so"):
         assert (lib / name).exists(), name
     nm = subprocess.run(["nm", "-D", "--defined-only", str(lib / "libllama.so")],
                         capture_output=True, text=True).stdout

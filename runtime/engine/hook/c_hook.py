@@ -44,16 +44,17 @@ class CHook:
     the context."""
 
     def __init__(self, config: HookConfig):
-        from runtime.native import llama_lib  # noqa: PLC0415
+        from runtime.native import ggml_lib, ggml_tensor, llama_lib  # noqa: PLC0415
         lib, ffi = load_library()
-        self.lib, self.ffi, self._ll = lib, ffi, llama_lib
+        self.lib, self.ffi = lib, ffi
+        self._ggml, self._tensors = ggml_lib, ggml_tensor
         self.config = config
         self.turn = 0
         self.observers: list[RouteObserver] = []      # the engine's, in the order added
         n_layer, moe = config.n_layer, set(config.moe_layers)
         is_moe = ffi.new("uint8_t[]", [1 if i in moe else 0 for i in range(n_layer)])
-        get = ctypes.cast(llama_lib.ggml().base.ggml_backend_tensor_get, ctypes.c_void_p).value
-        t = llama_lib.GgmlTensor
+        get = ctypes.cast(ggml_lib.ggml().base.ggml_backend_tensor_get, ctypes.c_void_p).value
+        t = ggml_tensor.GgmlTensor
         handle = lib.rh_create(n_layer, is_moe, config.n_expert_used,
                                ffi.cast("rh_tensor_get", get), t.type.offset, t.ne.offset,
                                t.nb.offset, t.name.offset)
@@ -126,7 +127,7 @@ class CHook:
 
     def impose(self, routing, n_expert: int) -> None:
         """Route as ``routing`` (runtime.engine.hook.imposed_routing.ImposedRouting) says."""
-        tensor_set = ctypes.cast(self._ll.ggml().base.ggml_backend_tensor_set,
+        tensor_set = ctypes.cast(self._ggml.ggml().base.ggml_backend_tensor_set,
                                  ctypes.c_void_p).value
         experts = np.ascontiguousarray(routing.experts, dtype=np.int32)
         logits = np.ascontiguousarray(routing.logits, dtype=np.float32)
@@ -164,8 +165,8 @@ class CHook:
     def _on_watch(self, tensor, ask, _user) -> bool:
         try:
             address = int(self.ffi.cast("uintptr_t", tensor))
-            name = self._ll.tensor_name(address)
-            self.watchers[name](name.decode(), self._ll.read_tensor(address))
+            name = self._tensors.tensor_name(address)
+            self.watchers[name](name.decode(), self._tensors.read_tensor(address))
             return True
         except BaseException as exc:  # noqa: BLE001 - must never escape into C
             if self.error is None:

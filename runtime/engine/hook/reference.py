@@ -172,9 +172,9 @@ class RoutingHook:
     hook alive as long as the context."""
 
     def __init__(self, config: HookConfig):
-        from runtime.native import llama_lib  # noqa: PLC0415 - loads llama.cpp
+        from runtime.native import ggml_tensor, llama_lib  # noqa: PLC0415 - loads llama.cpp
 
-        self._lib = llama_lib
+        self._tensors = ggml_tensor
         self.config = config
         assembler = RouteAssembler(config.moe_layers, config.n_expert_used, config.n_layer)
         assembler.strict = config.strict
@@ -192,8 +192,8 @@ class RoutingHook:
         self._topk_node: dict[int, int] = {}   # layer -> its ffn_moe_topk tensor (this graph)
         self._prefix_of = ctypes.c_uint64.from_address
         self._prefix = int.from_bytes(_PREFIX, "little")
-        self._name_offset = self._lib.NAME_OFFSET
-        callback_type = self._lib.bindings().ggml_backend_sched_eval_callback
+        self._name_offset = ggml_tensor.NAME_OFFSET
+        callback_type = llama_lib.bindings().ggml_backend_sched_eval_callback
         self._py_callback = callback_type(self._on_eval)
         self.callback, self.user_data = self._py_callback, None
         self._n_own = 0              # observers of the hook's wiring, before the engine's
@@ -273,7 +273,7 @@ class RoutingHook:
                 return ask          # ask: compute up to here; data: False stops the graph
             if not self.assembler.in_batch:
                 return False        # a decode the engine did not frame (e.g. warm-up)
-            name = self._lib.tensor_name(tensor)
+            name = self._tensors.tensor_name(tensor)
             node = self._nodes.get(name)
             if node is None:
                 return name in self.watchers if ask else self._on_watch(name, tensor)
@@ -289,10 +289,10 @@ class RoutingHook:
                     return final is None         # later: read with the final weights
                 return final is None or final == stage
             if not self._layout_checked:
-                self._lib.check_tensor_layout(tensor)
+                self._tensors.check_tensor_layout(tensor)
                 self._layout_checked = True
             k = a.n_expert_used
-            data = self._lib.read_tensor(tensor).reshape(-1, k)
+            data = self._tensors.read_tensor(tensor).reshape(-1, k)
             if kind == _TOPK:
                 a.on_topk(layer, data.astype(np.int32, copy=False))
             elif final is None:
@@ -300,7 +300,7 @@ class RoutingHook:
             else:
                 # One sync per layer: the topk view is still live here (the expert matmuls
                 # read it next), so read it now together with the applied weights.
-                topk = self._lib.read_tensor(self._topk_node[layer]).reshape(-1, k)
+                topk = self._tensors.read_tensor(self._topk_node[layer]).reshape(-1, k)
                 a.on_topk(layer, topk.astype(np.int32, copy=False))
                 a.on_weights(layer, stage, data.astype(np.float32, copy=False))
                 a.flush(layer)
@@ -311,6 +311,6 @@ class RoutingHook:
             return ask
 
     def _on_watch(self, name: bytes, tensor: int) -> bool:
-        self.watchers[name](name.decode(), self._lib.read_tensor(tensor))
+        self.watchers[name](name.decode(), self._tensors.read_tensor(tensor))
         return True
 

@@ -1,7 +1,7 @@
 /* step: one consumer's layer-step on a residency core (residency_core.h: rc_step). The one
  * implementation of "lease this layer's experts, end the previous layer's lease, decide":
  * the routing hook's bookkeeping (route_hook.c), the device cache (device_cache.c), the RAM
- * tier (tier_io.c) and rc_bench_live (below: a benchmark's loop of steps, beside the step
+ * tier (layer_step.c) and rc_bench_live (below: a benchmark's loop of steps, beside the step
  * it times) all step through it. It calls only the entry points (api.c): the step is above
  * them, never called by them.
  *

@@ -6,8 +6,10 @@ translation over the chat-completion path, as llama-server serves it: the body b
 of chunks, stream.py) is written back in Anthropic's shape.
 Errors leave as ``{"type": "error", "error": {"type", "message"}}`` (errors.py).
 
-What Anthropic's API has and this server does not: images and documents (no multimodal
-projector: a 400), server tools (``web_search_...``, ``bash_...``: a 400 naming them), a
+Image blocks (base64 sources) in user messages become the chat's ``image_url`` parts
+(served with ``--mmproj``; without it a 400 naming the flag: runtime/server/images.py).
+What Anthropic's API has and this server does not: documents and image URLs (a 400),
+server tools (``web_search_...``, ``bash_...``: a 400 naming them), a
 thinking budget or effort (``thinking.budget_tokens`` and ``output_config.effort`` are
 accepted, only ``max_tokens`` bounds the answer), the matched stop sequence
 (``stop_sequence`` is always null: the engine does not say which stop string ended the
@@ -27,6 +29,7 @@ from runtime.server.anthropic.stream import AnthropicEvents, stop_reason
 from runtime.server.openai.completions import (chat_answer, chat_base, count_chat_tokens,
                                         submit_chat)
 from runtime.server.errors import APIError, anthropic_error_body, register_route_shape
+from runtime.server.images import anthropic_image
 from runtime.server.schemas import MEDIA_PARTS, ChatCompletionRequest
 from runtime.server.translated_stream import chat_request, event_source
 
@@ -142,9 +145,9 @@ def _text_of(blocks: str | list, where: str) -> str:
 
 
 def _media(param: str, kind: str) -> APIError:
-    return APIError(400, f"{param}: {kind} input is not supported: it needs a multimodal "
-                         "projector (llama-server's --mmproj), and this server is text only",
-                    code="invalid_value", param=param)
+    return APIError(400, f"{param}: {kind} input is not supported here (images are: image "
+                         "blocks in user messages, with a multimodal projector: llama-server's "
+                         "--mmproj)", code="invalid_value", param=param)
 
 
 def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
@@ -152,14 +155,16 @@ def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
     they answer the calls of the turn before), tool uses the assistant's ``tool_calls``."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []         # text and image parts, in order
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
         where = f"messages.{i}.content.{j}"
         if block.type == "text":
-            texts.append(block.text or "")
+            parts.append({"type": "text", "text": block.text or ""})
+        elif block.type == "image" and message.role == "user":
+            parts.append(anthropic_image(block.source, f"{where}.source"))
         elif block.type == "thinking" and message.role == "assistant":
             thoughts.append(block.thinking or "")      # reasoning_content, for the template
         elif block.type == "redacted_thinking":
@@ -183,10 +188,9 @@ def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
             raise APIError(400, f"{where}: a {block.type!r} block is not supported in a "
                                 f"{message.role} message", code="invalid_value", param=where)
     turns = list(results)
-    if texts or calls or thoughts or not results:
+    if parts or calls or thoughts or not results:
         # text parts: joined as the chat path joins them (run together in a prefill)
-        turn: dict[str, Any] = {"role": message.role,
-                                "content": [{"type": "text", "text": t} for t in texts]}
+        turn: dict[str, Any] = {"role": message.role, "content": parts}
         if calls:
             turn["tool_calls"] = calls
         if thoughts:

@@ -23,6 +23,7 @@ from runtime.engine.context_shift import truncate_prompt
 from runtime.engine.types import CANCELLED
 from runtime.server import shapes, structured
 from runtime.server.errors import APIError, llama_error, register_route_shape
+from runtime.server.images import MEDIA_MARKER, media_prompt
 from runtime.server.jobs import collect, engine_failure, side_work, submit
 from runtime.server.limits import (Limits, check_detokenize, check_prompt_tokens, check_request,
                                    check_tokenize)
@@ -81,12 +82,19 @@ def _prepare(engine: Any, req: NativeCompletionRequest, defaults: Any,
     if limits is not None:               # grammars and schemas, before any is converted
         check_request(req, limits)
     prompt = req.prompt_tokens_or_text(engine)
+    images = req.images(engine)
     if isinstance(prompt, list):
         check_prompt_tokens(len(prompt), limits, "prompt")
         prompt = checked_ids(prompt, engine_vocab(engine), "prompt")
-    tokens = prompt if isinstance(prompt, list) else engine.tokenize(prompt, add_special=True)
+    if images:
+        prompt = media_prompt(engine, prompt, images, "prompt")
+        tokens = prompt.tokens
+    else:
+        tokens = prompt if isinstance(prompt, list) else engine.tokenize(prompt,
+                                                                         add_special=True)
     n_prompt = len(tokens)
-    truncated = n_prompt >= engine.n_ctx and engine.settings.context_shift
+    # (a prompt with images is not cut: an image is evaluated whole or not at all)
+    truncated = n_prompt >= engine.n_ctx and engine.settings.context_shift and not images
     if truncated:       # as llama-server: --context-shift cuts a prompt that does not fit
         prompt = truncate_prompt(tokens, engine.n_ctx, req.n_keep or 0)
         n_prompt = len(prompt)
@@ -146,7 +154,8 @@ async def _answer(body: NativeCompletionRequest, request: Request, index: int = 
     prep, job = await submit(request, lambda e: _prepare(e, body, defaults, limits))
     engine = request.app.state.host.engine()
     model = request.app.state.host.model_id
-    prompt_text = prep.prompt if isinstance(prep.prompt, str) else engine.detokenize(prep.prompt)
+    prompt_text = prep.prompt if isinstance(prep.prompt, str) else \
+        getattr(prep.prompt, "text", None) or engine.detokenize(prep.prompt)
     settings = generation_settings(request, prep, engine.n_ctx) | {"stream": body.stream}
 
     def final(text: str, tokens: list[int], finish: str | None, timings: Any, n: int,
@@ -307,7 +316,9 @@ def props_payload(request: Request) -> dict:
             "total_slots": engine.settings.n_parallel, "model_alias": host.model_id,
             "model_path": engine.settings.model_path, "chat_template": template.source,
             "bos_token": template.bos_token, "eos_token": template.eos_token,
-            "modalities": {"vision": False, "audio": False},
+            "modalities": {"vision": bool(engine.projector and engine.projector.vision),
+                           "video": False, "audio": False},
+            "media_marker": MEDIA_MARKER,
             "build_info": request.app.state.fingerprint, "is_sleeping": False}
 
 

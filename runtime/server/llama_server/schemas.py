@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from runtime.server.errors import APIError
+from runtime.server.images import image_bytes, require_projector
 from runtime.server.schemas import INT64
 
 BAN = float("-inf")     # a logit bias that bans the token (llama-server's for false, ignore_eos)
@@ -100,20 +101,33 @@ class NativeCompletionRequest(BaseModel):
             return p if len(p) > 1 or not isinstance(p[0], str) else None
         return None
 
+    def images(self, engine: Any) -> list[bytes]:
+        """The bytes of ``prompt.multimodal_data`` (bare base64, one per media marker of
+        prompt_string); a 400 when the server has no projector or one is not base64."""
+        data = self.prompt.get("multimodal_data") if isinstance(self.prompt, dict) else None
+        if data is None or data == []:
+            return []
+        if not isinstance(data, list):
+            raise APIError(400, "prompt.multimodal_data: must be a list of base64 strings",
+                           code="invalid_value", param="prompt.multimodal_data")
+        require_projector(engine, "prompt.multimodal_data", "multimodal_data")
+        return [image_bytes(d, f"prompt.multimodal_data.{i}", url=False)
+                for i, d in enumerate(data)]
+
     def n_predict_value(self) -> int | None:
         return self.n_predict if self.n_predict is not None else self.max_tokens
 
     def prompt_tokens_or_text(self, engine: Any) -> str | list[int]:
         """llama-server's prompt forms: a string, token ids, or a mix of both, or
-        ``{"prompt_string": ...}`` (multimodal data is refused: text only)."""
+        ``{"prompt_string": ..., "multimodal_data": [...]}`` (its images: ``images()``)."""
 
         if isinstance(self.prompt, dict):
-            extra = set(self.prompt) - {"prompt_string"}
+            extra = set(self.prompt) - {"prompt_string", "multimodal_data"}
             if extra or not isinstance(self.prompt.get("prompt_string"), str):
                 raise APIError(400, f"prompt.{sorted(extra)[0] if extra else 'prompt_string'}: "
-                                    "only a text prompt_string is supported (multimodal_data "
-                                    "needs a multimodal projector, llama-server's --mmproj; "
-                                    "this server is text only)", code="invalid_value", param="prompt")
+                                    "a prompt object holds a text prompt_string and, for "
+                                    "images, multimodal_data (base64 strings)",
+                               code="invalid_value", param="prompt")
             return self.prompt["prompt_string"]
         if isinstance(self.prompt, str):
             return self.prompt

@@ -93,7 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                              ChatFramer(base, prep, timings=body.timings_per_token))
     answer = await chat_answer(request, body, prep, job, base)
     if request.app.state.settings.verbose or body.verbose:   # llama-server's: the prompt too
-        answer["__verbose"] = {"prompt": prep.prompt}
+        answer["__verbose"] = {"prompt": getattr(prep.prompt, "text", prep.prompt)}
     return JSONResponse(answer)
 
 

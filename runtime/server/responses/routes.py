@@ -86,9 +86,11 @@ def _parts(content: Any, where: str) -> str | list[dict[str, str]]:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
         elif kind in MEDIA_PARTS:
-            raise APIError(400, f"{where}.{i}: {kind!r} parts are multimodal input, which "
-                                "needs a multimodal projector (llama-server's --mmproj); this "
-                                "server is text only", code="invalid_value", param=f"{where}.{i}")
+            raise APIError(400, f"{where}.{i}: {kind!r} parts are not taken on /v1/responses "
+                                "(images go in /v1/chat/completions image_url parts or "
+                                "/v1/messages image blocks, with a multimodal projector: "
+                                "llama-server's --mmproj)", code="invalid_value",
+                           param=f"{where}.{i}")
         else:
             raise APIError(400, f"{where}.{i}: only text parts are supported (got {kind!r})",
                            code="invalid_value", param=f"{where}.{i}")

@@ -51,6 +51,8 @@ class ModelInstance:
     def status(self) -> str:
         if self.launch is None:
             return UNLOADED
+        if self.stopping:       # loaded until its app is gone (stop_serving closes the host
+            return LOADED       # first, which reads "failed": not yet "unloaded")
         host = self.app.state.host
         if host.state is LoadState.READY:
             return LOADED
@@ -83,5 +85,7 @@ class ModelInstance:
         return {"id": self.name, "aliases": list(self.spec.aliases),
                 "tags": list(self.spec.tags), "object": "model", "owned_by": "moe-offload",
                 "created": created, "status": status,
-                "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                "architecture": {"input_modalities": ["text", "image"] if any(
+                                     k in ("mmproj", "mm") for k, _ in self.spec.options)
+                                 else ["text"], "output_modalities": ["text"]},
                 "source": self.spec.source, "can_remove": False, "budgets": reserved}

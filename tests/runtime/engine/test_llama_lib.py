@@ -12,7 +12,7 @@ from pathlib import Path
 
 PROBE = r"""
 import json, sys
-from runtime.native import llama_lib
+from runtime.native import ggml_lib
 from runtime.engine.engine import Engine
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import EngineSettings
@@ -21,12 +21,12 @@ engine = Engine(EngineSettings(model_path=sys.argv[1], n_ctx=256, n_threads=1,
                                n_threads_batch=1, lib_dir=lib_dir), progress=False)
 text = "".join(c.text for c in engine.generate("The sea", SamplingParams(max_tokens=4,
                                                                          temperature=0)))
-llama_lib.ggml()          # open ggml by soname, as the hook does
+ggml_lib.ggml()          # open ggml by soname, as the hook does
 maps = open("/proc/self/maps").read().split("\n")
 paths = sorted({line.split()[-1] for line in maps if "libggml-base" in line or "libllama" in line})
 import llama_cpp.llama_cpp as ll
 print(json.dumps({"paths": paths, "llama": ll._lib._name, "text": text,
-                  "cpu_buft": llama_lib.buffer_type_name(llama_lib.cpu_buffer_type())}))
+                  "cpu_buft": ggml_lib.buffer_type_name(ggml_lib.cpu_buffer_type())}))
 """
 
 

@@ -1,5 +1,5 @@
 """Eviction next-visit and prefetch affinity: what they do, beyond agreeing with the reference
-(test_core_reference.py)."""
+(test_learned_reference.py)."""
 from __future__ import annotations
 
 import math
@@ -154,7 +154,7 @@ def test_affinity_queues_what_the_link_carries_in_time():
 def test_next_visit_learns_from_resident_experts_only():
     """A decode visit learns from the layer's resident experts (the keys eviction ranks)
     alone: with none resident the weights stay, with all resident they move. (The C core
-    against this reference, residency varying: test_core_reference.py.)"""
+    against this reference, residency varying: test_learned_reference.py.)"""
     from runtime.residency.reference.next_visit import W0, NextVisitModel
 
     def learned(resident: bool) -> list[float]:
@@ -199,7 +199,7 @@ def test_next_visit_wait_rolls_the_hazard_forward():
     forward: a key whose features do not decay (never routed) waits 1 / p - 1 = exp(-z); a
     routed key waits longer than exp(-z), its p falling as its features decay, and one routed
     once longer than one routed at every visit. (The C core against this
-    reference: test_core_reference.py.)"""
+    reference: test_learned_reference.py.)"""
     from runtime.residency.reference.next_visit import NextVisitModel
 
     m = NextVisitModel(1, 4, [0], 0.0)

@@ -9,7 +9,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from runtime.native import llama_lib
+from runtime.native import ggml_tensor
 from runtime.engine.hook.c_hook import CHook
 from runtime.engine.hook.config import HookConfig
 from runtime.residency.types import Phase
@@ -19,7 +19,7 @@ from runtime.residency.types import Phase
 def hook(monkeypatch):
     seen: list[tuple[str, bool]] = []
     h = CHook(HookConfig(n_layer=2, moe_layers=(0, 1), n_expert_used=2))
-    monkeypatch.setattr(llama_lib, "read_tensor", lambda _ptr: np.zeros(1))
+    monkeypatch.setattr(ggml_tensor, "read_tensor", lambda _ptr: np.zeros(1))
     for name in ("ffn_moe_probs-1", "ffn_moe_probs-0"):
         h.watch(name, lambda n, _data: seen.append(n))
     h.begin_batch(Phase.PREFILL, 0, 1, 1)
@@ -28,8 +28,8 @@ def hook(monkeypatch):
 
 
 def _call(h, name: bytes, ask: bool = True) -> bool:
-    buf = ctypes.create_string_buffer(llama_lib.NAME_OFFSET + 64)
-    buf[llama_lib.NAME_OFFSET:llama_lib.NAME_OFFSET + len(name)] = name
+    buf = ctypes.create_string_buffer(ggml_tensor.NAME_OFFSET + 64)
+    buf[ggml_tensor.NAME_OFFSET:ggml_tensor.NAME_OFFSET + len(name)] = name
     return bool(h.callback(ctypes.addressof(buf), ask, h.user_data))
 
 

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from gguf_tools.synth_adapters import write_synthetic_lora
+from tests.runtime.server.conftest import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 PROMPT = "the king saw a river near the"
 
 

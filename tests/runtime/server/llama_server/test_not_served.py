@@ -40,3 +40,20 @@ def test_media_parts_are_400_naming_the_projector(http, part):
     r = http.post("/completion", json={"prompt": {"prompt_string": "x <__media__>",
                                                   "multimodal_data": ["AAAA"]}})
     assert r.status_code == 400 and "multimodal projector" in r.json()["error"]["message"]
+    assert "--mmproj" in r.json()["error"]["message"]
+
+
+def test_an_image_without_a_projector_names_the_flag_in_each_shape(http):
+    """The server was started without --mmproj: images are a 400 saying what is missing."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, image]}]})
+    assert r.status_code == 400 and "--mmproj" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages.0.content.1"
+    r = http.post("/v1/messages", json={"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "AAAA"}}]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "--mmproj" in r.json()["error"]["message"]
+    caps = http.get("/v1/models").json()["data"][0]["capabilities"]
+    assert caps == ["completion"] and http.get("/props").json()["modalities"]["vision"] is False
