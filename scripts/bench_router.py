@@ -107,6 +107,19 @@ def ask(http: httpx.Client, model: str, n: int) -> dict:
             "tokens_per_second": timings.get("predicted_per_second")}
 
 
+def tier_metrics(http: httpx.Client, model: str) -> dict[str, float]:
+    """The model's RAM tier as its ``/metrics`` says: budget, one-use peak, drop waits."""
+    wanted = {"moe_ramtier_budget_bytes": "budget_bytes",
+              "moe_ramtier_one_use_peak_bytes": "one_use_peak_bytes",
+              "moe_ramtier_drop_wait_seconds_total": "drop_wait_s"}
+    out = {}
+    for line in http.get("/metrics", params={"model": model}).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            out[wanted[name]] = float(value)
+    return out
+
+
 def statuses(http: httpx.Client) -> dict[str, dict]:
     return {m["id"]: m for m in http.get("/models").json()["data"]}
 
@@ -155,6 +168,7 @@ def main() -> int:
                     after = sampler.sample()
                     answer["read_bytes"] = after["read_bytes"] - before["read_bytes"]
                     answer["budget_bytes"] = statuses(http)[name]["budgets"].get("cpu")
+                    answer["tier"] = tier_metrics(http, name)
                     result["models"].setdefault(name, {})[round_name] = answer
             for name in paths:
                 while statuses(http)[name]["status"]["value"] != "sleeping":
@@ -195,9 +209,16 @@ def report(result: dict) -> str:
                      f"({first['wake_ms'] or 0:.0f}) | {mib(first['read_bytes'])} | "
                      f"{warm['tokens_per_second'] or 0:.1f} | {mib(m['asleep_expert_bytes'])} "
                      f"| {wake['wake_ms'] or 0:.0f} | {mib(wake['read_bytes'])} |")
+    lines.append("")
+    for name, m in result["models"].items():     # the tier's own account, after the warm answer
+        tier = m["warm"].get("tier", {})
+        if "one_use_peak_bytes" in tier:
+            lines.append(f"{name}: RAM tier budget {mib(tier.get('budget_bytes'))} MiB; one-use "
+                         f"reads + queued drops at most {mib(tier['one_use_peak_bytes'])} MiB; "
+                         f"layer-steps waited {tier.get('drop_wait_s', 0):.2f} s for drops")
     peak = result["peak"]
     within = peak.get("experts_total", 0) <= result["pool_bytes"]
-    lines += ["", f"pool {mib(result['pool_bytes'])} MiB; peaks: experts in RAM (all models, "
+    lines += [f"pool {mib(result['pool_bytes'])} MiB; peaks: experts in RAM (all models, "
               f"mincore) {mib(peak.get('experts_total', 0))} MiB "
               f"({'within' if within else 'OVER'} the pool), RSS {mib(peak.get('VmRSS', 0))}"
               f" MiB (anonymous {mib(peak.get('RssAnon', 0))}, file "

@@ -6,7 +6,10 @@ residency config, ``attach(engine)`` makes the residency manager decide which ex
 RAM: between each layer's router and its expert matmul the layer's missing experts are read in
 parallel (exact byte ranges, ``threads`` in flight; in C, tier_io.c, stepped by the routing
 hook), evicted experts' pages leave llama.cpp's mapping and the page cache, and ``mincore``
-reports what really is resident.
+reports what really is resident. A budget below every expert is split (``split_budget``): the
+core keeps experts within budget - room, and the room holds what the core does not count, a
+layer-step's one-use reads and the drops still queued, so the page cache never holds more
+of the model's experts than the budget.
 
 Only expert tensors in llama.cpp's mmap-backed CPU buffer are governed (the engine places every
 expert there when residency is managed); dense weights stay as llama.cpp keeps them.
@@ -24,7 +27,8 @@ from runtime.ramtier.pager import Pager
 from runtime.ramtier.tier import DEVICE, RamTier, ResidencyTruth, TierStats
 from runtime.residency.transport import claim_device
 
-__all__ = ["attach", "attach_to", "RamTier", "RamTierOptions", "ResidencyTruth", "TierStats"]
+__all__ = ["attach", "attach_to", "BudgetSplit", "RamTier", "RamTierOptions", "ResidencyTruth",
+           "TierStats", "split_budget"]
 
 log = logging.getLogger("moe_offload.ramtier")
 
@@ -57,6 +61,40 @@ def layer_working_set(facts) -> tuple[int, int]:
     """(bytes, layer): the largest decode working set of one layer (top-k experts)."""
     layer = max(facts.moe_layers, key=lambda i: facts.expert_bytes[i])
     return facts.n_expert_used * facts.expert_bytes[layer], layer
+
+
+def one_use_room(facts) -> tuple[int, int]:
+    """(bytes, layer): the most one layer-step can read for one use, every expert of the
+    largest layer (a prompt's ubatch can route to all of them; those the core does not keep
+    are in the page cache until the layer's matmul is done)."""
+    layer = max(facts.moe_layers, key=lambda i: facts.expert_bytes[i])
+    return facts.n_expert * facts.expert_bytes[layer], layer
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """A cpu budget as the tier spends it (bytes): ``kept`` is the residency core's capacity,
+    ``room`` the one-use room (None: no bound needed), ``budget`` = kept + room, all the
+    page cache ever holds of the model's experts."""
+
+    budget: int
+    kept: int
+    room: int | None
+
+
+def split_budget(budget: int, total: int, working_set: int, room: int) -> BudgetSplit:
+    """Where the cpu budget goes. The core fills its capacity with kept experts; beyond it a
+    layer-step's transient uses and the queued drops of evicted experts are in the page cache
+    too (tier_io.c bounds them by the room). So a budget below every expert keeps ``room``
+    (one layer's every expert) aside for them: kept + room <= budget throughout. A budget that
+    holds every expert is kept whole (no transient use, nothing to bound: as before). Below
+    ``working_set + room`` the budget is raised to that (at most ``total``)."""
+    if budget >= total:
+        return BudgetSplit(budget, budget, None)
+    budget = max(budget, min(working_set + room, total))
+    if budget >= total:
+        return BudgetSplit(budget, budget, None)
+    return BudgetSplit(budget, budget - room, room)
 
 
 def attach(engine, options: RamTierOptions | None = None) -> RamTier | None:
@@ -100,24 +138,41 @@ def attach_to(manager, model_path: str, options: RamTierOptions | None = None
         _notice(f"{name}: the cpu budget is unresolved ({manager.unresolved_reason(DEVICE)}); "
                 "every expert is read on demand and dropped after use")
         budget = 0
-    working_set, layer = layer_working_set(facts)
-    if 0 < budget < working_set:
-        _notice(f"{name}: cpu budget {budget / 2**20:.1f} MiB is below one layer's working set "
-                f"({facts.n_expert_used} experts x {facts.expert_bytes[layer] / 2**20:.1f} MiB "
-                f"= {working_set / 2**20:.1f} MiB in layer {layer}); using "
-                f"{working_set / 2**20:.1f} MiB")
-        manager.reconfigure(DEVICE, working_set)
-        budget = working_set
+    split = BudgetSplit(0, 0, None)           # unresolved: nothing kept, nothing bounded
+    if budget:
+        split = _split(name, budget, layout.total_bytes, facts)
+        if split.kept != budget:
+            manager.reconfigure(DEVICE, split.kept)
     pager = Pager(mapping, threads=options.threads)
-    tier = RamTier(manager, layout, pager, budget_bytes=budget, mlock=options.mlock,
+    tier = RamTier(manager, layout, pager, budget_bytes=split.budget, mlock=options.mlock,
                    refill=options.refill)
+    tier.io.set_one_use_room(split.room)
     claim_device(manager, DEVICE, tier)
     pager.no_readahead(layout.merged_spans())
-    if budget >= layout.total_bytes:
+    if split.kept >= layout.total_bytes:
         tier.fill_spare()    # room for every expert: admit them all (llama.cpp populated them)
     else:
         tier.drop_unheld()   # llama.cpp populated every page at load; keep only what is held
     return tier
+
+
+def _split(name: str, budget: int, total: int, facts) -> BudgetSplit:
+    """``split_budget`` for this model, saying what it changed."""
+    working_set, layer = layer_working_set(facts)
+    room, room_layer = one_use_room(facts)
+    split = split_budget(budget, total, working_set, room)
+    mib = 2**20
+    if split.budget != budget:
+        _notice(f"{name}: cpu budget {budget / mib:.1f} MiB is below one layer's working set "
+                f"({facts.n_expert_used} experts x {facts.expert_bytes[layer] / mib:.1f} MiB "
+                f"= {working_set / mib:.1f} MiB in layer {layer}) plus one layer's one-use "
+                f"reads ({facts.n_expert} experts = {room / mib:.1f} MiB); using "
+                f"{split.budget / mib:.1f} MiB")
+    if split.room is not None:
+        log.info("%s: cpu budget %.1f MiB: %.1f MiB of kept experts, %.1f MiB for one-use "
+                 "reads (every expert of layer %d)", name, split.budget / mib,
+                 split.kept / mib, split.room / mib, room_layer)
+    return split
 
 
 def _notice(message: str) -> None:

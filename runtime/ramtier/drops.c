@@ -47,7 +47,7 @@ int64_t rt_drop(rt_tier *t, int32_t flat) {
 
 /* ---- drops, off the decode thread -------------------------------------------------------- */
 
-static int64_t key_bytes(const rt_tier *t, int32_t f) {
+int64_t rt_key_bytes(const rt_tier *t, int32_t f) {
     int64_t n = 0;
     for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++) n += t->range_len[r];
     return n;
@@ -65,7 +65,7 @@ void rt_drop_later(rt_tier *t, int32_t f) {
         t->drop_pending[f] = 1;
         t->drop_ring[(t->drop_head + t->drop_n) % t->n_flat] = f;
         t->drop_n++;
-        t->drop_bytes += key_bytes(t, f);
+        t->drop_bytes += rt_key_bytes(t, f);
         pthread_cond_signal(&t->drop_cv);
     }
     pthread_mutex_unlock(&t->drop_mu);
@@ -77,10 +77,31 @@ void rt_cancel_drop(rt_tier *t, int32_t f) {
     pthread_mutex_lock(&t->drop_mu);
     if (t->drop_pending[f]) {
         t->drop_pending[f] = 0;             /* its ring entry is skipped */
-        t->drop_bytes -= key_bytes(t, f);
+        t->drop_bytes -= rt_key_bytes(t, f);
     }
-    while (t->dropping == f) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
+    while (t->dropping == f || t->helping == f) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
     pthread_mutex_unlock(&t->drop_mu);
+}
+
+/* run the next queued drop on this thread, `*running` naming its key meanwhile (drop_mu held
+ * on entry and on return); 0 when none is queued */
+static int drop_next_locked(rt_tier *t, int32_t *running) {
+    while (t->drop_n > 0) {
+        const int32_t f = t->drop_ring[t->drop_head];
+        t->drop_head = (t->drop_head + 1) % t->n_flat;
+        t->drop_n--;
+        if (!t->drop_pending[f]) continue;  /* cancelled */
+        t->drop_pending[f] = 0;
+        *running = f;
+        pthread_mutex_unlock(&t->drop_mu);
+        rt_drop(t, f);
+        pthread_mutex_lock(&t->drop_mu);
+        t->drop_bytes -= rt_key_bytes(t, f);
+        *running = -1;
+        pthread_cond_broadcast(&t->drop_idle);
+        return 1;
+    }
+    return 0;
 }
 
 static void *drop_main(void *arg) {
@@ -90,27 +111,51 @@ static void *drop_main(void *arg) {
     for (;;) {
         while (!t->drop_stop && t->drop_n == 0) pthread_cond_wait(&t->drop_cv, &t->drop_mu);
         if (t->drop_n == 0) break;          /* stopping, nothing left */
-        const int32_t f = t->drop_ring[t->drop_head];
-        t->drop_head = (t->drop_head + 1) % t->n_flat;
-        t->drop_n--;
-        if (!t->drop_pending[f]) continue;  /* cancelled */
-        t->drop_pending[f] = 0;
-        t->dropping = f;
-        pthread_mutex_unlock(&t->drop_mu);
-        rt_drop(t, f);
-        pthread_mutex_lock(&t->drop_mu);
-        t->drop_bytes -= key_bytes(t, f);
-        t->dropping = -1;
-        pthread_cond_broadcast(&t->drop_idle);
+        drop_next_locked(t, &t->dropping);
     }
     pthread_mutex_unlock(&t->drop_mu);
     return NULL;
 }
 
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Before a layer-step reads anything: the pages the core does not count (the queued drops:
+ * keys evicted, by this step too, and the previous layer-step's transient uses; plus this
+ * step's transient uses, `one_use` bytes, about to be read) must fit the one-use room, or
+ * the page cache would pass the budget (the core fills its capacity, the room is the rest).
+ * Until they do, the step runs queued drops itself (the drop thread may get no core on a
+ * busy machine), then waits for the one the drop thread runs; a drained queue holds nothing,
+ * and one step's transient uses are one layer's experts at most, which the room holds. Costs
+ * nothing while the queue is short (decode: a few experts a step); a prompt's layer-step
+ * that evicts or passes over a whole layer may drop about the previous one's keys. */
+void rt_make_room(rt_tier *t, int64_t one_use) {
+    if (!t->drop_started) {                 /* drops run at once: nothing queued */
+        if (one_use > t->stats.one_use_peak) t->stats.one_use_peak = one_use;
+        return;
+    }
+    int64_t t0 = 0;
+    pthread_mutex_lock(&t->drop_mu);
+    /* drop_bytes counts a key until its drop has run (the one running included) */
+    while (t->one_use_room >= 0 && t->drop_bytes + one_use > t->one_use_room &&
+           (t->drop_n > 0 || t->dropping >= 0)) {
+        if (t0 == 0) t0 = now_ns();
+        if (!drop_next_locked(t, &t->helping)) pthread_cond_wait(&t->drop_idle, &t->drop_mu);
+    }
+    const int64_t used = t->drop_bytes + one_use;
+    pthread_mutex_unlock(&t->drop_mu);
+    if (used > t->stats.one_use_peak) t->stats.one_use_peak = used;
+    if (t0) t->stats.drop_wait_ns += now_ns() - t0;
+}
+
 int64_t rt_pending_drop_bytes(rt_tier *t) {
     if (!t->drop_started) return 0;
     pthread_mutex_lock(&t->drop_mu);
-    const int64_t n = t->drop_bytes + (t->dropping >= 0 ? key_bytes(t, t->dropping) : 0);
+    const int64_t n = t->drop_bytes + (t->dropping >= 0 ? rt_key_bytes(t, t->dropping) : 0) +
+                      (t->helping >= 0 ? rt_key_bytes(t, t->helping) : 0);
     pthread_mutex_unlock(&t->drop_mu);
     return n;
 }
@@ -118,7 +163,7 @@ int64_t rt_pending_drop_bytes(rt_tier *t) {
 void rt_drain_drops(rt_tier *t) {
     if (!t->drop_started) return;
     pthread_mutex_lock(&t->drop_mu);
-    while (t->drop_n > 0 || t->dropping >= 0) {
+    while (t->drop_n > 0 || t->dropping >= 0 || t->helping >= 0) {
         pthread_mutex_unlock(&t->drop_mu);
         struct timespec ts = {0, 200000};
         nanosleep(&ts, NULL);
@@ -129,6 +174,7 @@ void rt_drain_drops(rt_tier *t) {
 
 void rt_drops_start(rt_tier *t) {
     t->dropping = -1;
+    t->helping = -1;
     t->drop_ring = malloc((size_t) t->n_flat * sizeof *t->drop_ring);
     t->drop_pending = calloc((size_t) t->n_flat, 1);
     if (t->drop_ring && t->drop_pending) {

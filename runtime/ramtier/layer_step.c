@@ -71,11 +71,11 @@ int32_t rt_reclaimed_layer(const rt_tier *t) { return t->reclaimed_layer; }
 
 /* ---- the layer-step -------------------------------------------------------------------- */
 
-/* a prefetch the core issued: queue its reads behind the demand reads and go on; its first
- * use waits for what is still coming. Held at once: its edge pages are protected while they
- * come in. */
+/* a prefetch the core issued: its reads go behind the demand reads once the step has room
+ * (rt_step queues them: rt_make_room) and the step goes on; its first use waits for what is
+ * still coming. Held at once: its edge pages are protected while they come in. */
 static void prefetch(rt_tier *t, int32_t f) {
-    queue_key(t, f, RD_PREFETCH);
+    t->pf_list[t->n_pf++] = f;
     for (int64_t r = t->range_start[f]; r < t->range_start[f + 1]; r++)
         t->stats.prefetched_bytes += t->range_len[r];
     t->advised[f] = 1;
@@ -147,15 +147,19 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
         }
     }
     for (int32_t i = 0; i < r.n_evicted; i++) evict(t, r.evicted[i]);
+    t->n_pf = 0;
     for (int32_t i = 0, v = 0; i < r.n_prefetched; i++) {
         for (int32_t j = 0; j < r.prefetch_n_victims[i]; j++) evict(t, r.prefetch_victims[v++]);
         prefetch(t, r.prefetched[i]);
     }
     for (int32_t i = 0; i < r.n_admitted; i++) t->mark[r.admitted[i]] = 1;
+    int64_t one_use = 0;
     for (int32_t i = 0; i < r.n_transient; i++) {
         t->mark[r.transient[i]] = 2;
         t->transient[t->n_transient++] = r.transient[i];
+        one_use += rt_key_bytes(t, r.transient[i]);
     }
+    rt_make_room(t, one_use);     /* before any read: the budget holds throughout */
     /* what to read, in the order the matmul takes the experts (first use): admissions and
      * transient uses whole; a busy key (a background read of Python's) and a prefetched one
      * (its reads may still be queued) whole: what is in already is read from the page cache
@@ -198,6 +202,7 @@ int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_
     }
     rd_queue_many(t->reader, ids, t->n_want, RD_DEMAND);
     t->stats.reads += t->n_want;
+    for (int32_t i = 0; i < t->n_pf; i++) queue_key(t, t->pf_list[i], RD_PREFETCH);
     int failed = 0;
     if (!t->async)                /* no matmul hook: every byte in before the matmul runs */
         for (int32_t i = 0; i < t->n_want; i++) {

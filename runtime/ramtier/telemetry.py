@@ -17,6 +17,8 @@ class TierStats:
     locked_bytes: int
     read_errors: int
     refilled_bytes: int = 0      # read back in the background after a cold cache
+    one_use_peak_bytes: int = 0  # most one-use reads + queued drops at a layer-step's reads
+    drop_wait_seconds: float = 0.0   # layer-steps on queued drops (to keep within the room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +51,15 @@ def prometheus_text(truth: ResidencyTruth, st: TierStats) -> str:
         f"moe_ramtier_budget_bytes {truth.budget_bytes}",
         "# TYPE moe_ramtier_locked_bytes gauge",
         f"moe_ramtier_locked_bytes {st.locked_bytes}",
+        "# TYPE moe_ramtier_one_use_peak_bytes gauge",
+        f"moe_ramtier_one_use_peak_bytes {st.one_use_peak_bytes}",
     ]
     for name, value in (("paged_in_bytes", st.paged_in_bytes),
                         ("reclaimed_hit_bytes", st.reclaimed_hit_bytes),
                         ("prefetched_bytes", st.prefetched_bytes),
                         ("refilled_bytes", st.refilled_bytes),
                         ("page_in_seconds", round(st.page_in_seconds, 6)),
+                        ("drop_wait_seconds", round(st.drop_wait_seconds, 6)),
                         ("dropped_experts", st.dropped_experts),
                         ("read_errors", st.read_errors)):
         lines += [f"# TYPE moe_ramtier_{name}_total counter",

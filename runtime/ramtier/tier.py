@@ -150,12 +150,14 @@ class RamTier:
         """Bytes of transfers in flight (read, or being read, while their victims stay).
 
         A bound on what the tier holds: the manager decides inline (a transfer's victims
-        leave before its read starts, and the expert read is already inside the budget), so
-        expert bytes resident in the page cache stay <= budget + the running layer's experts
-        + ``inflight_bytes()``, the last term being conservative (it counts the evicted
-        experts whose pages the drop thread has yet to drop). After a cold page cache the
-        refiller's reads count too: an expert evicted while its refill read ran is dropped
-        again as soon as that read is done (refill.py)."""
+        leave before its read starts, and the expert read is already inside its capacity),
+        so expert bytes resident in the page cache stay <= capacity + the running layer's
+        transient uses + ``inflight_bytes()``, the last term being conservative (it counts
+        the evicted experts whose pages the drop thread has yet to drop). With a one-use room
+        (a budget below every expert: ``split_budget``) the layer-steps keep the last two
+        terms' step part within the room, so <= ``budget_bytes``. After a cold page cache
+        the refiller's reads count too: an expert evicted while its refill read ran is
+        dropped again as soon as that read is done (refill.py)."""
         with self._guard:
             transfers = sum(t.bytes for t, _ in self._inflight.values())
         return transfers + (self.refiller.in_flight_bytes if self.refiller is not None else 0) \
@@ -301,7 +303,8 @@ class RamTier:
                              c.wait_s, c.prefetched_bytes + self._prefetched,
                              c.dropped + self._dropped,
                              self.pager.locked_bytes, self._errors,
-                             self.refiller.refilled_bytes if self.refiller else 0)
+                             self.refiller.refilled_bytes if self.refiller else 0,
+                             c.one_use_peak_bytes, c.drop_wait_s)
 
     def truth(self) -> ResidencyTruth:
         """Manager view vs ``mincore`` (one mincore pass over the mapping: ~1 ms per GiB)."""

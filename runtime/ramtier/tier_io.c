@@ -25,6 +25,7 @@ void rt_get_stats(const rt_tier *t, rt_stats *out) {
 void rt_set_fd(rt_tier *t, int32_t fd) { fp_set_fd(t->file, fd); rd_set_fd(t->reader, fd); }
 void rt_set_read_chunk(rt_tier *t, int64_t bytes) { rd_set_chunk(t->reader, bytes); }
 void rt_set_mlock(rt_tier *t, int32_t on) { t->mlock = on; }
+void rt_set_one_use_room(rt_tier *t, int64_t bytes) { t->one_use_room = bytes < 0 ? -1 : bytes; }
 void rt_set_on_reclaim(rt_tier *t, rt_reclaim_cb cb, void *user_data) {
     t->on_reclaim = cb;
     t->on_reclaim_user = user_data;
@@ -54,9 +55,11 @@ rt_tier *rt_create(void *core, int32_t n_layer, int32_t n_expert, const int64_t 
     t->advised = calloc((size_t) t->n_flat, 1);
     t->cur_list = malloc((size_t) t->n_flat * sizeof *t->cur_list);
     t->transient = malloc((size_t) t->n_flat * sizeof *t->transient);
+    t->pf_list = malloc((size_t) t->n_flat * sizeof *t->pf_list);
+    t->one_use_room = -1;
     t->by_off = malloc((size_t) (t->n_ranges ? t->n_ranges : 1) * sizeof *t->by_off);
     if (!t->file || !t->reader || !t->cur || !t->mark || !t->advised || !t->cur_list ||
-        !t->transient || !t->by_off) {
+        !t->transient || !t->pf_list || !t->by_off) {
         rt_free(t);
         return NULL;
     }
@@ -73,6 +76,7 @@ void rt_free(rt_tier *t) {
     rd_free(t->reader);
     fp_free(t->file);
     free(t->cur); free(t->mark); free(t->advised); free(t->cur_list); free(t->transient);
+    free(t->pf_list);
     free(t->by_off);
     free(t->want_off); free(t->want_len); free(t->ev_kind); free(t->ev_flat);
     free(t);

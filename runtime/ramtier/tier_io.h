@@ -9,7 +9,10 @@
  * on (rt_set_async: ggml's MUL_MAT_ID asks rt_weight_ready per expert matrix, llamacpp/patches/
  * 0007) rt_step returns at once: the matmul computes the layer's resident experts while the
  * others come in, and waits for each of those just before it reads it. Without it rt_step
- * returns when every byte is in. Evicted experts' pages leave every mapping and the page cache
+ * returns when every byte is in. Before it queues any read, a step with a one-use room
+ * (rt_set_one_use_room) waits until its transient uses and the queued drops fit that room, so
+ * the page cache holds no more than the core's capacity + the room. Evicted experts' pages
+ * leave every mapping and the page cache
  * (MADV_DONTNEED, then posix_fadvise(DONTNEED)) on the tier's drop thread, except pages a held,
  * busy or running expert shares (checked when the drop runs; a key read or used again before
  * its queued drop runs keeps its pages). A failed read (EIO, a short read: the file was truncated) fails the layer-step or,
@@ -54,6 +57,9 @@ typedef struct {
     int64_t ready_bytes;       /* bytes of ranges already read when first needed */
     int64_t late_bytes;        /* bytes of ranges still coming when first needed */
     int64_t waits;             /* waits that found a range incomplete */
+    int64_t drop_wait_ns;      /* time steps spent on queued drops (running them or waiting
+                                  for the drop thread) to keep within the one-use room */
+    int64_t one_use_peak;      /* most bytes of one-use reads + queued drops at a read */
 } rt_stats;
 
 enum { RT_EV_ADMIT = 1, RT_EV_DROP = 2 };
@@ -76,6 +82,14 @@ void rt_set_fd(rt_tier *t, int32_t fd);
 /* bytes per read request: at most what the model's disk takes in one (max_sectors_kb) */
 void rt_set_read_chunk(rt_tier *t, int64_t bytes);
 void rt_set_mlock(rt_tier *t, int32_t on);   /* munlock before a drop */
+/* the budget's room for pages the core does not count (bytes; -1, the default: no bound).
+ * The core keeps at most its capacity; beyond it the page cache holds a layer-step's transient
+ * uses (read for one matmul, not kept) and the pages of evicted / finished keys whose drop is
+ * still queued. With a room set, a layer-step queues no read while those two together would
+ * pass it: it first waits for the drop thread. The caller sizes the room to hold one layer's
+ * every expert (the most one layer-step can use once), so capacity + room <= the budget holds
+ * throughout (runtime/ramtier/__init__.py, one_use_room). */
+void rt_set_one_use_room(rt_tier *t, int64_t bytes);
 
 int rt_step(rt_tier *t, int32_t layer, const int32_t *experts, int32_t n, int32_t phase);
 /* the lease ends, transient pages leave; -1 when a read failed in the batch (rt_error) */

@@ -37,6 +37,8 @@ class StepCounters:
     ready_bytes: int = 0     # bytes of ranges already read when first needed
     late_bytes: int = 0      # bytes of ranges still coming when first needed
     step_s: float = 0.0      # time in the layer-steps themselves
+    drop_wait_s: float = 0.0     # part of it spent on queued drops (the one-use room)
+    one_use_peak_bytes: int = 0  # most one-use + queued-drop bytes at a read (<= the room)
 
 
 class TierIO:
@@ -101,6 +103,11 @@ class TierIO:
 
     def set_mlock(self, on: bool) -> None:
         self.lib.rt_set_mlock(self._handle, int(on))
+
+    def set_one_use_room(self, nbytes: int | None) -> None:
+        """Bound the pages the core does not count (a layer-step's transient uses and the
+        queued drops) by ``nbytes``; None: no bound (tier_io.h: rt_set_one_use_room)."""
+        self.lib.rt_set_one_use_room(self._handle, -1 if nbytes is None else int(nbytes))
 
     # ---- per layer-step -----------------------------------------------------------------
     def step(self, layer: int, experts: np.ndarray, phase: int) -> None:
@@ -181,7 +188,7 @@ class TierIO:
         return StepCounters(int(s.routes), int(s.paged_bytes), int(s.reclaimed_bytes),
                             s.wait_ns / 1e9, int(s.dropped), int(s.prefetched_bytes),
                             int(s.read_bytes), int(s.ready_bytes), int(s.late_bytes),
-                            s.step_ns / 1e9)
+                            s.step_ns / 1e9, s.drop_wait_ns / 1e9, int(s.one_use_peak))
 
     def close(self) -> None:
         """Stop the read threads and free the C object (idempotent)."""

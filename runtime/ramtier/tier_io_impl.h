@@ -31,7 +31,8 @@ struct rt_tier {
     pthread_cond_t drop_cv, drop_idle;
     int32_t *drop_ring, drop_head, drop_n;   /* flat keys, FIFO (n_flat slots) */
     uint8_t *drop_pending;                   /* (n_flat) queued and not cancelled */
-    int32_t dropping;                        /* the key being dropped now, or -1 */
+    int32_t dropping;                        /* the key the drop thread drops now, or -1 */
+    int32_t helping;                         /* the key a step over its room drops, or -1 */
     int64_t drop_bytes;                      /* bytes of the keys queued (an upper bound) */
     int64_t page;
     const int64_t *range_start, *range_off, *range_len, *edge_start;
@@ -43,6 +44,8 @@ struct rt_tier {
     uint8_t *advised;              /* (n_flat,) prefetched: reads queued, not yet used */
     int32_t *cur_list, n_cur;      /* the running layer-step's keys */
     int32_t *transient, n_transient;
+    int32_t *pf_list, n_pf;        /* the layer-step's prefetches, read once there is room */
+    int64_t one_use_room;          /* rt_set_one_use_room: bytes, or -1 (no bound) */
     int64_t lease;                 /* the core's lease of the last layer-step (rc_step) */
     int64_t *want_off, *want_len; int32_t n_want;   /* this layer-step's reads */
     int64_t cap_want;
@@ -62,6 +65,12 @@ void rt_cancel_drop(rt_tier *t, int32_t f);
  * after the queued drops ran (rt_free) */
 void rt_drops_start(rt_tier *t);
 void rt_drops_stop(rt_tier *t);
+/* drops.c: the bytes of key f's ranges */
+int64_t rt_key_bytes(const rt_tier *t, int32_t f);
+/* drops.c: before a layer-step reads, until the queued drops + its `one_use` bytes of
+ * transient uses fit the one-use room, run queued drops on this thread or wait for the drop
+ * thread's (counted in stats.drop_wait_ns, stats.one_use_peak) */
+void rt_make_room(rt_tier *t, int64_t one_use);
 /* weight_ready.c: by_off, the ranges sorted by file offset (rt_create) */
 void rt_sort_ranges(rt_tier *t);
 

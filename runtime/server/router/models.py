@@ -154,10 +154,8 @@ class ModelRouter:
             self._failed(inst, error)
             return
         engine = inst.app.state.host.engine_if_ready()
-        manager = getattr(engine, "manager", None)
-        if manager is not None:         # the manager's real budgets (a tier may raise one)
-            self.pool.settle(inst.name, {d: manager.capacity(d) or n
-                                         for d, n in launch.wants.items()})
+        if engine is not None:          # the real budgets (a tier may raise one)
+            self.pool.settle(inst.name, settled_budgets(engine, launch.wants))
         lifecycle.last_used = time.monotonic()       # the LRU order starts at the load
         log.info("model %s loaded in %.1f s", inst.name, time.monotonic() - t0)
         self.events.publish("status_change", inst.name, {"status": LOADED})
@@ -263,3 +261,18 @@ class ModelRouter:
                 await anyio.to_thread.run_sync(stop_serving, inst.app)
                 self.pool.release(inst.name)
                 inst.launch = None
+
+
+def settled_budgets(engine, wants: dict[str, int]) -> dict[str, int]:
+    """What a loaded model really holds of each device it asked for (bytes): a RAM tier's
+    whole budget (its kept experts and its one-use room: ``runtime.ramtier.split_budget``;
+    the manager's capacity is the kept part only), else the manager's capacity, else the
+    ask."""
+    manager = getattr(engine, "manager", None)
+    held = {}
+    for tier in getattr(engine, "tiers", ()):
+        budget = getattr(tier, "budget_bytes", None)
+        if budget:                      # the RAM tier serves device "cpu"
+            held["cpu"] = budget
+    return {d: held.get(d) or (manager.capacity(d) if manager is not None else None) or n
+            for d, n in wants.items()}
