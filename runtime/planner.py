@@ -36,6 +36,13 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])   # the package's root, fo
 
 GIB = 1 << 30
 RAM_RESERVE = GIB          # bytes: the OS, Python, llama.cpp's host buffers
+# A RAM budget below every expert now also holds the RAM tier's one-use room (every expert of
+# one layer: a prompt's layer-step reads them for one use, runtime/ramtier split_budget). Those
+# reads always sat in RAM beside the kept experts; before they were bounded by the budget they
+# were in what the reserve left (case a, docs/benchmarks/2026-12-07-realscale.md: peak 6.98 GiB
+# under an 8 GiB limit with a 6.02 GiB budget). So the room comes out of the reserve, up to
+# this share of it, and the experts kept stay as they were.
+RESERVE_FOR_ONE_USE = 0.5
 GPU_RESERVE = GIB // 2     # bytes: compute buffers, the cache's staging
 RPC_SHARE = 0.80           # of a remote's reported free memory (its "auto" budget)
 
@@ -115,10 +122,10 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
         left -= budget
         ram_room = ram.free_bytes - RAM_RESERVE
         if left > 0 and ram_room > 0:
-            budget = min(ram_room, experts)
+            budget, lent = _with_one_use_room(facts, ram_room)
             devices.append(PlannedDevice("cpu", budget, (
                 f"cpu: {format_size(ram.free_bytes)} available - reserve "
-                f"{format_size(RAM_RESERVE)}: experts kept in RAM (the rest page from the "
+                f"{format_size(RAM_RESERVE)}{lent}: experts kept in RAM (the rest page from the "
                 "file)")))
         gpu_layers = 99
     else:
@@ -127,16 +134,29 @@ def plan(facts, memory: list[DeviceMemory], *, ctx: int, kv_per_token: int) -> P
             raise UserError(f"{facts.path}: {need} need "
                             f"{format_size(dense + kv + RAM_RESERVE)} of RAM with its "
                             f"reserve, only {format_size(ram.free_bytes)} available")
-        budget = min(room, experts)
+        budget, lent = _with_one_use_room(facts, room)
         rest = ("every expert fits" if budget == experts else
                 f"{format_size(experts - budget)} of experts page from the file")
         devices.append(PlannedDevice("cpu", budget, (
             f"cpu: {format_size(ram.free_bytes)} available - {need} - reserve "
-            f"{format_size(RAM_RESERVE)} = {format_size(room)}: {rest}")))
+            f"{format_size(RAM_RESERVE)}{lent} = {format_size(budget)}: {rest}")))
         gpu_layers = 0
         notes.append("no GPU: experts in RAM, the rest on storage")
     return Plan(model=facts.path, devices=tuple(devices), gpu_layers=gpu_layers,
                 notes=tuple(notes))
+
+
+def _with_one_use_room(facts, room: int) -> tuple[int, str]:
+    """(the RAM budget for ``room`` bytes left for experts, the words saying what the reserve
+    lent): below every expert the budget holds the tier's one-use room too, lent by the
+    reserve (RESERVE_FOR_ONE_USE), so the experts kept are ``room`` as before."""
+    from runtime.ramtier import one_use_room  # noqa: PLC0415 - (cffi; only for a plan)
+
+    experts = facts.total_expert_bytes
+    if room >= experts:
+        return experts, ""
+    lent = min(one_use_room(facts)[0], int(RAM_RESERVE * RESERVE_FOR_ONE_USE))
+    return min(room + lent, experts), f" + {format_size(lent)} of it for one layer's one-use reads"
 
 
 # In a child: which GPUs ggml sees, with the library a GPU would be used through (a CUDA or

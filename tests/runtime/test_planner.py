@@ -8,7 +8,8 @@ import tomllib
 
 import pytest
 
-from runtime.planner import RAM_RESERVE, DeviceMemory, plan
+from runtime.planner import RAM_RESERVE, RESERVE_FOR_ONE_USE, DeviceMemory, plan
+from runtime.ramtier import one_use_room, split_budget
 from tests.runtime.engine.conftest import run_cli
 
 GIB = 1 << 30
@@ -28,7 +29,13 @@ def test_plan_without_a_gpu_budgets_ram_after_dense_and_kv(tiny_model, cli, tmp_
     got = plan(facts, [DeviceMemory("cpu", free, free)], ctx=1000, kv_per_token=4096)
     (cpu,) = got.devices
     assert cpu.device == "cpu" and got.gpu_layers == 0
-    assert cpu.budget_bytes == facts.total_expert_bytes // 2
+    # half the experts kept, and one layer's one-use room lent by the reserve (the tier keeps
+    # budget - room: runtime/ramtier split_budget)
+    room = one_use_room(facts)[0]
+    lent = min(room, int(RAM_RESERVE * RESERVE_FOR_ONE_USE))
+    assert cpu.budget_bytes == facts.total_expert_bytes // 2 + lent
+    assert split_budget(cpu.budget_bytes, facts.total_expert_bytes, 0, room).kept \
+        == facts.total_expert_bytes // 2
     roomy = plan(facts, [DeviceMemory("cpu", 64 * GIB, 64 * GIB)], ctx=1000, kv_per_token=4096)
     assert roomy.devices[0].budget_bytes == facts.total_expert_bytes   # never above all experts
 
