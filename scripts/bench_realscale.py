@@ -114,11 +114,19 @@ def write_model(case: Case, directory: Path) -> Path:
     return path
 
 
-def planned_budget(model: Path, limit: int | None, ctx: int) -> int:
+def planned_budget(model: Path, limit: int | None, ctx: int) -> tuple[int, int]:
+    """(the cpu budget ``plan`` picks, the experts the RAM tier keeps within it: the budget
+    less its one-use room, runtime/ramtier split_budget; replay predicts at the kept part)."""
+    from gguf_tools.facts import read_model_facts  # noqa: PLC0415
     from runtime.planner import plan_model  # noqa: PLC0415
+    from runtime.ramtier import layer_working_set, one_use_room, split_budget  # noqa: PLC0415
 
     plan = plan_model(str(model), ctx, {"cpu": limit} if limit else None)
-    return next(d.budget_bytes for d in plan.devices if d.device == "cpu")
+    budget = next(d.budget_bytes for d in plan.devices if d.device == "cpu")
+    facts = read_model_facts(str(model))
+    split = split_budget(budget, facts.total_expert_bytes, layer_working_set(facts)[0],
+                         one_use_room(facts)[0])
+    return budget, split.kept
 
 
 @dataclass(frozen=True)
@@ -135,11 +143,12 @@ class Run:
         return self.row.name
 
 
-def rows_for(budget: int, cost: dict | None, threads: list[int | None], read_ahead: int | None,
-             own_read_ahead: int | None) -> list[Run]:
+def rows_for(budget: int, kept: int, cost: dict | None, threads: list[int | None],
+             read_ahead: int | None, own_read_ahead: int | None,
+             own_rows: bool = True) -> list[Run]:
     both = lambda name: {"policy": {"prefill": {"eviction": name},  # noqa: E731
                                     "decode": {"eviction": name}}}
-    label = format_size(budget)
+    label = f"{format_size(budget)} ({format_size(kept)} kept)"
     default = threads[-1]
     managed = [
         TraceRow("lru", "managed", config=both("lru"), budget_bytes=budget, note=label,
@@ -156,7 +165,8 @@ def rows_for(budget: int, cost: dict | None, threads: list[int | None], read_ahe
                              note="mmap, CPU repacking on"), default, read_ahead))
     runs += [Run(no_repack, t, read_ahead) for t in threads]
     runs += [Run(row, t, read_ahead) for row in managed for t in threads]
-    if own_read_ahead is not None and read_ahead is not None and own_read_ahead != read_ahead:
+    if own_read_ahead is not None and read_ahead is not None and own_read_ahead != read_ahead \
+            and own_rows:
         runs += [Run(no_repack, default, own_read_ahead), Run(managed[0], default, own_read_ahead)]
     return runs
 
@@ -256,9 +266,10 @@ def run_row(model: Path, trace: Path, row: TraceRow, *, limit: int | None,
     return result
 
 
-def replay_prediction(trace: Path, row: TraceRow, budget: int, cost: Path | None) -> int | None:
+def replay_prediction(trace: Path, row: TraceRow, kept: int, cost: Path | None) -> int | None:
     # ``trace``: at the model's sizes (trace_at_model_sizes)
-    """``moe-offload replay``'s decode demand-miss bytes for this row's config and budget."""
+    """``moe-offload replay``'s decode demand-miss bytes for this row's config at the capacity
+    the RAM tier keeps (``kept``: the budget less its one-use room)."""
     if row.kind != "managed":
         return None
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,7 +281,7 @@ def replay_prediction(trace: Path, row: TraceRow, budget: int, cost: Path | None
             config.write_text("".join(
                 f'[policy.{phase}]\neviction = "{p["eviction"]}"\n'
                 for phase, p in policy.items()))
-        args = ["replay", str(trace), "--capacity", f"{budget}B", "--config", str(config),
+        args = ["replay", str(trace), "--capacity", f"{kept}B", "--config", str(config),
                 "--json"]
         if cost is not None:
             args += ["--cost", str(cost)]
@@ -320,6 +331,9 @@ def main() -> int:
     parser.add_argument("-t", "--threads", default="1,default",
                         help="thread counts, each row at each (default: 1,default; 'default' is "
                              "the runtime's own choice)")
+    parser.add_argument("--no-own-read-ahead", action="store_true",
+                        help="leave out the two rows at the disk's own read_ahead_kb (when it "
+                             "differs from --read-ahead; llama.cpp's takes 10 min at 8 MiB)")
     parser.add_argument("--read-ahead", type=int, default=128, metavar="KIB",
                         help="read_ahead_kb of the model's disk for the rows (default 128, the "
                              "usual; set and put back where this process may); 0: leave it")
@@ -390,13 +404,14 @@ def run_case(case: Case, args, threads, wanted_ra, own_ra, cost_path, cost_table
         return report + [msg, ""]
     model = write_model(case, directory)
     try:
-        budget = planned_budget(model, case.mem_limit, 512)
+        budget, kept = planned_budget(model, case.mem_limit, 512)
         cost_file, case_cost = cost_path, cost_table
         if args.calibrate:
             cost_file, case_cost = calibrate(model, directory)
             report += [f"`moe-offload calibrate --storage {model.name}`: "
                        + ", ".join(f"{k} = {v}" for k, v in case_cost.items()), ""]
-        runs = rows_for(budget, case_cost, threads, wanted_ra, own_ra)
+        runs = rows_for(budget, kept, case_cost, threads, wanted_ra, own_ra,
+                        not args.no_own_read_ahead)
         sized = trace_at_model_sizes(case.trace, model, directory)
         if args.rows:
             wanted = {r.strip() for r in args.rows.split(",")}
@@ -412,15 +427,16 @@ def run_case(case: Case, args, threads, wanted_ra, own_ra, cost_path, cost_table
                             warm_first=run.ceiling)
                 r["read_ahead_kb"] = ra.now
                 r["load"] = f"{load.load1:.1f}" + (f" +{args.busy} busy" if args.busy else "")
-            predicted = replay_prediction(sized, run.row, budget, cost_file)
+            predicted = replay_prediction(sized, run.row, kept, cost_file)
             results.append((run, r, predicted))
             print(json.dumps({k: v for k, v in r.items() if k != "tier_notices"}), flush=True)
         lines = table(case, results)
         print("\n".join(lines), flush=True)
         report += [f"Model {model.name}: {format_size(model.stat().st_size)}; cpu budget "
                    f"(plan, at -c 512{' under the limit' if case.mem_limit else ''}): "
-                   f"{format_size(budget)}; trace {case.trace.name}. The ceiling rows ran with no "
-                   "limit and the file in the page cache.", "", *lines, ""]
+                   f"{format_size(budget)} ({format_size(kept)} of experts kept); trace "
+                   f"{case.trace.name}. The ceiling rows ran with no limit and the file in the "
+                   "page cache.", "", *lines, ""]
     finally:
         if not args.keep:
             model.unlink(missing_ok=True)
