@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import base64
 import struct
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from runtime.engine.embedding import embed, pooled
-from runtime.engine.types import ModelFileChanged, NonFiniteLogits, Timings
-from runtime.errors import UserError
 from runtime.server.errors import APIError
-from runtime.server.jobs import engine_failure, queue_refusal, side_work
+from runtime.server.jobs import run_pooling, side_work
 from runtime.server.requests import json_object
 from runtime.server.token_ids import checked_ids, engine_vocab
-from runtime.server.queue import QueueClosed, QueueFull
 
 router = APIRouter()
 
@@ -103,25 +99,9 @@ async def _embed_all(request: Request, body: dict, oai: bool | None = None):
         checked_ids(_tokens(engine, x, i), engine_vocab(engine), "input")   # takes a while
         for i, x in enumerate(items)])
     results = []
-    for ids in tokens:                # one after another: the engine holds one sequence
-        def work(_cancel, ids=ids):
-
-            t0 = time.perf_counter()
-            vectors = embed(engine, ids, norm)
-            state.llamacpp.observe(Timings(len(ids), time.perf_counter() - t0, 0, 0.0),
-                                   len(ids))
-            yield vectors
-        try:
-            job = state.queue.submit(work)
-        except (QueueFull, QueueClosed) as exc:
-            raise queue_refusal(state, exc) from exc
-        try:
-            async for vectors in job:
-                results.append((ids, vectors))
-        except (ModelFileChanged, NonFiniteLogits) as exc:    # the server's fault, not the input's
-            raise engine_failure(exc) from exc
-        except UserError as exc:
-            raise APIError(400, str(exc), code="invalid_value", param="input") from exc
+    for ids in tokens:                # a job each: the engine holds one sequence at a time
+        (vectors,) = await run_pooling(state, [ids], lambda t: embed(engine, t, norm), "input")
+        results.append((ids, vectors))
     return results, oai, fmt
 
 

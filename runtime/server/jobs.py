@@ -19,7 +19,7 @@ from fastapi import Request
 
 from runtime.engine.projector import MediaPrompt
 from runtime.engine.types import (CANCELLED, ContextLengthError, KVCacheFullError,
-                                  ModelFileChanged, NonFiniteLogits)
+                                  ModelFileChanged, NonFiniteLogits, Timings)
 from runtime.errors import UserError
 from runtime.rpc.setup import RemoteDeviceLost
 from runtime.server import shapes
@@ -157,6 +157,34 @@ async def run_queued(request: Request, action: Callable[[], Any]) -> Any:
     if not results:                   # cancelled before it ran: the server is stopping
         raise APIError(503, "The server is shutting down.", code="server_shutdown")
     return results[0]
+
+
+async def run_pooling(state: Any, sequences: list[list[int]], score: Callable[[list[int]], Any],
+                      param: str) -> list[Any]:
+    """``score(ids)`` for each token sequence (an embedding, a rank), in order, as one job of
+    the generation queue (the engine holds one sequence at a time), each timed into
+    llama-server's metrics. 429 / 503 when the queue cannot take it or is stopping; a bad input
+    a 400 naming ``param``; the engine's failures as ``engine_failure`` says."""
+    def work(_cancel: threading.Event) -> Iterator[Any]:
+        for ids in sequences:
+            t0 = time.perf_counter()
+            result = score(ids)
+            state.llamacpp.observe(Timings(len(ids), time.perf_counter() - t0, 0, 0.0),
+                                   len(ids))
+            yield result
+    try:
+        job = state.queue.submit(work)
+    except (QueueFull, QueueClosed) as exc:
+        raise queue_refusal(state, exc) from exc
+    try:
+        results = [result async for result in job]
+    except (ModelFileChanged, NonFiniteLogits) as exc:    # the server's fault, not the input's
+        raise engine_failure(exc) from exc
+    except UserError as exc:
+        raise APIError(400, str(exc), code="invalid_value", param=param) from exc
+    if len(results) < len(sequences):                     # cancelled: the server is stopping
+        raise APIError(503, "The server is shutting down.", code="server_shutdown")
+    return results
 
 
 async def collect(request: Request, job: Job, prep: Prepared) -> list[shapes.ChoiceResult]:

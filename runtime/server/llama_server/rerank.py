@@ -11,18 +11,14 @@ special token where the vocabulary adds it (server-common.cpp, ``format_prompt_r
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from runtime.engine.embedding import rank_score, ranks
-from runtime.engine.types import ModelFileChanged, NonFiniteLogits, Timings
-from runtime.errors import UserError
 from runtime.server.errors import APIError
-from runtime.server.jobs import engine_failure, queue_refusal, side_work
-from runtime.server.queue import QueueClosed, QueueFull
+from runtime.server.jobs import run_pooling, side_work
 from runtime.server.requests import json_object
 
 router = APIRouter()
@@ -107,26 +103,7 @@ async def rerank(request: Request) -> JSONResponse:
                        code="unsupported_parameter", param=name)
     prompts = await side_work(request, lambda: [rerank_tokens(engine, query, d)
                                                 for d in documents])
-
-    def work(_cancel):                 # one sequence at a time: the engine holds one
-        for tokens in prompts:
-            t0 = time.perf_counter()
-            score = rank_score(engine, tokens)
-            state.llamacpp.observe(Timings(len(tokens), time.perf_counter() - t0, 0, 0.0),
-                                   len(tokens))
-            yield score
-    try:
-        job = state.queue.submit(work)
-    except (QueueFull, QueueClosed) as exc:
-        raise queue_refusal(state, exc) from exc
-    try:
-        scores = [score async for score in job]
-    except (ModelFileChanged, NonFiniteLogits) as exc:    # the server's fault, not the input's
-        raise engine_failure(exc) from exc
-    except UserError as exc:
-        raise APIError(400, str(exc), code="invalid_value", param="documents") from exc
-    if len(scores) < len(documents):                      # cancelled: the server is stopping
-        raise APIError(503, "The server is shutting down.", code="server_shutdown")
+    scores = await run_pooling(state, prompts, lambda t: rank_score(engine, t), "documents")
     label = "score" if tei else "relevance_score"
     results = [{"index": i, label: s} | ({"text": documents[i]} if return_text else {})
                for i, s in enumerate(scores)]
