@@ -116,17 +116,15 @@ def write_model(case: Case, directory: Path) -> Path:
 
 def planned_budget(model: Path, limit: int | None, ctx: int) -> tuple[int, int]:
     """(the cpu budget ``plan`` picks, the experts the RAM tier keeps within it: the budget
-    less its one-use room, runtime/ramtier split_budget; replay predicts at the kept part)."""
+    less its one-use room, runtime/ramtier model_split; replay predicts at the kept part)."""
     from gguf_tools.facts import read_model_facts  # noqa: PLC0415
     from runtime.planner import plan_model  # noqa: PLC0415
-    from runtime.ramtier import layer_working_set, one_use_room, split_budget  # noqa: PLC0415
+    from runtime.ramtier import model_split  # noqa: PLC0415
 
     plan = plan_model(str(model), ctx, {"cpu": limit} if limit else None)
     budget = next(d.budget_bytes for d in plan.devices if d.device == "cpu")
     facts = read_model_facts(str(model))
-    split = split_budget(budget, facts.total_expert_bytes, layer_working_set(facts)[0],
-                         one_use_room(facts)[0])
-    return budget, split.kept
+    return budget, model_split(budget, facts.total_expert_bytes, facts).kept
 
 
 @dataclass(frozen=True)

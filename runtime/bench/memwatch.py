@@ -53,6 +53,15 @@ def expert_spans(model_path: str | os.PathLike) -> list[tuple[int, int]]:
     return ExpertLayout.from_index(ExpertIndex.open(model_path)).merged_spans()
 
 
+def _map_read_only(fd: int, size: int, path: str | os.PathLike) -> int:
+    """The address of a shared read-only mapping of ``size`` bytes of ``fd`` (never read here:
+    only looked at with mincore), OSError when the kernel refuses."""
+    addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap {path}")
+    return addr
+
+
 def cached_pages(path: str | os.PathLike) -> np.ndarray:
     """Which pages of the file are in the page cache now (mincore over a mapping never read:
     looking brings nothing in), one bool per page."""
@@ -61,9 +70,7 @@ def cached_pages(path: str | os.PathLike) -> np.ndarray:
         size = os.fstat(fd).st_size
         if size == 0:
             return np.zeros(0, dtype=bool)
-        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        addr = _map_read_only(fd, size, path)
         try:
             return vm.mincore(addr, size).copy()
         finally:
@@ -119,11 +126,11 @@ class MemoryWatch:
     def __enter__(self) -> MemoryWatch:
         self._fd = os.open(self.model_path, os.O_RDONLY)
         self._size = os.fstat(self._fd).st_size
-        addr = _libc.mmap(None, self._size, _PROT_READ, _MAP_SHARED, self._fd, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
+        try:
+            self._base = _map_read_only(self._fd, self._size, self.model_path)
+        except OSError:
             os.close(self._fd)
-            raise OSError(ctypes.get_errno(), f"mmap {self.model_path}")
-        self._base = addr
+            raise
         n_pages = -(-self._size // vm.PAGE_SIZE)
         self._expert_pages = np.zeros(n_pages, dtype=bool)    # pages holding expert bytes
         for off, n in self.spans:

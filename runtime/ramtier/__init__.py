@@ -28,7 +28,7 @@ from runtime.ramtier.tier import DEVICE, RamTier, ResidencyTruth, TierStats
 from runtime.residency.transport import claim_device
 
 __all__ = ["attach", "attach_to", "BudgetSplit", "RamTier", "RamTierOptions", "ResidencyTruth",
-           "TierStats", "split_budget"]
+           "TierStats", "model_split", "split_budget"]
 
 log = logging.getLogger("moe_offload.ramtier")
 
@@ -156,11 +156,17 @@ def attach_to(manager, model_path: str, options: RamTierOptions | None = None
     return tier
 
 
+def model_split(budget: int, total: int, facts) -> BudgetSplit:
+    """``split_budget`` with this model's decode working set and one-use room (``total``: its
+    expert bytes)."""
+    return split_budget(budget, total, layer_working_set(facts)[0], one_use_room(facts)[0])
+
+
 def _split(name: str, budget: int, total: int, facts) -> BudgetSplit:
-    """``split_budget`` for this model, saying what it changed."""
+    """``model_split``, saying what it changed."""
     working_set, layer = layer_working_set(facts)
     room, room_layer = one_use_room(facts)
-    split = split_budget(budget, total, working_set, room)
+    split = model_split(budget, total, facts)
     mib = 2**20
     if split.budget != budget:
         _notice(f"{name}: cpu budget {budget / mib:.1f} MiB is below one layer's working set "
