@@ -7,12 +7,14 @@ on stderr and a non-zero exit; never a traceback.
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import importlib
 import os
 import re
 import signal
 import sys
+import time
 
 from runtime.errors import UserError
 from runtime.version import version_line
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; Ctrl-C at any point (imports included) is ``moe-offload: interrupted``
     and exit status 130, never a traceback."""
+    sys.unraisablehook = _redeliver_lost_interrupt
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -156,6 +159,23 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted()
     except BrokenPipeError:
         return 0
+
+
+def _redeliver_lost_interrupt(unraisable, _default=sys.unraisablehook) -> None:
+    """``sys.unraisablehook``: a Ctrl-C whose KeyboardInterrupt was raised where Python ignores
+    exceptions (a weakref callback of the import system, llama.cpp's log callback) is
+    delivered again, to be raised where it ends the command (seen: a run that went on to
+    finish its 1,500 tokens and exit 0 after such a Ctrl-C, once in 50 under load). From
+    another thread, a moment later: raised in here, it would be lost again."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        _thread.start_new_thread(_interrupt_main_soon, ())
+        return
+    _default(unraisable)
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.001)
+    _thread.interrupt_main(signal.SIGINT)
 
 
 def _interrupted() -> int:

@@ -8,7 +8,7 @@ dropped with a note on stderr, and a model named by ``--hf-repo`` /
 ``--model-url`` (which we never download) is replaced by a small synthetic MoE model written
 once into ``~/.cache/moe-offload/llama-server-compat/`` (with ``--embedding`` it pools
 ``mean``, as the tests' embedding models do; with ``--reranking`` it is a synthetic
-reranker). Tests whose assertions depend on the text or the vocabulary of llama.cpp's own test
+reranker; a vision model (``VISION``) or ``--mmproj-url`` gets a synthetic projector). Tests whose assertions depend on the text or the vocabulary of llama.cpp's own test
 models cannot pass against it; the others can.
 
 Router mode: started without a model, llama-server serves the models of its download cache;
@@ -52,7 +52,6 @@ DROPPED = {
     "--no-jinja": (False, "templates are always jinja here"),
     "--cont-batching": (False, "always on with -np N"),
     "--swa-full": (False, "default SWA cache"),
-    "--no-mmproj": (False, "text only"),
     "--backend_sampling": (False, "sampling is llama.cpp's CPU chain"),
     "-ctk": (True, "default KV types"), "-ctv": (True, "default KV types"),
     "--grp-attn-n": (True, "no self-extend"),
@@ -67,7 +66,7 @@ DROPPED = {
     "--reasoning-budget": (True, "no reasoning budget"),
     "--reasoning-force-close-message": (True, "no reasoning budget"),
     "--model-draft": (True, "no speculative decoding"),
-    "--mmproj-url": (True, "text only"), "--media-path": (True, "text only"),
+    "--media-path": (True, "no local media files"),
     "--cache-reuse-hybrid": (True, "no prompt cache"),
     "--cache-reuse-hybrid-min-share": (True, "no prompt cache"),
     "--tools": (True, "no built-in tools"),
@@ -76,6 +75,9 @@ DROPPED = {
 }
 
 
+# models whose projector llama-server takes from the Hugging Face registry (given a stand-in
+# projector here, unless --no-mmproj)
+VISION = ("ggml-org/tinygemma3-GGUF",)
 # llama-server's download cache as the router tests find it (their models, by cache name)
 CACHED = ("ggml-org/tinygemma3-GGUF:Q8_0", "ggml-org/test-model-stories260K:F32",
           "ggml-org/test-model-stories260K-infill:F32", "ggml-org/stories15M_MOE:F16")
@@ -105,6 +107,19 @@ def synthetic_model(name: str, seed: int = 0, *, reranker: bool = False) -> Path
     return path
 
 
+def synthetic_mmproj() -> Path:
+    """A synthetic projector for the stand-in models (gguf_tools/synth_mmproj.py)."""
+    from gguf_tools.synth_mmproj import MmprojSpec, write_synthetic_mmproj
+
+    path = _cache_dir() / "stand-in-mmproj.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        write_synthetic_mmproj(tmp, MmprojSpec(text_embd=64))
+        os.replace(tmp, path)
+    return path
+
+
 def router_preset(given: str | None) -> Path:
     """A preset of stand-ins: the cache's models, then ``given``'s sections (their
     ``hf-repo`` as a stand-in; keys with no meaning here dropped)."""
@@ -122,6 +137,8 @@ def router_preset(given: str | None) -> Path:
 
     for name in CACHED:
         out[name] = {"model": stand_in(name)}
+        if name.startswith(VISION):
+            out[name]["mmproj"] = str(synthetic_mmproj())
     if given is not None:
         src = configparser.ConfigParser(delimiters=("=",), interpolation=None,
                                         default_section="\x00none")
@@ -159,6 +176,7 @@ def translate(argv: list[str]) -> list[str]:
     model: str | None = None
     wanted: str | None = None
     preset: str | None = None
+    mmproj: str | None = None           # --mmproj FILE or --mmproj-url (a stand-in)
     i = 0
     while i < len(argv):
         flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
@@ -174,6 +192,12 @@ def translate(argv: list[str]) -> list[str]:
         elif flag in ("--model", "-m"):
             model = value
             i += 2
+        elif flag in ("--mmproj", "-mm", "--mmproj-url", "-mmu"):
+            mmproj = value if Path(value).is_file() else str(synthetic_mmproj())
+            i += 2
+        elif flag == "--no-mmproj":
+            mmproj = ""
+            i += 1
         elif flag == "--models-preset":
             preset = value
             i += 2
@@ -203,7 +227,9 @@ def translate(argv: list[str]) -> list[str]:
     if model is None or not Path(model).is_file():
         model = str(synthetic_model(model or wanted or "model",
                                     reranker="--reranking" in out))
-    return ["serve", "-m", model, *out]
+    if mmproj is None and wanted is not None and wanted.startswith(VISION):
+        mmproj = str(synthetic_mmproj())       # the registry's projector, as llama-server
+    return ["serve", "-m", model, *(["--mmproj", mmproj] if mmproj else []), *out]
 
 
 def main() -> None:

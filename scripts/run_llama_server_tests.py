@@ -137,8 +137,13 @@ def run(tests: Path, work: Path, select: str | None, timeout: float, per_test: i
                    os.environ.get("PYTHONPATH")])]), PYTHONUNBUFFERED="1",
                LLAMA_TESTS_TIMEOUT=str(per_test))
     env.setdefault("PORT", str(port))
-    files = sorted(f"unit/{p.name}" for p in (tests / "unit").glob("test_*.py")
-                   if suites is None or p.stem in suites)
+    every = {p.stem.removeprefix("test_"): f"unit/{p.name}"
+             for p in (tests / "unit").glob("test_*.py")}
+    names = [s.removeprefix("test_") for s in suites] if suites is not None else sorted(every)
+    if unknown := [n for n in names if n not in every]:
+        raise SystemExit(f"--suites: no suite {', '.join(unknown)} (there are: "
+                         f"{', '.join(sorted(every))})")
+    files = [every[n] for n in names]
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
            "-p", "llama_tests_timeout", "-o", "addopts=", "--tb=line", "-rfE", *files]
     if select:
@@ -162,7 +167,8 @@ def main() -> int:
                         help="an already extracted tools/server/tests directory")
     parser.add_argument("-k", dest="select", default=None, help="pytest -k expression")
     parser.add_argument("--suites", default=None,
-                        help="comma-separated unit suites to run (default: all of them)")
+                        help="comma-separated unit suites to run, e.g. vision_api,router "
+                             "(default: all of them)")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds for the run")
     parser.add_argument("--per-test", type=int, default=300, help="seconds for one test")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -6,8 +6,8 @@ translation over the chat-completion path, as llama-server serves it: the body b
 of chunks, stream.py) is written back in Anthropic's shape.
 Errors leave as ``{"type": "error", "error": {"type", "message"}}`` (errors.py).
 
-Image blocks (base64 sources) in user messages become the chat's ``image_url`` parts
-(served with ``--mmproj``; without it a 400 naming the flag: runtime/server/images.py).
+Image blocks (base64 sources) in user messages and in tool results become the chat's
+``image_url`` parts (served with ``--mmproj``; without it a 400 naming the flag: runtime/server/images.py).
 What Anthropic's API has and this server does not: documents and image URLs (a 400),
 server tools (``web_search_...``, ``bash_...``: a 400 naming them), a
 thinking budget or effort (``thinking.budget_tokens`` and ``output_config.effort`` are
@@ -131,22 +131,38 @@ def _text_of(blocks: str | list, where: str) -> str:
     """The text of a string or of a list of text blocks (a tool result, the system)."""
     if isinstance(blocks, str):
         return blocks
-    texts = []
-    for i, block in enumerate(blocks):
-        kind = block.type if isinstance(block, _Block) else block.get("type")
-        text = block.text if isinstance(block, _Block) else block.get("text")
-        if kind in MEDIA_PARTS or kind == "document":
-            raise _media(f"{where}.{i}", kind)
-        if kind != "text" or not isinstance(text, str):
-            raise APIError(400, f"{where}.{i}: only text blocks are supported here (got "
-                                f"{kind!r})", code="invalid_value", param=f"{where}.{i}")
-        texts.append(text)
-    return "\n\n".join(texts)
+    return "\n\n".join(_block_text(block, f"{where}.{i}") for i, block in enumerate(blocks))
+
+
+def _block_text(block: Any, where: str) -> str:
+    """A text block's text; a 400 naming ``where`` for any other block."""
+    kind = block.type if isinstance(block, _Block) else block.get("type")
+    text = block.text if isinstance(block, _Block) else block.get("text")
+    if kind in MEDIA_PARTS or kind == "document":
+        raise _media(where, kind)
+    if kind != "text" or not isinstance(text, str):
+        raise APIError(400, f"{where}: only text blocks are supported here (got {kind!r})",
+                       code="invalid_value", param=where)
+    return text
+
+
+def _tool_result(content: str | list[dict[str, Any]], where: str, is_error: bool | None) -> Any:
+    """A tool result's content as the tool message's: its text (blocks joined by a blank
+    line), or, when it holds image blocks, its text and image parts in order."""
+    prefix = "Error: " if is_error else ""
+    if isinstance(content, str) or not any(b.get("type") == "image" for b in content):
+        return prefix + _text_of(content, where)
+    parts: list[dict[str, Any]] = [{"type": "text", "text": prefix}] if prefix else []
+    for i, block in enumerate(content):
+        parts.append(anthropic_image(block.get("source"), f"{where}.{i}.source")
+                     if block.get("type") == "image" else
+                     {"type": "text", "text": _block_text(block, f"{where}.{i}")})
+    return parts
 
 
 def _media(param: str, kind: str) -> APIError:
     return APIError(400, f"{param}: {kind} input is not supported here (images are: image "
-                         "blocks in user messages, with a multimodal projector: llama-server's "
+                         "blocks in user messages and tool results, with a multimodal projector: llama-server's "
                          "--mmproj)", code="invalid_value", param=param)
 
 
@@ -179,9 +195,9 @@ def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:
             if not block.tool_use_id:
                 raise APIError(400, f"{where}: a tool_result block needs tool_use_id",
                                code="invalid_value", param=where)
-            text = _text_of(block.content or "", f"{where}.content")
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": f"Error: {text}" if block.is_error else text})
+                            "content": _tool_result(block.content or "", f"{where}.content",
+                                                    block.is_error)})
         elif block.type in MEDIA_PARTS or block.type == "document":
             raise _media(where, block.type)
         else:

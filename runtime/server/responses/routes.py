@@ -1,7 +1,8 @@
 """The OpenAI Responses API (``POST /v1/responses``, ``/v1/responses/input_tokens``) as a
 translation over the chat-completion path, as llama-server serves it: ``instructions`` and the
-``input`` (a string, or items: messages, ``function_call`` and ``function_call_output``)
-become a ``ChatCompletionRequest``, generated like any chat request; the answer comes back as
+``input`` (a string, or items: messages, ``function_call`` and ``function_call_output``;
+``input_image`` parts, data: URLs, in a message or a function's output are images as on the
+chat route, served with ``--mmproj``) become a ``ChatCompletionRequest``, generated like any chat request; the answer comes back as
 a ``response`` with output items (reasoning, message, function calls), or as Responses events
 (stream.py).
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from runtime.server.openai.completions import (chat_answer, chat_base, count_chat_tokens,
                                         submit_chat)
 from runtime.server.errors import APIError
+from runtime.server.images import NO_PROJECTOR, image_bytes
 from runtime.server.responses.stream import (ResponsesEvents, function_call_item,
                                              message_item, new_id, reasoning_item,
                                              response_object, usage_of)
@@ -70,40 +72,53 @@ class ResponsesRequest(BaseModel):
     return_progress: bool = False
 
 
-def _parts(content: Any, where: str) -> str | list[dict[str, str]]:
-    """A string, or a list of text parts as the chat path's text parts (joined there as the
-    chat path joins them; run together in a prefill)."""
+def _parts(content: Any, where: str, images: list[str]) -> str | list[dict]:
+    """A string, or a list of parts as the chat path's parts: text (joined there as the chat
+    path joins them; run together in a prefill) and ``input_image`` parts as ``image_url``
+    parts (``images`` collects where each one stands)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}: must be a string or a list of parts",
                        code="invalid_value", param=where)
-    texts = []
+    parts: list[dict] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind == "input_image":
+            parts.append(_input_image(part, f"{where}.{i}"))
+            images.append(f"{where}.{i}")
         elif kind in MEDIA_PARTS:
-            raise APIError(400, f"{where}.{i}: {kind!r} parts are not taken on /v1/responses "
-                                "(images go in /v1/chat/completions image_url parts or "
-                                "/v1/messages image blocks, with a multimodal projector: "
-                                "llama-server's --mmproj)", code="invalid_value",
+            raise APIError(400, f"{where}.{i}: {kind!r} parts are not taken here (images are "
+                                "input_image parts with a data: URL, served with a multimodal "
+                                "projector: llama-server's --mmproj)", code="invalid_value",
                            param=f"{where}.{i}")
         else:
-            raise APIError(400, f"{where}.{i}: only text parts are supported (got {kind!r})",
-                           code="invalid_value", param=f"{where}.{i}")
-    return [{"type": "text", "text": t} for t in texts]
+            raise APIError(400, f"{where}.{i}: only text and image parts are supported (got "
+                                f"{kind!r})", code="invalid_value", param=f"{where}.{i}")
+    return parts
 
 
-def _text(content: Any, where: str) -> str:
-    """The text of a string or of a list of text parts (a tool's output)."""
-    parts = _parts(content, where)
-    return parts if isinstance(parts, str) else "\n".join(p["text"] for p in parts)
+def _input_image(part: dict, where: str) -> dict:
+    """An ``input_image`` part (``image_url``: a data: URL) as the chat's ``image_url`` part;
+    a 400 naming ``where`` for a stored file or a URL to fetch."""
+    if part.get("file_id") is not None:
+        raise APIError(400, f"{where}.file_id: this server stores no files; send the image "
+                            "inline (image_url: data:image/png;base64,...)",
+                       code="invalid_value", param=f"{where}.file_id")
+    url = part.get("image_url")
+    if url is None:
+        raise APIError(400, f"{where}: an input_image needs its image_url",
+                       code="invalid_value", param=f"{where}.image_url")
+    image_bytes(url, f"{where}.image_url", url=True)      # a bad one named here
+    return {"type": "image_url", "image_url": {"url": url, "detail": part.get("detail")}}
 
 
-def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+def _messages(body: ResponsesRequest, images: list[str]) -> list[dict[str, Any]]:
+    """The chat messages of the request; ``images`` gets where each image part stands."""
     messages: list[dict[str, Any]] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
@@ -116,7 +131,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if item.get("role") not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role: must be user, system, developer or "
                                     "assistant", code="invalid_value", param=f"{where}.role")
-            text = _parts(item.get("content", ""), f"{where}.content")
+            text = _parts(item.get("content", ""), f"{where}.content", images)
             last = messages[-1] if messages else None
             if item["role"] == "assistant" and last is not None and last["role"] == "assistant" \
                     and not last["content"] and not last.get("tool_calls"):
@@ -141,8 +156,11 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output needs its call_id",
                                code="invalid_value", param=where)
+            output = _parts(item.get("output", ""), f"{where}.output", images)
+            if not isinstance(output, str) and all(p["type"] == "text" for p in output):
+                output = "\n".join(p["text"] for p in output)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item.get("output", ""), f"{where}.output")})
+                             "content": output})
         elif kind == "reasoning":       # an earlier answer's thinking: its reasoning_content
             parts = item.get("content") or item.get("summary") or []
             thought = "\n\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
@@ -200,8 +218,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
-def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat-completion request that generates this Responses request's answer."""
+def to_chat_request(body: ResponsesRequest, settings: Any) -> ChatCompletionRequest:
+    """The chat-completion request that generates this Responses request's answer (a 400 for
+    images when the server (its ``settings``) has no projector)."""
     for name, value in (("previous_response_id", body.previous_response_id),
                         ("conversation", body.conversation),
                         ("background", body.background or None)):
@@ -209,11 +228,15 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
             raise APIError(400, f"{name}: this server stores no responses or conversations; "
                                 "send the whole conversation as input", code="invalid_value",
                            param=name)
-    chat: dict[str, Any] = {"messages": _messages(body), "model": body.model,
+    images: list[str] = []
+    chat: dict[str, Any] = {"messages": _messages(body, images), "model": body.model,
                             "tools": _tools(body.tools),
                             "tool_choice": _tool_choice(body.tool_choice),
                             "parallel_tool_calls": body.parallel_tool_calls,
                             "response_format": _response_format(body.text)}
+    if images and not settings.mmproj:
+        raise APIError(400, f"{images[0]}: image input {NO_PROJECTOR}", code="invalid_value",
+                       param=images[0])
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
@@ -254,7 +277,7 @@ def output_of(answer: dict) -> list[dict]:
 @router.post("/responses", include_in_schema=False)
 async def responses(body: ResponsesRequest, request: Request):
     """A Responses answer, streamed (Responses events) or not."""
-    chat = to_chat_request(body)
+    chat = to_chat_request(body, request.app.state.settings)
     prep, job = await submit_chat(request, chat)
     base = chat_base(request)
     echo = _echo(body, request.app.state.host.model_id)
@@ -281,4 +304,5 @@ async def input_tokens(body: ResponsesRequest, request: Request) -> dict:
     """``{"object": "response.input_tokens", "input_tokens": N}`` (a whole Responses request is
     accepted: its other fields do not change the count)."""
     return {"object": "response.input_tokens",
-            "input_tokens": await count_chat_tokens(request, to_chat_request(body))}
+            "input_tokens": await count_chat_tokens(
+                request, to_chat_request(body, request.app.state.settings))}

@@ -1,8 +1,9 @@
 """The models a router serves, as llama-server lists them: ``--models-dir DIR`` (each
 ``*.gguf`` there is a model named by its file name without ``.gguf``; each subdirectory holding
 GGUF files is a model named by the directory: its first shard ``-00001-of-N``, else its one
-model file) and ``--models-preset FILE`` (an INI file: one section per model, keys are
-``serve``'s long flags without the dashes, ``[*]`` applies to every model):
+model file, and the file whose name starts with ``mmproj`` its projector, ``--mmproj``) and
+``--models-preset FILE`` (an INI file: one section per model, keys are ``serve``'s long flags
+without the dashes, ``[*]`` applies to every model):
 
     [*]
     ctx-size = 8192
@@ -68,12 +69,16 @@ def scan_models_dir(path: str) -> dict[str, _Entry]:
     found: dict[str, _Entry] = {}
     for entry in sorted(root.iterdir()):
         if entry.is_dir():
-            ggufs = sorted(p for p in entry.iterdir() if p.is_file() and p.suffix == ".gguf"
-                           and "mmproj" not in p.name)       # text only: no projector here
+            files = sorted(p for p in entry.iterdir() if p.is_file() and p.suffix == ".gguf")
+            projectors = [p for p in files if p.name.lower().startswith("mmproj")]
+            ggufs = [p for p in files if p not in projectors]
             shards = [p for p in ggufs if "-00001-of-" in p.name]
             chosen = shards[0] if shards else (ggufs[-1] if ggufs else None)
             if chosen is not None:
-                found[entry.name] = _Entry([("model", str(chosen))], "models_dir", str(entry))
+                options = [("model", str(chosen))]
+                if projectors:                  # the model's projector: images with it
+                    options.append(("mmproj", str(projectors[0])))
+                found[entry.name] = _Entry(options, "models_dir", str(entry))
         elif entry.is_file() and entry.name.endswith(".gguf"):
             found[entry.name.replace(".gguf", "")] = _Entry([("model", str(entry))],
                                                           "models_dir", str(entry))

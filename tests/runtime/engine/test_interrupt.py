@@ -129,3 +129,51 @@ def test_ctrl_c_stops_bench_and_replay(model, tmp_path):
         assert proc.returncode == 130, (args, err)
         assert err == INTERRUPTED, args
         assert took < STOP_WITHIN_S
+
+
+# A real SIGINT handled inside a callback whose exceptions Python ignores: a weakref callback
+# (as the import system's module locks have: one run in 50 under load lost its Ctrl-C there,
+# went on to finish and exited 0) and a ctypes callback (as llama.cpp's log sink is)
+_LOST = """
+import ctypes, os, signal, sys, time, weakref
+from runtime import cli
+if sys.argv[1] == "cli":
+    cli.main([])                       # any command installs the hook (here: the usage, 2)
+
+def in_callback(*_):
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(100000):            # the handler runs in here: its exception is ignored
+        pass
+    return 0
+
+class Owner:
+    pass
+
+try:
+    if sys.argv[2] == "weakref":
+        owner = Owner()
+        ref = weakref.ref(owner, in_callback)
+        del owner
+    else:
+        compare = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(in_callback)
+        items = (ctypes.c_int * 2)(2, 1)
+        ctypes.CDLL(None).qsort(items, 2, ctypes.sizeof(ctypes.c_int), compare)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        pass
+    print("lost")
+except KeyboardInterrupt:
+    print("raised")
+"""
+
+
+@pytest.mark.parametrize("where", ["weakref", "ctypes"])
+def test_a_ctrl_c_inside_a_callback_python_ignores_is_raised_after_it(where):
+    def run(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _LOST, mode, where], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    bare = run("bare")                 # Python's own behaviour: printed, ignored, lost
+    assert bare.stdout == "lost\n" and "KeyboardInterrupt" in bare.stderr, bare
+    kept = run("cli")
+    assert kept.stdout == "raised\n" and "KeyboardInterrupt" not in kept.stderr, kept

@@ -1,8 +1,8 @@
 """Images through a multimodal projector (``serve --mmproj``), on the real server with the
 synthetic model and the synthetic mmproj (gguf_tools/synth_mmproj.py: a LLaVA-style
-projector, 4 image tokens per image): OpenAI ``image_url`` parts, Anthropic ``image``
-blocks, llama-server's ``multimodal_data``, in one slot and in two (-np 2: the batch
-scheduler). The answers mean nothing; what is checked is that they are answers, that the same
+projector, 4 image tokens per image): OpenAI ``image_url`` parts, Responses ``input_image``
+parts, Anthropic ``image`` blocks, llama-server's ``multimodal_data``, in one slot and in two
+(-np 2: the batch scheduler). The answers mean nothing; what is checked is that they are answers, that the same
 request gives the same greedy text, that a different image is evaluated again from where it
 starts (no KV shared across images), and that bad images are 400s in each route's shape."""
 from __future__ import annotations
@@ -115,6 +115,105 @@ def test_anthropic_image_blocks_answer_as_the_chat_route(server):
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": A}},
         {"type": "text", "text": QUESTION}]}])
     assert counted.input_tokens == answer["usage"]["prompt_tokens"]   # the image's 4 included
+
+
+def test_responses_input_image_answers_as_the_chat_route(server):
+    client = openai.OpenAI(base_url=server.api_url, api_key="none")
+    content = [{"type": "input_image", "image_url": f"data:image/png;base64,{A}"},
+               {"type": "input_text", "text": QUESTION}]
+    response = client.responses.create(model="any", max_output_tokens=8, temperature=0,
+                                       input=[{"role": "user", "content": content}])
+    answer = chat(server, A)
+    assert response.output_text == answer["choices"][0]["message"]["content"]
+    assert response.usage.input_tokens == answer["usage"]["prompt_tokens"]  # the image's 4 too
+    counted = httpx.post(f"{server.api_url}/responses/input_tokens", json={
+        "input": [{"role": "user", "content": content}]}).json()
+    assert counted["input_tokens"] == answer["usage"]["prompt_tokens"]
+    other = client.responses.create(model="any", max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [content[0] | {"image_url": f"data:image/png;base64,{B}"},
+                                     content[1]]}])
+    assert other.output_text == chat(server, B)["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"image_url": "data:image/png;base64,!!!"}, "input.1.content.0.image_url"),
+    ({"image_url": "https://example.com/cat.png"}, "input.1.content.0.image_url"),
+    ({"file_id": "file-123"}, "input.1.content.0.file_id"),
+    ({}, "input.1.content.0.image_url"),
+    ({"image_url": f"data:image/png;base64,{base64.b64encode(b'no pixels').decode()}"},
+     "messages"),
+])
+def test_a_bad_responses_image_is_a_400_naming_its_part(server, part, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        openai.OpenAI(base_url=server.api_url, api_key="none").responses.create(
+            model="any", max_output_tokens=4, input=[
+                {"role": "developer", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "input_image", **part}]}])
+    assert err.value.body["type"] == "invalid_request_error"
+    assert err.value.body["param"].startswith(param), err.value.body
+
+
+def test_a_tool_result_holding_an_image_answers_alike_in_each_api(server):
+    """An image a tool returned (a screenshot, a file read): Anthropic ``tool_result`` image
+    blocks, Responses ``function_call_output`` input_image parts and a chat ``tool`` message's
+    image_url part are one prompt, so one greedy answer."""
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "read", "arguments": '{"file": "a.png"}'}}
+    chat_answer = httpx.post(f"{server.api_url}/chat/completions", timeout=60, json={
+        "max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [
+                {"type": "text", "text": "File: a.png"}, image_part(A)]}]}).json()
+    text = chat_answer["choices"][0]["message"]["content"]
+    message = anthropic.Anthropic(base_url=server.base_url, api_key="none").messages.create(
+        model="any", max_tokens=8, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1",
+                                               "name": "read", "input": {"file": "a.png"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                          "content": [
+                {"type": "text", "text": "File: a.png"},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": A}}]}]}])
+    response = openai.OpenAI(base_url=server.api_url, api_key="none").responses.create(
+        model="any", max_output_tokens=8, temperature=0, input=[
+            {"role": "user", "content": QUESTION},
+            {"type": "function_call", "call_id": "call_1", "name": "read",
+             "arguments": '{"file": "a.png"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": [
+                {"type": "input_text", "text": "File: a.png"},
+                {"type": "input_image", "image_url": f"data:image/png;base64,{A}"}]}])
+    assert message.content[0].text == text and response.output_text == text
+    anthropic_prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert anthropic_prompt == response.usage.input_tokens == \
+        chat_answer["usage"]["prompt_tokens"]
+
+
+def test_a_models_dir_model_with_an_mmproj_file_takes_images(start_server, tiny_model, mmproj,
+                                                            server, tmp_path_factory):
+    """Router mode (llama-server's --models-dir rule): a subdirectory's file named mmproj* is
+    its model's projector; a model without one refuses images naming the flag."""
+    root = tmp_path_factory.mktemp("models")
+    (root / "seeing").mkdir()
+    (root / "seeing" / "model-Q8.gguf").symlink_to(tiny_model)
+    (root / "seeing" / "mmproj-model-f16.gguf").symlink_to(mmproj)
+    (root / "blind.gguf").symlink_to(tiny_model)
+    router = start_server(None, "--models-dir", str(root))
+    listed = {m["id"]: m for m in httpx.get(f"{router.api_url}/models").json()["data"]}
+    assert listed["seeing"]["architecture"]["input_modalities"] == ["text", "image"]
+    assert listed["blind"]["architecture"]["input_modalities"] == ["text"]
+    body = {"messages": [{"role": "user", "content": [image_part(A), {"type": "text",
+                                                                      "text": QUESTION}]}],
+            "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{router.api_url}/chat/completions", timeout=120,
+                   json=body | {"model": "seeing"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == \
+        chat(server, A)["choices"][0]["message"]["content"]
+    r = httpx.post(f"{router.api_url}/chat/completions", timeout=120,
+                   json=body | {"model": "blind"})
+    assert r.status_code == 400 and "--mmproj" in r.json()["error"]["message"], r.text
 
 
 def test_completion_takes_multimodal_data(server):

@@ -27,12 +27,12 @@ def test_a_models_directory_as_llama_server_lists_it(tmp_path):
     first = _touch(split / "big-00001-of-00002.gguf")
     vision = tmp_path / "seeing"
     model = _touch(vision / "seeing-Q4.gguf")
-    _touch(vision / "mmproj-seeing.gguf")
+    projector = _touch(vision / "mmproj-seeing.gguf")   # its projector (llama-server's rule)
     _touch(tmp_path / "empty" / "README")
     specs = {s.name: s for s in catalogue(str(tmp_path), None)}
     assert sorted(specs) == ["big", "seeing", "small"]
     assert specs["big"].options == (("model", str(first)),)
-    assert specs["seeing"].options == (("model", str(model)),)
+    assert specs["seeing"].options == (("model", str(model)), ("mmproj", str(projector)))
     assert specs["small"].source == "models_dir" and not specs["small"].load_on_startup
 
 
