@@ -50,7 +50,7 @@ from runtime.server.web_ui import PUBLIC_PATHS as UI_PATHS
 from runtime.server.web_ui import router as web_ui_router
 from runtime.server.errors import (APIError, error_body, route_response,
                                    install_error_handlers)
-from runtime.server.llama_server.metrics import LlamaCppCounters
+from runtime.server.llama_server.metrics import LlamaCppCounters, window_spent
 from runtime.server.metrics import CONTENT_TYPE, RequestCounter, ServerMetrics
 from runtime.server.request_log import JsonBody, RequestLog
 from runtime.server.lifecycle import Lifecycle, LifecycleGate, Snapshot
@@ -205,7 +205,8 @@ async def residency(request: Request) -> Response:
 @info_router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text: request and token counters, then the manager's moe_expert_* series.
-    While the model sleeps: the text it had as it fell asleep (llama-server's snapshot)."""
+    While the model sleeps: the text it had as it fell asleep (llama-server's snapshot), whose
+    rates read 0 after its first scrape (a window with nothing run)."""
     state = request.app.state
     if not state.settings.metrics_endpoint:
         raise APIError(501, "This server does not support metrics endpoint (start it without "
@@ -214,6 +215,7 @@ async def metrics(request: Request) -> Response:
     snapshot = state.lifecycle.snapshot
     if snapshot is not None and snapshot.metrics is not None and state.lifecycle.sleeping:
         text = snapshot.metrics
+        state.lifecycle.snapshot = Snapshot(snapshot.props, window_spent(text))
     else:
         text = metrics_text(state)
         state.lifecycle.served_metrics(text)

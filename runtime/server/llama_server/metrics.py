@@ -3,14 +3,26 @@
 Counters follow llama-server's meaning (tools/server/server-context.cpp, metrics): prompt
 tokens evaluated and served from the KV cache (under its older and newer name, with the
 hit ratio as a gauge), their seconds, tokens predicted and their
-seconds, decode calls; gauges: the mean rates, requests processing and deferred (queued),
-busy slots per decode. There is no speculative decoding here: its families read 0.
+seconds, decode calls; gauges: the mean rates over the window since the last scrape (as
+llama-server's buckets: each scrape starts a new window), requests processing and deferred
+(queued), busy slots per decode. There is no speculative decoding here: its families read 0.
 """
 from __future__ import annotations
 
+import re
 import threading
 
 from runtime.server.queue import QueueStats
+
+
+RATES = ("prompt_tokens_seconds", "predicted_tokens_seconds")   # gauges over a scrape window
+_RATE_LINE = re.compile(rf"^(llamacpp:(?:{'|'.join(RATES)})) \S+$", re.M)
+
+
+def window_spent(text: str) -> str:
+    """``/metrics`` text as the next scrape sees it when nothing ran since: the rates 0 (the
+    text kept while the model sleeps: each scrape starts a new window, as llama-server's)."""
+    return _RATE_LINE.sub(r"\1 0.0", text)
 
 
 class LlamaCppCounters:
@@ -22,6 +34,8 @@ class LlamaCppCounters:
         self.predicted = 0
         self.predicted_seconds = 0.0
         self.n_tokens_max = 0           # longest sequence seen (prompt + generated), tokens
+        # since the last scrape: (prompt tokens, their s, predicted tokens, their s)
+        self._window = [0, 0.0, 0, 0.0]
 
     def observe(self, timings, prompt_tokens: int) -> None:
         """One finished choice: its ``Timings`` and the prompt's token count."""
@@ -34,11 +48,19 @@ class LlamaCppCounters:
             self.predicted += timings.completion_tokens
             self.predicted_seconds += timings.generation_s
             self.n_tokens_max = max(self.n_tokens_max, prompt_tokens + timings.completion_tokens)
+            w = self._window
+            w[0] += timings.prompt_tokens
+            w[1] += timings.prompt_s
+            w[2] += timings.completion_tokens
+            w[3] += timings.generation_s
 
     def render(self, queue: QueueStats | None, decode_calls: int, busy_per_decode: float) -> str:
+        """The families as Prometheus text; the rates' window starts again."""
         with self._lock:
             c = (self.prompt_tokens, self.prompt_cached, self.prompt_seconds, self.predicted,
                  self.predicted_seconds, self.n_tokens_max)
+            (w_prompt, w_prompt_s, w_predicted, w_predicted_s), self._window = \
+                self._window, [0, 0.0, 0, 0.0]
         prompt, cached, prompt_s, predicted, predicted_s, n_max = c
         rows = [
             ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", prompt),
@@ -63,10 +85,11 @@ class LlamaCppCounters:
             ("prompt_cache_hit_ratio", "gauge",
              "Share of prompt tokens served from the KV cache.",
              round(cached / (cached + prompt), 6) if cached + prompt else 0.0),
-            ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.",
-             round(prompt / prompt_s, 3) if prompt_s else 0.0),
-            ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.",
-             round(predicted / predicted_s, 3) if predicted_s else 0.0),
+            ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s (since "
+             "the last scrape).", round(w_prompt / w_prompt_s, 3) if w_prompt_s else 0.0),
+            ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s "
+             "(since the last scrape).",
+             round(w_predicted / w_predicted_s, 3) if w_predicted_s else 0.0),
             ("requests_processing", "gauge", "Number of requests processing.",
              queue.running if queue else 0),
             ("requests_deferred", "gauge", "Number of requests deferred.",

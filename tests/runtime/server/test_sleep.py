@@ -46,9 +46,15 @@ def test_one_model_sleeps_when_idle_and_the_next_generation_wakes_it(single, tin
         assert props["model_alias"] == "tiny" and props["total_slots"] == 1
         assert http.get("/health").json() == {"status": "ok"}
         assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
-        metrics = http.get("/metrics").text
+        metrics = http.get("/metrics").text                    # the text it fell asleep with
         assert "llamacpp:tokens_predicted_total 4" in metrics
-        assert http.get("/metrics").text == metrics             # the text it fell asleep with
+        again = http.get("/metrics").text.splitlines()
+        rates = ("llamacpp:predicted_tokens_seconds ", "llamacpp:prompt_tokens_seconds ")
+        for line in metrics.splitlines():     # the same, but for the rates: a new window
+            if line.startswith(rates):       # (since the last scrape: nothing ran)
+                assert float(line.split()[1]) > 0 and line.split()[0] + " 0.0" in again
+            else:
+                assert line in again
         r = http.get("/v1/residency")
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_sleeping"
         assert http.get("/props").json()["is_sleeping"] is True

@@ -127,6 +127,24 @@ def test_metric_names_of_llama_server(http):
     assert 0 < values["llamacpp:prompt_cache_hit_ratio"] < 1
 
 
+def test_the_rate_gauges_cover_the_window_since_the_last_scrape(http):
+    """llama-server's prompt/predicted_tokens_seconds are averaged over the time between two
+    scrapes (its buckets): a scrape after a generation reports its rate, the next one, with
+    nothing generated between, 0; the totals stay."""
+    def scrape() -> dict[str, float]:
+        return {line.split()[0]: float(line.split()[1])
+                for line in http.get("/metrics").text.splitlines()
+                if line.startswith("llamacpp:")}
+    http.post("/completion", json={"prompt": "a window of time", "n_predict": 6,
+                                   "cache_prompt": False})
+    first, second = scrape(), scrape()
+    assert first["llamacpp:predicted_tokens_seconds"] > 0
+    assert first["llamacpp:prompt_tokens_seconds"] > 0
+    assert second["llamacpp:predicted_tokens_seconds"] == 0
+    assert second["llamacpp:prompt_tokens_seconds"] == 0
+    assert second["llamacpp:tokens_predicted_total"] == first["llamacpp:tokens_predicted_total"]
+
+
 @pytest.mark.parametrize("origin", ["web.mydomain.fr", "localhost", "http://localhost:5173"])
 def test_cors_preflight_echoes_the_origin_with_credentials(server, origin):
     r = httpx.options(f"{server.base_url}/completions", headers={
