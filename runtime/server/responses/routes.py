@@ -218,9 +218,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
-def to_chat_request(body: ResponsesRequest, settings: Any) -> ChatCompletionRequest:
+def to_chat_request(body: ResponsesRequest, has_projector: bool) -> ChatCompletionRequest:
     """The chat-completion request that generates this Responses request's answer (a 400 for
-    images when the server (its ``settings``) has no projector)."""
+    images to a server without a projector)."""
     for name, value in (("previous_response_id", body.previous_response_id),
                         ("conversation", body.conversation),
                         ("background", body.background or None)):
@@ -234,7 +234,7 @@ def to_chat_request(body: ResponsesRequest, settings: Any) -> ChatCompletionRequ
                             "tool_choice": _tool_choice(body.tool_choice),
                             "parallel_tool_calls": body.parallel_tool_calls,
                             "response_format": _response_format(body.text)}
-    if images and not settings.mmproj:
+    if images and not has_projector:
         raise APIError(400, f"{images[0]}: image input {NO_PROJECTOR}", code="invalid_value",
                        param=images[0])
     effort = (body.reasoning or {}).get("effort")
@@ -277,7 +277,7 @@ def output_of(answer: dict) -> list[dict]:
 @router.post("/responses", include_in_schema=False)
 async def responses(body: ResponsesRequest, request: Request):
     """A Responses answer, streamed (Responses events) or not."""
-    chat = to_chat_request(body, request.app.state.settings)
+    chat = to_chat_request(body, bool(request.app.state.settings.mmproj))
     prep, job = await submit_chat(request, chat)
     base = chat_base(request)
     echo = _echo(body, request.app.state.host.model_id)
@@ -305,4 +305,4 @@ async def input_tokens(body: ResponsesRequest, request: Request) -> dict:
     accepted: its other fields do not change the count)."""
     return {"object": "response.input_tokens",
             "input_tokens": await count_chat_tokens(
-                request, to_chat_request(body, request.app.state.settings))}
+                request, to_chat_request(body, bool(request.app.state.settings.mmproj)))}

@@ -172,7 +172,8 @@ def test_a_ctrl_c_inside_a_callback_python_ignores_is_raised_after_it(where):
     def run(mode: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", _LOST, mode, where], cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=60,
-                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+                              env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     bare = run("bare")                 # Python's own behaviour: printed, ignored, lost
     assert bare.stdout == "lost\n" and "KeyboardInterrupt" in bare.stderr, bare
     kept = run("cli")

@@ -3,6 +3,8 @@ thinking (which the synthetic model's ChatML template has not) becomes a thinkin
 reasoning item first, then the text, then the tool calls, in each API's order and shape."""
 from __future__ import annotations
 
+import pytest
+
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.types import GenerationChunk
 from runtime.server.anthropic.routes import message_of
@@ -175,7 +177,7 @@ def test_responses_input_items_as_chat_messages():
         {"role": "user", "content": "Thanks"}], "max_output_tokens": 5,
         "tools": [{"type": "function", "name": "ls", "parameters": {"type": "object"}}],
         "tool_choice": {"type": "function", "name": "ls"}})
-    chat = to_chat_request(body)
+    chat = to_chat_request(body, has_projector=False)
     assert chat.message_dicts() == [
         {"role": "system", "content": "Be terse."},
         {"role": "user", "content": "Fix it"},
@@ -186,6 +188,29 @@ def test_responses_input_items_as_chat_messages():
         {"role": "user", "content": "Thanks"}]
     assert chat.tool_choice_value() == {"type": "function", "function": {"name": "ls"}}
     assert chat.max_tokens == 5
+
+
+def test_responses_images_as_chat_image_parts_in_order():
+    from runtime.server.errors import APIError
+    from runtime.server.responses.routes import ResponsesRequest, to_chat_request
+    from runtime.server.schemas import MEDIA_MARKER
+
+    url = "data:image/png;base64,iVBORw0KGgo="
+    body = ResponsesRequest.model_validate({"instructions": "Look.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Compare"},
+                                     {"type": "input_image", "image_url": url},
+                                     {"type": "input_text", "text": "with"}]},
+        {"type": "function_call", "call_id": "c", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_image", "image_url": url, "detail": "low"}]}]})
+    chat = to_chat_request(body, has_projector=True)
+    assert [m["content"] for m in chat.message_dicts()] == [
+        "Look.", f"Compare\n{MEDIA_MARKER}\nwith", "", MEDIA_MARKER]
+    assert chat.messages[3].content[0].url == url and chat.messages[3].content[0].detail == \
+        "low"
+    with pytest.raises(APIError) as err:
+        to_chat_request(body, has_projector=False)
+    assert err.value.param == "input.0.content.1" and "--mmproj" in err.value.message
 
 
 def test_an_error_after_the_headers_ends_the_stream_with_the_apis_error_event():
