@@ -88,6 +88,17 @@ def _cache_dir() -> Path:
     return cache / "moe-offload" / "llama-server-compat"
 
 
+def _written_once(path: Path, write) -> Path:
+    """``path``, written by ``write(tmp)`` when it is not there yet (to a temporary file then
+    renamed: two servers starting at once find one whole file)."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        write(tmp)
+        os.replace(tmp, path)
+    return path
+
+
 def synthetic_model(name: str, seed: int = 0, *, reranker: bool = False) -> Path:
     """A small synthetic MoE model standing in for ``name`` (written once; ``seed`` > 0:
     a file of its own, for a router's several models; ``reranker``: with pooling rank and a
@@ -96,28 +107,18 @@ def synthetic_model(name: str, seed: int = 0, *, reranker: bool = False) -> Path
     from gguf_tools.synth_adapters import write_synthetic_reranker
 
     stem = "stand-in" + ("-reranker" if reranker else "") + (f"-{seed}" if seed else "")
-    path = _cache_dir() / f"{stem}.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        spec = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
-                         dtype="f32", seed=seed, skew=1.0, context_length=8192)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        (write_synthetic_reranker if reranker else write_synthetic_model)(tmp, spec)
-        os.replace(tmp, path)             # two servers starting at once: one file, whole
-    return path
+    spec = SynthSpec(arch="qwen3moe", layers=4, experts=8, top_k=2, embd=64, ff=32,
+                     dtype="f32", seed=seed, skew=1.0, context_length=8192)
+    write = write_synthetic_reranker if reranker else write_synthetic_model
+    return _written_once(_cache_dir() / f"{stem}.gguf", lambda tmp: write(tmp, spec))
 
 
 def synthetic_mmproj() -> Path:
     """A synthetic projector for the stand-in models (gguf_tools/synth_mmproj.py)."""
     from gguf_tools.synth_mmproj import MmprojSpec, write_synthetic_mmproj
 
-    path = _cache_dir() / "stand-in-mmproj.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        write_synthetic_mmproj(tmp, MmprojSpec(text_embd=64))
-        os.replace(tmp, path)
-    return path
+    return _written_once(_cache_dir() / "stand-in-mmproj.gguf",
+                         lambda tmp: write_synthetic_mmproj(tmp, MmprojSpec(text_embd=64)))
 
 
 def router_preset(given: str | None) -> Path:
@@ -161,13 +162,8 @@ def router_preset(given: str | None) -> Path:
     text = io.StringIO()
     out.write(text)
     digest = hashlib.sha256(text.getvalue().encode()).hexdigest()[:16]
-    path = _cache_dir() / f"router-{digest}.ini"        # one file per distinct preset
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text.getvalue())
-        os.replace(tmp, path)
-    return path
+    return _written_once(_cache_dir() / f"router-{digest}.ini",   # one per distinct preset
+                         lambda tmp: tmp.write_text(text.getvalue()))
 
 
 def translate(argv: list[str]) -> list[str]:

@@ -7,7 +7,8 @@ of chunks, stream.py) is written back in Anthropic's shape.
 Errors leave as ``{"type": "error", "error": {"type", "message"}}`` (errors.py).
 
 Image blocks (base64 sources) in user messages and in tool results become the chat's
-``image_url`` parts (served with ``--mmproj``; without it a 400 naming the flag: runtime/server/images.py).
+``image_url`` parts (served with ``--mmproj``; without it a 400 naming the flag:
+runtime/server/images.py).
 What Anthropic's API has and this server does not: documents and image URLs (a 400),
 server tools (``web_search_...``, ``bash_...``: a 400 naming them), a
 thinking budget or effort (``thinking.budget_tokens`` and ``output_config.effort`` are
@@ -162,8 +163,9 @@ def _tool_result(content: str | list[dict[str, Any]], where: str, is_error: bool
 
 def _media(param: str, kind: str) -> APIError:
     return APIError(400, f"{param}: {kind} input is not supported here (images are: image "
-                         "blocks in user messages and tool results, with a multimodal projector: llama-server's "
-                         "--mmproj)", code="invalid_value", param=param)
+                         "blocks in user messages and tool results, with a multimodal "
+                         "projector: llama-server's --mmproj)", code="invalid_value",
+                    param=param)
 
 
 def _turns(i: int, message: AnthropicMessage) -> list[dict[str, Any]]:

@@ -34,8 +34,8 @@ class LlamaCppCounters:
         self.predicted = 0
         self.predicted_seconds = 0.0
         self.n_tokens_max = 0           # longest sequence seen (prompt + generated), tokens
-        # since the last scrape: (prompt tokens, their s, predicted tokens, their s)
-        self._window = [0, 0.0, 0, 0.0]
+        # the rate totals at the last scrape: (prompt tokens, their s, predicted, their s)
+        self._scraped = (0, 0.0, 0, 0.0)
 
     def observe(self, timings, prompt_tokens: int) -> None:
         """One finished choice: its ``Timings`` and the prompt's token count."""
@@ -48,19 +48,17 @@ class LlamaCppCounters:
             self.predicted += timings.completion_tokens
             self.predicted_seconds += timings.generation_s
             self.n_tokens_max = max(self.n_tokens_max, prompt_tokens + timings.completion_tokens)
-            w = self._window
-            w[0] += timings.prompt_tokens
-            w[1] += timings.prompt_s
-            w[2] += timings.completion_tokens
-            w[3] += timings.generation_s
 
     def render(self, queue: QueueStats | None, decode_calls: int, busy_per_decode: float) -> str:
         """The families as Prometheus text; the rates' window starts again."""
         with self._lock:
             c = (self.prompt_tokens, self.prompt_cached, self.prompt_seconds, self.predicted,
                  self.predicted_seconds, self.n_tokens_max)
-            (w_prompt, w_prompt_s, w_predicted, w_predicted_s), self._window = \
-                self._window, [0, 0.0, 0, 0.0]
+            now = (self.prompt_tokens, self.prompt_seconds, self.predicted,
+                   self.predicted_seconds)
+            w_prompt, w_prompt_s, w_predicted, w_predicted_s = (
+                a - b for a, b in zip(now, self._scraped))
+            self._scraped = now
         prompt, cached, prompt_s, predicted, predicted_s, n_max = c
         rows = [
             ("prompt_tokens_total", "counter", "Number of prompt tokens processed.", prompt),

@@ -2,8 +2,8 @@
 translation over the chat-completion path, as llama-server serves it: ``instructions`` and the
 ``input`` (a string, or items: messages, ``function_call`` and ``function_call_output``;
 ``input_image`` parts, data: URLs, in a message or a function's output are images as on the
-chat route, served with ``--mmproj``) become a ``ChatCompletionRequest``, generated like any chat request; the answer comes back as
-a ``response`` with output items (reasoning, message, function calls), or as Responses events
+chat route, served with ``--mmproj``) become a ``ChatCompletionRequest``, generated like any
+chat request; the answer comes back as a ``response`` with output items (reasoning, message, function calls), or as Responses events
 (stream.py).
 
 Nothing is stored: ``previous_response_id``, ``conversation``, ``item_reference`` items and
@@ -156,11 +156,9 @@ def _messages(body: ResponsesRequest, images: list[str]) -> list[dict[str, Any]]
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output needs its call_id",
                                code="invalid_value", param=where)
-            output = _parts(item.get("output", ""), f"{where}.output", images)
-            if not isinstance(output, str) and all(p["type"] == "text" for p in output):
-                output = "\n".join(p["text"] for p in output)
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output})
+                             "content": _parts(item.get("output", ""), f"{where}.output",
+                                               images)})
         elif kind == "reasoning":       # an earlier answer's thinking: its reasoning_content
             parts = item.get("content") or item.get("summary") or []
             thought = "\n\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
